@@ -1,0 +1,134 @@
+//! JSON types of the coordinator's HTTP API, defined once and shared by the
+//! coordinator service, its client in this library, the page-server and the
+//! bench. `docs/coordinator-openapi.yaml` describes the same shapes.
+
+use serde::{Deserialize, Serialize};
+
+/// Identifier of a node: 1 to 64 characters of `[A-Za-z0-9_.-]`.
+pub type NodeId = String;
+
+/// Returns true when `id` is an acceptable [`NodeId`].
+pub fn is_valid_node_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
+/// How to reach a node's RDMA device. Filled in by the RDMA data path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaEndpoint {
+    /// Device name, e.g. `mlx5_0` or `rxe0`.
+    pub device: String,
+    /// Port number on the device (1-based, as in verbs).
+    pub port: u8,
+    /// GID in its textual IPv6 form (the IPv4-mapped RoCE v2 GID on RoCE).
+    pub gid: String,
+    /// Index of `gid` in the port's GID table.
+    pub gid_index: u8,
+    /// Local identifier (InfiniBand); 0 on RoCE.
+    pub lid: u16,
+}
+
+/// Body of `PUT /v1/nodes/{id}`: register or update a node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRegistration {
+    /// `host:port` of the node's page-server TCP listener.
+    pub tcp_addr: String,
+    /// RDMA endpoint, when the node has a usable device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdma: Option<RdmaEndpoint>,
+}
+
+/// A node as the coordinator reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    /// Node identifier.
+    pub id: NodeId,
+    /// `host:port` of the node's page-server TCP listener.
+    pub tcp_addr: String,
+    /// RDMA endpoint, when published.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdma: Option<RdmaEndpoint>,
+    /// True while the node's lease (last heartbeat + lease time) has not run out.
+    pub alive: bool,
+    /// Milliseconds since the last heartbeat or registration.
+    pub last_seen_ms_ago: u64,
+}
+
+/// RDMA access to a mapped range: remote virtual address and rkey of the
+/// memory region that backs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaRegion {
+    /// Remote virtual address of byte 0 of the exported region.
+    pub addr: u64,
+    /// Remote key of the exported memory region.
+    pub rkey: u32,
+}
+
+/// Body of `POST /v1/map`: claim a GPA range for a node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RangeRequest {
+    /// First guest-physical address of the range (4 KiB aligned).
+    pub gpa_start: u64,
+    /// Length of the range in bytes (a non-zero multiple of 4 KiB).
+    pub length_bytes: u64,
+    /// Owner node (must be registered).
+    pub node_id: NodeId,
+    /// Offset inside the owner's exported region that backs `gpa_start`
+    /// (4 KiB aligned).
+    pub remote_offset: u64,
+    /// RDMA access to the owner's region, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdma: Option<RdmaRegion>,
+}
+
+/// One entry of the GPA map.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MapEntry {
+    /// First guest-physical address of the range.
+    pub gpa_start: u64,
+    /// Length of the range in bytes.
+    pub length_bytes: u64,
+    /// Owner node.
+    pub node_id: NodeId,
+    /// Offset inside the owner's exported region that backs `gpa_start`.
+    pub remote_offset: u64,
+    /// RDMA access to the owner's region, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdma: Option<RdmaRegion>,
+}
+
+/// Body of `GET /v1/map`: the whole map, its version, and every node it names.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MapResponse {
+    /// Increases whenever a node endpoint or a map entry changes.
+    pub version: u64,
+    /// Entries sorted by `gpa_start`, never overlapping.
+    pub entries: Vec<MapEntry>,
+    /// Every registered node.
+    pub nodes: Vec<NodeInfo>,
+}
+
+/// Body of `GET /v1/resolve?gpa=...`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResolveResponse {
+    /// The address asked about.
+    pub gpa: u64,
+    /// Map version the answer was read from.
+    pub version: u64,
+    /// The entry that contains `gpa`.
+    pub entry: MapEntry,
+    /// Its owner node.
+    pub node: NodeInfo,
+}
+
+/// Body of every 4xx/5xx answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// Machine-readable code, e.g. `not_found`, `conflict`, `bad_request`, `unauthorized`.
+    pub error: String,
+    /// Human-readable explanation.
+    pub message: String,
+}
