@@ -1,0 +1,110 @@
+#!/bin/sh
+# Run perftest latency tests over rxe0 INSIDE the SoftRoCE VM and print one
+# machine-readable line per test:
+#
+#   PERFTEST ib_read_lat size_bytes=4096 iters=5000 t_min_us=.. t_max_us=..
+#       t_typical_us=.. t_avg_us=.. t_stdev_us=.. t99_us=.. t999_us=..
+#
+# (on one line). On failure: "PERFTEST <test> error=<why>" and exit 1.
+#
+#   vm-perftest.sh [TEST...]      default: ib_read_lat ib_write_lat
+#
+# Environment: PERFTEST_SIZE (bytes, default 4096), PERFTEST_ITERS (default
+# 5000), PERFTEST_VERBOSE=1 (also print perftest's own output), plus the
+# harness's RDMA_DEVICE and RXE_GID_INDEX. Each test runs its server in the
+# background and its client against 127.0.0.1, on the same rxe device.
+#
+# Runs under busybox sh; call it from a script given to run-in-vm.sh (with
+# --copy) to compare perftest with another benchmark in the same VM boot.
+# Absolute latencies under TCG move up to 2x between boots: compare ratios
+# taken in one boot, never absolute times across boots.
+set -eu
+
+size_bytes="${PERFTEST_SIZE:-4096}"
+iters="${PERFTEST_ITERS:-5000}"
+device="${RDMA_DEVICE:?not in the SoftRoCE VM: RDMA_DEVICE unset}"
+gid_index="${RXE_GID_INDEX:?not in the SoftRoCE VM: RXE_GID_INDEX unset}"
+verbose="${PERFTEST_VERBOSE:-0}"
+[ "$#" -gt 0 ] || set -- ib_read_lat ib_write_lat
+
+logdir="$(mktemp -d /tmp/vm-perftest.XXXXXX)"
+port=18515
+status=0
+
+# True once something listens on TCP port $1 (perftest's exchange socket).
+listening() {
+    netstat -ltn 2>/dev/null | grep -q ":$1 "
+}
+
+# Print the summary line from a perftest client log: the columns are found
+# by their header names ("99% percentile[usec]" is two words).
+summarise() {
+    awk -v test="$1" -v size="$size_bytes" '
+        /t_typical\[usec\]/ {
+            n = 0
+            for (i = 1; i <= NF; i++) {
+                if ($i ~ /^percentile/ && n > 0) { name[n] = name[n] $i; continue }
+                name[++n] = $i
+            }
+            ncols = n
+            next
+        }
+        ncols && $1 == size && NF == ncols {
+            key["#bytes"] = "size_bytes"; key["#iterations"] = "iters"
+            key["t_min[usec]"] = "t_min_us"; key["t_max[usec]"] = "t_max_us"
+            key["t_typical[usec]"] = "t_typical_us"; key["t_avg[usec]"] = "t_avg_us"
+            key["t_stdev[usec]"] = "t_stdev_us"
+            key["99%percentile[usec]"] = "t99_us"; key["99.9%percentile[usec]"] = "t999_us"
+            line = "PERFTEST " test
+            for (i = 1; i <= NF; i++) {
+                k = (name[i] in key) ? key[name[i]] : name[i]
+                line = line " " k "=" $i
+            }
+            print line
+            found = 1
+            exit
+        }
+        END { if (!found) exit 1 }
+    ' "$2"
+}
+
+for test in "$@"; do
+    server_log="$logdir/$test.server.log"
+    client_log="$logdir/$test.client.log"
+    args="-d $device -x $gid_index -s $size_bytes -n $iters -p $port -F"
+    # shellcheck disable=SC2086 # args is a list of words
+    timeout 120 "$test" $args >"$server_log" 2>&1 &
+    server_pid=$!
+    tries=0
+    until listening "$port"; do
+        tries=$((tries + 1))
+        if [ "$tries" -gt 200 ] || ! kill -0 "$server_pid" 2>/dev/null; then
+            break
+        fi
+        usleep 50000
+    done
+    # shellcheck disable=SC2086 # args is a list of words
+    if timeout 120 "$test" $args 127.0.0.1 >"$client_log" 2>&1 &&
+        summarise "$test" "$client_log"; then
+        :
+    else
+        echo "PERFTEST $test error=client_failed"
+        status=1
+    fi
+    # The server ends by itself after the run; a failed client can leave
+    # it waiting: give it 5 s, then stop it.
+    tries=0
+    while kill -0 "$server_pid" 2>/dev/null && [ "$tries" -lt 100 ]; do
+        tries=$((tries + 1))
+        usleep 50000
+    done
+    kill "$server_pid" 2>/dev/null || true
+    wait "$server_pid" 2>/dev/null || true
+    if [ "$verbose" = 1 ] || [ "$status" != 0 ]; then
+        sed "s/^/  | $test client: /" "$client_log"
+        sed "s/^/  | $test server: /" "$server_log"
+    fi
+    port=$((port + 1))
+done
+rm -rf "$logdir"
+exit "$status"
