@@ -1,1 +1,14 @@
-//! placeholder
+//! The page-server: exports a region of this node's memory to the other
+//! nodes over the page wire protocol (`rdma_transport::wire`), registers the
+//! node and its GPA range with the coordinator and keeps its lease alive.
+//!
+//! [`spawn`] runs one in-process (the bench and tests do); `main.rs` is the
+//! daemon.
+
+mod config;
+mod connection;
+mod registration;
+mod server;
+
+pub use config::ServerConfig;
+pub use server::{spawn, RunningServer, ServerError};

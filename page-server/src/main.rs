@@ -1,1 +1,100 @@
-fn main() {}
+//! `page-server`: exports this node's memory to the other nodes.
+#![allow(clippy::print_stderr)]
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use page_server::ServerConfig;
+
+/// Exports a region of this node's memory over the page wire protocol and
+/// registers it with the coordinator.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// This node's id (letters, digits, `_`, `-`, `.`).
+    #[arg(long)]
+    node_id: String,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7100")]
+    listen: SocketAddr,
+    /// Address other nodes reach this one at (default: the bound address).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Memory to export, e.g. 1GiB, 512MiB, 4096.
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    memory: usize,
+    /// First guest-physical address of the exported range (decimal or 0x hex).
+    #[arg(long, default_value = "0", value_parser = parse_u64)]
+    gpa_base: u64,
+    /// Coordinator base URL.
+    #[arg(long, default_value = "http://127.0.0.1:7070")]
+    coordinator: String,
+    /// Bearer token for the coordinator (or env COORDINATOR_TOKEN).
+    #[arg(long, env = "COORDINATOR_TOKEN")]
+    token: Option<String>,
+    /// Heartbeat period in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    heartbeat_ms: u64,
+    /// Write the bound address to this file once listening (for scripts).
+    #[arg(long)]
+    ready_file: Option<std::path::PathBuf>,
+}
+
+fn parse_u64(s: &str) -> Result<u64, String> {
+    let r = match s.strip_prefix("0x") {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => s.parse(),
+    };
+    r.map_err(|e| format!("{s:?}: {e}"))
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: usize = num.parse().map_err(|_| format!("bad size {s:?}"))?;
+    let mult: usize = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" | "K" | "k" => 1 << 10,
+        "MiB" | "M" => 1 << 20,
+        "GiB" | "G" => 1 << 30,
+        other => return Err(format!("unknown size unit {other:?} (use KiB, MiB or GiB)")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} overflows"))
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let mut config = ServerConfig::new(args.node_id, args.memory);
+    config.listen = args.listen;
+    config.advertise = args.advertise;
+    config.gpa_base = args.gpa_base;
+    config.coordinator_url = Some(args.coordinator);
+    config.coordinator_token = args.token;
+    config.heartbeat_interval = Duration::from_millis(args.heartbeat_ms.max(1));
+    let term = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, Arc::clone(&term)).context("installing signal handler")?;
+    }
+    let server = page_server::spawn(config).context("starting page-server")?;
+    if let Some(path) = &args.ready_file {
+        std::fs::write(path, server.addr().to_string()).context("writing ready file")?;
+    }
+    while !term.load(Ordering::Relaxed) {
+        std::thread::park_timeout(Duration::from_millis(100));
+    }
+    tracing::info!("signal received; shutting down");
+    server.shutdown();
+    Ok(())
+}

@@ -9,5 +9,23 @@
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
+mod config;
 pub mod coordinator;
+mod error;
+pub mod gpa_map;
+mod manager;
+
+pub mod page;
+pub mod pool;
+pub mod region;
+mod sys;
+mod tcp;
 pub mod verbs;
+pub mod wire;
+
+pub use config::{ManagerConfig, PollMode, TransportKind};
+pub use error::TransportError;
+pub use gpa_map::GpaMap;
+pub use manager::TransportManager;
+pub use page::{Page, PAGE_SIZE};
+pub use pool::{PageFrame, PagePool};

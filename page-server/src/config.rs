@@ -1,0 +1,47 @@
+//! Settings of a page-server.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// What to export and where to announce it.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// This node's id in the coordinator.
+    pub node_id: String,
+    /// TCP address to listen on (port 0: an ephemeral port).
+    pub listen: SocketAddr,
+    /// Address other nodes use to reach this one; the bound address when `None`.
+    pub advertise: Option<String>,
+    /// Bytes of memory to export (a multiple of 4096).
+    pub memory_bytes: usize,
+    /// First GPA of the range this node owns.
+    pub gpa_base: u64,
+    /// Coordinator base URL; `None` runs without registering.
+    pub coordinator_url: Option<String>,
+    /// Bearer token for the coordinator's write routes.
+    pub coordinator_token: Option<String>,
+    /// Period of the heartbeat that keeps this node's lease alive.
+    pub heartbeat_interval: Duration,
+    /// Wait between registration attempts while the coordinator is not up.
+    pub register_retry: Duration,
+    /// Connections served at once; more are refused.
+    pub max_connections: usize,
+}
+
+impl ServerConfig {
+    /// A config with sensible defaults for `node_id` exporting `memory_bytes`.
+    pub fn new(node_id: impl Into<String>, memory_bytes: usize) -> Self {
+        Self {
+            node_id: node_id.into(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            memory_bytes,
+            gpa_base: 0,
+            coordinator_url: None,
+            coordinator_token: None,
+            heartbeat_interval: Duration::from_millis(1000),
+            register_retry: Duration::from_millis(200),
+            max_connections: 256,
+        }
+    }
+}

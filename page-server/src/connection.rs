@@ -1,0 +1,293 @@
+//! Serving one client connection: parse pipelined requests, answer each, and
+//! send all answers of one read with one `writev`. READ answers point
+//! straight into the exported region (no copy in user space).
+
+use std::io::{self, Read};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+
+use rdma_transport::region::MappedRegion;
+use rdma_transport::wire::{
+    DecodeError, Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN,
+};
+use rdma_transport::PAGE_SIZE;
+
+const RECV_BUF_BYTES: usize = 256 * 1024;
+/// Answers gathered before they are flushed (each takes two iovecs at most).
+const MAX_PENDING_ANSWERS: usize = 256;
+
+/// The memory a page-server exports, and the epoch it announces.
+#[derive(Debug)]
+pub(crate) struct Exported {
+    pub(crate) region: MappedRegion,
+    pub(crate) epoch: u64,
+}
+
+impl Exported {
+    /// Checks a page request against the region; the region offset on success.
+    fn check(&self, header: &Header) -> Result<usize, Status> {
+        if header.length as usize != PAGE_SIZE {
+            return Err(Status::BadLength);
+        }
+        if header.offset % PAGE_SIZE as u64 != 0 {
+            return Err(Status::Unaligned);
+        }
+        match usize::try_from(header.offset) {
+            Ok(off)
+                if off
+                    .checked_add(PAGE_SIZE)
+                    .is_some_and(|end| end <= self.region.len_bytes()) =>
+            {
+                Ok(off)
+            }
+            _ => Err(Status::OutOfRange),
+        }
+    }
+}
+
+/// One answer waiting to be sent.
+enum Payload {
+    None,
+    /// A page of the exported region, at this offset.
+    Region(usize),
+    /// An encoded HELLO_ACK.
+    Hello(Vec<u8>),
+}
+
+/// Answers gathered from one read, sent with `writev`.
+struct Outbox {
+    headers: Vec<[u8; HEADER_LEN]>,
+    payloads: Vec<Payload>,
+    iovecs: Vec<libc::iovec>,
+}
+
+impl Outbox {
+    fn new() -> Self {
+        Self {
+            headers: Vec::with_capacity(MAX_PENDING_ANSWERS),
+            payloads: Vec::with_capacity(MAX_PENDING_ANSWERS),
+            iovecs: Vec::with_capacity(2 * MAX_PENDING_ANSWERS),
+        }
+    }
+
+    fn push(&mut self, header: Header, payload: Payload) {
+        self.headers.push(header.encode());
+        self.payloads.push(payload);
+    }
+
+    fn has_region_reads(&self) -> bool {
+        self.payloads
+            .iter()
+            .any(|p| matches!(p, Payload::Region(_)))
+    }
+
+    fn is_full(&self) -> bool {
+        self.headers.len() >= MAX_PENDING_ANSWERS
+    }
+
+    /// Sends everything gathered, then empties the outbox.
+    fn flush(&mut self, stream: &TcpStream, exported: &Exported) -> io::Result<()> {
+        self.iovecs.clear();
+        for (header, payload) in self.headers.iter().zip(&self.payloads) {
+            self.iovecs.push(libc::iovec {
+                iov_base: header.as_ptr().cast_mut().cast(),
+                iov_len: HEADER_LEN,
+            });
+            match payload {
+                Payload::None => {}
+                Payload::Region(off) => self.iovecs.push(libc::iovec {
+                    // SAFETY: `off + PAGE_SIZE <= len` was checked by `Exported::check`.
+                    iov_base: unsafe { exported.region.as_ptr().add(*off) }.cast(),
+                    iov_len: PAGE_SIZE,
+                }),
+                Payload::Hello(bytes) => {
+                    self.iovecs.push(libc::iovec {
+                        iov_base: bytes.as_ptr().cast_mut().cast(),
+                        iov_len: bytes.len(),
+                    });
+                }
+            }
+        }
+        let result = writev_all(stream, &mut self.iovecs);
+        self.headers.clear();
+        self.payloads.clear();
+        result
+    }
+}
+
+/// Writes every iovec fully, in as few `writev` calls as the kernel allows.
+/// Raw iovecs keep Rust references off the exported region, which other
+/// connections may be writing at the same time.
+fn writev_all(stream: &TcpStream, iovecs: &mut [libc::iovec]) -> io::Result<()> {
+    let mut start = 0;
+    while start < iovecs.len() {
+        let count = (iovecs.len() - start).min(1024) as libc::c_int;
+        // SAFETY: every iovec points at live memory: headers and HELLO
+        // payloads owned by the outbox, or pages inside the exported region.
+        let ret = unsafe { libc::writev(stream.as_raw_fd(), iovecs[start..].as_ptr(), count) };
+        if ret < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        let mut written = ret as usize;
+        while written > 0 && start < iovecs.len() {
+            let iov = &mut iovecs[start];
+            if written >= iov.iov_len {
+                written -= iov.iov_len;
+                start += 1;
+            } else {
+                // SAFETY: advancing inside the same buffer by less than its length.
+                iov.iov_base = unsafe { iov.iov_base.cast::<u8>().add(written) }.cast();
+                iov.iov_len -= written;
+                written = 0;
+            }
+        }
+        while start < iovecs.len() && iovecs[start].iov_len == 0 {
+            start += 1;
+        }
+    }
+    Ok(())
+}
+
+/// Serves one connection until the client leaves, breaks the protocol, or
+/// the socket is shut down. Returns why it ended.
+pub(crate) fn serve(mut stream: &TcpStream, exported: &Exported) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    let mut buf = vec![0u8; RECV_BUF_BYTES];
+    let (mut start, mut end) = (0usize, 0usize);
+    let mut greeted = false;
+    let mut outbox = Outbox::new();
+    loop {
+        let n = match stream.read(&mut buf[end..]) {
+            Ok(0) => return Ok(()),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        end += n;
+        let mut close = None;
+        while close.is_none() {
+            let header = match Header::decode_prefix(&buf[start..end]) {
+                Ok(Some(h)) => h,
+                Ok(None) => break,
+                Err(err) => {
+                    let request_id = u64::from_le_bytes(
+                        buf[start + 8..start + 16].try_into().unwrap_or_default(),
+                    );
+                    let answer = Header {
+                        opcode: Opcode::Error,
+                        status: err.status(),
+                        request_id,
+                        offset: 0,
+                        length: 0,
+                    };
+                    outbox.push(answer, Payload::None);
+                    close = Some(err);
+                    break;
+                }
+            };
+            let total = HEADER_LEN + header.payload_len();
+            if end - start < total {
+                break;
+            }
+            let payload = &buf[start + HEADER_LEN..start + total];
+            if header.opcode == Opcode::Write && outbox.has_region_reads() {
+                // READ answers are copied out of the region when sent: send
+                // them before a later WRITE changes what they must show.
+                outbox.flush(stream, exported)?;
+            }
+            handle(&header, payload, exported, &mut greeted, &mut outbox);
+            start += total;
+            if outbox.is_full() {
+                outbox.flush(stream, exported)?;
+            }
+        }
+        outbox.flush(stream, exported)?;
+        if let Some(err) = close {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                protocol_error(err),
+            ));
+        }
+        if start == end {
+            (start, end) = (0, 0);
+        } else if buf.len() - end < HEADER_LEN + PAGE_SIZE {
+            buf.copy_within(start..end, 0);
+            end -= start;
+            start = 0;
+        }
+    }
+}
+
+fn protocol_error(err: DecodeError) -> String {
+    format!("closing connection after a malformed header: {err}")
+}
+
+fn handle(
+    header: &Header,
+    payload: &[u8],
+    exported: &Exported,
+    greeted: &mut bool,
+    outbox: &mut Outbox,
+) {
+    let answer = |status: Status| Header {
+        opcode: header.opcode.response(),
+        status,
+        request_id: header.request_id,
+        offset: header.offset,
+        length: header.length,
+    };
+    match header.opcode {
+        Opcode::Hello => match HelloRequest::decode(payload) {
+            Some(hello) => {
+                tracing::debug!(
+                    client_id = hello.client_id,
+                    rdma = hello.rdma.is_some(),
+                    "client said HELLO"
+                );
+                *greeted = true;
+                let ack = HelloAck {
+                    region_size_bytes: exported.region.len_bytes() as u64,
+                    epoch: exported.epoch,
+                    page_size: PAGE_SIZE as u32,
+                    rdma: None,
+                }
+                .encode();
+                let mut h = answer(Status::Ok);
+                h.length = ack.len() as u32;
+                outbox.push(h, Payload::Hello(ack));
+            }
+            None => outbox.push(answer(Status::BadLength), Payload::None),
+        },
+        Opcode::Read | Opcode::Write if !*greeted => {
+            outbox.push(answer(Status::NoHello), Payload::None)
+        }
+        Opcode::Read => match exported.check(header) {
+            Ok(off) => outbox.push(answer(Status::Ok), Payload::Region(off)),
+            Err(status) => outbox.push(answer(status), Payload::None),
+        },
+        Opcode::Write => match exported.check(header) {
+            Ok(off) => {
+                // SAFETY: `off + PAGE_SIZE <= len` was checked, `payload` is
+                // exactly one page (check() requires length == PAGE_SIZE and
+                // the header's payload length is that length), and the source
+                // is our receive buffer, which cannot overlap the region.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        payload.as_ptr(),
+                        exported.region.as_ptr().add(off),
+                        PAGE_SIZE,
+                    )
+                };
+                outbox.push(answer(Status::Ok), Payload::None);
+            }
+            Err(status) => outbox.push(answer(status), Payload::None),
+        },
+        Opcode::HelloAck | Opcode::ReadResp | Opcode::WriteResp | Opcode::Error => {
+            outbox.push(answer(Status::BadOpcode), Payload::None);
+        }
+    }
+}

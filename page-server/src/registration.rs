@@ -1,0 +1,185 @@
+//! Registering this node and its GPA range with the coordinator, retrying
+//! while the coordinator is not up, then heartbeating to keep the lease.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+use rdma_transport::coordinator::api::{NodeRegistration, RangeRequest};
+use rdma_transport::coordinator::{CoordinatorClient, CoordinatorError};
+
+use crate::config::ServerConfig;
+use crate::server::ServerError;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum State {
+    Pending,
+    Registered,
+    Refused(String),
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    state: Mutex<Option<State>>,
+    changed: Condvar,
+    stop: Mutex<bool>,
+    stop_cv: Condvar,
+}
+
+/// The background registration and heartbeat thread.
+#[derive(Debug)]
+pub(crate) struct Registration {
+    shared: Arc<Shared>,
+    handle: Option<JoinHandle<()>>,
+}
+
+struct Plan {
+    node_id: String,
+    registration: NodeRegistration,
+    range: RangeRequest,
+    heartbeat: Duration,
+    retry: Duration,
+}
+
+impl Registration {
+    pub(crate) fn start(config: &ServerConfig, bound: SocketAddr) -> Self {
+        let shared = Arc::new(Shared::default());
+        *shared.state.lock() = Some(State::Pending);
+        let plan = Plan {
+            node_id: config.node_id.clone(),
+            registration: NodeRegistration {
+                tcp_addr: config
+                    .advertise
+                    .clone()
+                    .unwrap_or_else(|| bound.to_string()),
+                rdma: None,
+            },
+            range: RangeRequest {
+                gpa_start: config.gpa_base,
+                length_bytes: config.memory_bytes as u64,
+                node_id: config.node_id.clone(),
+                remote_offset: 0,
+                rdma: None,
+            },
+            heartbeat: config.heartbeat_interval,
+            retry: config.register_retry,
+        };
+        let url = config.coordinator_url.clone().unwrap_or_default();
+        let token = config.coordinator_token.clone();
+        let thread_shared = Arc::clone(&shared);
+        let handle = std::thread::Builder::new()
+            .name("page-server-register".into())
+            .spawn(move || run(&thread_shared, &url, token, &plan))
+            .map_err(|err| tracing::error!(%err, "cannot start the registration thread"))
+            .ok();
+        Self { shared, handle }
+    }
+
+    pub(crate) fn wait(&self, timeout: Duration) -> Result<(), ServerError> {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.shared.state.lock();
+        loop {
+            match state.clone() {
+                Some(State::Registered) => return Ok(()),
+                Some(State::Refused(why)) => return Err(ServerError::Registration(why)),
+                _ => {}
+            }
+            if self
+                .shared
+                .changed
+                .wait_until(&mut state, deadline)
+                .timed_out()
+            {
+                return match state.clone() {
+                    Some(State::Registered) => Ok(()),
+                    _ => Err(ServerError::RegistrationTimeout(timeout)),
+                };
+            }
+        }
+    }
+
+    pub(crate) fn stop(mut self) {
+        *self.shared.stop.lock() = true;
+        self.shared.stop_cv.notify_all();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Shared {
+    fn set(&self, state: State) {
+        *self.state.lock() = Some(state);
+        self.changed.notify_all();
+    }
+
+    /// Sleeps for `d` unless stopped first; true when stopped.
+    fn sleep(&self, d: Duration) -> bool {
+        let mut stop = self.stop.lock();
+        if !*stop {
+            let _ = self.stop_cv.wait_for(&mut stop, d);
+        }
+        *stop
+    }
+}
+
+fn run(shared: &Shared, url: &str, token: Option<String>, plan: &Plan) {
+    let client = match CoordinatorClient::new(url, token, Duration::from_secs(2)) {
+        Ok(c) => c,
+        Err(err) => {
+            tracing::error!(%err, "bad coordinator URL");
+            shared.set(State::Refused(err.to_string()));
+            return;
+        }
+    };
+    let mut registered = false;
+    loop {
+        if !registered {
+            match register(&client, plan) {
+                Ok(()) => {
+                    tracing::info!(node = %plan.node_id, "registered with the coordinator");
+                    registered = true;
+                    shared.set(State::Registered);
+                }
+                Err(err) if err.is_unreachable() => {
+                    tracing::debug!(%err, "coordinator not reachable yet; retrying");
+                }
+                Err(err) => {
+                    tracing::error!(%err, "coordinator refused the registration");
+                    shared.set(State::Refused(err.to_string()));
+                    // Refusals (conflicting range, bad token) do not fix
+                    // themselves quickly; try again at the heartbeat pace.
+                    if shared.sleep(plan.heartbeat) {
+                        return;
+                    }
+                    continue;
+                }
+            }
+        }
+        if shared.sleep(if registered {
+            plan.heartbeat
+        } else {
+            plan.retry
+        }) {
+            return;
+        }
+        if registered {
+            match client.heartbeat(&plan.node_id) {
+                Ok(_) => {}
+                Err(err) if err.is_not_found() => {
+                    tracing::warn!("coordinator forgot this node; registering again");
+                    registered = false;
+                }
+                Err(err) => tracing::debug!(%err, "heartbeat failed"),
+            }
+        }
+    }
+}
+
+fn register(client: &CoordinatorClient, plan: &Plan) -> Result<(), CoordinatorError> {
+    client.register_node(&plan.node_id, &plan.registration)?;
+    client.add_range(&plan.range)?;
+    Ok(())
+}

@@ -1,0 +1,279 @@
+//! The listener, the connection threads, and the handle to stop them.
+
+use std::io;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use rdma_transport::region::{MapOptions, MappedRegion};
+use rdma_transport::PAGE_SIZE;
+
+use crate::config::ServerConfig;
+use crate::connection::{serve, Exported};
+use crate::registration::Registration;
+
+/// Why a page-server could not start or register.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    /// Bad settings.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The exported memory could not be mapped.
+    #[error("cannot map {memory_bytes} bytes of exported memory: {source}")]
+    Memory {
+        /// Requested size.
+        memory_bytes: usize,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// The listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// Requested address.
+        addr: SocketAddr,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// The coordinator refused the registration (e.g. the range overlaps
+    /// another node's: 409).
+    #[error("coordinator refused registration: {0}")]
+    Registration(String),
+    /// Registration did not finish in time.
+    #[error("not registered with the coordinator after {0:?}")]
+    RegistrationTimeout(Duration),
+}
+
+/// A running page-server. Dropping it shuts it down.
+#[derive(Debug)]
+pub struct RunningServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    acceptor: Option<JoinHandle<()>>,
+    registration: Option<Registration>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    exported: Exported,
+    stop: AtomicBool,
+    connections: Mutex<Vec<(u64, TcpStream, Option<JoinHandle<()>>)>>,
+    active: AtomicUsize,
+    max_connections: usize,
+}
+
+/// Maps the exported memory, binds the listener, starts serving, and starts
+/// registering with the coordinator in the background (see
+/// [`RunningServer::wait_registered`]).
+///
+/// # Errors
+/// [`ServerError::Config`], [`ServerError::Memory`], [`ServerError::Listen`].
+pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
+    if config.memory_bytes == 0 || config.memory_bytes % PAGE_SIZE != 0 {
+        return Err(ServerError::Config(format!(
+            "memory size {} is not a positive multiple of {PAGE_SIZE}",
+            config.memory_bytes
+        )));
+    }
+    if config.gpa_base % PAGE_SIZE as u64 != 0 {
+        return Err(ServerError::Config(format!(
+            "GPA base {:#x} is not page aligned",
+            config.gpa_base
+        )));
+    }
+    if !rdma_transport::coordinator::api::is_valid_node_id(&config.node_id) {
+        return Err(ServerError::Config(format!(
+            "invalid node id {:?}",
+            config.node_id
+        )));
+    }
+    let region = MappedRegion::new(
+        config.memory_bytes,
+        MapOptions {
+            try_huge_pages: false,
+            populate: false,
+        },
+    )
+    .map_err(|source| ServerError::Memory {
+        memory_bytes: config.memory_bytes,
+        source,
+    })?;
+    let listener = TcpListener::bind(config.listen).map_err(|source| ServerError::Listen {
+        addr: config.listen,
+        source,
+    })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|source| ServerError::Listen {
+            addr: config.listen,
+            source,
+        })?;
+    let shared = Arc::new(Shared {
+        exported: Exported {
+            region,
+            epoch: epoch(),
+        },
+        stop: AtomicBool::new(false),
+        connections: Mutex::new(Vec::new()),
+        active: AtomicUsize::new(0),
+        max_connections: config.max_connections,
+    });
+    let accept_shared = Arc::clone(&shared);
+    let acceptor = std::thread::Builder::new()
+        .name("page-server-accept".into())
+        .spawn(move || accept_loop(&listener, &accept_shared))
+        .map_err(|source| ServerError::Listen { addr, source })?;
+    tracing::info!(node = %config.node_id, %addr, memory_bytes = config.memory_bytes, "page-server listening");
+    let registration = config
+        .coordinator_url
+        .is_some()
+        .then(|| Registration::start(&config, addr));
+    Ok(RunningServer {
+        addr,
+        shared,
+        acceptor: Some(acceptor),
+        registration,
+    })
+}
+
+fn epoch() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish() | 1
+}
+
+fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
+    let mut next_id = 0u64;
+    for stream in listener.incoming() {
+        if shared.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let stream = match stream {
+            Ok(s) => s,
+            Err(err) => {
+                tracing::warn!(%err, "accept failed");
+                continue;
+            }
+        };
+        let peer = stream.peer_addr().ok();
+        if shared.active.load(Ordering::SeqCst) >= shared.max_connections {
+            tracing::warn!(
+                ?peer,
+                max = shared.max_connections,
+                "too many connections; refusing"
+            );
+            continue;
+        }
+        let Ok(registered) = stream.try_clone() else {
+            continue;
+        };
+        next_id += 1;
+        let id = next_id;
+        shared.active.fetch_add(1, Ordering::SeqCst);
+        let conn_shared = Arc::clone(shared);
+        let spawned = std::thread::Builder::new()
+            .name(format!("page-conn-{id}"))
+            .spawn(move || {
+                match serve(&stream, &conn_shared.exported) {
+                    Ok(()) => tracing::debug!(?peer, "client left"),
+                    Err(err) => tracing::debug!(?peer, %err, "connection ended"),
+                }
+                conn_shared.active.fetch_sub(1, Ordering::SeqCst);
+                conn_shared
+                    .connections
+                    .lock()
+                    .retain(|(cid, _, _)| *cid != id);
+            });
+        match spawned {
+            Ok(handle) => {
+                let mut conns = shared.connections.lock();
+                // The thread may already have finished and removed nothing;
+                // keep its handle only while it may still be running.
+                if !handle.is_finished() {
+                    conns.push((id, registered, Some(handle)));
+                }
+            }
+            Err(err) => {
+                shared.active.fetch_sub(1, Ordering::SeqCst);
+                tracing::error!(%err, "cannot start a connection thread");
+            }
+        }
+    }
+}
+
+impl RunningServer {
+    /// The bound listener address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Connections being served now.
+    pub fn active_connections(&self) -> usize {
+        self.shared.active.load(Ordering::SeqCst)
+    }
+
+    /// Blocks until the node and its range are registered with the
+    /// coordinator, or `timeout` passes.
+    ///
+    /// # Errors
+    /// [`ServerError::Registration`] when the coordinator refused it,
+    /// [`ServerError::RegistrationTimeout`] when time ran out;
+    /// `Ok` at once when no coordinator is configured.
+    pub fn wait_registered(&self, timeout: Duration) -> Result<(), ServerError> {
+        match &self.registration {
+            Some(r) => r.wait(timeout),
+            None => Ok(()),
+        }
+    }
+
+    /// Stops accepting, closes every connection and joins every thread.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        if self.shared.stop.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if let Some(r) = self.registration.take() {
+            r.stop();
+        }
+        // Wake the blocking accept with a connection of our own.
+        let _ = TcpStream::connect_timeout(&wake_addr(self.addr), Duration::from_millis(200));
+        if let Some(h) = self.acceptor.take() {
+            let _ = h.join();
+        }
+        let conns: Vec<_> = std::mem::take(&mut *self.shared.connections.lock());
+        for (_, stream, _) in &conns {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        for (_, _, handle) in conns {
+            if let Some(h) = handle {
+                let _ = h.join();
+            }
+        }
+        tracing::info!(addr = %self.addr, "page-server stopped");
+    }
+}
+
+fn wake_addr(addr: SocketAddr) -> SocketAddr {
+    if addr.ip().is_unspecified() {
+        SocketAddr::from(([127, 0, 0, 1], addr.port()))
+    } else {
+        addr
+    }
+}
+
+impl Drop for RunningServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

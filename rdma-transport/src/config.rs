@@ -1,0 +1,114 @@
+//! Configuration of a [`crate::TransportManager`].
+
+use std::time::Duration;
+
+/// Which data path to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportKind {
+    /// RDMA where both ends have a usable device, TCP otherwise.
+    #[default]
+    Auto,
+    /// TCP only.
+    Tcp,
+    /// RDMA only; refuses to start without a usable device.
+    Rdma,
+}
+
+impl std::str::FromStr for TransportKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "tcp" => Ok(Self::Tcp),
+            "rdma" => Ok(Self::Rdma),
+            other => Err(format!(
+                "unknown transport {other:?} (expected auto, tcp or rdma)"
+            )),
+        }
+    }
+}
+
+/// How poller threads wait for answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PollMode {
+    /// Spin on the connections while traffic flows; block in `poll(2)` only
+    /// after `poll_idle_spin_us` without an answer. Lowest latency; costs a
+    /// core while busy.
+    #[default]
+    Busy,
+    /// Always block until a connection is readable. For hosts that cannot
+    /// spare a core.
+    Event,
+}
+
+/// Settings of a [`crate::TransportManager`]. `Default` suits a small host
+/// (one poller thread on the last CPU).
+#[derive(Debug, Clone)]
+pub struct ManagerConfig {
+    /// Base URL of the coordinator, e.g. `http://127.0.0.1:7070`.
+    pub coordinator_url: String,
+    /// Bearer token for the coordinator's write routes (not needed for reads).
+    pub coordinator_token: Option<String>,
+    /// Data path choice.
+    pub transport: TransportKind,
+    /// Size of the page pool in bytes (a multiple of 4096).
+    pub pool_size_bytes: usize,
+    /// Number of poller threads.
+    pub poller_threads: usize,
+    /// CPUs to pin pollers to (poller i on `cpus[i % len]`). `None`: the
+    /// last CPUs of the host, one per poller. `Some(vec![])`: no pinning.
+    pub poller_cpus: Option<Vec<usize>>,
+    /// How pollers wait.
+    pub poll_mode: PollMode,
+    /// Busy mode: how long a poller keeps spinning after the last answer.
+    pub poll_idle_spin_us: u64,
+    /// How long a caller spins for its answer before it parks.
+    pub wait_spin_us: u64,
+    /// Deadline of every request, from submission to answer.
+    pub request_timeout_ms: u64,
+    /// Deadline of a connection attempt plus handshake.
+    pub connect_timeout_ms: u64,
+    /// Period of the background map refresh; 0 turns it off (the map is
+    /// still refreshed on a miss or a lost node).
+    pub map_refresh_ms: u64,
+}
+
+impl Default for ManagerConfig {
+    fn default() -> Self {
+        Self {
+            coordinator_url: "http://127.0.0.1:7070".into(),
+            coordinator_token: None,
+            transport: TransportKind::Auto,
+            pool_size_bytes: 16 << 20,
+            poller_threads: 1,
+            poller_cpus: None,
+            poll_mode: PollMode::Busy,
+            poll_idle_spin_us: 1000,
+            wait_spin_us: 200,
+            request_timeout_ms: 1000,
+            connect_timeout_ms: 1000,
+            map_refresh_ms: 1000,
+        }
+    }
+}
+
+impl ManagerConfig {
+    pub(crate) fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.request_timeout_ms)
+    }
+
+    pub(crate) fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
+    }
+
+    /// The CPUs pollers are pinned to.
+    pub(crate) fn resolved_poller_cpus(&self) -> Vec<usize> {
+        if let Some(cpus) = &self.poller_cpus {
+            return cpus.clone();
+        }
+        let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (0..self.poller_threads.max(1))
+            .map(|i| ncpu - 1 - (i % ncpu))
+            .collect()
+    }
+}

@@ -1,0 +1,73 @@
+//! The library's error type.
+
+use crate::coordinator::CoordinatorError;
+use crate::pool::PoolError;
+use crate::wire::Status;
+
+/// Everything a [`crate::TransportManager`] call can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// No node owns this guest-physical address (even after a map refresh).
+    #[error("GPA {gpa:#x} is not mapped to any node")]
+    UnknownGpa {
+        /// The address asked for.
+        gpa: u64,
+    },
+    /// The address is not 4 KiB aligned.
+    #[error("GPA {gpa:#x} is not page aligned")]
+    Unaligned {
+        /// The address asked for.
+        gpa: u64,
+    },
+    /// The owner node cannot be reached or its connection was lost.
+    #[error("node {node} is down: {reason}")]
+    NodeDown {
+        /// Owner node id.
+        node: String,
+        /// What happened.
+        reason: String,
+    },
+    /// The request's deadline passed without an answer.
+    #[error("request to node {node} timed out after {timeout_ms} ms")]
+    Timeout {
+        /// Owner node id.
+        node: String,
+        /// The deadline that passed.
+        timeout_ms: u64,
+    },
+    /// The node answered something that breaks the wire protocol.
+    #[error("protocol error with node {node}: {detail}")]
+    Protocol {
+        /// Owner node id.
+        node: String,
+        /// What was wrong.
+        detail: String,
+    },
+    /// The node refused the request (e.g. offset out of its exported range).
+    #[error("node {node} refused the request: {status}")]
+    Refused {
+        /// Owner node id.
+        node: String,
+        /// The status it answered.
+        status: Status,
+    },
+    /// The coordinator could not be asked or refused.
+    #[error("coordinator: {0}")]
+    Coordinator(#[from] CoordinatorError),
+    /// The page pool could not be set up.
+    #[error("page pool: {0}")]
+    Pool(#[from] PoolError),
+    /// No free frame in the page pool.
+    #[error("page pool exhausted ({capacity} frames in use)")]
+    PoolExhausted {
+        /// Frames in the pool.
+        capacity: usize,
+    },
+    /// Bad configuration or arguments.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The RDMA data path was required but cannot be used here.
+    #[error("RDMA transport unavailable: {0}")]
+    RdmaUnavailable(String),
+}

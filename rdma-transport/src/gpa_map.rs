@@ -1,0 +1,237 @@
+//! The locally cached GPA map: which node owns which guest-physical range.
+//!
+//! Built from the coordinator's `GET /v1/map` answer once, then looked up in
+//! O(log n) by binary search on every page, with no HTTP call and no lock.
+
+use crate::coordinator::api::{MapEntry, MapResponse, NodeInfo, RdmaRegion};
+
+/// Where one GPA lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Location {
+    /// Index of the owner in [`GpaMap::nodes`].
+    pub node_index: usize,
+    /// Byte offset inside the owner's exported region.
+    pub remote_offset: u64,
+    /// RDMA access to the owner's region, when published.
+    pub rdma: Option<RdmaRegion>,
+}
+
+#[derive(Debug, Clone)]
+struct Range {
+    gpa_start: u64,
+    gpa_end: u64,
+    node_index: usize,
+    remote_offset: u64,
+    rdma: Option<RdmaRegion>,
+}
+
+/// An immutable snapshot of the map at one version.
+#[derive(Debug, Clone, Default)]
+pub struct GpaMap {
+    version: u64,
+    ranges: Vec<Range>,
+    nodes: Vec<NodeInfo>,
+}
+
+impl GpaMap {
+    /// Builds a snapshot from the coordinator's answer. Entries that name an
+    /// unknown node, overflow, or overlap an earlier entry are dropped with a
+    /// warning rather than trusted.
+    pub fn from_response(resp: MapResponse) -> Self {
+        let MapResponse {
+            version,
+            mut entries,
+            nodes,
+        } = resp;
+        entries.sort_by_key(|e| e.gpa_start);
+        let mut ranges: Vec<Range> = Vec::with_capacity(entries.len());
+        for MapEntry {
+            gpa_start,
+            length_bytes,
+            node_id,
+            remote_offset,
+            rdma,
+        } in entries
+        {
+            let Some(node_index) = nodes.iter().position(|n| n.id == node_id) else {
+                tracing::warn!(gpa_start, %node_id, "map entry names an unknown node; ignored");
+                continue;
+            };
+            let Some(gpa_end) = gpa_start
+                .checked_add(length_bytes)
+                .filter(|_| length_bytes > 0)
+            else {
+                tracing::warn!(
+                    gpa_start,
+                    length_bytes,
+                    "map entry has a bad length; ignored"
+                );
+                continue;
+            };
+            if ranges.last().is_some_and(|prev| prev.gpa_end > gpa_start) {
+                tracing::warn!(gpa_start, "map entry overlaps the previous one; ignored");
+                continue;
+            }
+            ranges.push(Range {
+                gpa_start,
+                gpa_end,
+                node_index,
+                remote_offset,
+                rdma,
+            });
+        }
+        Self {
+            version,
+            ranges,
+            nodes,
+        }
+    }
+
+    /// The coordinator's version of this snapshot.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Every node the map knows, indexed by [`Location::node_index`].
+    pub fn nodes(&self) -> &[NodeInfo] {
+        &self.nodes
+    }
+
+    /// Number of mapped ranges.
+    pub fn len(&self) -> usize {
+        self.ranges.len()
+    }
+
+    /// True when nothing is mapped.
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+
+    /// Total mapped bytes.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.ranges.iter().map(|r| r.gpa_end - r.gpa_start).sum()
+    }
+
+    /// Mapped ranges as `(gpa_start, length_bytes, node_id)`, sorted.
+    pub fn ranges(&self) -> impl Iterator<Item = (u64, u64, &str)> + '_ {
+        self.ranges.iter().map(|r| {
+            (
+                r.gpa_start,
+                r.gpa_end - r.gpa_start,
+                self.nodes[r.node_index].id.as_str(),
+            )
+        })
+    }
+
+    /// Finds the owner of `gpa` in O(log n).
+    pub fn lookup(&self, gpa: u64) -> Option<Location> {
+        let idx = self.ranges.partition_point(|r| r.gpa_end <= gpa);
+        let r = self.ranges.get(idx).filter(|r| r.gpa_start <= gpa)?;
+        Some(Location {
+            node_index: r.node_index,
+            remote_offset: r.remote_offset + (gpa - r.gpa_start),
+            rdma: r.rdma,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: &str) -> NodeInfo {
+        NodeInfo {
+            id: id.into(),
+            tcp_addr: "127.0.0.1:1".into(),
+            rdma: None,
+            alive: true,
+            last_seen_ms_ago: 0,
+        }
+    }
+
+    fn entry(start: u64, len: u64, node: &str, off: u64) -> MapEntry {
+        MapEntry {
+            gpa_start: start,
+            length_bytes: len,
+            node_id: node.into(),
+            remote_offset: off,
+            rdma: None,
+        }
+    }
+
+    fn map() -> GpaMap {
+        GpaMap::from_response(MapResponse {
+            version: 3,
+            entries: vec![
+                entry(0x10_0000, 0x1000 * 4, "b", 0x8000),
+                entry(0, 0x1000 * 16, "a", 0),
+            ],
+            nodes: vec![node("a"), node("b")],
+        })
+    }
+
+    #[test]
+    fn lookup_finds_owner_and_offset() {
+        let m = map();
+        assert_eq!(m.version(), 3);
+        assert_eq!(
+            m.lookup(0).map(|l| (l.node_index, l.remote_offset)),
+            Some((0, 0))
+        );
+        assert_eq!(
+            m.lookup(0xffff).map(|l| (l.node_index, l.remote_offset)),
+            Some((0, 0xffff))
+        );
+        assert_eq!(
+            m.lookup(0x10_0000).map(|l| (l.node_index, l.remote_offset)),
+            Some((1, 0x8000))
+        );
+        assert_eq!(
+            m.lookup(0x10_3fff).map(|l| (l.node_index, l.remote_offset)),
+            Some((1, 0xbfff))
+        );
+        assert_eq!(m.mapped_bytes(), 20 * 0x1000);
+    }
+
+    #[test]
+    fn holes_and_ends_miss() {
+        let m = map();
+        for gpa in [0x1_0000, 0x5_0000, 0xf_ffff, 0x10_4000, u64::MAX] {
+            assert_eq!(m.lookup(gpa), None, "{gpa:#x}");
+        }
+        assert_eq!(GpaMap::default().lookup(0), None);
+    }
+
+    #[test]
+    fn bad_entries_are_dropped() {
+        let m = GpaMap::from_response(MapResponse {
+            version: 1,
+            entries: vec![
+                entry(0, 0x2000, "a", 0),
+                entry(0x1000, 0x2000, "a", 0),        // overlaps
+                entry(0x9000, 0x1000, "ghost", 0),    // unknown node
+                entry(u64::MAX - 10, 0x1000, "a", 0), // overflows
+                entry(0x5000, 0, "a", 0),             // empty
+            ],
+            nodes: vec![node("a")],
+        });
+        assert_eq!(m.len(), 1);
+        assert!(m.lookup(0x2000).is_none());
+    }
+
+    #[test]
+    fn many_ranges_lookup_matches_linear_scan() {
+        let entries: Vec<_> = (0..1000u64)
+            .map(|i| entry(i * 0x3000, 0x2000, "a", i * 0x2000))
+            .collect();
+        let m = GpaMap::from_response(MapResponse {
+            version: 1,
+            entries,
+            nodes: vec![node("a")],
+        });
+        for gpa in (0..3000u64 * 0x1000).step_by(0x800) {
+            let linear = (gpa % 0x3000 < 0x2000).then(|| (gpa / 0x3000) * 0x2000 + gpa % 0x3000);
+            assert_eq!(m.lookup(gpa).map(|l| l.remote_offset), linear, "{gpa:#x}");
+        }
+    }
+}

@@ -1,0 +1,239 @@
+//! One client connection to a page-server: handshake, request submission and
+//! the table of requests in flight. Answers are read by a poller thread
+//! (`poller.rs`); callers write their own requests, so a request costs no
+//! hand-off on its way out.
+
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::inflight::{Inflight, Waiter};
+use crate::page::{Page, PAGE_SIZE};
+use crate::sys::cvt;
+use crate::wire::{Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN, HELLO_ACK_LEN};
+
+/// Requests one call writes with one `writev` at most.
+pub(crate) const MAX_CHUNK: usize = 64;
+
+/// Why a connection could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ConnectError {
+    #[error("connect to {addr}: {source}")]
+    Io { addr: String, source: io::Error },
+    #[error("handshake with {addr}: {detail}")]
+    Handshake { addr: String, detail: String },
+}
+
+/// A connected, handshaken page-server connection.
+#[derive(Debug)]
+pub(crate) struct TcpConnection {
+    pub(crate) node_id: String,
+    stream: TcpStream,
+    send_lock: Mutex<()>,
+    pub(crate) inflight: Inflight,
+    broken: AtomicBool,
+    pub(crate) ack: HelloAck,
+}
+
+/// One request of a chunk.
+#[derive(Clone, Copy)]
+pub(crate) struct Request {
+    pub(crate) offset: u64,
+    /// READ: where the page goes. WRITE: where it comes from.
+    pub(crate) page: *mut u8,
+}
+
+impl TcpConnection {
+    /// Connects to `addr`, does the HELLO handshake, and leaves the socket
+    /// non-blocking for the poller.
+    pub(crate) fn connect(
+        node_id: &str,
+        addr: &str,
+        client_id: u64,
+        timeout: Duration,
+    ) -> Result<Self, ConnectError> {
+        let io_err = |source| ConnectError::Io {
+            addr: addr.to_owned(),
+            source,
+        };
+        let sock_addr: SocketAddr = resolve(addr).map_err(io_err)?;
+        let mut stream = TcpStream::connect_timeout(&sock_addr, timeout).map_err(io_err)?;
+        stream.set_nodelay(true).map_err(io_err)?;
+        stream.set_read_timeout(Some(timeout)).map_err(io_err)?;
+        stream.set_write_timeout(Some(timeout)).map_err(io_err)?;
+        let hello = HelloRequest {
+            client_id,
+            rdma: None,
+        }
+        .encode();
+        let header = Header::request(Opcode::Hello, 0, 0, hello.len() as u32);
+        let mut msg = header.encode().to_vec();
+        msg.extend_from_slice(&hello);
+        stream.write_all(&msg).map_err(io_err)?;
+        let mut head = [0u8; HEADER_LEN];
+        stream.read_exact(&mut head).map_err(io_err)?;
+        let bad = |detail: String| ConnectError::Handshake {
+            addr: addr.to_owned(),
+            detail,
+        };
+        let header = Header::decode(&head).map_err(|e| bad(e.to_string()))?;
+        if header.opcode != Opcode::HelloAck || header.status != Status::Ok {
+            return Err(bad(format!(
+                "expected HELLO_ACK, got {:?} ({})",
+                header.opcode, header.status
+            )));
+        }
+        let mut payload = vec![0u8; header.payload_len()];
+        stream.read_exact(&mut payload).map_err(io_err)?;
+        let ack = HelloAck::decode(&payload)
+            .filter(|a| a.page_size as usize == PAGE_SIZE)
+            .ok_or_else(|| {
+                bad(format!(
+                    "malformed HELLO_ACK of {} bytes (need {HELLO_ACK_LEN}+)",
+                    payload.len()
+                ))
+            })?;
+        stream.set_nonblocking(true).map_err(io_err)?;
+        Ok(Self {
+            node_id: node_id.to_owned(),
+            stream,
+            send_lock: Mutex::new(()),
+            inflight: Inflight::new(),
+            broken: AtomicBool::new(false),
+            ack,
+        })
+    }
+
+    pub(crate) fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    pub(crate) fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::SeqCst)
+    }
+
+    /// Marks the connection dead, shuts the socket and fails every request
+    /// in flight. Idempotent.
+    pub(crate) fn mark_broken(&self, code: u32) {
+        if !self.broken.swap(true, Ordering::SeqCst) {
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        }
+        self.inflight.fail_all(code);
+    }
+
+    /// Arms a slot for every request and writes them all with one `writev`.
+    /// On success, `ids[i]` holds request i's id; the caller then waits on
+    /// `waiter` and calls `finish`/`cancel` for each id.
+    ///
+    /// On error, ids already armed are in `ids[..armed]` and must still be
+    /// finished or cancelled by the caller.
+    pub(crate) fn submit(
+        &self,
+        opcode: Opcode,
+        reqs: &[Request],
+        ids: &mut [u64],
+        waiter: &Waiter,
+        deadline: Instant,
+    ) -> Result<(), (usize, io::Error)> {
+        debug_assert!(reqs.len() <= MAX_CHUNK && ids.len() >= reqs.len());
+        let mut headers = [[0u8; HEADER_LEN]; MAX_CHUNK];
+        let _guard = self.send_lock.lock();
+        for (i, req) in reqs.iter().enumerate() {
+            let dst = if opcode == Opcode::Read {
+                req.page
+            } else {
+                std::ptr::null_mut()
+            };
+            let id = loop {
+                if let Some(id) = self.inflight.arm(dst, waiter) {
+                    break id;
+                }
+                if Instant::now() >= deadline {
+                    return Err((i, io::Error::from(io::ErrorKind::TimedOut)));
+                }
+                std::thread::yield_now();
+            };
+            ids[i] = id;
+            headers[i] = Header::request(opcode, id, req.offset, PAGE_SIZE as u32).encode();
+        }
+        // The poller sets `broken` before failing pending slots; checking it
+        // after arming closes the window where a slot armed after that sweep
+        // would wait for an answer that can never come.
+        if self.is_broken() {
+            return Err((reqs.len(), io::Error::from(io::ErrorKind::NotConnected)));
+        }
+        let mut iov_buf = [IoSlice::new(&[]); 2 * MAX_CHUNK];
+        let mut n = 0;
+        for (i, req) in reqs.iter().enumerate() {
+            iov_buf[n] = IoSlice::new(&headers[i]);
+            n += 1;
+            if opcode == Opcode::Write {
+                // SAFETY: for WRITE, `page` points at a caller-owned page that
+                // stays borrowed for the whole call.
+                let page: &Page = unsafe { &*req.page.cast::<Page>() };
+                iov_buf[n] = IoSlice::new(page);
+                n += 1;
+            }
+        }
+        self.write_all_vectored(&mut iov_buf[..n], deadline)
+            .map_err(|e| {
+                // A partial write leaves the stream's framing unknown: drop it.
+                self.mark_broken(super::inflight::CODE_CONN_LOST);
+                (reqs.len(), e)
+            })
+    }
+
+    fn write_all_vectored(
+        &self,
+        mut bufs: &mut [IoSlice<'_>],
+        deadline: Instant,
+    ) -> io::Result<()> {
+        while !bufs.is_empty() {
+            match (&self.stream).write_vectored(bufs) {
+                Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+                Ok(written) => IoSlice::advance_slices(&mut bufs, written),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    wait_writable(&self.stream, deadline)?
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+fn wait_writable(stream: &TcpStream, deadline: Instant) -> io::Result<()> {
+    let remaining = deadline.saturating_duration_since(Instant::now());
+    if remaining.is_zero() {
+        return Err(io::Error::from(io::ErrorKind::TimedOut));
+    }
+    let mut pfd = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    let timeout_ms = remaining.as_millis().clamp(1, i32::MAX as u128) as i32;
+    // SAFETY: `pfd` is one valid pollfd that outlives the call.
+    let ret = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+    match cvt(ret) {
+        Ok(0) => Err(io::Error::from(io::ErrorKind::TimedOut)),
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+fn resolve(addr: &str) -> io::Result<SocketAddr> {
+    use std::net::ToSocketAddrs;
+    addr.to_socket_addrs()?.next().ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{addr} resolves to no address"),
+        )
+    })
+}

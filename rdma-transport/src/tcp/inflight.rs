@@ -1,0 +1,300 @@
+//! The table of requests in flight on one connection, matched by request id.
+//!
+//! A request id is `(generation << SLOT_BITS) | slot`. A slot's `state` word
+//! packs the id with a phase, so every transition is one compare-and-swap on
+//! the exact request: a late answer to a cancelled request can never complete
+//! a newer request that reuses the slot.
+//!
+//! Phases: PENDING (on the wire) → COMPLETING (the poller owns it: copies the
+//! payload, records the status, signals the waiter) → DONE. The caller may
+//! instead move PENDING → CANCELLED (deadline passed), after which the poller
+//! never touches the slot's buffer or waiter again.
+
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::ArrayQueue;
+
+/// Number of slots per connection (requests in flight at once).
+pub(crate) const SLOTS: usize = 1024;
+const SLOT_BITS: u32 = 10;
+const PHASE_BITS: u32 = 2;
+const PHASE_MASK: u64 = 0b11;
+const FREE: u64 = 0;
+const PENDING: u64 = 1;
+const COMPLETING: u64 = 2;
+const DONE: u64 = 3;
+/// A cancelled slot is simply FREE with its id kept (see `cancel`).
+const CANCELLED: u64 = FREE;
+
+/// Completion code for "connection lost".
+pub(crate) const CODE_CONN_LOST: u32 = 0x100;
+/// Completion code for "the answer broke the protocol".
+pub(crate) const CODE_PROTOCOL: u32 = 0x101;
+
+/// Counts outstanding completions of one call and wakes its thread.
+#[derive(Debug)]
+pub(crate) struct Waiter {
+    remaining: AtomicUsize,
+    thread: Thread,
+}
+
+impl Waiter {
+    pub(crate) fn new() -> Self {
+        Self {
+            remaining: AtomicUsize::new(0),
+            thread: std::thread::current(),
+        }
+    }
+
+    pub(crate) fn add(&self, n: usize) {
+        self.remaining.fetch_add(n, Ordering::SeqCst);
+    }
+
+    fn complete_one(&self) {
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.thread.unpark();
+        }
+    }
+
+    /// Waits until every added request completed, spinning for `spin` first,
+    /// then parking. Returns false when `deadline` passed first.
+    pub(crate) fn wait(&self, spin: Duration, deadline: Instant) -> bool {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while self.remaining.load(Ordering::Acquire) != 0 {
+            spins = spins.wrapping_add(1);
+            if spins % 64 == 0 {
+                let now = Instant::now();
+                if now >= deadline {
+                    return self.remaining.load(Ordering::Acquire) == 0;
+                }
+                if now.duration_since(start) >= spin {
+                    std::thread::park_timeout(deadline - now);
+                    continue;
+                }
+            }
+            std::hint::spin_loop();
+        }
+        true
+    }
+}
+
+#[derive(Debug)]
+struct Slot {
+    state: AtomicU64,
+    dst: AtomicPtr<u8>,
+    waiter: AtomicPtr<Waiter>,
+    code: AtomicU32,
+}
+
+/// All slots of one connection.
+#[derive(Debug)]
+pub(crate) struct Inflight {
+    slots: Box<[Slot]>,
+    free: ArrayQueue<u16>,
+}
+
+/// What the poller should do with an answer's payload.
+pub(crate) enum Claim {
+    /// The request is live; copy a READ payload to `dst` (null for WRITE).
+    Live { slot: usize, dst: *mut u8 },
+    /// Nobody waits for this answer any more (cancelled or unknown): drop it.
+    Stale,
+}
+
+impl Inflight {
+    pub(crate) fn new() -> Self {
+        let slots = (0..SLOTS)
+            .map(|_| Slot {
+                state: AtomicU64::new(FREE),
+                dst: AtomicPtr::new(std::ptr::null_mut()),
+                waiter: AtomicPtr::new(std::ptr::null_mut()),
+                code: AtomicU32::new(0),
+            })
+            .collect();
+        let free = ArrayQueue::new(SLOTS);
+        for i in 0..SLOTS {
+            let _ = free.push(i as u16);
+        }
+        Self { slots, free }
+    }
+
+    /// Takes a free slot and arms it; returns the request id. `dst` is the
+    /// READ destination (null for WRITE). The caller must keep `dst` and
+    /// `waiter` alive until the slot is released by `finish` or `cancel`.
+    pub(crate) fn arm(&self, dst: *mut u8, waiter: &Waiter) -> Option<u64> {
+        let slot_index = self.free.pop()? as usize;
+        let slot = &self.slots[slot_index];
+        let old_id = slot.state.load(Ordering::Relaxed) >> PHASE_BITS;
+        let generation =
+            (old_id >> SLOT_BITS).wrapping_add(1) & ((1 << (64 - SLOT_BITS - PHASE_BITS)) - 1);
+        let id = (generation << SLOT_BITS) | slot_index as u64;
+        slot.dst.store(dst, Ordering::Relaxed);
+        slot.waiter
+            .store(std::ptr::from_ref(waiter).cast_mut(), Ordering::Relaxed);
+        slot.code.store(0, Ordering::Relaxed);
+        waiter.add(1);
+        slot.state
+            .store((id << PHASE_BITS) | PENDING, Ordering::SeqCst);
+        Some(id)
+    }
+
+    /// Poller: claims the slot an answer names, if that request still waits.
+    pub(crate) fn claim(&self, request_id: u64) -> Claim {
+        let Some(slot) = self
+            .slots
+            .get((request_id & ((1 << SLOT_BITS) - 1)) as usize)
+        else {
+            return Claim::Stale;
+        };
+        let Some(pending) = request_id
+            .checked_shl(PHASE_BITS)
+            .filter(|v| v >> PHASE_BITS == request_id)
+        else {
+            return Claim::Stale;
+        };
+        let pending = pending | PENDING;
+        let completing = (pending & !PHASE_MASK) | COMPLETING;
+        match slot
+            .state
+            .compare_exchange(pending, completing, Ordering::AcqRel, Ordering::Relaxed)
+        {
+            Ok(_) => Claim::Live {
+                slot: (request_id & ((1 << SLOT_BITS) - 1)) as usize,
+                dst: slot.dst.load(Ordering::Relaxed),
+            },
+            Err(_) => Claim::Stale,
+        }
+    }
+
+    /// Poller: records the outcome of a claimed slot and wakes its waiter.
+    pub(crate) fn complete(&self, slot_index: usize, code: u32) {
+        let slot = &self.slots[slot_index];
+        slot.code.store(code, Ordering::Relaxed);
+        let waiter = slot.waiter.load(Ordering::Relaxed);
+        // SAFETY: the slot was claimed (PENDING → COMPLETING), so its caller is
+        // still blocked in `finish`/`cancel`, which wait for DONE before
+        // returning; the waiter it armed the slot with is therefore alive.
+        unsafe { (*waiter).complete_one() };
+        let state = slot.state.load(Ordering::Relaxed);
+        slot.state
+            .store((state & !PHASE_MASK) | DONE, Ordering::Release);
+    }
+
+    /// Poller: fails every request still pending (connection lost).
+    pub(crate) fn fail_all(&self, code: u32) {
+        for (i, slot) in self.slots.iter().enumerate() {
+            let state = slot.state.load(Ordering::SeqCst);
+            if state & PHASE_MASK == PENDING
+                && slot
+                    .state
+                    .compare_exchange(
+                        state,
+                        (state & !PHASE_MASK) | COMPLETING,
+                        Ordering::AcqRel,
+                        Ordering::Relaxed,
+                    )
+                    .is_ok()
+            {
+                self.complete(i, code);
+            }
+        }
+    }
+
+    /// Caller: after its waiter reached zero, returns the slot's completion
+    /// code and frees it.
+    pub(crate) fn finish(&self, request_id: u64) -> u32 {
+        let slot_index = (request_id & ((1 << SLOT_BITS) - 1)) as usize;
+        let slot = &self.slots[slot_index];
+        let done = (request_id << PHASE_BITS) | DONE;
+        while slot.state.load(Ordering::Acquire) != done {
+            std::hint::spin_loop();
+        }
+        let code = slot.code.load(Ordering::Relaxed);
+        self.release(slot_index, request_id);
+        code
+    }
+
+    /// Caller: gives up on a request (deadline passed). Returns its code if it
+    /// completed after all, `None` if it was cancelled before an answer.
+    pub(crate) fn cancel(&self, request_id: u64) -> Option<u32> {
+        let slot_index = (request_id & ((1 << SLOT_BITS) - 1)) as usize;
+        let slot = &self.slots[slot_index];
+        let pending = (request_id << PHASE_BITS) | PENDING;
+        let cancelled = (request_id << PHASE_BITS) | CANCELLED;
+        if slot
+            .state
+            .compare_exchange(pending, cancelled, Ordering::SeqCst, Ordering::Relaxed)
+            .is_ok()
+        {
+            let _ = self.free.push(slot_index as u16);
+            return None;
+        }
+        Some(self.finish(request_id))
+    }
+
+    fn release(&self, slot_index: usize, request_id: u64) {
+        let slot = &self.slots[slot_index];
+        slot.dst.store(std::ptr::null_mut(), Ordering::Relaxed);
+        slot.waiter.store(std::ptr::null_mut(), Ordering::Relaxed);
+        slot.state
+            .store((request_id << PHASE_BITS) | FREE, Ordering::Release);
+        let _ = self.free.push(slot_index as u16);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answer_completes_matching_request_only() {
+        let t = Inflight::new();
+        let w = Waiter::new();
+        let id = t.arm(std::ptr::null_mut(), &w).unwrap();
+        assert!(
+            matches!(t.claim(id + (1 << SLOT_BITS)), Claim::Stale),
+            "other generation"
+        );
+        let Claim::Live { slot, .. } = t.claim(id) else {
+            panic!("live request not claimed")
+        };
+        assert!(matches!(t.claim(id), Claim::Stale), "claimed twice");
+        t.complete(slot, 5);
+        assert!(w.wait(Duration::ZERO, Instant::now() + Duration::from_secs(1)));
+        assert_eq!(t.finish(id), 5);
+    }
+
+    #[test]
+    fn cancelled_request_ignores_late_answer_and_slot_is_reused() {
+        let t = Inflight::new();
+        let w = Waiter::new();
+        let id = t.arm(std::ptr::null_mut(), &w).unwrap();
+        assert_eq!(t.cancel(id), None);
+        assert!(matches!(t.claim(id), Claim::Stale));
+        // Reuse every slot; none may accept the old id.
+        let ids: Vec<_> = (0..SLOTS)
+            .map(|_| t.arm(std::ptr::null_mut(), &w).unwrap())
+            .collect();
+        assert!(
+            t.arm(std::ptr::null_mut(), &w).is_none(),
+            "table is bounded"
+        );
+        assert!(!ids.contains(&id));
+        assert!(matches!(t.claim(id), Claim::Stale));
+        t.fail_all(CODE_CONN_LOST);
+        for id in ids {
+            assert_eq!(t.finish(id), CODE_CONN_LOST);
+        }
+    }
+
+    #[test]
+    fn hostile_ids_are_stale() {
+        let t = Inflight::new();
+        for id in [0, u64::MAX, 1 << 63, 12345] {
+            assert!(matches!(t.claim(id), Claim::Stale));
+        }
+    }
+}

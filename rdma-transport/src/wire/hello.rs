@@ -1,0 +1,228 @@
+//! Payloads of the HELLO handshake. The RDMA section carries the queue-pair
+//! endpoint exchange (QPN, PSN, GID/LID, MTU) and the exported region's
+//! address and rkey.
+
+/// Flag bit: an [`RdmaHello`] section follows the fixed part.
+const FLAG_RDMA: u32 = 1;
+const HELLO_FIXED_LEN: usize = 16;
+const ACK_FIXED_LEN: usize = 24;
+const RDMA_LEN: usize = 48;
+
+/// Largest HELLO payload.
+pub const HELLO_MAX_LEN: usize = HELLO_FIXED_LEN + RDMA_LEN;
+/// Length of a HELLO_ACK payload without its RDMA section.
+pub const HELLO_ACK_LEN: usize = ACK_FIXED_LEN;
+
+/// One side's RDMA endpoint. On the wire, 48 bytes:
+/// qpn u32, psn u32, gid [16], lid u16, mtu u8, pad u8, pad u32, addr u64, rkey u32, pad u32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RdmaHello {
+    /// Queue pair number.
+    pub qpn: u32,
+    /// Initial packet sequence number.
+    pub psn: u32,
+    /// Port GID (RoCE) in network byte order.
+    pub gid: [u8; 16],
+    /// Port LID (InfiniBand), 0 on RoCE.
+    pub lid: u16,
+    /// Path MTU as the verbs enum value (1 = 256 ... 5 = 4096).
+    pub mtu: u8,
+    /// Address of the exported region (server side; 0 from clients).
+    pub region_addr: u64,
+    /// Remote key of the exported region (server side; 0 from clients).
+    pub rkey: u32,
+}
+
+impl RdmaHello {
+    fn encode_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.qpn.to_le_bytes());
+        out.extend_from_slice(&self.psn.to_le_bytes());
+        out.extend_from_slice(&self.gid);
+        out.extend_from_slice(&self.lid.to_le_bytes());
+        out.push(self.mtu);
+        out.extend_from_slice(&[0u8; 5]);
+        out.extend_from_slice(&self.region_addr.to_le_bytes());
+        out.extend_from_slice(&self.rkey.to_le_bytes());
+        out.extend_from_slice(&[0u8; 4]);
+    }
+
+    fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() != RDMA_LEN {
+            return None;
+        }
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(&b[8..24]);
+        Some(Self {
+            qpn: u32_at(b, 0),
+            psn: u32_at(b, 4),
+            gid,
+            lid: u16::from_le_bytes([b[24], b[25]]),
+            mtu: b[26],
+            region_addr: u64_at(b, 32),
+            rkey: u32_at(b, 40),
+        })
+    }
+}
+
+/// HELLO payload: fixed 16 bytes (flags u32, reserved u32, client id u64),
+/// then the optional RDMA section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HelloRequest {
+    /// Random per-client identifier, for the server's logs.
+    pub client_id: u64,
+    /// The client's QP endpoint when it wants the RDMA data path.
+    pub rdma: Option<RdmaHello>,
+}
+
+impl HelloRequest {
+    /// Encodes the payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HELLO_MAX_LEN);
+        let flags = if self.rdma.is_some() { FLAG_RDMA } else { 0 };
+        out.extend_from_slice(&flags.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&self.client_id.to_le_bytes());
+        if let Some(r) = &self.rdma {
+            r.encode_into(&mut out);
+        }
+        out
+    }
+
+    /// Decodes a payload; `None` when its length or flags do not match.
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        let fixed = b.get(..HELLO_FIXED_LEN)?;
+        let flags = u32_at(fixed, 0);
+        let rest = &b[HELLO_FIXED_LEN..];
+        let rdma = match (flags & FLAG_RDMA != 0, rest.is_empty()) {
+            (true, false) => Some(RdmaHello::decode(rest)?),
+            (false, true) => None,
+            _ => return None,
+        };
+        Some(Self {
+            client_id: u64_at(fixed, 8),
+            rdma,
+        })
+    }
+}
+
+/// HELLO_ACK payload: fixed 24 bytes (region size u64, server epoch u64,
+/// page size u32, flags u32), then the optional RDMA section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HelloAck {
+    /// Size of the exported region in bytes.
+    pub region_size_bytes: u64,
+    /// Changes each time the server starts: a client that sees a new epoch
+    /// knows every earlier connection state (and QP) is stale.
+    pub epoch: u64,
+    /// Page size the server serves.
+    pub page_size: u32,
+    /// The server's QP endpoint and region key when it accepted RDMA.
+    pub rdma: Option<RdmaHello>,
+}
+
+impl HelloAck {
+    /// Encodes the payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(ACK_FIXED_LEN + RDMA_LEN);
+        out.extend_from_slice(&self.region_size_bytes.to_le_bytes());
+        out.extend_from_slice(&self.epoch.to_le_bytes());
+        out.extend_from_slice(&self.page_size.to_le_bytes());
+        let flags = if self.rdma.is_some() { FLAG_RDMA } else { 0 };
+        out.extend_from_slice(&flags.to_le_bytes());
+        if let Some(r) = &self.rdma {
+            r.encode_into(&mut out);
+        }
+        out
+    }
+
+    /// Decodes a payload; `None` when its length or flags do not match.
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        let fixed = b.get(..ACK_FIXED_LEN)?;
+        let flags = u32_at(fixed, 20);
+        let rest = &b[ACK_FIXED_LEN..];
+        let rdma = match (flags & FLAG_RDMA != 0, rest.is_empty()) {
+            (true, false) => Some(RdmaHello::decode(rest)?),
+            (false, true) => None,
+            _ => return None,
+        };
+        Some(Self {
+            region_size_bytes: u64_at(fixed, 0),
+            epoch: u64_at(fixed, 8),
+            page_size: u32_at(fixed, 16),
+            rdma,
+        })
+    }
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rdma() -> RdmaHello {
+        RdmaHello {
+            qpn: 0x11,
+            psn: 0x22,
+            gid: [7; 16],
+            lid: 3,
+            mtu: 5,
+            region_addr: 0x7f00_0000,
+            rkey: 0xabcd,
+        }
+    }
+
+    #[test]
+    fn hello_round_trips_with_and_without_rdma() {
+        for r in [None, Some(rdma())] {
+            let h = HelloRequest {
+                client_id: 42,
+                rdma: r,
+            };
+            assert_eq!(HelloRequest::decode(&h.encode()), Some(h));
+            let a = HelloAck {
+                region_size_bytes: 1 << 30,
+                epoch: 9,
+                page_size: 4096,
+                rdma: r,
+            };
+            assert_eq!(HelloAck::decode(&a.encode()), Some(a));
+        }
+    }
+
+    #[test]
+    fn truncated_or_inconsistent_payloads_are_refused() {
+        let full = HelloRequest {
+            client_id: 1,
+            rdma: Some(rdma()),
+        }
+        .encode();
+        for cut in 0..full.len() {
+            assert_eq!(HelloRequest::decode(&full[..cut]), None, "cut at {cut}");
+        }
+        // flag says RDMA but nothing follows
+        let mut lying = HelloRequest {
+            client_id: 1,
+            rdma: None,
+        }
+        .encode();
+        lying[0] = 1;
+        assert_eq!(HelloRequest::decode(&lying), None);
+        let ack = HelloAck {
+            region_size_bytes: 1,
+            epoch: 2,
+            page_size: 4096,
+            rdma: None,
+        }
+        .encode();
+        assert_eq!(HelloAck::decode(&ack[..ACK_FIXED_LEN - 1]), None);
+    }
+}

@@ -1,0 +1,14 @@
+//! The page wire protocol, defined once and used by every binary.
+//!
+//! Every message is a fixed 32-byte little-endian [`Header`] followed by a
+//! payload whose length is the header's `length` field when the opcode
+//! carries one (see [`Opcode::carries_payload`]). `docs/wire-protocol.md`
+//! is the reference.
+
+mod header;
+mod hello;
+mod status;
+
+pub use header::{DecodeError, Header, Opcode, HEADER_LEN, MAGIC, MAX_PAYLOAD_BYTES, VERSION};
+pub use hello::{HelloAck, HelloRequest, RdmaHello, HELLO_ACK_LEN, HELLO_MAX_LEN};
+pub use status::Status;
