@@ -4,12 +4,15 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Identifier of a node: 1 to 64 characters of `[A-Za-z0-9_.-]`.
+/// Identifier of a node: 1 to 64 characters of `[A-Za-z0-9_.-]`, other than
+/// `.` and `..` (which URL normalisation would swallow in `/v1/nodes/{id}`).
 pub type NodeId = String;
 
 /// Returns true when `id` is an acceptable [`NodeId`].
 pub fn is_valid_node_id(id: &str) -> bool {
     !id.is_empty()
+        && id != "."
+        && id != ".."
         && id.len() <= 64
         && id
             .bytes()
@@ -131,4 +134,29 @@ pub struct ErrorBody {
     pub error: String,
     /// Human-readable explanation.
     pub message: String,
+}
+
+/// Body of `GET /v1/health`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HealthResponse {
+    /// Always `ok` when the service answers.
+    pub status: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_valid_node_id;
+
+    #[test]
+    fn node_ids() {
+        assert!(is_valid_node_id("node-1"));
+        assert!(is_valid_node_id("a.b_c"));
+        assert!(is_valid_node_id(&"x".repeat(64)));
+        assert!(!is_valid_node_id(&"x".repeat(65)));
+        assert!(!is_valid_node_id(""));
+        assert!(!is_valid_node_id("."));
+        assert!(!is_valid_node_id(".."));
+        assert!(!is_valid_node_id("a/b"));
+        assert!(!is_valid_node_id("a b"));
+    }
 }

@@ -1,0 +1,112 @@
+//! Errors: [`ApiError`] becomes a JSON [`ErrorBody`] answer; [`ServeError`]
+//! is what starting or running the service can fail with.
+
+use std::io;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use rdma_transport::coordinator::api::ErrorBody;
+
+use crate::store::StoreError;
+
+/// A refused or failed request. Every variant answers with a JSON
+/// [`ErrorBody`]; only [`ApiError::Internal`] is a 5xx.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("a valid `Authorization: Bearer <token>` header is required for writes")]
+    Unauthorized,
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    MethodNotAllowed(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("request body larger than {limit_bytes} bytes")]
+    PayloadTooLarge { limit_bytes: usize },
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    fn status_and_code(&self) -> (StatusCode, &'static str) {
+        match self {
+            Self::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            Self::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
+            Self::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            Self::MethodNotAllowed(_) => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
+            Self::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+            Self::PayloadTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
+            Self::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, code) = self.status_and_code();
+        if status.is_server_error() {
+            tracing::error!(error = %self, "request failed");
+        } else {
+            tracing::debug!(%status, error = %self, "request refused");
+        }
+        let body = ErrorBody {
+            error: code.to_owned(),
+            message: self.to_string(),
+        };
+        (status, Json(body)).into_response()
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(error: StoreError) -> Self {
+        match error {
+            StoreError::UnknownNode(id) => Self::NotFound(format!("node {id:?} is not registered")),
+            StoreError::Overlap { existing } => Self::Conflict(format!(
+                "range overlaps the entry at gpa_start {:#x} (length_bytes {:#x}, node {:?})",
+                existing.gpa_start, existing.length_bytes, existing.node_id
+            )),
+            other => Self::Internal(format!("database: {other}")),
+        }
+    }
+}
+
+/// Why the coordinator could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    /// The configuration cannot be used.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    /// The database could not be opened or prepared.
+    #[error("cannot open database {path:?}")]
+    OpenStore {
+        /// Database file.
+        path: PathBuf,
+        /// What went wrong.
+        #[source]
+        source: StoreError,
+    },
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}")]
+    Bind {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The socket error.
+        #[source]
+        source: io::Error,
+    },
+    /// The tokio runtime or the server thread could not be started.
+    #[error("cannot start the server runtime")]
+    Runtime(#[source] io::Error),
+    /// Accepting or serving connections failed.
+    #[error("serving failed")]
+    Serve(#[source] io::Error),
+    /// The server thread panicked.
+    #[error("the coordinator thread panicked")]
+    ThreadPanicked,
+}

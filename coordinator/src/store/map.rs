@@ -1,0 +1,144 @@
+//! Map entries: add (with overlap check), remove, resolve.
+
+use rdma_transport::coordinator::api::{MapEntry, RangeRequest};
+use rusqlite::{params, Connection, OptionalExtension};
+
+use super::codec::{enc, entry_from_row, ENTRY_COLUMNS};
+use super::schema::{bump_version, version};
+use super::{nodes, AddOutcome, NodeRecord, Store, StoreError};
+
+impl Store {
+    /// Adds a range; the request must already be validated (aligned, no
+    /// overflow). An entry with the same `gpa_start`, `length_bytes` and
+    /// `node_id` is refreshed instead ([`AddOutcome::Updated`]).
+    ///
+    /// Bumps the version when something changed.
+    pub fn add_range(
+        &mut self,
+        request: &RangeRequest,
+    ) -> Result<(MapEntry, AddOutcome), StoreError> {
+        let tx = self.conn.transaction()?;
+        if nodes::get(&tx, &request.node_id)?.is_none() {
+            return Err(StoreError::UnknownNode(request.node_id.clone()));
+        }
+        let wanted = MapEntry {
+            gpa_start: request.gpa_start,
+            length_bytes: request.length_bytes,
+            node_id: request.node_id.clone(),
+            remote_offset: request.remote_offset,
+            rdma: request.rdma,
+        };
+        let before = at_or_before(&tx, request.gpa_start)?;
+        let outcome = match before {
+            Some(existing) if existing.gpa_start == request.gpa_start => {
+                if existing.length_bytes != request.length_bytes
+                    || existing.node_id != request.node_id
+                {
+                    return Err(StoreError::Overlap { existing });
+                }
+                if existing != wanted {
+                    write(&tx, &wanted)?;
+                    bump_version(&tx)?;
+                }
+                AddOutcome::Updated
+            }
+            _ => {
+                if let Some(existing) = before.filter(|e| end(e) > u128::from(request.gpa_start)) {
+                    return Err(StoreError::Overlap { existing });
+                }
+                if let Some(existing) = after(&tx, request.gpa_start)?
+                    .filter(|e| end(&wanted) > u128::from(e.gpa_start))
+                {
+                    return Err(StoreError::Overlap { existing });
+                }
+                write(&tx, &wanted)?;
+                bump_version(&tx)?;
+                AddOutcome::Created
+            }
+        };
+        tx.commit()?;
+        Ok((wanted, outcome))
+    }
+
+    /// Removes the entry that starts at `gpa_start`; false when there is none.
+    pub fn remove_range(&mut self, gpa_start: u64) -> Result<bool, StoreError> {
+        let tx = self.conn.transaction()?;
+        let removed = tx.execute(
+            "DELETE FROM map_entries WHERE gpa_start = ?1",
+            [enc(gpa_start)],
+        )?;
+        if removed == 0 {
+            return Ok(false);
+        }
+        bump_version(&tx)?;
+        tx.commit()?;
+        Ok(true)
+    }
+
+    /// The entry containing `gpa`, its owner and the version, read together.
+    pub fn resolve(&mut self, gpa: u64) -> Result<Option<(u64, MapEntry, NodeRecord)>, StoreError> {
+        let tx = self.conn.transaction()?;
+        let Some(entry) = at_or_before(&tx, gpa)?.filter(|e| end(e) > u128::from(gpa)) else {
+            return Ok(None);
+        };
+        let node = nodes::get(&tx, &entry.node_id)?.ok_or_else(|| {
+            StoreError::Corrupt(format!("entry owner {:?} is not a node", entry.node_id))
+        })?;
+        let version = version(&tx)?;
+        tx.commit()?;
+        Ok(Some((version, entry, node)))
+    }
+}
+
+/// Every entry, sorted by `gpa_start`.
+pub(super) fn all(conn: &Connection) -> Result<Vec<MapEntry>, StoreError> {
+    let sql = format!("SELECT {ENTRY_COLUMNS} FROM map_entries ORDER BY gpa_start");
+    let mut statement = conn.prepare(&sql)?;
+    let rows = statement.query_map([], entry_from_row)?;
+    Ok(rows.collect::<Result<_, _>>()?)
+}
+
+/// One past the last byte of `entry`; u128 so that it cannot overflow.
+fn end(entry: &MapEntry) -> u128 {
+    u128::from(entry.gpa_start) + u128::from(entry.length_bytes)
+}
+
+/// The entry with the greatest `gpa_start <= gpa`.
+fn at_or_before(conn: &Connection, gpa: u64) -> Result<Option<MapEntry>, StoreError> {
+    let sql = format!(
+        "SELECT {ENTRY_COLUMNS} FROM map_entries WHERE gpa_start <= ?1
+         ORDER BY gpa_start DESC LIMIT 1"
+    );
+    Ok(conn
+        .query_row(&sql, [enc(gpa)], entry_from_row)
+        .optional()?)
+}
+
+/// The entry with the smallest `gpa_start > gpa`.
+fn after(conn: &Connection, gpa: u64) -> Result<Option<MapEntry>, StoreError> {
+    let sql = format!(
+        "SELECT {ENTRY_COLUMNS} FROM map_entries WHERE gpa_start > ?1
+         ORDER BY gpa_start ASC LIMIT 1"
+    );
+    Ok(conn
+        .query_row(&sql, [enc(gpa)], entry_from_row)
+        .optional()?)
+}
+
+/// Inserts or replaces `entry`.
+fn write(conn: &Connection, entry: &MapEntry) -> Result<(), StoreError> {
+    conn.execute(
+        "INSERT OR REPLACE INTO map_entries
+            (gpa_start, length_bytes, node_id, remote_offset, rdma_addr, rdma_rkey)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        params![
+            enc(entry.gpa_start),
+            enc(entry.length_bytes),
+            entry.node_id,
+            enc(entry.remote_offset),
+            entry.rdma.map(|r| enc(r.addr)),
+            entry.rdma.map(|r| r.rkey),
+        ],
+    )?;
+    Ok(())
+}

@@ -1,0 +1,112 @@
+//! The coordinator's state in SQLite: nodes, map entries and the version.
+//!
+//! Synchronous on purpose: callers run it on a blocking thread (see
+//! `state.rs`). Every write is one transaction, and the database is in WAL
+//! mode with `synchronous=FULL`, so a committed answer survives `kill -9` and
+//! power loss.
+
+mod codec;
+mod map;
+mod nodes;
+mod schema;
+
+use std::path::Path;
+
+use rdma_transport::coordinator::api::{MapEntry, NodeInfo, RdmaEndpoint};
+use rusqlite::Connection;
+
+/// What a store operation can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// SQLite failed.
+    #[error("sqlite")]
+    Sqlite(#[from] rusqlite::Error),
+    /// The database holds something this version cannot read.
+    #[error("database content not understood: {0}")]
+    Corrupt(String),
+    /// The node named by a request is not registered.
+    #[error("node {0:?} is not registered")]
+    UnknownNode(String),
+    /// A new range overlaps an existing entry.
+    #[error("range overlaps the entry at gpa_start {:#x}", existing.gpa_start)]
+    Overlap {
+        /// The entry in the way.
+        existing: MapEntry,
+    },
+}
+
+/// A node as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct NodeRecord {
+    pub id: String,
+    pub tcp_addr: String,
+    pub rdma: Option<RdmaEndpoint>,
+    pub last_seen_unix_ms: u64,
+}
+
+impl NodeRecord {
+    /// The API view of this node at `now_unix_ms` with a lease of `lease_ms`.
+    pub fn to_info(&self, now_unix_ms: u64, lease_ms: u64) -> NodeInfo {
+        let ago_ms = now_unix_ms.saturating_sub(self.last_seen_unix_ms);
+        NodeInfo {
+            id: self.id.clone(),
+            tcp_addr: self.tcp_addr.clone(),
+            rdma: self.rdma.clone(),
+            alive: ago_ms < lease_ms,
+            last_seen_ms_ago: ago_ms,
+        }
+    }
+}
+
+/// Whether [`Store::add_range`] created an entry or refreshed an identical one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AddOutcome {
+    Created,
+    Updated,
+}
+
+/// A consistent view of the whole state.
+#[derive(Debug, Clone)]
+pub(crate) struct Snapshot {
+    pub version: u64,
+    pub entries: Vec<MapEntry>,
+    pub nodes: Vec<NodeRecord>,
+}
+
+/// The open database. Not `Sync`: share it behind a mutex.
+#[derive(Debug)]
+pub(crate) struct Store {
+    conn: Connection,
+}
+
+impl Store {
+    /// Opens (creating if needed) the database at `path` and brings its
+    /// schema up to date.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let mut conn = Connection::open(path)?;
+        schema::prepare(&mut conn)?;
+        Ok(Self { conn })
+    }
+
+    /// Current map version.
+    #[cfg(test)]
+    pub fn version(&self) -> Result<u64, StoreError> {
+        schema::version(&self.conn)
+    }
+
+    /// Nodes, entries and version read in one transaction.
+    pub fn snapshot(&mut self) -> Result<Snapshot, StoreError> {
+        let tx = self.conn.transaction()?;
+        let snapshot = Snapshot {
+            version: schema::version(&tx)?,
+            entries: map::all(&tx)?,
+            nodes: nodes::all(&tx)?,
+        };
+        tx.commit()?;
+        Ok(snapshot)
+    }
+}
+
+#[cfg(test)]
+mod tests;

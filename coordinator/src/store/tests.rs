@@ -1,0 +1,174 @@
+//! Store tests on a temporary database file.
+
+use rdma_transport::coordinator::api::{NodeRegistration, RangeRequest, RdmaEndpoint, RdmaRegion};
+
+use super::{AddOutcome, Store, StoreError};
+
+fn open() -> (tempfile::TempDir, Store) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("c.db")).expect("open");
+    (dir, store)
+}
+
+fn registration(tcp_addr: &str) -> NodeRegistration {
+    NodeRegistration {
+        tcp_addr: tcp_addr.to_owned(),
+        rdma: None,
+    }
+}
+
+fn range(gpa_start: u64, length_bytes: u64, node_id: &str) -> RangeRequest {
+    RangeRequest {
+        gpa_start,
+        length_bytes,
+        node_id: node_id.to_owned(),
+        remote_offset: 0,
+        rdma: None,
+    }
+}
+
+#[test]
+fn version_moves_only_on_change() {
+    let (_dir, mut store) = open();
+    assert_eq!(store.version().expect("v"), 0);
+    store
+        .upsert_node("a", &registration("h:1"), 10)
+        .expect("put");
+    assert_eq!(store.version().expect("v"), 1);
+    store
+        .upsert_node("a", &registration("h:1"), 20)
+        .expect("put");
+    assert_eq!(store.version().expect("v"), 1, "same registration");
+    store.heartbeat("a", 30).expect("hb");
+    assert_eq!(store.version().expect("v"), 1, "heartbeat");
+    store
+        .upsert_node("a", &registration("h:2"), 40)
+        .expect("put");
+    assert_eq!(store.version().expect("v"), 2);
+    let endpoint = RdmaEndpoint {
+        device: "rxe0".to_owned(),
+        port: 1,
+        gid: "::ffff:127.0.0.1".to_owned(),
+        gid_index: 1,
+        lid: 0,
+    };
+    let node = store.set_rdma_endpoint("a", &endpoint).expect("rdma");
+    assert_eq!(node.and_then(|n| n.rdma), Some(endpoint.clone()));
+    assert_eq!(store.version().expect("v"), 3);
+    store.set_rdma_endpoint("a", &endpoint).expect("rdma");
+    assert_eq!(store.version().expect("v"), 3, "same endpoint");
+    assert!(store
+        .set_rdma_endpoint("b", &endpoint)
+        .expect("rdma")
+        .is_none());
+    let node = store.node("a").expect("get").expect("exists");
+    assert_eq!(node.last_seen_unix_ms, 40);
+}
+
+#[test]
+fn overlaps_and_idempotent_re_add() {
+    let (_dir, mut store) = open();
+    store
+        .upsert_node("a", &registration("h:1"), 0)
+        .expect("put");
+    store
+        .upsert_node("b", &registration("h:2"), 0)
+        .expect("put");
+    let (_, outcome) = store.add_range(&range(0x10000, 0x4000, "a")).expect("add");
+    assert_eq!(outcome, AddOutcome::Created);
+    for overlapping in [
+        range(0x10000, 0x1000, "a"),
+        range(0x10000, 0x4000, "b"),
+        range(0xf000, 0x2000, "b"),
+        range(0x13000, 0x1000, "b"),
+        range(0x8000, 0x10000, "b"),
+    ] {
+        let result = store.add_range(&overlapping);
+        assert!(
+            matches!(result, Err(StoreError::Overlap { .. })),
+            "{overlapping:?}: {result:?}"
+        );
+    }
+    let (_, outcome) = store
+        .add_range(&range(0xc000, 0x4000, "b"))
+        .expect("adjacent before");
+    assert_eq!(outcome, AddOutcome::Created);
+    let (_, outcome) = store
+        .add_range(&range(0x14000, 0x1000, "b"))
+        .expect("adjacent after");
+    assert_eq!(outcome, AddOutcome::Created);
+    let version = store.version().expect("v");
+    let mut again = range(0x10000, 0x4000, "a");
+    let (_, outcome) = store.add_range(&again).expect("same");
+    assert_eq!(outcome, AddOutcome::Updated);
+    assert_eq!(store.version().expect("v"), version, "nothing changed");
+    again.remote_offset = 0x8000;
+    again.rdma = Some(RdmaRegion {
+        addr: 0x7f00_0000_0000,
+        rkey: 7,
+    });
+    let (entry, outcome) = store.add_range(&again).expect("refresh");
+    assert_eq!(outcome, AddOutcome::Updated);
+    assert_eq!(entry.remote_offset, 0x8000);
+    assert_eq!(store.version().expect("v"), version + 1);
+    let snapshot = store.snapshot().expect("snapshot");
+    let starts: Vec<u64> = snapshot.entries.iter().map(|e| e.gpa_start).collect();
+    assert_eq!(starts, [0xc000, 0x10000, 0x14000]);
+    assert_eq!(snapshot.entries[1].rdma, again.rdma);
+    assert!(matches!(
+        store.add_range(&range(0, 0x1000, "nobody")),
+        Err(StoreError::UnknownNode(_))
+    ));
+}
+
+#[test]
+fn resolve_and_high_addresses() {
+    let (_dir, mut store) = open();
+    store
+        .upsert_node("a", &registration("h:1"), 0)
+        .expect("put");
+    let top = u64::MAX - 0xfff;
+    store.add_range(&range(top, 0x1000, "a")).expect("top page");
+    store.add_range(&range(0, 0x2000, "a")).expect("bottom");
+    store
+        .add_range(&range(1 << 63, 0x1000, "a"))
+        .expect("middle");
+    let mut hit = |gpa| store_resolve(&mut store, gpa);
+    assert_eq!(hit(0), Some(0));
+    assert_eq!(hit(0x1fff), Some(0));
+    assert_eq!(hit(0x2000), None);
+    assert_eq!(hit((1 << 63) + 5), Some(1 << 63));
+    assert_eq!(hit((1 << 63) - 1), None);
+    assert_eq!(hit(u64::MAX), Some(top));
+    assert!(store.remove_range(top).expect("rm"));
+    assert!(!store.remove_range(top).expect("rm again"));
+    assert_eq!(store_resolve(&mut store, u64::MAX), None);
+    assert!(store.delete_node("a").expect("del"));
+    assert!(store.snapshot().expect("snap").entries.is_empty());
+    assert!(!store.delete_node("a").expect("del again"));
+}
+
+fn store_resolve(store: &mut Store, gpa: u64) -> Option<u64> {
+    store
+        .resolve(gpa)
+        .expect("resolve")
+        .map(|(_, entry, _)| entry.gpa_start)
+}
+
+#[test]
+fn state_survives_reopen() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("c.db");
+    {
+        let mut store = Store::open(&path).expect("open");
+        store
+            .upsert_node("a", &registration("h:1"), 5)
+            .expect("put");
+        store.add_range(&range(0x1000, 0x1000, "a")).expect("add");
+    }
+    let mut store = Store::open(&path).expect("reopen");
+    assert_eq!(store.version().expect("v"), 2);
+    let snapshot = store.snapshot().expect("snapshot");
+    assert_eq!(snapshot.nodes.len(), 1);
+    assert_eq!(snapshot.entries.len(), 1);
+}

@@ -1,0 +1,356 @@
+//! Blocking HTTP client of the coordinator service.
+
+use std::time::Duration;
+
+use reqwest::blocking::{Client, RequestBuilder};
+use reqwest::header::CONTENT_TYPE;
+use reqwest::{Method, StatusCode, Url};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::api::{
+    is_valid_node_id, ErrorBody, HealthResponse, MapEntry, MapResponse, NodeId, NodeInfo,
+    NodeRegistration, RangeRequest, RdmaEndpoint, ResolveResponse,
+};
+use super::error::CoordinatorError;
+
+/// Longest piece of a non-JSON error body kept in [`CoordinatorError::Http`].
+const MAX_ERROR_TEXT_BYTES: usize = 256;
+
+/// Blocking client of the coordinator's `/v1` HTTP API.
+///
+/// Every call is one HTTP request bounded by the timeout given to
+/// [`new`](Self::new); nothing is retried here. When a token is set it is sent
+/// as `Authorization: Bearer <token>` on every request (the coordinator needs
+/// it on writes only).
+///
+/// # Panics
+///
+/// Built on `reqwest::blocking`, which runs its own runtime on a helper
+/// thread: **do not create, use or drop this client on a thread that is
+/// driving a tokio runtime** (inside `async` code or a `#[tokio::main]`
+/// function); reqwest panics there. From async code, call it inside
+/// `tokio::task::spawn_blocking`. Used from ordinary threads it never panics.
+///
+/// # Example
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use rdma_transport::coordinator::CoordinatorClient;
+///
+/// let client = CoordinatorClient::new("http://127.0.0.1:7070", None, Duration::from_secs(2))?;
+/// let map = client.map()?;
+/// println!("map version {} with {} entries", map.version, map.entries.len());
+/// # Ok::<(), rdma_transport::coordinator::CoordinatorError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct CoordinatorClient {
+    http: Client,
+    /// Base URL without a trailing `/`, e.g. `http://127.0.0.1:7070`.
+    base_url: String,
+    token: Option<String>,
+}
+
+impl CoordinatorClient {
+    /// Creates a client for the coordinator at `base_url` (e.g.
+    /// `http://127.0.0.1:7070`). `timeout` bounds each request, connecting
+    /// included.
+    ///
+    /// # Errors
+    ///
+    /// [`CoordinatorError::InvalidUrl`] when `base_url` is not an absolute
+    /// `http`/`https` URL without query or fragment;
+    /// [`CoordinatorError::Client`] when the HTTP client cannot be built.
+    pub fn new(
+        base_url: &str,
+        token: Option<String>,
+        timeout: Duration,
+    ) -> Result<Self, CoordinatorError> {
+        let invalid = |reason: &str| CoordinatorError::InvalidUrl {
+            url: base_url.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let url = Url::parse(base_url).map_err(|e| invalid(&e.to_string()))?;
+        if url.scheme() != "http" && url.scheme() != "https" {
+            return Err(invalid("the scheme must be http or https"));
+        }
+        if url.host_str().is_none() {
+            return Err(invalid("no host"));
+        }
+        if url.query().is_some() || url.fragment().is_some() {
+            return Err(invalid("a query or fragment is not allowed"));
+        }
+        let http = Client::builder()
+            .timeout(timeout)
+            .connect_timeout(timeout)
+            .build()
+            .map_err(CoordinatorError::Client)?;
+        Ok(Self {
+            http,
+            base_url: url.as_str().trim_end_matches('/').to_owned(),
+            token,
+        })
+    }
+
+    /// Base URL of the coordinator, without a trailing `/`.
+    pub fn base_url(&self) -> &str {
+        &self.base_url
+    }
+
+    /// `GET /v1/health`: checks that the coordinator answers.
+    ///
+    /// # Errors
+    ///
+    /// See [`CoordinatorError`]; [`CoordinatorError::Unreachable`] while it is down.
+    pub fn health(&self) -> Result<HealthResponse, CoordinatorError> {
+        self.call(Method::GET, "/v1/health", None)
+    }
+
+    /// `PUT /v1/nodes/{id}`: registers a node or replaces its registration,
+    /// and refreshes its lease.
+    ///
+    /// # Errors
+    ///
+    /// See [`CoordinatorError`].
+    pub fn register_node(
+        &self,
+        id: &NodeId,
+        registration: &NodeRegistration,
+    ) -> Result<NodeInfo, CoordinatorError> {
+        let path = format!("/v1/nodes/{}", checked_id(id)?);
+        self.call(Method::PUT, &path, Some(encode(registration)?))
+    }
+
+    /// `POST /v1/nodes/{id}/heartbeat`: refreshes the node's lease.
+    ///
+    /// # Errors
+    ///
+    /// Not found (see [`CoordinatorError::is_not_found`]) when the node is not
+    /// registered; see [`CoordinatorError`].
+    pub fn heartbeat(&self, id: &NodeId) -> Result<NodeInfo, CoordinatorError> {
+        let path = format!("/v1/nodes/{}/heartbeat", checked_id(id)?);
+        self.call(Method::POST, &path, None)
+    }
+
+    /// `GET /v1/nodes`: every registered node.
+    ///
+    /// # Errors
+    ///
+    /// See [`CoordinatorError`].
+    pub fn nodes(&self) -> Result<Vec<NodeInfo>, CoordinatorError> {
+        self.call(Method::GET, "/v1/nodes", None)
+    }
+
+    /// `GET /v1/nodes/{id}`: one node.
+    ///
+    /// # Errors
+    ///
+    /// Not found when the node is not registered; see [`CoordinatorError`].
+    pub fn node(&self, id: &NodeId) -> Result<NodeInfo, CoordinatorError> {
+        let path = format!("/v1/nodes/{}", checked_id(id)?);
+        self.call(Method::GET, &path, None)
+    }
+
+    /// `DELETE /v1/nodes/{id}`: forgets a node and every range it owns.
+    ///
+    /// # Errors
+    ///
+    /// Not found when the node is not registered; see [`CoordinatorError`].
+    pub fn remove_node(&self, id: &NodeId) -> Result<(), CoordinatorError> {
+        let path = format!("/v1/nodes/{}", checked_id(id)?);
+        self.call_no_content(Method::DELETE, &path)
+    }
+
+    /// `POST /v1/map`: claims a GPA range for a node. Claiming exactly the same
+    /// range for the same node again updates its `remote_offset` and `rdma`.
+    ///
+    /// # Errors
+    ///
+    /// Conflict (see [`CoordinatorError::is_conflict`]) when the range overlaps
+    /// another one; not found when the node is unknown; bad request when the
+    /// range is misaligned or overflows; see [`CoordinatorError`].
+    pub fn add_range(&self, request: &RangeRequest) -> Result<MapEntry, CoordinatorError> {
+        self.call(Method::POST, "/v1/map", Some(encode(request)?))
+    }
+
+    /// `DELETE /v1/map/{gpa_start}`: removes the range that starts at `gpa_start`.
+    ///
+    /// # Errors
+    ///
+    /// Not found when no range starts there; see [`CoordinatorError`].
+    pub fn remove_range(&self, gpa_start: u64) -> Result<(), CoordinatorError> {
+        self.call_no_content(Method::DELETE, &format!("/v1/map/{gpa_start}"))
+    }
+
+    /// `GET /v1/map`: the whole map, its version and every node.
+    ///
+    /// # Errors
+    ///
+    /// See [`CoordinatorError`].
+    pub fn map(&self) -> Result<MapResponse, CoordinatorError> {
+        self.call(Method::GET, "/v1/map", None)
+    }
+
+    /// `GET /v1/resolve?gpa=...`: the range that contains `gpa` and its owner.
+    ///
+    /// # Errors
+    ///
+    /// Not found when `gpa` is not mapped; see [`CoordinatorError`].
+    pub fn resolve(&self, gpa: u64) -> Result<ResolveResponse, CoordinatorError> {
+        self.call(Method::GET, &format!("/v1/resolve?gpa={gpa:#x}"), None)
+    }
+
+    /// `POST /v1/nodes/{id}/rdma/endpoint`: publishes the node's RDMA endpoint.
+    ///
+    /// # Errors
+    ///
+    /// Not found when the node is not registered; see [`CoordinatorError`].
+    pub fn set_rdma_endpoint(
+        &self,
+        id: &NodeId,
+        endpoint: &RdmaEndpoint,
+    ) -> Result<NodeInfo, CoordinatorError> {
+        let path = format!("/v1/nodes/{}/rdma/endpoint", checked_id(id)?);
+        self.call(Method::POST, &path, Some(encode(endpoint)?))
+    }
+
+    /// `GET /v1/nodes/{id}/rdma/endpoint`: the node's RDMA endpoint.
+    ///
+    /// # Errors
+    ///
+    /// Not found when the node is unknown or has published no endpoint; see
+    /// [`CoordinatorError`].
+    pub fn rdma_endpoint(&self, id: &NodeId) -> Result<RdmaEndpoint, CoordinatorError> {
+        let path = format!("/v1/nodes/{}/rdma/endpoint", checked_id(id)?);
+        self.call(Method::GET, &path, None)
+    }
+
+    /// Sends a request and decodes a JSON success body.
+    fn call<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        json_body: Option<Vec<u8>>,
+    ) -> Result<T, CoordinatorError> {
+        let url = format!("{}{path}", self.base_url);
+        let body = self.send(method, &url, json_body)?;
+        serde_json::from_slice(&body).map_err(|source| CoordinatorError::Decode { url, source })
+    }
+
+    /// Sends a request whose success answer has no body.
+    fn call_no_content(&self, method: Method, path: &str) -> Result<(), CoordinatorError> {
+        let url = format!("{}{path}", self.base_url);
+        self.send(method, &url, None).map(drop)
+    }
+
+    /// Sends one request; returns the body of a 2xx answer, or the error.
+    fn send(
+        &self,
+        method: Method,
+        url: &str,
+        json_body: Option<Vec<u8>>,
+    ) -> Result<Vec<u8>, CoordinatorError> {
+        tracing::debug!(%method, url, "coordinator request");
+        let mut request: RequestBuilder = self.http.request(method, url);
+        if let Some(token) = &self.token {
+            request = request.bearer_auth(token);
+        }
+        if let Some(body) = json_body {
+            request = request.header(CONTENT_TYPE, "application/json").body(body);
+        }
+        let unreachable = |source| CoordinatorError::Unreachable {
+            url: url.to_owned(),
+            source,
+        };
+        let response = request.send().map_err(unreachable)?;
+        let status = response.status();
+        let body = response.bytes().map_err(unreachable)?;
+        if status.is_success() {
+            Ok(body.to_vec())
+        } else {
+            Err(http_error(status, &body))
+        }
+    }
+}
+
+/// Turns an error answer into [`CoordinatorError::Http`], whether or not its
+/// body is an [`ErrorBody`].
+fn http_error(status: StatusCode, body: &[u8]) -> CoordinatorError {
+    match serde_json::from_slice::<ErrorBody>(body) {
+        Ok(error) => CoordinatorError::Http {
+            status: status.as_u16(),
+            code: error.error,
+            message: error.message,
+        },
+        Err(_) => {
+            let kept = body.get(..MAX_ERROR_TEXT_BYTES).unwrap_or(body);
+            CoordinatorError::Http {
+                status: status.as_u16(),
+                code: format!("http_{}", status.as_u16()),
+                message: String::from_utf8_lossy(kept).into_owned(),
+            }
+        }
+    }
+}
+
+/// Refuses ids the coordinator would refuse, so that none can alter the URL path.
+fn checked_id(id: &str) -> Result<&str, CoordinatorError> {
+    if is_valid_node_id(id) {
+        Ok(id)
+    } else {
+        Err(CoordinatorError::InvalidNodeId(id.to_owned()))
+    }
+}
+
+/// Serialises a request body.
+fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, CoordinatorError> {
+    serde_json::to_vec(value).map_err(CoordinatorError::Encode)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base_url_is_checked_and_trimmed() {
+        let timeout = Duration::from_secs(1);
+        let client = CoordinatorClient::new("http://127.0.0.1:7070/", None, timeout);
+        assert_eq!(
+            client.ok().map(|c| c.base_url).as_deref(),
+            Some("http://127.0.0.1:7070")
+        );
+        for bad in [
+            "",
+            "127.0.0.1:7070",
+            "ftp://h",
+            "http://h/?q=1",
+            "http://h/#f",
+        ] {
+            let result = CoordinatorClient::new(bad, None, timeout);
+            assert!(
+                matches!(result, Err(CoordinatorError::InvalidUrl { .. })),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_node_id_is_not_sent() {
+        let client = CoordinatorClient::new("http://127.0.0.1:9", None, Duration::from_secs(1));
+        let Ok(client) = client else { panic!("client") };
+        let result = client.heartbeat(&"../map".to_owned());
+        assert!(matches!(result, Err(CoordinatorError::InvalidNodeId(_))));
+    }
+
+    #[test]
+    fn error_bodies_are_decoded() {
+        let body = br#"{"error":"conflict","message":"overlaps"}"#;
+        let error = http_error(StatusCode::CONFLICT, body);
+        assert!(error.is_conflict());
+        assert!(matches!(error, CoordinatorError::Http { ref code, .. } if code == "conflict"));
+        let error = http_error(StatusCode::BAD_GATEWAY, b"<html>proxy</html>");
+        assert!(
+            matches!(error, CoordinatorError::Http { status: 502, ref code, .. } if code == "http_502")
+        );
+    }
+}
