@@ -66,7 +66,7 @@ fn nodes_register_list_get_delete() {
 fn node_ids_and_registrations_are_validated() {
     let h = start(None, LEASE_MS);
     let body = json!({ "tcp_addr": "h:1" });
-    for bad_id in ["has%20space", "a%2Fb", &"x".repeat(65), "%C3%A9"] {
+    for bad_id in ["has%20space", "a%2Fb", "%FF", &"x".repeat(65), "%C3%A9"] {
         let answer = h.call(
             Method::PUT,
             &format!("/v1/nodes/{bad_id}"),

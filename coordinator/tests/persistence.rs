@@ -124,7 +124,7 @@ fn state_survives_sigkill_and_restart() {
     first.0.wait().expect("reaped");
     drop(first);
 
-    let (_second, url) = start_binary(&db, &ready_path(dir.path(), 2));
+    let (mut second, url) = start_binary(&db, &ready_path(dir.path(), 2));
     let c = client(&url);
     let after = c.map().expect("map after restart");
     assert_eq!(after.version, before.version);
@@ -146,4 +146,21 @@ fn state_survives_sigkill_and_restart() {
     // The version keeps increasing from where it was.
     c.remove_range(0).expect("remove");
     assert!(c.map().expect("map").version > before.version);
+
+    // SIGTERM: a clean exit with status 0.
+    let status = Command::new("kill")
+        .arg("-TERM")
+        .arg(second.0.id().to_string())
+        .status()
+        .expect("kill -TERM runs");
+    assert!(status.success());
+    let deadline = Instant::now() + WAIT_LIMIT;
+    let exit = loop {
+        if let Some(exit) = second.0.try_wait().expect("try_wait") {
+            break exit;
+        }
+        assert!(Instant::now() < deadline, "no exit after SIGTERM");
+        std::thread::sleep(POLL_INTERVAL);
+    };
+    assert!(exit.success(), "exit after SIGTERM: {exit}");
 }
