@@ -80,8 +80,8 @@ impl GidType {
 /// Finds the index of the first IPv4-mapped RoCE v2 GID of `port` — the
 /// entry RoCE v2 connections should use (indexes 0/1 are often link-local
 /// IPv6 or RoCE v1). Asks `ibv_query_gid_ex` when libibverbs exports it,
-/// else reads `/sys/class/infiniband/<dev>/ports/<port>/gids/N` and
-/// `gid_attrs/types/N`.
+/// else (or when that finds nothing) reads sysfs, see
+/// [`find_roce_v2_ipv4_gid_index_sysfs`].
 ///
 /// The kernel fills the GID table asynchronously after a device is added:
 /// a caller that has just created one should retry for a few seconds.
@@ -101,19 +101,27 @@ pub fn find_roce_v2_ipv4_gid_index(ctx: &Context, port: u8) -> Result<u8, VerbsE
     if let Some(index) = found {
         return Ok(index);
     }
+    find_roce_v2_ipv4_gid_index_sysfs(ctx.name(), port).ok_or_else(|| VerbsError::NoRoceV2Gid {
+        device: ctx.name().to_owned(),
+        port,
+    })
+}
+
+/// The sysfs half of [`find_roce_v2_ipv4_gid_index`], usable without opening
+/// the device: scans `/sys/class/infiniband/<device>/ports/<port>/gids/N`
+/// with `gid_attrs/types/N`. `None` when no entry is an IPv4-mapped RoCE v2
+/// GID (or sysfs has no such device).
+pub fn find_roce_v2_ipv4_gid_index_sysfs(device: &str, port: u8) -> Option<u8> {
     let port_dir = Path::new("/sys/class/infiniband")
-        .join(ctx.name())
+        .join(device)
         .join("ports")
         .join(port.to_string());
+    let table_len = std::fs::read_dir(port_dir.join("gids")).ok()?.count();
     (0..table_len)
         .filter_map(|i| u8::try_from(i).ok())
         .find(|&index| match sysfs_gid_entry(&port_dir, index) {
             Some((gid, ty)) => ty == GidType::RoceV2 && gid.ipv4().is_some(),
             None => false,
-        })
-        .ok_or_else(|| VerbsError::NoRoceV2Gid {
-            device: ctx.name().to_owned(),
-            port,
         })
 }
 

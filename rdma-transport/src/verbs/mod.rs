@@ -38,6 +38,7 @@ mod loader;
 mod mr;
 mod pd;
 mod qp;
+mod wr;
 
 /// bindgen output for `<infiniband/verbs.h>` (dynamic-loading mode).
 #[allow(
@@ -62,8 +63,9 @@ pub use cq::{CompletionChannel, CompletionQueue, WcOpcode, WcStatus, WorkComplet
 pub use device::{list_devices, DeviceInfo};
 pub use endpoint::QpEndpoint;
 pub use error::VerbsError;
-pub use gid::{find_roce_v2_ipv4_gid_index, Gid, GidType};
+pub use gid::{find_roce_v2_ipv4_gid_index, find_roce_v2_ipv4_gid_index_sysfs, Gid, GidType};
 pub use loader::{Verbs, LIBIBVERBS};
 pub use mr::{AccessFlags, MemoryRegion};
 pub use pd::ProtectionDomain;
-pub use qp::{Mtu, QpCaps, QpState, QueuePair, RecvWr, RtrParams, RtsParams, SendWr, Sge};
+pub use qp::{Mtu, QpCaps, QpState, QueuePair, RtrParams, RtsParams};
+pub use wr::{RecvWr, SendWr, Sge};

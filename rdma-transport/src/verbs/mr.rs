@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::error::{check_ptr, rc_to_io, VerbsError};
 use super::generated::{ibv_access_flags, ibv_mr};
 use super::pd::{PdInner, ProtectionDomain};
-use super::qp::Sge;
+use super::wr::Sge;
 
 /// `enum ibv_access_flags`: what the device may do with an MR or a QP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
