@@ -32,7 +32,7 @@ impl Sge {
 
 /// A send work request (`struct ibv_send_wr`) that borrows its SGEs. Build an
 /// array of these (on the stack, or reused) and pass it to
-/// [`QueuePair::post_send`].
+/// [`super::QueuePair::post_send`].
 #[repr(transparent)]
 pub struct SendWr<'a> {
     pub(crate) wr: ibv_send_wr,
