@@ -1,1 +1,232 @@
-fn main() {}
+//! `bench`: latency and throughput of the paging transport.
+//!
+//! With no flags: starts a local cluster on loopback (coordinator on a
+//! temporary database, two page-servers on ephemeral ports), fills the
+//! remote memory, runs a write and a read benchmark with every page's content
+//! checked, prints a table, and tears the cluster down.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+mod baseline;
+mod cluster;
+mod pattern;
+mod report;
+mod workload;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use rdma_transport::{ManagerConfig, PollMode, TransportKind, TransportManager, PAGE_SIZE};
+
+use crate::report::Record;
+use crate::workload::{AccessPattern, Op, Spec, WorkingSet};
+
+/// Latency and throughput benchmark of the remote-memory paging transport.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// Data path: auto (RDMA where possible), tcp, or rdma (fails without a device).
+    #[arg(long, default_value = "auto")]
+    transport: TransportKind,
+    /// Operation to measure; both (write, then read) when not given.
+    #[arg(long, value_enum)]
+    op: Option<Op>,
+    /// Page operations per run.
+    #[arg(long, default_value_t = 50_000)]
+    ops: u64,
+    /// Remote memory under test, e.g. 64MiB (the local cluster exports this much).
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    memory: usize,
+    /// Benchmark threads.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Requests in flight per thread.
+    #[arg(long, default_value_t = 1)]
+    depth: usize,
+    /// Address order.
+    #[arg(long, value_enum, default_value = "random")]
+    pattern: AccessPattern,
+    /// Page-servers in the local cluster.
+    #[arg(long, default_value_t = 2)]
+    nodes: usize,
+    /// Use an existing cluster at this coordinator URL instead of starting one.
+    #[arg(long)]
+    coordinator: Option<String>,
+    /// Write the results as a JSON array to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Also run a bare TCP ping-pong of the same sizes and print our overhead.
+    #[arg(long)]
+    baseline: bool,
+    /// Poller mode: busy or event.
+    #[arg(long, default_value = "busy", value_parser = parse_poll_mode)]
+    poll_mode: PollMode,
+    /// Poller threads.
+    #[arg(long, default_value_t = 1)]
+    pollers: usize,
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: usize = num.parse().map_err(|_| format!("bad size {s:?}"))?;
+    let mult: usize = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" | "K" => 1 << 10,
+        "MiB" | "M" => 1 << 20,
+        "GiB" | "G" => 1 << 30,
+        other => return Err(format!("unknown size unit {other:?} (use KiB, MiB or GiB)")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} overflows"))
+}
+
+fn parse_poll_mode(s: &str) -> Result<PollMode, String> {
+    match s {
+        "busy" => Ok(PollMode::Busy),
+        "event" => Ok(PollMode::Event),
+        other => Err(format!("unknown poll mode {other:?} (busy or event)")),
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    if args.threads == 0 || args.depth == 0 || args.nodes == 0 || args.ops == 0 {
+        bail!("--threads, --depth, --nodes and --ops must be at least 1");
+    }
+    if args.memory < PAGE_SIZE * args.nodes {
+        bail!("--memory must hold at least one page per node");
+    }
+    if args.transport == TransportKind::Rdma {
+        bail!(
+            "--transport rdma: this build has no RDMA data path yet (it arrives with the verbs data path); \
+             use --transport tcp or auto"
+        );
+    }
+    let cluster = match &args.coordinator {
+        Some(_) => None,
+        None => Some(cluster::LocalCluster::start(args.nodes, args.memory)?),
+    };
+    let url = match (&cluster, &args.coordinator) {
+        (Some(c), _) => c.url().to_owned(),
+        (None, Some(u)) => u.clone(),
+        (None, None) => unreachable!("one of the two is set above"),
+    };
+    let config = ManagerConfig {
+        coordinator_url: url.clone(),
+        transport: args.transport,
+        poll_mode: args.poll_mode,
+        poller_threads: args.pollers,
+        ..ManagerConfig::default()
+    };
+    let mgr = TransportManager::connect(config)
+        .with_context(|| format!("connecting to the cluster at {url}"))?;
+    let map = mgr.map();
+    let nodes = map.nodes().len();
+    let limit_pages = args.memory / PAGE_SIZE;
+    let gpas: Vec<u64> = map
+        .ranges()
+        .flat_map(|(start, len, _)| {
+            (0..len / PAGE_SIZE as u64).map(move |i| start + i * PAGE_SIZE as u64)
+        })
+        .take(limit_pages)
+        .collect();
+    if gpas.is_empty() {
+        bail!("the cluster at {url} maps no memory");
+    }
+    let set = WorkingSet::new(gpas);
+    eprintln!(
+        "cluster: {url}, {} nodes, {} MiB under test ({} pages); filling it...",
+        nodes,
+        set.len() * PAGE_SIZE >> 20,
+        set.len()
+    );
+    set.fill(&mgr, 1).context("filling remote memory")?;
+
+    let ops: Vec<Op> = match args.op {
+        Some(op) => vec![op],
+        None => vec![Op::Write, Op::Read],
+    };
+    let transport_name = "tcp";
+    let mut records = Vec::new();
+    let mut lines = Vec::new();
+    for (i, &op) in ops.iter().enumerate() {
+        let spec = Spec {
+            op,
+            ops: args.ops,
+            threads: args.threads,
+            depth: args.depth,
+            pattern: args.pattern,
+        };
+        let seed = 100 + i as u64;
+        let progress = progress_bar(args.ops, &format!("{op:?}"));
+        let mut outcome = workload::run(&mgr, &set, spec, seed, &progress);
+        progress.finish_and_clear();
+        if op == Op::Write {
+            outcome.bad_pages += set.verify_all(&mgr).context("reading back written pages")?;
+            outcome.pages_checked = outcome.ops_done;
+        }
+        let ours = Record::new(transport_name, spec, nodes, &outcome);
+        if args.baseline {
+            let base_outcome = baseline::run(Spec { threads: 1, ..spec }, set.len(), seed)?;
+            let base = Record::new("bare-tcp", Spec { threads: 1, ..spec }, 1, &base_outcome);
+            lines.push(report::ratio_line(&ours, &base));
+            records.push(ours);
+            records.push(base);
+        } else {
+            records.push(ours);
+        }
+    }
+    println!("{}", report::header());
+    for r in &records {
+        println!("{}", report::line(r));
+    }
+    for l in &lines {
+        println!("{l}");
+    }
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&records)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    drop(mgr);
+    drop(cluster);
+    let failed: Vec<_> = records.iter().filter(|r| !r.verified).collect();
+    if !failed.is_empty() {
+        for r in &failed {
+            eprintln!(
+                "run {:?}/{} not verified: {} errors{}",
+                r.op,
+                r.transport,
+                r.errors,
+                r.first_error
+                    .as_deref()
+                    .map(|e| format!(", first: {e}"))
+                    .unwrap_or_default()
+            );
+        }
+        bail!("{} run(s) failed verification", failed.len());
+    }
+    Ok(())
+}
+
+fn progress_bar(total: u64, label: &str) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    if let Ok(style) =
+        ProgressStyle::with_template("{msg:>6} [{bar:40}] {pos}/{len} {per_sec} eta {eta}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_message(label.to_owned());
+    // Drawn only when stderr is a terminal; a short run never shows it.
+    bar.enable_steady_tick(Duration::from_millis(500));
+    bar
+}

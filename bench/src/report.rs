@@ -1,0 +1,127 @@
+//! The printed table and the JSON record of each run.
+
+use serde::Serialize;
+
+use crate::workload::{AccessPattern, Op, Outcome, Spec};
+
+/// Latency percentiles in microseconds.
+#[derive(Debug, Serialize)]
+pub struct LatencyUs {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub p999: f64,
+    pub max: f64,
+    pub mean: f64,
+}
+
+/// Throughput of a run.
+#[derive(Debug, Serialize)]
+pub struct Throughput {
+    pub pages_per_s: f64,
+    pub gb_per_s: f64,
+}
+
+/// One benchmark run, as written to `--json`.
+#[derive(Debug, Serialize)]
+pub struct Record {
+    /// `tcp`, `rdma`, or `bare-tcp` for the baseline.
+    pub transport: String,
+    pub op: Op,
+    pub pattern: AccessPattern,
+    pub ops: u64,
+    pub threads: usize,
+    pub depth: usize,
+    pub nodes: usize,
+    pub errors: u64,
+    pub verified: bool,
+    pub latency_us: LatencyUs,
+    pub throughput: Throughput,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_error: Option<String>,
+}
+
+impl Record {
+    pub fn new(transport: &str, spec: Spec, nodes: usize, outcome: &Outcome) -> Self {
+        let h = &outcome.latency_ns;
+        let us = |ns: u64| ns as f64 / 1000.0;
+        let secs = outcome.elapsed.as_secs_f64().max(1e-9);
+        let ok_pages = (outcome.ops_done - outcome.errors) as f64;
+        Self {
+            transport: transport.into(),
+            op: spec.op,
+            pattern: spec.pattern,
+            ops: outcome.ops_done,
+            threads: spec.threads,
+            depth: spec.depth,
+            nodes,
+            errors: outcome.errors,
+            verified: outcome.verified(),
+            latency_us: LatencyUs {
+                p50: us(h.value_at_quantile(0.50)),
+                p90: us(h.value_at_quantile(0.90)),
+                p99: us(h.value_at_quantile(0.99)),
+                p999: us(h.value_at_quantile(0.999)),
+                max: us(h.max()),
+                mean: h.mean() / 1000.0,
+            },
+            throughput: Throughput {
+                pages_per_s: ok_pages / secs,
+                gb_per_s: ok_pages * rdma_transport::PAGE_SIZE as f64 / secs / 1e9,
+            },
+            first_error: outcome.first_error.clone(),
+        }
+    }
+}
+
+/// The table's header line.
+pub fn header() -> String {
+    format!(
+        "{:<9} {:<5} {:<6} {:>3} {:>3} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>6} {:>8}",
+        "transport", "op", "order", "thr", "dep", "ops", "errors", "p50_us", "p90_us", "p99_us", "p999_us", "max_us",
+        "pages/s", "GB/s", "verified"
+    )
+}
+
+/// One table line.
+pub fn line(r: &Record) -> String {
+    let order = match r.pattern {
+        AccessPattern::Random => "random",
+        AccessPattern::Seq => "seq",
+    };
+    let op = match r.op {
+        Op::Read => "read",
+        Op::Write => "write",
+    };
+    let l = &r.latency_us;
+    format!(
+        "{:<9} {:<5} {:<6} {:>3} {:>3} {:>8} {:>6} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>10.0} {:>6.2} {:>8}",
+        r.transport,
+        op,
+        order,
+        r.threads,
+        r.depth,
+        r.ops,
+        r.errors,
+        l.p50,
+        l.p90,
+        l.p99,
+        l.p999,
+        l.max,
+        r.throughput.pages_per_s,
+        r.throughput.gb_per_s,
+        if r.verified { "yes" } else { "NO" }
+    )
+}
+
+/// Our figures against the baseline's, as ratios (>1 means we are slower).
+pub fn ratio_line(ours: &Record, base: &Record) -> String {
+    format!(
+        "overhead vs bare TCP ({:?}, depth {}): p50 x{:.2}, p99 x{:.2}, throughput x{:.2}",
+        ours.op,
+        ours.depth,
+        ours.latency_us.p50 / base.latency_us.p50.max(1e-9),
+        ours.latency_us.p99 / base.latency_us.p99.max(1e-9),
+        ours.throughput.pages_per_s / base.throughput.pages_per_s.max(1e-9),
+    )
+}
