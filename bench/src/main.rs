@@ -147,7 +147,7 @@ fn main() -> anyhow::Result<()> {
     eprintln!(
         "cluster: {url}, {} nodes, {} MiB under test ({} pages); filling it...",
         nodes,
-        set.len() * PAGE_SIZE >> 20,
+        (set.len() * PAGE_SIZE) >> 20,
         set.len()
     );
     set.fill(&mgr, 1).context("filling remote memory")?;

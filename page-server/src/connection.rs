@@ -48,8 +48,8 @@ impl Exported {
 /// One answer waiting to be sent.
 enum Payload {
     None,
-    /// A page of the exported region, at this offset.
-    Region(usize),
+    /// A page of the exported region (bounds already checked).
+    Region(*mut u8),
     /// An encoded HELLO_ACK.
     Hello(Vec<u8>),
 }
@@ -86,7 +86,7 @@ impl Outbox {
     }
 
     /// Sends everything gathered, then empties the outbox.
-    fn flush(&mut self, stream: &TcpStream, exported: &Exported) -> io::Result<()> {
+    fn flush(&mut self, stream: &TcpStream) -> io::Result<()> {
         self.iovecs.clear();
         for (header, payload) in self.headers.iter().zip(&self.payloads) {
             self.iovecs.push(libc::iovec {
@@ -95,11 +95,12 @@ impl Outbox {
             });
             match payload {
                 Payload::None => {}
-                Payload::Region(off) => self.iovecs.push(libc::iovec {
-                    // SAFETY: `off + PAGE_SIZE <= len` was checked by `Exported::check`.
-                    iov_base: unsafe { exported.region.as_ptr().add(*off) }.cast(),
-                    iov_len: PAGE_SIZE,
-                }),
+                Payload::Region(page) => {
+                    self.iovecs.push(libc::iovec {
+                        iov_base: page.cast(),
+                        iov_len: PAGE_SIZE,
+                    });
+                }
                 Payload::Hello(bytes) => {
                     self.iovecs.push(libc::iovec {
                         iov_base: bytes.as_ptr().cast_mut().cast(),
@@ -197,15 +198,15 @@ pub(crate) fn serve(mut stream: &TcpStream, exported: &Exported) -> io::Result<(
             if header.opcode == Opcode::Write && outbox.has_region_reads() {
                 // READ answers are copied out of the region when sent: send
                 // them before a later WRITE changes what they must show.
-                outbox.flush(stream, exported)?;
+                outbox.flush(stream)?;
             }
             handle(&header, payload, exported, &mut greeted, &mut outbox);
             start += total;
             if outbox.is_full() {
-                outbox.flush(stream, exported)?;
+                outbox.flush(stream)?;
             }
         }
-        outbox.flush(stream, exported)?;
+        outbox.flush(stream)?;
         if let Some(err) = close {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -266,23 +267,19 @@ fn handle(
             outbox.push(answer(Status::NoHello), Payload::None)
         }
         Opcode::Read => match exported.check(header) {
-            Ok(off) => outbox.push(answer(Status::Ok), Payload::Region(off)),
+            Ok(off) => match exported.region.ptr_at(off, PAGE_SIZE) {
+                Some(page) => outbox.push(answer(Status::Ok), Payload::Region(page)),
+                None => outbox.push(answer(Status::OutOfRange), Payload::None),
+            },
             Err(status) => outbox.push(answer(status), Payload::None),
         },
         Opcode::Write => match exported.check(header) {
             Ok(off) => {
-                // SAFETY: `off + PAGE_SIZE <= len` was checked, `payload` is
-                // exactly one page (check() requires length == PAGE_SIZE and
-                // the header's payload length is that length), and the source
-                // is our receive buffer, which cannot overlap the region.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        payload.as_ptr(),
-                        exported.region.as_ptr().add(off),
-                        PAGE_SIZE,
-                    )
+                let status = match exported.region.write_at(off, payload) {
+                    Ok(()) => Status::Ok,
+                    Err(_) => Status::OutOfRange,
                 };
-                outbox.push(answer(Status::Ok), Payload::None);
+                outbox.push(answer(status), Payload::None);
             }
             Err(status) => outbox.push(answer(status), Payload::None),
         },

@@ -56,11 +56,15 @@ pub struct RunningServer {
     registration: Option<Registration>,
 }
 
+/// A served connection: its id, a handle on its socket (to shut it down),
+/// and its thread.
+type ConnEntry = (u64, TcpStream, Option<JoinHandle<()>>);
+
 #[derive(Debug)]
 struct Shared {
     exported: Exported,
     stop: AtomicBool,
-    connections: Mutex<Vec<(u64, TcpStream, Option<JoinHandle<()>>)>>,
+    connections: Mutex<Vec<ConnEntry>>,
     active: AtomicUsize,
     max_connections: usize,
 }

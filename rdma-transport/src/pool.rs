@@ -233,9 +233,6 @@ mod tests {
         let frame = pool.alloc().unwrap();
         drop(pool);
         assert_eq!(frame.len(), PAGE_SIZE); // mapping still alive through the frame
-        assert!(matches!(
-            PagePool::new(PAGE_SIZE).map(|p| p.backing()),
-            Ok(_)
-        ));
+        assert!(PagePool::new(PAGE_SIZE).is_ok());
     }
 }

@@ -99,6 +99,32 @@ impl MappedRegion {
     pub fn backing(&self) -> Backing {
         self.backing
     }
+
+    /// Pointer to `len` bytes at `offset`, or `None` when they are not all
+    /// inside the region.
+    pub fn ptr_at(&self, offset: usize, len: usize) -> Option<*mut u8> {
+        let end = offset.checked_add(len)?;
+        // SAFETY: `offset <= end <= len_bytes`, so the result stays inside
+        // (or one past the end of) the mapping.
+        (end <= self.len_bytes).then(|| unsafe { self.base.as_ptr().add(offset) })
+    }
+
+    /// Copies `src` into the region at `offset`. Other threads (or a NIC) may
+    /// access the same bytes concurrently: the copy is raw, never through a
+    /// Rust reference, and a page read while it is being written may be torn,
+    /// as with RDMA.
+    ///
+    /// # Errors
+    /// `InvalidInput` when the bytes are not all inside the region.
+    pub fn write_at(&self, offset: usize, src: &[u8]) -> io::Result<()> {
+        let dst = self.ptr_at(offset, src.len()).ok_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidInput, "write outside the region")
+        })?;
+        // SAFETY: `dst..dst+len` is inside the live mapping (checked above),
+        // and `src` is a Rust slice, which cannot alias this raw mapping.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        Ok(())
+    }
 }
 
 fn map_anonymous(len_bytes: usize, extra_flags: libc::c_int) -> io::Result<NonNull<u8>> {

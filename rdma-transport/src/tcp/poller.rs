@@ -200,7 +200,7 @@ fn run(shared: &Shared, cpu: Option<usize>, mode: PollMode, idle_spin: Duration)
 /// the connection is finished.
 fn on_readable(c: &mut Conn) -> Result<(), u32> {
     loop {
-        match (&*c.conn.stream()).read(&mut c.buf[c.end..]) {
+        match c.conn.stream().read(&mut c.buf[c.end..]) {
             Ok(0) => {
                 tracing::debug!(node = %c.conn.node_id, "page-server closed the connection");
                 return Err(CODE_CONN_LOST);

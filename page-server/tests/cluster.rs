@@ -1,0 +1,201 @@
+//! End-to-end: a real coordinator and page-servers on loopback, driven
+//! through the TransportManager.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use common::*;
+use rdma_transport::{TransportError, PAGE_SIZE};
+
+const PAGES_PER_NODE: u64 = (NODE_BYTES / PAGE_SIZE) as u64;
+
+#[test]
+fn pages_written_to_two_nodes_read_back_identical() {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let _a = page_server(&coord.url(), "a", 0);
+    let _b = page_server(&coord.url(), "b", NODE_BYTES as u64);
+    let mgr = manager(&coord.url());
+    assert_eq!(mgr.map().nodes().len(), 2);
+
+    // One page at a time, on both nodes.
+    let gpas: Vec<u64> = (0..2 * PAGES_PER_NODE)
+        .step_by(7)
+        .map(|p| p * PAGE_SIZE as u64)
+        .collect();
+    for &gpa in &gpas {
+        mgr.write_page(gpa, &page_for(gpa, 1)).unwrap();
+    }
+    let mut page = [0u8; PAGE_SIZE];
+    for &gpa in &gpas {
+        mgr.read_page(gpa, &mut page).unwrap();
+        assert!(page == page_for(gpa, 1), "page at {gpa:#x} differs");
+    }
+
+    // Batches that span both nodes, many in flight.
+    let all: Vec<u64> = (0..2 * PAGES_PER_NODE)
+        .map(|p| p * PAGE_SIZE as u64)
+        .collect();
+    let pages: Vec<_> = all.iter().map(|&g| page_for(g, 2)).collect();
+    mgr.write_pages(&all, &pages).unwrap();
+    let mut back = vec![[0u8; PAGE_SIZE]; all.len()];
+    mgr.read_pages(&all, &mut back).unwrap();
+    for (i, &gpa) in all.iter().enumerate() {
+        assert!(back[i] == pages[i], "batched page at {gpa:#x} differs");
+    }
+
+    // Into a pool frame.
+    let frame = mgr.read_frame(all[3]).unwrap();
+    assert!(*frame == pages[3]);
+}
+
+#[test]
+fn bad_addresses_get_typed_errors() {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let _a = page_server(&coord.url(), "a", 0);
+    let mgr = manager(&coord.url());
+    let mut page = [0u8; PAGE_SIZE];
+    assert!(matches!(
+        mgr.read_page(NODE_BYTES as u64, &mut page),
+        Err(TransportError::UnknownGpa { .. })
+    ));
+    assert!(matches!(
+        mgr.read_page(!0xfff, &mut page),
+        Err(TransportError::UnknownGpa { .. })
+    ));
+    assert!(matches!(
+        mgr.read_page(0x10, &mut page),
+        Err(TransportError::Unaligned { gpa: 0x10 })
+    ));
+    let gpas = [0u64, 4096];
+    let mut one = [[0u8; PAGE_SIZE]; 1];
+    assert!(matches!(
+        mgr.read_pages(&gpas, &mut one),
+        Err(TransportError::Config(_))
+    ));
+    // Still fine afterwards.
+    mgr.write_page(4096, &page_for(4096, 3)).unwrap();
+    mgr.read_page(4096, &mut page).unwrap();
+    assert!(page == page_for(4096, 3));
+}
+
+#[test]
+fn killed_page_server_gives_typed_error_within_deadline_and_other_node_keeps_serving() {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let _a = page_server(&coord.url(), "a", 0);
+    let mut b = ChildServer::start(&coord.url(), "b", NODE_BYTES as u64);
+    let mgr = manager(&coord.url());
+    assert!(wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().nodes().len() == 2 && mgr.map().len() == 2
+    }));
+    let gpa_a = 5 * PAGE_SIZE as u64;
+    let gpa_b = NODE_BYTES as u64 + 9 * PAGE_SIZE as u64;
+    mgr.write_page(gpa_a, &page_for(gpa_a, 4)).unwrap();
+    mgr.write_page(gpa_b, &page_for(gpa_b, 4)).unwrap();
+
+    b.kill(); // SIGKILL: no goodbye on the socket beyond the kernel's RST/FIN
+
+    let mut page = [0u8; PAGE_SIZE];
+    let started = Instant::now();
+    let err = mgr.read_page(gpa_b, &mut page).unwrap_err();
+    let took = started.elapsed();
+    assert!(
+        matches!(err, TransportError::NodeDown { ref node, .. } | TransportError::Timeout { ref node, .. } if node == "b"),
+        "unexpected error {err:?}"
+    );
+    assert!(
+        took < Duration::from_millis(500 + 500),
+        "took {took:?}, past the deadline"
+    );
+    // Asking again fails fast too, and never hangs.
+    let started = Instant::now();
+    assert!(mgr.read_page(gpa_b, &mut page).is_err());
+    assert!(started.elapsed() < Duration::from_secs(1));
+
+    // The other node is unaffected.
+    for _ in 0..100 {
+        mgr.read_page(gpa_a, &mut page).unwrap();
+        assert!(page == page_for(gpa_a, 4));
+    }
+    // A batch across both reports the error and still moves node a's pages.
+    let gpas = [gpa_a, gpa_b];
+    let mut two = [[0u8; PAGE_SIZE]; 2];
+    assert!(mgr.read_pages(&gpas, &mut two).is_err());
+    assert!(two[0] == page_for(gpa_a, 4));
+}
+
+#[test]
+fn restarted_page_server_is_reconnected_with_a_new_epoch() {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let mut b = ChildServer::start(&coord.url(), "b", 0);
+    let mgr = manager(&coord.url());
+    assert!(wait_until(Duration::from_secs(10), || mgr
+        .refresh_map()
+        .is_ok()
+        && mgr.map().len() == 1));
+    mgr.write_page(0, &page_for(0, 5)).unwrap();
+    b.kill();
+    let mut page = [0u8; PAGE_SIZE];
+    assert!(mgr.read_page(0, &mut page).is_err());
+    // Same node id and range, new process on a new port: the coordinator
+    // takes the re-registration, and the manager follows the new address.
+    let _b2 = ChildServer::start(&coord.url(), "b", 0);
+    assert!(
+        wait_until(Duration::from_secs(10), || mgr
+            .write_page(0, &page_for(0, 6))
+            .is_ok()),
+        "manager never reached the restarted node"
+    );
+    mgr.read_page(0, &mut page).unwrap();
+    assert!(
+        page == page_for(0, 6),
+        "restarted node serves the page just written"
+    );
+}
+
+#[test]
+fn coordinator_restart_on_same_database_keeps_nodes_and_map() {
+    let db = tempfile::tempdir().unwrap();
+    let db_path = db.path().join("c.db");
+    let coord = coordinator_on(&db_path, SocketAddr::from(([127, 0, 0, 1], 0)));
+    let addr = coord.addr();
+    let _a = page_server(&coord.url(), "a", 0);
+    let _b = page_server(&coord.url(), "b", NODE_BYTES as u64);
+    let mgr = manager(&coord.url());
+    let before = mgr.map();
+    mgr.write_page(PAGE_SIZE as u64, &page_for(4096, 7))
+        .unwrap();
+
+    coord.shutdown().unwrap();
+    let coord = coordinator_on(&db_path, addr);
+    let version = mgr
+        .refresh_map()
+        .expect("manager reaches the restarted coordinator");
+    assert_eq!(version, before.version());
+    let after = mgr.map();
+    assert_eq!(
+        after.ranges().collect::<Vec<_>>(),
+        before.ranges().collect::<Vec<_>>()
+    );
+    let mut page = [0u8; PAGE_SIZE];
+    mgr.read_page(PAGE_SIZE as u64, &mut page).unwrap();
+    assert!(page == page_for(4096, 7));
+    drop(coord);
+}

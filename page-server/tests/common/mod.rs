@@ -1,0 +1,137 @@
+//! Shared set-up of the cluster tests: a coordinator on a temporary database
+//! and page-servers, in-process or as real child processes.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use coordinator::{CoordinatorConfig, RunningCoordinator};
+use page_server::{RunningServer, ServerConfig};
+use rdma_transport::{ManagerConfig, Page, TransportManager, PAGE_SIZE};
+
+pub const NODE_BYTES: usize = 1 << 20;
+
+pub fn coordinator_on(db: &Path, listen: SocketAddr) -> RunningCoordinator {
+    coordinator::spawn(CoordinatorConfig {
+        listen,
+        db_path: db.to_path_buf(),
+        token: None,
+        lease_ms: 3000,
+    })
+    .expect("coordinator starts")
+}
+
+pub fn page_server(url: &str, node: &str, gpa_base: u64) -> RunningServer {
+    let mut cfg = ServerConfig::new(node, NODE_BYTES);
+    cfg.gpa_base = gpa_base;
+    cfg.coordinator_url = Some(url.to_owned());
+    let s = page_server::spawn(cfg).expect("page-server starts");
+    s.wait_registered(Duration::from_secs(10))
+        .expect("page-server registers");
+    s
+}
+
+pub fn manager(url: &str) -> TransportManager {
+    TransportManager::connect(ManagerConfig {
+        coordinator_url: url.to_owned(),
+        request_timeout_ms: 500,
+        connect_timeout_ms: 500,
+        poller_cpus: Some(vec![]),
+        ..ManagerConfig::default()
+    })
+    .expect("manager connects")
+}
+
+/// A page whose every byte depends on `gpa` and `seed`.
+pub fn page_for(gpa: u64, seed: u8) -> Page {
+    let mut p = [0u8; PAGE_SIZE];
+    for (i, b) in p.iter_mut().enumerate() {
+        *b = (gpa / PAGE_SIZE as u64) as u8 ^ (i as u8).wrapping_mul(31) ^ seed;
+    }
+    p
+}
+
+/// A page-server running as a real child process, killed on drop.
+pub struct ChildServer {
+    pub child: Child,
+    pub addr: String,
+    _dir: tempfile::TempDir,
+}
+
+impl ChildServer {
+    pub fn start(url: &str, node: &str, gpa_base: u64) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ready = dir.path().join("ready");
+        let child = Command::new(env!("CARGO_BIN_EXE_page-server"))
+            .args([
+                "--node-id",
+                node,
+                "--listen",
+                "127.0.0.1:0",
+                "--memory",
+                &NODE_BYTES.to_string(),
+            ])
+            .args([
+                "--gpa-base",
+                &gpa_base.to_string(),
+                "--coordinator",
+                url,
+                "--heartbeat-ms",
+                "200",
+            ])
+            .arg("--ready-file")
+            .arg(&ready)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("page-server binary starts");
+        let addr = wait_for_file(&ready, Duration::from_secs(20));
+        Self {
+            child,
+            addr,
+            _dir: dir,
+        }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ChildServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn wait_for_file(path: &PathBuf, limit: Duration) -> String {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Ok(s) = std::fs::read_to_string(path) {
+            if !s.is_empty() {
+                return s;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} did not appear",
+            path.display()
+        );
+        std::thread::park_timeout(Duration::from_millis(10));
+    }
+}
+
+/// Polls `cond` until it holds, for at most `limit`.
+pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if cond() {
+            return true;
+        }
+        std::thread::park_timeout(Duration::from_millis(10));
+    }
+    cond()
+}

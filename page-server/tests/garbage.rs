@@ -1,0 +1,184 @@
+//! Hostile and malformed input to the page-server and the coordinator: each
+//! gets a clear answer or a closed connection, and good clients keep being
+//! served.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+use common::*;
+use rdma_transport::wire::{Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN};
+use rdma_transport::PAGE_SIZE;
+
+fn connect(addr: SocketAddr) -> TcpStream {
+    let s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s
+}
+
+fn hello(s: &mut TcpStream) -> HelloAck {
+    let body = HelloRequest {
+        client_id: 1,
+        rdma: None,
+    }
+    .encode();
+    s.write_all(&Header::request(Opcode::Hello, 1, 0, body.len() as u32).encode())
+        .unwrap();
+    s.write_all(&body).unwrap();
+    let h = read_header(s);
+    assert_eq!((h.opcode, h.status), (Opcode::HelloAck, Status::Ok));
+    let mut p = vec![0u8; h.payload_len()];
+    s.read_exact(&mut p).unwrap();
+    HelloAck::decode(&p).unwrap()
+}
+
+fn read_header(s: &mut TcpStream) -> Header {
+    let mut b = [0u8; HEADER_LEN];
+    s.read_exact(&mut b).unwrap();
+    Header::decode(&b).unwrap()
+}
+
+fn assert_closed(s: &mut TcpStream) {
+    let mut rest = Vec::new();
+    let n = s.read_to_end(&mut rest).unwrap_or(0);
+    assert_eq!(
+        n, 0,
+        "server should close after a broken frame, sent {n} more bytes"
+    );
+}
+
+#[test]
+fn page_server_answers_malformed_requests_and_keeps_serving() {
+    let server = page_server::spawn(page_server::ServerConfig::new("g", NODE_BYTES)).unwrap();
+    let addr = server.addr();
+
+    // READ before HELLO: refused, connection kept.
+    let mut s = connect(addr);
+    s.write_all(&Header::request(Opcode::Read, 5, 0, PAGE_SIZE as u32).encode())
+        .unwrap();
+    let h = read_header(&mut s);
+    assert_eq!(
+        (h.opcode, h.status, h.request_id),
+        (Opcode::ReadResp, Status::NoHello, 5)
+    );
+    let ack = hello(&mut s);
+    assert_eq!(ack.region_size_bytes, NODE_BYTES as u64);
+
+    // Out of range, unaligned, wrong length, past the end with overflow.
+    for (offset, length, status) in [
+        (NODE_BYTES as u64, PAGE_SIZE as u32, Status::OutOfRange),
+        (u64::MAX - 4095, PAGE_SIZE as u32, Status::OutOfRange),
+        (100, PAGE_SIZE as u32, Status::Unaligned),
+        (0, 100, Status::BadLength),
+        (0, u32::MAX, Status::BadLength),
+    ] {
+        s.write_all(&Header::request(Opcode::Read, 6, offset, length).encode())
+            .unwrap();
+        let h = read_header(&mut s);
+        assert_eq!(
+            (h.status, h.payload_len()),
+            (status, 0),
+            "offset {offset:#x} length {length}"
+        );
+    }
+    // A WRITE past the end: its payload is consumed, refused, framing intact.
+    s.write_all(&Header::request(Opcode::Write, 7, NODE_BYTES as u64, PAGE_SIZE as u32).encode())
+        .unwrap();
+    s.write_all(&[0xaa; PAGE_SIZE]).unwrap();
+    assert_eq!(read_header(&mut s).status, Status::OutOfRange);
+    // A client sending a response opcode is told so.
+    s.write_all(&Header::request(Opcode::WriteResp, 8, 0, 0).encode())
+        .unwrap();
+    assert_eq!(read_header(&mut s).status, Status::BadOpcode);
+    // And a good request on the same connection works.
+    s.write_all(&Header::request(Opcode::Write, 9, 0, PAGE_SIZE as u32).encode())
+        .unwrap();
+    s.write_all(&[0x5a; PAGE_SIZE]).unwrap();
+    assert_eq!(read_header(&mut s).status, Status::Ok);
+
+    // Wrong magic: error answer, then the connection is closed.
+    let mut bad = connect(addr);
+    let mut frame = Header::request(Opcode::Read, 1, 0, PAGE_SIZE as u32).encode();
+    frame[0] = b'X';
+    bad.write_all(&frame).unwrap();
+    let h = read_header(&mut bad);
+    assert_eq!((h.opcode, h.status), (Opcode::Error, Status::BadMagic));
+    assert_closed(&mut bad);
+
+    // Huge payload length on a WRITE: refused and closed (cannot skip it).
+    let mut bad = connect(addr);
+    hello(&mut bad);
+    bad.write_all(&Header::request(Opcode::Write, 2, 0, 1 << 30).encode())
+        .unwrap();
+    let h = read_header(&mut bad);
+    assert_eq!((h.opcode, h.status), (Opcode::Error, Status::BadLength));
+    assert_closed(&mut bad);
+
+    // Unknown opcode and version.
+    for (at, val, status) in [
+        (5usize, 99u8, Status::BadOpcode),
+        (4, 9, Status::BadVersion),
+    ] {
+        let mut bad = connect(addr);
+        let mut frame = Header::request(Opcode::Read, 1, 0, PAGE_SIZE as u32).encode();
+        frame[at] = val;
+        bad.write_all(&frame).unwrap();
+        assert_eq!(read_header(&mut bad).status, status);
+        assert_closed(&mut bad);
+    }
+
+    // Truncated header then hang-up; random garbage; a stalled half message.
+    let mut t = connect(addr);
+    t.write_all(&frame[..10]).unwrap();
+    drop(t);
+    let mut g = connect(addr);
+    let _ = g.write_all(&[0xff; 5000]);
+    drop(g);
+    let mut stalled = connect(addr);
+    hello(&mut stalled);
+    stalled
+        .write_all(&Header::request(Opcode::Write, 3, 0, PAGE_SIZE as u32).encode()[..20])
+        .unwrap();
+
+    // The first client, still connected, is served while the stalled one waits.
+    s.write_all(&Header::request(Opcode::Read, 10, 0, PAGE_SIZE as u32).encode())
+        .unwrap();
+    let h = read_header(&mut s);
+    assert_eq!((h.status, h.payload_len()), (Status::Ok, PAGE_SIZE));
+    let mut page = [0u8; PAGE_SIZE];
+    s.read_exact(&mut page).unwrap();
+    assert!(page.iter().all(|&b| b == 0x5a));
+    drop(stalled);
+    server.shutdown();
+}
+
+#[test]
+fn coordinator_survives_garbage_and_keeps_serving() {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    for junk in [
+        &b"\x00\x01\x02garbage\r\n\r\n"[..],
+        b"GET /v1/map HTTP/9.9\r\n\r\n",
+        &[0xffu8; 70_000][..],
+    ] {
+        let mut s = TcpStream::connect(coord.addr()).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let _ = s.write_all(junk);
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+    }
+    let client = rdma_transport::coordinator::CoordinatorClient::new(
+        &coord.url(),
+        None,
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    client.health().expect("coordinator still answers");
+    let _a = page_server(&coord.url(), "a", 0);
+    assert_eq!(client.map().unwrap().entries.len(), 1);
+}
