@@ -20,6 +20,11 @@
 #   --console-log F   keep the VM console (kernel + /init log) in F
 #   --keep            keep the per-run directory (overlay, console log)
 #
+# Environment: SOFTROCE_CACHE (cache dir, default ~/.cache/softroce-vm),
+# SOFTROCE_TIMEOUT (default for --timeout), SOFTROCE_BOOT_TIMEOUT (seconds
+# until the program must have started, default 120), SOFTROCE_SKIP_SETUP=1
+# (do not call setup.sh first; the cache must exist).
+#
 # Inside, the program sees RDMA_DEVICE=rxe0, RXE_GID_INDEX (index of the
 # IPv4-mapped GID ::ffff:127.0.0.1), RXE_GID, SOFTROCE_VM=1,
 # SOFTROCE_KERNEL_VERSION, memlock unlimited, and runs as root. Its stdout
@@ -47,6 +52,7 @@ harness_fail() {
 }
 
 timeout_s="${SOFTROCE_TIMEOUT:-600}"
+boot_timeout_s="${SOFTROCE_BOOT_TIMEOUT:-120}"
 mem_mib=2048
 smp=2
 workdir=/tmp
@@ -75,6 +81,10 @@ done
 (($#)) || harness_fail "no PROGRAM given (see --help)"
 [[ "$timeout_s" =~ ^[1-9][0-9]*$ ]] || harness_fail "--timeout must be a positive integer"
 [[ "$mem_mib" =~ ^[1-9][0-9]*$ ]] || harness_fail "--mem must be a positive integer"
+# The unpacked kernel and the initramfs alone take ~100 MiB; below this the
+# kernel hangs before printing anything.
+((mem_mib >= 512)) || harness_fail "--mem must be at least 512 (MiB)"
+[[ "$boot_timeout_s" =~ ^[1-9][0-9]*$ ]] || harness_fail "SOFTROCE_BOOT_TIMEOUT must be a positive integer"
 [[ "$smp" =~ ^[1-9][0-9]*$ ]] || harness_fail "--smp must be a positive integer"
 
 # Cached kernel and base image (built on first use; fast when cached).
@@ -193,17 +203,40 @@ console_log="$run_dir/console.log"
 : >"$console_log"
 softroce_log "booting VM: $(basename "$kernel_image"), ${mem_mib} MiB, ${smp} CPUs, timeout ${timeout_s}s, program $program"
 start_s="$(date +%s.%N)"
-qemu_rc=0
 # stdin is /dev/null: CI has none, and the program never reads the host's.
 timeout -k 10 "$timeout_s" qemu-system-x86_64 \
     -accel tcg -machine pc -cpu max -smp "$smp" -m "$mem_mib" \
     -nodefaults -no-user-config -nic none -display none -monitor none \
     -no-reboot \
     -kernel "$kernel_image" -initrd "$initrd" \
-    -append "console=ttyS0 panic=-1 rdinit=/init" \
+    -append "console=ttyS0 panic=-1 rdinit=/init ${SOFTROCE_KERNEL_ARGS:-}" \
     -serial "file:$console_log" \
     -chardev stdio,id=out,signal=off -serial chardev:out \
-    </dev/null || qemu_rc=$?
+    </dev/null &
+qemu_pid=$!
+trap 'kill "$qemu_pid" 2>/dev/null; exit "$EXIT_HARNESS"' INT TERM
+
+# Boot watchdog: a VM that has not started the program within the boot
+# timeout (too little memory, a kernel that hangs early) is stopped then,
+# not at the end of the whole run's timeout.
+boot_deadline=$((SECONDS + boot_timeout_s))
+booted=0
+boot_timed_out=0
+while kill -0 "$qemu_pid" 2>/dev/null; do
+    if ((!booted)); then
+        if grep -aq -e '^softroce-init: running' -e SOFTROCE_ "$console_log"; then
+            booted=1
+        elif ((SECONDS >= boot_deadline)); then
+            boot_timed_out=1
+            kill "$qemu_pid" 2>/dev/null || true
+            break
+        fi
+    fi
+    sleep 0.2
+done
+qemu_rc=0
+wait "$qemu_pid" || qemu_rc=$?
+trap - INT TERM
 elapsed_s="$(awk -v s="$start_s" -v e="$(date +%s.%N)" 'BEGIN { printf "%.1f", e - s }')"
 [[ -z "$console_keep" ]] || cp "$console_log" "$console_keep"
 
@@ -221,6 +254,11 @@ if [[ -n "$marker" ]]; then
 fi
 if grep -aq 'SOFTROCE_SETUP_FAILED' "$console_log"; then
     softroce_log "VM set-up failed after ${elapsed_s}s: $(grep -ao 'SOFTROCE_SETUP_FAILED.*' "$console_log" | head -n 1)"
+    show_console_tail
+    exit "$EXIT_HARNESS"
+fi
+if ((boot_timed_out)); then
+    softroce_log "boot failure: the program had not started after ${boot_timeout_s}s (SOFTROCE_BOOT_TIMEOUT)"
     show_console_tail
     exit "$EXIT_HARNESS"
 fi
