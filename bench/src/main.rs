@@ -66,6 +66,10 @@ struct Args {
     /// Poller threads.
     #[arg(long, default_value_t = 1)]
     pollers: usize,
+    /// How long a caller spins for its answer before parking, in microseconds
+    /// (default: the library's).
+    #[arg(long)]
+    wait_spin_us: Option<u64>,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -126,6 +130,7 @@ fn main() -> anyhow::Result<()> {
         transport: args.transport,
         poll_mode: args.poll_mode,
         poller_threads: args.pollers,
+        wait_spin_us: args.wait_spin_us.unwrap_or(ManagerConfig::default().wait_spin_us),
         ..ManagerConfig::default()
     };
     let mgr = TransportManager::connect(config)

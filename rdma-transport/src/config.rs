@@ -28,6 +28,32 @@ impl std::str::FromStr for TransportKind {
     }
 }
 
+/// The data path a node's connection really uses (see
+/// [`crate::TransportManager::node_transports`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DataPath {
+    /// Pages move over the TCP connection.
+    Tcp,
+    /// Pages move by RDMA READ/WRITE over an RC queue pair.
+    Rdma,
+}
+
+impl DataPath {
+    /// `"tcp"` or `"rdma"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Rdma => "rdma",
+        }
+    }
+}
+
+impl std::fmt::Display for DataPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// How poller threads wait for answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PollMode {
@@ -71,6 +97,13 @@ pub struct ManagerConfig {
     /// Period of the background map refresh; 0 turns it off (the map is
     /// still refreshed on a miss or a lost node).
     pub map_refresh_ms: u64,
+    /// RDMA device to use (e.g. `mlx5_0`, `rxe0`); the first one when `None`.
+    pub rdma_device: Option<String>,
+    /// Port of the RDMA device (from 1).
+    pub rdma_port: u8,
+    /// GID index to use; `None`: the IPv4-mapped RoCE v2 GID on Ethernet
+    /// ports, 0 on InfiniBand.
+    pub rdma_gid_index: Option<u8>,
 }
 
 impl Default for ManagerConfig {
@@ -84,10 +117,13 @@ impl Default for ManagerConfig {
             poller_cpus: None,
             poll_mode: PollMode::Busy,
             poll_idle_spin_us: 1000,
-            wait_spin_us: 200,
+            wait_spin_us: 1000,
             request_timeout_ms: 1000,
             connect_timeout_ms: 1000,
             map_refresh_ms: 1000,
+            rdma_device: None,
+            rdma_port: 1,
+            rdma_gid_index: None,
         }
     }
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use arc_swap::{ArcSwap, ArcSwapOption};
 use parking_lot::{Condvar, Mutex};
 
-use crate::config::{ManagerConfig, TransportKind};
+use crate::config::{ManagerConfig, PollMode, TransportKind};
 use crate::coordinator::api::MapResponse;
 use crate::coordinator::CoordinatorClient;
 use crate::error::TransportError;
@@ -403,8 +403,11 @@ impl Inner {
             }
             groups[group] = Some(conn);
         }
-        let spin = Duration::from_micros(self.config.wait_spin_us);
-        let all_answered = sent_count > 0 && waiter.wait(spin, deadline);
+        let spin = match self.config.poll_mode {
+            PollMode::Busy => Duration::from_micros(self.config.wait_spin_us),
+            PollMode::Event => Duration::ZERO,
+        };
+        let all_answered = sent_count > 0 && crate::tcp::wait(&waiter, &groups[..group_count], spin, deadline);
         for s in &sent[..sent_count] {
             let Some(conn) = groups[s.group].as_ref() else {
                 continue;
@@ -499,7 +502,7 @@ impl Inner {
                 } else {
                     tracing::debug!(node = %node.id, addr = %node.addr, "connected over TCP");
                 }
-                self.pollers.add(Arc::clone(&conn));
+                self.pollers.add(&conn);
                 node.conn.store(Some(Arc::clone(&conn)));
                 *last_failure = None;
                 Ok(conn)

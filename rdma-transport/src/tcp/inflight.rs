@@ -52,6 +52,11 @@ impl Waiter {
         self.remaining.fetch_add(n, Ordering::SeqCst);
     }
 
+    /// True when every request added so far has completed.
+    pub(crate) fn is_done(&self) -> bool {
+        self.remaining.load(Ordering::Acquire) == 0
+    }
+
     fn complete_one(&self) {
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.thread.unpark();

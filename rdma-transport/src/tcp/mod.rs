@@ -1,10 +1,16 @@
-//! The TCP data path: client connections to page-servers and the pollers
-//! that complete their requests.
+//! The TCP data path: client connections to page-servers, the reading of
+//! answers (by waiting callers or pollers) and the poller threads.
 
 mod connection;
 mod inflight;
 mod poller;
+mod receive;
 
 pub(crate) use connection::{Request, TcpConnection, MAX_CHUNK};
 pub(crate) use inflight::{Waiter, CODE_CONN_LOST, CODE_PROTOCOL};
 pub(crate) use poller::Pollers;
+pub(crate) use receive::wait;
+
+// The RDMA data path reuses the request table, the waiter and the HELLO.
+pub(crate) use connection::{dial, handshake, ConnectError};
+pub(crate) use inflight::{Claim, Inflight, SLOTS};
