@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The project's one test command. On a fresh machine of our kind (Debian 12,
+# root, registries reachable) it installs what it needs, then runs every
+# check: formatting, lints, all unit and integration tests on the host, the
+# verbs and RDMA tests inside the SoftRoCE VM, and a short verified bench.
+#
+#   deploy/test-all.sh            # everything
+#   SKIP_VM=1 deploy/test-all.sh  # host only (the RDMA tests are then NOT run)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+passed=0
+step() { printf '\n==> %s\n' "$*"; }
+ok() { passed=$((passed + 1)); }
+trap 'echo; echo "test-all: FAILED at step $((passed + 1)) ($BASH_COMMAND)"; echo "checks: $passed passed, 1 failed"' ERR
+
+step "host packages (verbs headers and libclang for the bindings check, rdma-core)"
+pkgs=(libibverbs-dev libclang-dev clang rdma-core ibverbs-providers pkg-config)
+missing=()
+for p in "${pkgs[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
+if ((${#missing[@]})); then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq "${missing[@]}" >/dev/null
+fi
+rustup component add clippy rustfmt >/dev/null 2>&1 || true
+ok
+
+step "bindgen-cli (pinned) for the committed-bindings check"
+if ! rdma-transport/scripts/gen-verbs-bindings.sh --check >/dev/null 2>&1; then
+    command -v bindgen >/dev/null 2>&1 || rdma-transport/scripts/gen-verbs-bindings.sh --install-tool
+fi
+ok
+
+step "cargo fmt --check"
+cargo fmt --all --check
+ok
+
+step "cargo clippy (all targets, warnings are errors)"
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+ok
+
+step "cargo test --workspace (host)"
+cargo test --workspace
+ok
+
+step "bench: local cluster, TCP, every page checked"
+cargo run --release --quiet -p bench -- --ops 20000 --depth 8 --json target/bench-smoke.json
+ok
+
+if [[ "${SKIP_VM:-0}" != 1 ]]; then
+    step "SoftRoCE VM image (cached after the first run)"
+    deploy/softroce/setup.sh
+    ok
+
+    step "verbs and RDMA tests inside the SoftRoCE VM"
+    if [[ -x deploy/softroce/run-rdma-tests.sh ]]; then
+        deploy/softroce/run-rdma-tests.sh
+    else
+        deploy/softroce/cargo-test-in-vm.sh -p rdma-transport --test verbs_loopback
+    fi
+    ok
+else
+    echo "SKIP_VM=1: the RDMA tests in the SoftRoCE VM were NOT run"
+fi
+
+trap - ERR
+echo
+echo "checks: $passed passed, 0 failed"
