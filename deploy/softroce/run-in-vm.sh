@@ -186,7 +186,8 @@ fi
     done
     printf '\n'
 } >"$overlay/etc/softroce/run.cmd"
-mkdir -p "$overlay$workdir"
+[[ "$workdir" == /* ]] || harness_fail "--workdir must be an absolute path: $workdir"
+mkdir -p "$overlay$(softroce_vm_path "$workdir")"
 
 # Base image + overlay: the kernel unpacks concatenated cpio archives in
 # order, later files replacing earlier ones. The overlay stays uncompressed:

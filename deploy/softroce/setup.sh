@@ -90,11 +90,19 @@ mkdir -p "$SOFTROCE_CACHE_DIR"
 exec 9>"$SOFTROCE_CACHE_DIR/.lock"
 flock 9
 
+export DEBIAN_FRONTEND=noninteractive
+
+# Run an apt-get command, once more after a pause if it fails (a mirror
+# hiccup should not fail a CI run).
+apt_retry() {
+    "$@" || { progress "retrying in 10 s: $*"; sleep 10; "$@"; }
+}
+
 apt_updated=0
 apt_update_once() {
     if ((apt_updated == 0)); then
         progress "apt-get update"
-        apt-get update -qq >/dev/null
+        apt_retry apt-get update -qq >/dev/null
         apt_updated=1
     fi
 }
@@ -102,10 +110,11 @@ apt_update_once() {
 # 1. Host packages ---------------------------------------------------------
 
 missing_packages() {
-    local pkg status
+    local installed pkg
+    # One dpkg-query for all (it exits 1 when one is unknown: not an error).
+    installed="$(dpkg-query -W -f '${Package} ${db:Status-Status}\n' "${HOST_PACKAGES[@]}" 2>/dev/null || true)"
     for pkg in "${HOST_PACKAGES[@]}"; do
-        status="$(dpkg-query -W -f '${db:Status-Status}' "$pkg" 2>/dev/null || true)"
-        [[ "$status" == installed ]] || printf '%s\n' "$pkg"
+        grep -qxF "$pkg installed" <<<"$installed" || printf '%s\n' "$pkg"
     done
 }
 
@@ -113,7 +122,7 @@ mapfile -t missing < <(missing_packages)
 if ((${#missing[@]})); then
     apt_update_once
     progress "apt-get install ${missing[*]}"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+    apt_retry apt-get install -y -qq \
         --no-install-recommends "${missing[@]}" >/dev/null
     mapfile -t missing < <(missing_packages)
     ((${#missing[@]} == 0)) || softroce_die "still missing after apt-get install: ${missing[*]}"
@@ -123,7 +132,7 @@ fi
 
 kernel_package() {
     apt-cache depends linux-image-amd64 2>/dev/null |
-        awk '$1 == "Depends:" && $2 ~ /^linux-image-[0-9]/ { print $2; exit }'
+        awk '$1 == "Depends:" && $2 ~ /^linux-image-[0-9]/ && !found { print $2; found = 1 }'
 }
 
 # apt-cache takes a second here (no pkgcache.bin): remember its answer for
