@@ -110,12 +110,6 @@ fn main() -> anyhow::Result<()> {
     if args.memory < PAGE_SIZE * args.nodes {
         bail!("--memory must hold at least one page per node");
     }
-    if args.transport == TransportKind::Rdma {
-        bail!(
-            "--transport rdma: this build has no RDMA data path yet (it arrives with the verbs data path); \
-             use --transport tcp or auto"
-        );
-    }
     let cluster = match &args.coordinator {
         Some(_) => None,
         None => Some(cluster::LocalCluster::start(args.nodes, args.memory)?),
@@ -161,7 +155,6 @@ fn main() -> anyhow::Result<()> {
         Some(op) => vec![op],
         None => vec![Op::Write, Op::Read],
     };
-    let transport_name = "tcp";
     let mut records = Vec::new();
     let mut lines = Vec::new();
     for (i, &op) in ops.iter().enumerate() {
@@ -180,7 +173,7 @@ fn main() -> anyhow::Result<()> {
             outcome.bad_pages += set.verify_all(&mgr).context("reading back written pages")?;
             outcome.pages_checked = outcome.ops_done;
         }
-        let ours = Record::new(transport_name, spec, nodes, &outcome);
+        let ours = Record::new(&data_path_name(&mgr), spec, nodes, &outcome);
         if args.baseline {
             let base_outcome = baseline::run(Spec { threads: 1, ..spec }, set.len(), seed)?;
             let base = Record::new("bare-tcp", Spec { threads: 1, ..spec }, 1, &base_outcome);
@@ -221,6 +214,23 @@ fn main() -> anyhow::Result<()> {
         bail!("{} run(s) failed verification", failed.len());
     }
     Ok(())
+}
+
+/// The data path the run really used: `tcp`, `rdma`, or `mixed` when
+/// nodes differ (`none` when no node is connected).
+fn data_path_name(mgr: &TransportManager) -> String {
+    let mut paths: Vec<&str> = mgr
+        .node_transports()
+        .iter()
+        .filter_map(|(_, path)| path.map(|p| p.as_str()))
+        .collect();
+    paths.sort_unstable();
+    paths.dedup();
+    match paths.as_slice() {
+        [] => "none".into(),
+        [one] => (*one).into(),
+        _ => "mixed".into(),
+    }
 }
 
 fn progress_bar(total: u64, label: &str) -> ProgressBar {

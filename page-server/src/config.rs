@@ -3,6 +3,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::rdma::RdmaOptions;
+
 /// What to export and where to announce it.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -26,6 +28,8 @@ pub struct ServerConfig {
     pub register_retry: Duration,
     /// Connections served at once; more are refused.
     pub max_connections: usize,
+    /// The RDMA side (on by default: the first device, if there is one).
+    pub rdma: RdmaOptions,
 }
 
 impl ServerConfig {
@@ -42,6 +46,12 @@ impl ServerConfig {
             heartbeat_interval: Duration::from_millis(1000),
             register_retry: Duration::from_millis(200),
             max_connections: 256,
+            rdma: RdmaOptions {
+                enabled: true,
+                device: None,
+                port: 1,
+                gid_index: None,
+            },
         }
     }
 }

@@ -12,15 +12,29 @@ use rdma_transport::wire::{
 };
 use rdma_transport::PAGE_SIZE;
 
+use crate::rdma::{RdmaExport, ServerQp};
+
 const RECV_BUF_BYTES: usize = 256 * 1024;
 /// Answers gathered before they are flushed (each takes two iovecs at most).
 const MAX_PENDING_ANSWERS: usize = 256;
 
 /// The memory a page-server exports, and the epoch it announces.
+///
+/// Field order is drop order: the RDMA registration of the region goes
+/// before the region is unmapped.
 #[derive(Debug)]
 pub(crate) struct Exported {
+    pub(crate) rdma: Option<RdmaExport>,
     pub(crate) region: MappedRegion,
     pub(crate) epoch: u64,
+}
+
+/// What one connection has set up: whether it said HELLO, and the QP made
+/// for it (destroyed when the connection ends).
+#[derive(Debug, Default)]
+struct Session {
+    greeted: bool,
+    qp: Option<ServerQp>,
 }
 
 impl Exported {
@@ -159,7 +173,7 @@ pub(crate) fn serve(mut stream: &TcpStream, exported: &Exported) -> io::Result<(
     stream.set_nodelay(true)?;
     let mut buf = vec![0u8; RECV_BUF_BYTES];
     let (mut start, mut end) = (0usize, 0usize);
-    let mut greeted = false;
+    let mut session = Session::default();
     let mut outbox = Outbox::new();
     loop {
         let n = match stream.read(&mut buf[end..]) {
@@ -200,7 +214,7 @@ pub(crate) fn serve(mut stream: &TcpStream, exported: &Exported) -> io::Result<(
                 // them before a later WRITE changes what they must show.
                 outbox.flush(stream)?;
             }
-            handle(&header, payload, exported, &mut greeted, &mut outbox);
+            handle(&header, payload, exported, &mut session, &mut outbox);
             start += total;
             if outbox.is_full() {
                 outbox.flush(stream)?;
@@ -231,7 +245,7 @@ fn handle(
     header: &Header,
     payload: &[u8],
     exported: &Exported,
-    greeted: &mut bool,
+    session: &mut Session,
     outbox: &mut Outbox,
 ) {
     let answer = |status: Status| Header {
@@ -249,12 +263,33 @@ fn handle(
                     rdma = hello.rdma.is_some(),
                     "client said HELLO"
                 );
-                *greeted = true;
+                session.greeted = true;
+                // A new HELLO replaces any QP set up by an earlier one.
+                session.qp = None;
+                let rdma = match (&hello.rdma, &exported.rdma) {
+                    (Some(client), Some(export)) => match export.accept(client) {
+                        Ok((qp, answer)) => {
+                            tracing::debug!(
+                                client_id = hello.client_id,
+                                qpn = qp.qpn(),
+                                client_qpn = client.qpn,
+                                "RDMA QP ready for client"
+                            );
+                            session.qp = Some(qp);
+                            Some(answer)
+                        }
+                        Err(err) => {
+                            tracing::warn!(client_id = hello.client_id, %err, "cannot set up a QP for the client; answering without RDMA");
+                            None
+                        }
+                    },
+                    _ => None,
+                };
                 let ack = HelloAck {
                     region_size_bytes: exported.region.len_bytes() as u64,
                     epoch: exported.epoch,
                     page_size: PAGE_SIZE as u32,
-                    rdma: None,
+                    rdma,
                 }
                 .encode();
                 let mut h = answer(Status::Ok);
@@ -263,7 +298,7 @@ fn handle(
             }
             None => outbox.push(answer(Status::BadLength), Payload::None),
         },
-        Opcode::Read | Opcode::Write if !*greeted => {
+        Opcode::Read | Opcode::Write if !session.greeted => {
             outbox.push(answer(Status::NoHello), Payload::None)
         }
         Opcode::Read => match exported.check(header) {

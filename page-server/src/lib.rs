@@ -7,8 +7,10 @@
 
 mod config;
 mod connection;
+mod rdma;
 mod registration;
 mod server;
 
 pub use config::ServerConfig;
+pub use rdma::RdmaOptions;
 pub use server::{spawn, RunningServer, ServerError};

@@ -42,6 +42,19 @@ struct Args {
     /// Write the bound address to this file once listening (for scripts).
     #[arg(long)]
     ready_file: Option<std::path::PathBuf>,
+    /// RDMA device to serve the region on (default: the first device, if
+    /// any; without one the server serves TCP only).
+    #[arg(long, conflicts_with = "no_rdma")]
+    rdma_device: Option<String>,
+    /// Port of the RDMA device.
+    #[arg(long, default_value_t = 1)]
+    rdma_port: u8,
+    /// GID index (default: the IPv4-mapped RoCE v2 GID; 0 on InfiniBand).
+    #[arg(long)]
+    rdma_gid_index: Option<u8>,
+    /// Serve TCP only, even where an RDMA device exists.
+    #[arg(long)]
+    no_rdma: bool,
 }
 
 fn parse_u64(s: &str) -> Result<u64, String> {
@@ -83,6 +96,12 @@ fn main() -> anyhow::Result<()> {
     config.coordinator_url = Some(args.coordinator);
     config.coordinator_token = args.token;
     config.heartbeat_interval = Duration::from_millis(args.heartbeat_ms.max(1));
+    config.rdma = page_server::RdmaOptions {
+        enabled: !args.no_rdma,
+        device: args.rdma_device,
+        port: args.rdma_port,
+        gid_index: args.rdma_gid_index,
+    };
     let term = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, Arc::clone(&term)).context("installing signal handler")?;

@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
-use rdma_transport::coordinator::api::{NodeRegistration, RangeRequest};
+use rdma_transport::coordinator::api::{NodeRegistration, RangeRequest, RdmaEndpoint, RdmaRegion};
 use rdma_transport::coordinator::{CoordinatorClient, CoordinatorError};
 
 use crate::config::ServerConfig;
@@ -44,7 +44,13 @@ struct Plan {
 }
 
 impl Registration {
-    pub(crate) fn start(config: &ServerConfig, bound: SocketAddr) -> Self {
+    /// Starts registering `config`'s node at `bound`, publishing `rdma`
+    /// (the device endpoint and the region's address and rkey) when given.
+    pub(crate) fn start(
+        config: &ServerConfig,
+        bound: SocketAddr,
+        rdma: Option<(RdmaEndpoint, RdmaRegion)>,
+    ) -> Self {
         let shared = Arc::new(Shared::default());
         *shared.state.lock() = Some(State::Pending);
         let plan = Plan {
@@ -54,14 +60,14 @@ impl Registration {
                     .advertise
                     .clone()
                     .unwrap_or_else(|| bound.to_string()),
-                rdma: None,
+                rdma: rdma.as_ref().map(|(endpoint, _)| endpoint.clone()),
             },
             range: RangeRequest {
                 gpa_start: config.gpa_base,
                 length_bytes: config.memory_bytes as u64,
                 node_id: config.node_id.clone(),
                 remote_offset: 0,
-                rdma: None,
+                rdma: rdma.map(|(_, region)| region),
             },
             heartbeat: config.heartbeat_interval,
             retry: config.register_retry,
@@ -180,6 +186,11 @@ fn run(shared: &Shared, url: &str, token: Option<String>, plan: &Plan) {
 
 fn register(client: &CoordinatorClient, plan: &Plan) -> Result<(), CoordinatorError> {
     client.register_node(&plan.node_id, &plan.registration)?;
+    if let Some(endpoint) = &plan.registration.rdma {
+        // Also through the dedicated route, so coordinators that keep
+        // endpoints apart from registrations have it too.
+        client.set_rdma_endpoint(&plan.node_id, endpoint)?;
+    }
     client.add_range(&plan.range)?;
     Ok(())
 }

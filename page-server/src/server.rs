@@ -8,11 +8,13 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use rdma_transport::coordinator::api::RdmaRegion;
 use rdma_transport::region::{MapOptions, MappedRegion};
 use rdma_transport::PAGE_SIZE;
 
 use crate::config::ServerConfig;
 use crate::connection::{serve, Exported};
+use crate::rdma::RdmaExport;
 use crate::registration::Registration;
 
 /// Why a page-server could not start or register.
@@ -45,6 +47,14 @@ pub enum ServerError {
     /// Registration did not finish in time.
     #[error("not registered with the coordinator after {0:?}")]
     RegistrationTimeout(Duration),
+    /// The RDMA device named in the configuration cannot serve the region.
+    #[error("RDMA device {device}: {reason}")]
+    Rdma {
+        /// The device asked for.
+        device: String,
+        /// What failed.
+        reason: String,
+    },
 }
 
 /// A running page-server. Dropping it shuts it down.
@@ -105,6 +115,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         memory_bytes: config.memory_bytes,
         source,
     })?;
+    let rdma = open_rdma(&config, &region)?;
     let listener = TcpListener::bind(config.listen).map_err(|source| ServerError::Listen {
         addr: config.listen,
         source,
@@ -117,6 +128,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         })?;
     let shared = Arc::new(Shared {
         exported: Exported {
+            rdma,
             region,
             epoch: epoch(),
         },
@@ -131,16 +143,61 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         .spawn(move || accept_loop(&listener, &accept_shared))
         .map_err(|source| ServerError::Listen { addr, source })?;
     tracing::info!(node = %config.node_id, %addr, memory_bytes = config.memory_bytes, "page-server listening");
+    let published = shared
+        .exported
+        .rdma
+        .as_ref()
+        .map(|r| (r.endpoint(), r.region()));
     let registration = config
         .coordinator_url
         .is_some()
-        .then(|| Registration::start(&config, addr));
+        .then(|| Registration::start(&config, addr, published));
     Ok(RunningServer {
         addr,
         shared,
         acceptor: Some(acceptor),
         registration,
     })
+}
+
+/// Opens the RDMA side unless disabled. Without an explicitly named device,
+/// a host with no usable device serves TCP only.
+fn open_rdma(
+    config: &ServerConfig,
+    region: &MappedRegion,
+) -> Result<Option<RdmaExport>, ServerError> {
+    if !config.rdma.enabled {
+        tracing::info!(node = %config.node_id, "RDMA disabled; serving TCP only");
+        return Ok(None);
+    }
+    // SAFETY: the export is stored next to the region in `Exported`, whose
+    // field order drops it first; the region is never unmapped before.
+    match unsafe { RdmaExport::open(&config.rdma, region) } {
+        Ok(export) => {
+            let (endpoint, region) = (export.endpoint(), export.region());
+            tracing::info!(
+                node = %config.node_id,
+                device = %endpoint.device,
+                port = endpoint.port,
+                gid = %endpoint.gid,
+                gid_index = endpoint.gid_index,
+                region_addr = format_args!("{:#x}", region.addr),
+                rkey = format_args!("{:#x}", region.rkey),
+                "RDMA enabled: exported region registered"
+            );
+            Ok(Some(export))
+        }
+        Err(err) => match &config.rdma.device {
+            Some(device) => Err(ServerError::Rdma {
+                device: device.clone(),
+                reason: err.to_string(),
+            }),
+            None => {
+                tracing::info!(node = %config.node_id, reason = %err, "no usable RDMA device; serving TCP only");
+                Ok(None)
+            }
+        },
+    }
 }
 
 fn epoch() -> u64 {
@@ -217,6 +274,11 @@ impl RunningServer {
     /// The bound listener address.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The exported region's RDMA address and rkey, when RDMA is served.
+    pub fn rdma_region(&self) -> Option<RdmaRegion> {
+        self.shared.exported.rdma.as_ref().map(|r| r.region())
     }
 
     /// Connections being served now.

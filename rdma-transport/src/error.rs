@@ -2,6 +2,7 @@
 
 use crate::coordinator::CoordinatorError;
 use crate::pool::PoolError;
+use crate::verbs::WcStatus;
 use crate::wire::Status;
 
 /// Everything a [`crate::TransportManager`] call can fail with.
@@ -67,6 +68,16 @@ pub enum TransportError {
     /// Bad configuration or arguments.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// An RDMA work request failed (bad rkey, peer gone, retry exceeded, or
+    /// flushed because another request on the same QP failed). The node's
+    /// QP was torn down; the next request builds a new one.
+    #[error("RDMA request to node {node} failed: {status}")]
+    RdmaCompletion {
+        /// Owner node id.
+        node: String,
+        /// The work completion status.
+        status: WcStatus,
+    },
     /// The RDMA data path was required but cannot be used here.
     #[error("RDMA transport unavailable: {0}")]
     RdmaUnavailable(String),

@@ -13,17 +13,19 @@ mod config;
 pub mod coordinator;
 mod error;
 pub mod gpa_map;
+mod ids;
 mod manager;
 
 pub mod page;
 pub mod pool;
+pub mod rdma;
 pub mod region;
 mod sys;
 mod tcp;
 pub mod verbs;
 pub mod wire;
 
-pub use config::{ManagerConfig, PollMode, TransportKind};
+pub use config::{DataPath, ManagerConfig, PollMode, TransportKind};
 pub use error::TransportError;
 pub use gpa_map::GpaMap;
 pub use manager::TransportManager;

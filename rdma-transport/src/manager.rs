@@ -6,7 +6,7 @@
 //! makes no allocation: one lock-free map load, a binary search, one
 //! `writev` by the calling thread, and a wait for the poller's completion.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use arc_swap::{ArcSwap, ArcSwapOption};
 use parking_lot::{Condvar, Mutex};
 
-use crate::config::{ManagerConfig, PollMode, TransportKind};
+use crate::config::{DataPath, ManagerConfig, PollMode};
 use crate::coordinator::api::MapResponse;
 use crate::coordinator::CoordinatorClient;
 use crate::error::TransportError;
@@ -24,6 +24,12 @@ use crate::pool::{PageFrame, PagePool};
 use crate::tcp::{
     Pollers, Request, TcpConnection, Waiter, CODE_CONN_LOST, CODE_PROTOCOL, MAX_CHUNK,
 };
+
+mod link;
+mod rdma_batch;
+
+use link::{Link, RdmaSide};
+use rdma_batch::{Pages, RdmaChunk};
 use crate::wire::{Opcode, Status};
 
 /// Shortest time between two attempts to reach the same unreachable node, or
@@ -47,6 +53,7 @@ struct Inner {
     coordinator: Option<CoordinatorClient>,
     pool: PagePool,
     pollers: Pollers,
+    rdma: Option<RdmaSide>,
     state: ArcSwap<MapState>,
     last_refresh: Mutex<Option<Instant>>,
     client_id: u64,
@@ -62,9 +69,11 @@ struct MapState {
 struct Node {
     id: String,
     addr: String,
-    conn: ArcSwapOption<TcpConnection>,
+    conn: ArcSwapOption<Link>,
     last_failure: Mutex<Option<Instant>>,
     epoch: AtomicU64,
+    /// The data path last logged for this node (logged once per change).
+    logged_path: Mutex<Option<DataPath>>,
 }
 
 #[derive(Debug, Default)]
@@ -105,15 +114,6 @@ impl TransportManager {
         coordinator: Option<CoordinatorClient>,
         map: MapResponse,
     ) -> Result<Self, TransportError> {
-        match config.transport {
-            TransportKind::Rdma => {
-                return Err(TransportError::RdmaUnavailable(
-                    "this build has no RDMA data path yet; use --transport tcp or auto".into(),
-                ))
-            }
-            TransportKind::Auto => tracing::info!("transport auto: using TCP for every node"),
-            TransportKind::Tcp => {}
-        }
         if config.request_timeout_ms == 0 || config.poller_threads == 0 {
             return Err(TransportError::Config(
                 "request_timeout_ms and poller_threads must be > 0".into(),
@@ -128,13 +128,15 @@ impl TransportManager {
             Duration::from_micros(config.poll_idle_spin_us),
         )
         .map_err(|e| TransportError::Config(format!("cannot start poller threads: {e}")))?;
-        let client_id = random_u64();
+        let rdma = RdmaSide::open(&config, &pool, &cpus)?;
+        let client_id = crate::ids::random_u64();
         let inner = Arc::new(Inner {
             state: ArcSwap::from_pointee(MapState::default()),
             config,
             coordinator,
             pool,
             pollers,
+            rdma,
             last_refresh: Mutex::new(None),
             client_id,
         });
@@ -166,7 +168,8 @@ impl TransportManager {
     /// [`TransportError::NodeDown`], [`TransportError::Timeout`],
     /// [`TransportError::Refused`], [`TransportError::Protocol`].
     pub fn read_page(&self, gpa: u64, page: &mut Page) -> Result<(), TransportError> {
-        self.inner.run(Opcode::Read, &[gpa], page.as_mut_ptr(), 1)
+        self.inner
+            .run(Opcode::Read, &[gpa], page.as_mut_ptr(), 1, None)
     }
 
     /// Writes `page` to the page at `gpa`; returns once the owner acknowledged it.
@@ -175,7 +178,7 @@ impl TransportManager {
     /// As [`TransportManager::read_page`].
     pub fn write_page(&self, gpa: u64, page: &Page) -> Result<(), TransportError> {
         self.inner
-            .run(Opcode::Write, &[gpa], page.as_ptr().cast_mut(), 1)
+            .run(Opcode::Write, &[gpa], page.as_ptr().cast_mut(), 1, None)
     }
 
     /// Reads `pages[i]` from `gpas[i]` for every i, with all requests in
@@ -187,8 +190,13 @@ impl TransportManager {
     /// the slices' lengths differ.
     pub fn read_pages(&self, gpas: &[u64], pages: &mut [Page]) -> Result<(), TransportError> {
         check_lengths(gpas.len(), pages.len())?;
-        self.inner
-            .run(Opcode::Read, gpas, pages.as_mut_ptr().cast(), gpas.len())
+        self.inner.run(
+            Opcode::Read,
+            gpas,
+            pages.as_mut_ptr().cast(),
+            gpas.len(),
+            None,
+        )
     }
 
     /// Writes `pages[i]` to `gpas[i]` for every i, all in flight at once.
@@ -202,24 +210,32 @@ impl TransportManager {
             gpas,
             pages.as_ptr().cast::<u8>().cast_mut(),
             gpas.len(),
+            None,
         )
     }
 
-    /// Reads the page at `gpa` into a frame of the page pool.
+    /// Reads the page at `gpa` into a frame of the page pool. Over RDMA the
+    /// page is read straight into the frame (no copy).
     ///
     /// # Errors
     /// [`TransportError::PoolExhausted`] when no frame is free, else as
     /// [`TransportManager::read_page`].
     pub fn read_frame(&self, gpa: u64) -> Result<PageFrame, TransportError> {
-        let mut frame = self
+        let frame = self
             .inner
             .pool
             .alloc()
             .ok_or(TransportError::PoolExhausted {
                 capacity: self.inner.pool.capacity(),
             })?;
-        self.read_page(gpa, &mut frame)?;
-        Ok(frame)
+        let ptr = frame.as_ptr();
+        let mut slot = Some(frame);
+        self.inner
+            .run(Opcode::Read, &[gpa], ptr, 1, Some(&mut slot))?;
+        slot.ok_or_else(|| TransportError::Protocol {
+            node: String::new(),
+            detail: "read_frame lost its frame".into(),
+        })
     }
 
     /// The page pool.
@@ -240,6 +256,49 @@ impl TransportManager {
     pub fn refresh_map(&self) -> Result<u64, TransportError> {
         self.inner.refresh()
     }
+
+    /// Every node of the map with the data path its connection uses now
+    /// (`None`: not connected at the moment).
+    pub fn node_transports(&self) -> Vec<(String, Option<DataPath>)> {
+        self.inner
+            .state
+            .load()
+            .nodes
+            .iter()
+            .map(|n| {
+                let path = n
+                    .conn
+                    .load()
+                    .as_ref()
+                    .filter(|l| !l.is_broken())
+                    .map(|l| l.path());
+                (n.id.clone(), path)
+            })
+            .collect()
+    }
+
+    /// Test hook: makes the next RDMA requests to `node` use a wrong rkey,
+    /// so they fail with a remote access error and the QP is rebuilt. False
+    /// when the node has no live RDMA connection.
+    #[doc(hidden)]
+    pub fn corrupt_rkey_for_test(&self, node: &str) -> bool {
+        match self.inner.live_link(node) {
+            Some(Link::Rdma(conn)) => {
+                conn.corrupt_rkey();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Test hook: the local QP number of the node's live RDMA connection.
+    #[doc(hidden)]
+    pub fn rdma_qpn_for_test(&self, node: &str) -> Option<u32> {
+        match self.inner.live_link(node) {
+            Some(Link::Rdma(conn)) => Some(conn.qpn()),
+            _ => None,
+        }
+    }
 }
 
 impl Drop for TransportManager {
@@ -252,8 +311,8 @@ impl Drop for TransportManager {
             }
         }
         for node in &self.inner.state.load().nodes {
-            if let Some(conn) = node.conn.swap(None) {
-                conn.mark_broken(CODE_CONN_LOST);
+            if let Some(link) = node.conn.swap(None) {
+                link.mark_broken();
             }
         }
     }
@@ -292,12 +351,14 @@ struct Sent {
 
 impl Inner {
     /// Runs `count` requests of one kind; page i is at `pages + i * 4096`.
+    /// `frame` (`read_frame` only, `count` 1): `pages` is that pool frame.
     fn run(
         &self,
         opcode: Opcode,
         gpas: &[u64],
         pages: *mut u8,
         count: usize,
+        mut frame: Option<&mut Option<PageFrame>>,
     ) -> Result<(), TransportError> {
         let mut first_error = None;
         for chunk_start in (0..count).step_by(MAX_CHUNK) {
@@ -305,7 +366,11 @@ impl Inner {
             // SAFETY: `pages` covers `count` pages (checked by the callers), so
             // chunk_start is in bounds.
             let chunk_pages = unsafe { pages.add(chunk_start * crate::page::PAGE_SIZE) };
-            if let Err(e) = self.run_chunk(opcode, &gpas[chunk_start..chunk_end], chunk_pages) {
+            let pages = Pages {
+                base: chunk_pages,
+                frame: frame.take(),
+            };
+            if let Err(e) = self.run_chunk(opcode, &gpas[chunk_start..chunk_end], pages) {
                 first_error.get_or_insert(e);
             }
         }
@@ -316,8 +381,9 @@ impl Inner {
         &self,
         opcode: Opcode,
         gpas: &[u64],
-        pages: *mut u8,
+        mut chunk_pages: Pages<'_>,
     ) -> Result<(), TransportError> {
+        let pages = chunk_pages.base;
         let n = gpas.len();
         let mut state = self.state.load();
         // Resolve every address first; refresh the map once on a miss.
@@ -343,6 +409,7 @@ impl Inner {
         let deadline = Instant::now() + self.config.request_timeout();
         let waiter = Waiter::new();
         let mut groups: [Option<Arc<TcpConnection>>; MAX_CHUNK] = [const { None }; MAX_CHUNK];
+        let mut rdma = RdmaChunk::new();
         let mut group_nodes = [usize::MAX; MAX_CHUNK];
         let mut sent = [Sent::default(); MAX_CHUNK];
         let mut sent_count = 0;
@@ -375,7 +442,28 @@ impl Inner {
                 }
             }
             let conn = match self.connection(node) {
-                Ok(c) => c,
+                Ok(Link::Tcp(c)) => c,
+                Ok(Link::Rdma(c)) => {
+                    let group = group_count;
+                    group_count += 1;
+                    group_nodes[group] = node_index;
+                    let write = opcode == Opcode::Write;
+                    let (reqs, members) = (&reqs[..m], &members[..m]);
+                    if let Some(e) = self.submit_rdma(
+                        &mut rdma,
+                        group,
+                        c,
+                        write,
+                        reqs,
+                        members,
+                        &mut chunk_pages,
+                        &waiter,
+                        deadline,
+                    ) {
+                        first_error.get_or_insert(e);
+                    }
+                    continue;
+                }
                 Err(e) => {
                     first_error.get_or_insert(e);
                     continue;
@@ -407,7 +495,18 @@ impl Inner {
             PollMode::Busy => Duration::from_micros(self.config.wait_spin_us),
             PollMode::Event => Duration::ZERO,
         };
-        let all_answered = sent_count > 0 && crate::tcp::wait(&waiter, &groups[..group_count], spin, deadline);
+        let all_answered = if rdma.groups == 0 {
+            sent_count > 0 && crate::tcp::wait(&waiter, &groups[..group_count], spin, deadline)
+        } else if sent_count == 0 {
+            crate::rdma::wait(&waiter, &rdma.conns[..rdma.groups], spin, deadline)
+        } else {
+            link::wait_mixed(
+                &waiter,
+                &groups[..group_count],
+                &rdma.conns[..rdma.groups],
+                deadline,
+            )
+        };
         for s in &sent[..sent_count] {
             let Some(conn) = groups[s.group].as_ref() else {
                 continue;
@@ -418,6 +517,20 @@ impl Inner {
                 conn.inflight.cancel(s.id)
             };
             if let Some(e) = self.code_to_error(code, conn, &state.nodes[group_nodes[s.group]]) {
+                first_error.get_or_insert(e);
+            }
+        }
+        if rdma.groups > 0 {
+            let mut nodes: [&Node; MAX_CHUNK] = [&state.nodes[0]; MAX_CHUNK];
+            for (g, &node_index) in group_nodes[..rdma.groups].iter().enumerate() {
+                if let Some(node) = state.nodes.get(node_index) {
+                    nodes[g] = node;
+                }
+            }
+            let write = opcode == Opcode::Write;
+            if let Some(e) =
+                self.settle_rdma(&mut rdma, &nodes, all_answered, write, &mut chunk_pages)
+            {
                 first_error.get_or_insert(e);
             }
         }
@@ -438,14 +551,14 @@ impl Inner {
                 timeout_ms: self.config.request_timeout_ms,
             }),
             Some(CODE_CONN_LOST) => {
-                self.forget(node, conn);
+                self.forget(node, &Link::Tcp(Arc::clone(conn)));
                 Some(TransportError::NodeDown {
                     node: node_name(),
                     reason: "connection lost".into(),
                 })
             }
             Some(CODE_PROTOCOL) => {
-                self.forget(node, conn);
+                self.forget(node, &Link::Tcp(Arc::clone(conn)));
                 Some(TransportError::Protocol {
                     node: node_name(),
                     detail: "malformed answer".into(),
@@ -465,58 +578,19 @@ impl Inner {
     }
 
     /// Drops a dead connection so the next request reconnects.
-    fn forget(&self, node: &Node, conn: &Arc<TcpConnection>) {
+    fn forget(&self, node: &Node, link: &Link) {
         let current = node.conn.load();
-        if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
+        if current.as_ref().is_some_and(|c| c.same(link)) {
             node.conn.store(None);
         }
     }
 
-    /// The node's live connection, connecting (at most once per
-    /// `RETRY_INTERVAL` after a failure) when there is none.
-    fn connection(&self, node: &Node) -> Result<Arc<TcpConnection>, TransportError> {
-        if let Some(conn) = node.conn.load_full().filter(|c| !c.is_broken()) {
-            return Ok(conn);
-        }
-        let mut last_failure = node.last_failure.lock();
-        if let Some(conn) = node.conn.load_full().filter(|c| !c.is_broken()) {
-            return Ok(conn);
-        }
-        if last_failure.is_some_and(|t| t.elapsed() < RETRY_INTERVAL) {
-            return Err(TransportError::NodeDown {
-                node: node.id.clone(),
-                reason: "unreachable (retrying)".into(),
-            });
-        }
-        match TcpConnection::connect(
-            &node.id,
-            &node.addr,
-            self.client_id,
-            self.config.connect_timeout(),
-        ) {
-            Ok(conn) => {
-                let conn = Arc::new(conn);
-                let old_epoch = node.epoch.swap(conn.ack.epoch, Ordering::Relaxed);
-                if old_epoch != 0 && old_epoch != conn.ack.epoch {
-                    tracing::info!(node = %node.id, "page-server restarted (new epoch); reconnected");
-                } else {
-                    tracing::debug!(node = %node.id, addr = %node.addr, "connected over TCP");
-                }
-                self.pollers.add(&conn);
-                node.conn.store(Some(Arc::clone(&conn)));
-                *last_failure = None;
-                Ok(conn)
-            }
-            Err(err) => {
-                *last_failure = Some(Instant::now());
-                drop(last_failure);
-                self.refresh_on_miss();
-                Err(TransportError::NodeDown {
-                    node: node.id.clone(),
-                    reason: err.to_string(),
-                })
-            }
-        }
+    /// The live connection of the node named `id`, if any.
+    fn live_link(&self, id: &str) -> Option<Link> {
+        let state = self.state.load();
+        let node = state.nodes.iter().find(|n| n.id == id)?;
+        let link = node.conn.load_full()?;
+        (!link.is_broken()).then(|| Link::clone(&link))
     }
 
     /// Refreshes the map unless that happened less than `RETRY_INTERVAL` ago.
@@ -568,6 +642,7 @@ impl Inner {
                             conn: ArcSwapOption::empty(),
                             last_failure: Mutex::new(None),
                             epoch: AtomicU64::new(0),
+                            logged_path: Mutex::new(None),
                         })
                     })
             })
@@ -579,15 +654,4 @@ impl Inner {
         );
         self.state.store(Arc::new(MapState { map, nodes }));
     }
-}
-
-fn random_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.finish()
 }

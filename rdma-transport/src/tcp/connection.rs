@@ -65,48 +65,29 @@ impl TcpConnection {
         client_id: u64,
         timeout: Duration,
     ) -> Result<Self, ConnectError> {
-        let io_err = |source| ConnectError::Io {
-            addr: addr.to_owned(),
-            source,
-        };
-        let sock_addr: SocketAddr = resolve(addr).map_err(io_err)?;
-        let mut stream = TcpStream::connect_timeout(&sock_addr, timeout).map_err(io_err)?;
-        stream.set_nodelay(true).map_err(io_err)?;
-        stream.set_read_timeout(Some(timeout)).map_err(io_err)?;
-        stream.set_write_timeout(Some(timeout)).map_err(io_err)?;
+        let mut stream = dial(addr, timeout)?;
         let hello = HelloRequest {
             client_id,
             rdma: None,
-        }
-        .encode();
-        let header = Header::request(Opcode::Hello, 0, 0, hello.len() as u32);
-        let mut msg = header.encode().to_vec();
-        msg.extend_from_slice(&hello);
-        stream.write_all(&msg).map_err(io_err)?;
-        let mut head = [0u8; HEADER_LEN];
-        stream.read_exact(&mut head).map_err(io_err)?;
-        let bad = |detail: String| ConnectError::Handshake {
-            addr: addr.to_owned(),
-            detail,
         };
-        let header = Header::decode(&head).map_err(|e| bad(e.to_string()))?;
-        if header.opcode != Opcode::HelloAck || header.status != Status::Ok {
-            return Err(bad(format!(
-                "expected HELLO_ACK, got {:?} ({})",
-                header.opcode, header.status
-            )));
-        }
-        let mut payload = vec![0u8; header.payload_len()];
-        stream.read_exact(&mut payload).map_err(io_err)?;
-        let ack = HelloAck::decode(&payload)
-            .filter(|a| a.page_size as usize == PAGE_SIZE)
-            .ok_or_else(|| {
-                bad(format!(
-                    "malformed HELLO_ACK of {} bytes (need {HELLO_ACK_LEN}+)",
-                    payload.len()
-                ))
+        let ack = handshake(&mut stream, addr, &hello)?;
+        Self::from_handshaken(node_id, addr, stream, ack)
+    }
+
+    /// Wraps a stream whose HELLO handshake is done (e.g. one where the
+    /// client offered RDMA and the server declined) as the TCP data path.
+    pub(crate) fn from_handshaken(
+        node_id: &str,
+        addr: &str,
+        stream: TcpStream,
+        ack: HelloAck,
+    ) -> Result<Self, ConnectError> {
+        stream
+            .set_nonblocking(true)
+            .map_err(|source| ConnectError::Io {
+                addr: addr.to_owned(),
+                source,
             })?;
-        stream.set_nonblocking(true).map_err(io_err)?;
         Ok(Self {
             node_id: node_id.to_owned(),
             stream,
@@ -241,6 +222,61 @@ impl TcpConnection {
         }
         Ok(())
     }
+}
+
+/// Opens a TCP connection to a page-server (no delay, blocking, with
+/// `timeout` on connect, reads and writes).
+pub(crate) fn dial(addr: &str, timeout: Duration) -> Result<TcpStream, ConnectError> {
+    let io_err = |source| ConnectError::Io {
+        addr: addr.to_owned(),
+        source,
+    };
+    let sock_addr: SocketAddr = resolve(addr).map_err(io_err)?;
+    let stream = TcpStream::connect_timeout(&sock_addr, timeout).map_err(io_err)?;
+    stream.set_nodelay(true).map_err(io_err)?;
+    stream.set_read_timeout(Some(timeout)).map_err(io_err)?;
+    stream.set_write_timeout(Some(timeout)).map_err(io_err)?;
+    Ok(stream)
+}
+
+/// Sends `hello` and reads the HELLO_ACK (bounded by the stream's timeouts).
+pub(crate) fn handshake(
+    stream: &mut TcpStream,
+    addr: &str,
+    hello: &HelloRequest,
+) -> Result<HelloAck, ConnectError> {
+    let io_err = |source| ConnectError::Io {
+        addr: addr.to_owned(),
+        source,
+    };
+    let payload = hello.encode();
+    let header = Header::request(Opcode::Hello, 0, 0, payload.len() as u32);
+    let mut msg = header.encode().to_vec();
+    msg.extend_from_slice(&payload);
+    stream.write_all(&msg).map_err(io_err)?;
+    let mut head = [0u8; HEADER_LEN];
+    stream.read_exact(&mut head).map_err(io_err)?;
+    let bad = |detail: String| ConnectError::Handshake {
+        addr: addr.to_owned(),
+        detail,
+    };
+    let header = Header::decode(&head).map_err(|e| bad(e.to_string()))?;
+    if header.opcode != Opcode::HelloAck || header.status != Status::Ok {
+        return Err(bad(format!(
+            "expected HELLO_ACK, got {:?} ({})",
+            header.opcode, header.status
+        )));
+    }
+    let mut payload = vec![0u8; header.payload_len()];
+    stream.read_exact(&mut payload).map_err(io_err)?;
+    HelloAck::decode(&payload)
+        .filter(|a| a.page_size as usize == PAGE_SIZE)
+        .ok_or_else(|| {
+            bad(format!(
+                "malformed HELLO_ACK of {} bytes (need {HELLO_ACK_LEN}+)",
+                payload.len()
+            ))
+        })
 }
 
 fn wait_writable(stream: &TcpStream, deadline: Instant) -> io::Result<()> {

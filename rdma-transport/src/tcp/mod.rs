@@ -11,3 +11,6 @@ pub(crate) use inflight::{Waiter, CODE_CONN_LOST, CODE_PROTOCOL};
 pub(crate) use poller::Pollers;
 pub(crate) use receive::wait;
 
+// The RDMA data path reuses the request table, the waiter and the HELLO.
+pub(crate) use connection::{dial, handshake, ConnectError};
+pub(crate) use inflight::{Claim, Inflight, SLOTS};

@@ -410,6 +410,14 @@ macro_rules! wc_status {
                     other => Self::Other(other),
                 }
             }
+
+            /// The raw `ibv_wc_status` value.
+            pub fn to_raw(self) -> u32 {
+                match self {
+                    $(Self::$variant => ibv_wc_status::$raw,)*
+                    Self::Other(raw) => raw,
+                }
+            }
         }
 
         impl fmt::Display for WcStatus {

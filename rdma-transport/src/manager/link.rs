@@ -1,0 +1,236 @@
+//! A node's live connection, over TCP or RDMA, and how the manager makes
+//! one: RDMA when both ends have a usable device, TCP otherwise (or only,
+//! for `TransportKind::Tcp`).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{Inner, Node, RETRY_INTERVAL};
+use crate::config::{DataPath, ManagerConfig, TransportKind};
+use crate::error::TransportError;
+use crate::pool::PagePool;
+use crate::rdma::{dial_rdma, ClientDevice, Dialed, RdmaConnection, RdmaPollers};
+use crate::tcp::{TcpConnection, Waiter, CODE_CONN_LOST};
+
+/// The connection a node's requests go over.
+#[derive(Debug, Clone)]
+pub(super) enum Link {
+    Tcp(Arc<TcpConnection>),
+    Rdma(Arc<RdmaConnection>),
+}
+
+impl Link {
+    pub(super) fn is_broken(&self) -> bool {
+        match self {
+            Self::Tcp(c) => c.is_broken(),
+            Self::Rdma(c) => c.is_broken(),
+        }
+    }
+
+    pub(super) fn mark_broken(&self) {
+        match self {
+            Self::Tcp(c) => c.mark_broken(CODE_CONN_LOST),
+            Self::Rdma(c) => c.mark_broken(CODE_CONN_LOST),
+        }
+    }
+
+    pub(super) fn path(&self) -> DataPath {
+        match self {
+            Self::Tcp(_) => DataPath::Tcp,
+            Self::Rdma(_) => DataPath::Rdma,
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        match self {
+            Self::Tcp(c) => c.ack.epoch,
+            Self::Rdma(c) => c.ack.epoch,
+        }
+    }
+
+    /// Whether both are the same connection.
+    pub(super) fn same(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Tcp(a), Self::Tcp(b)) => Arc::ptr_eq(a, b),
+            (Self::Rdma(a), Self::Rdma(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
+/// The manager's RDMA side: the device with the registered pool, and the
+/// pollers whose channels the CQs use.
+///
+/// Field order is drop order: the pollers stop (and drop their connections)
+/// before the device closes.
+#[derive(Debug)]
+pub(super) struct RdmaSide {
+    pub(super) pollers: RdmaPollers,
+    pub(super) device: Arc<ClientDevice>,
+}
+
+impl RdmaSide {
+    /// Opens the device for `config` unless the transport is TCP only.
+    /// `Ok(None)`: TCP for every node (no device, and `Auto`).
+    ///
+    /// # Errors
+    /// [`TransportError::RdmaUnavailable`] with the reason, for
+    /// `TransportKind::Rdma` on a host without a usable device.
+    pub(super) fn open(
+        config: &ManagerConfig,
+        pool: &PagePool,
+        cpus: &[usize],
+    ) -> Result<Option<Self>, TransportError> {
+        if config.transport == TransportKind::Tcp {
+            return Ok(None);
+        }
+        let opened = ClientDevice::open(config, pool).and_then(|device| {
+            let pollers =
+                RdmaPollers::start(&device, config.poller_threads, cpus, config.poll_mode)?;
+            Ok(Self { pollers, device })
+        });
+        match (opened, config.transport) {
+            (Ok(side), _) => Ok(Some(side)),
+            (Err(reason), TransportKind::Rdma) => Err(TransportError::RdmaUnavailable(reason)),
+            (Err(reason), _) => {
+                tracing::info!(%reason, "no usable RDMA device on this host; transport auto uses TCP for every node");
+                Ok(None)
+            }
+        }
+    }
+}
+
+impl Inner {
+    /// The node's live connection, connecting (at most once per
+    /// `RETRY_INTERVAL` after a failure) when there is none.
+    pub(super) fn connection(&self, node: &Node) -> Result<Link, TransportError> {
+        if let Some(link) = node.conn.load_full().filter(|c| !c.is_broken()) {
+            return Ok(Link::clone(&link));
+        }
+        let mut last_failure = node.last_failure.lock();
+        if let Some(link) = node.conn.load_full().filter(|c| !c.is_broken()) {
+            return Ok(Link::clone(&link));
+        }
+        if last_failure.is_some_and(|t| t.elapsed() < RETRY_INTERVAL) {
+            return Err(TransportError::NodeDown {
+                node: node.id.clone(),
+                reason: "unreachable (retrying)".into(),
+            });
+        }
+        match self.dial(node) {
+            Ok(link) => {
+                let epoch = link.epoch();
+                let old_epoch = node.epoch.swap(epoch, Ordering::Relaxed);
+                if old_epoch != 0 && old_epoch != epoch {
+                    tracing::info!(node = %node.id, "page-server restarted (new epoch); reconnected");
+                }
+                let path = link.path();
+                let mut logged = node.logged_path.lock();
+                if *logged != Some(path) {
+                    *logged = Some(path);
+                    tracing::info!(node = %node.id, addr = %node.addr, %path, "data path for node");
+                }
+                node.conn.store(Some(Arc::new(link.clone())));
+                *last_failure = None;
+                Ok(link)
+            }
+            Err(err) => {
+                *last_failure = Some(Instant::now());
+                drop(last_failure);
+                if matches!(err, TransportError::NodeDown { .. }) {
+                    self.refresh_on_miss();
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// Makes a new connection to `node` over the data path this manager and
+    /// the page-server can both use.
+    fn dial(&self, node: &Node) -> Result<Link, TransportError> {
+        let timeout = self.config.connect_timeout();
+        let down = |reason: String| TransportError::NodeDown {
+            node: node.id.clone(),
+            reason,
+        };
+        let Some(rdma) = &self.rdma else {
+            return self.dial_tcp(node, timeout);
+        };
+        let poller = rdma.pollers.pick();
+        let dialed = dial_rdma(
+            &node.id,
+            &node.addr,
+            self.client_id,
+            timeout,
+            &rdma.device,
+            &poller.channel,
+        );
+        let require = self.config.transport == TransportKind::Rdma;
+        match dialed {
+            Ok(Dialed::Rdma(conn)) => {
+                RdmaPollers::add(&poller, &conn);
+                Ok(Link::Rdma(conn))
+            }
+            Ok(Dialed::TcpOnly(_)) if require => Err(TransportError::RdmaUnavailable(format!(
+                "node {}'s page-server at {} does not offer RDMA",
+                node.id, node.addr
+            ))),
+            Ok(Dialed::TcpOnly(conn)) => {
+                self.pollers.add(&conn);
+                Ok(Link::Tcp(conn))
+            }
+            Err(crate::rdma::DialError::Tcp(err)) => Err(down(err.to_string())),
+            Err(err) if require => Err(TransportError::RdmaUnavailable(format!(
+                "node {}: {err}",
+                node.id
+            ))),
+            Err(err) => {
+                tracing::warn!(node = %node.id, %err, "RDMA set-up failed; using TCP for this node");
+                self.dial_tcp(node, timeout)
+            }
+        }
+    }
+
+    fn dial_tcp(&self, node: &Node, timeout: Duration) -> Result<Link, TransportError> {
+        let conn = TcpConnection::connect(&node.id, &node.addr, self.client_id, timeout).map_err(
+            |err| TransportError::NodeDown {
+                node: node.id.clone(),
+                reason: err.to_string(),
+            },
+        )?;
+        let conn = Arc::new(conn);
+        self.pollers.add(&conn);
+        Ok(Link::Tcp(conn))
+    }
+}
+
+/// Waits for a chunk that went to TCP and RDMA nodes at once: parks and lets
+/// both kinds of pollers complete it (a rare case: mixed clusters only).
+pub(super) fn wait_mixed(
+    waiter: &Waiter,
+    tcp: &[Option<Arc<TcpConnection>>],
+    rdma: &[Option<Arc<RdmaConnection>>],
+    deadline: Instant,
+) -> bool {
+    for c in rdma.iter().flatten() {
+        c.progress();
+    }
+    if waiter.is_done() {
+        return true;
+    }
+    for c in tcp.iter().flatten() {
+        c.park_enter();
+    }
+    for c in rdma.iter().flatten() {
+        c.park_enter();
+    }
+    let done = waiter.wait(Duration::ZERO, deadline);
+    for c in tcp.iter().flatten() {
+        c.park_leave();
+    }
+    for c in rdma.iter().flatten() {
+        c.park_leave();
+    }
+    done
+}

@@ -1,0 +1,235 @@
+//! One chunk's requests to RDMA nodes: each node's pages become one batch of
+//! RDMA READs into (or WRITEs from) pool frames, and after the wait each
+//! frame is copied out, handed back, or quarantined.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{Inner, Node};
+use crate::error::TransportError;
+use crate::page::PAGE_SIZE;
+use crate::pool::PageFrame;
+use crate::rdma::{code_status, PageOp, RdmaConnection, MAX_BATCH};
+use crate::tcp::{Request, Waiter, CODE_CONN_LOST, MAX_CHUNK};
+use crate::wire::Status;
+
+const _: () = assert!(MAX_CHUNK <= MAX_BATCH, "a node's share of a chunk is one batch");
+
+/// The RDMA side of one chunk: per request its frame, per node group its
+/// connection and batch id.
+pub(super) struct RdmaChunk {
+    frames: [Option<PageFrame>; MAX_CHUNK],
+    group_of: [usize; MAX_CHUNK],
+    pub(super) conns: [Option<Arc<RdmaConnection>>; MAX_CHUNK],
+    ids: [Option<u64>; MAX_CHUNK],
+    pub(super) groups: usize,
+}
+
+impl RdmaChunk {
+    pub(super) fn new() -> Self {
+        Self {
+            frames: [const { None }; MAX_CHUNK],
+            group_of: [usize::MAX; MAX_CHUNK],
+            conns: [const { None }; MAX_CHUNK],
+            ids: [None; MAX_CHUNK],
+            groups: 0,
+        }
+    }
+}
+
+/// Where the pages of a chunk live.
+pub(super) struct Pages<'a> {
+    /// Page i of the chunk is at `base + i * 4096` (the caller's buffers).
+    pub(super) base: *mut u8,
+    /// `read_frame`: the chunk's one page is this pool frame, which RDMA
+    /// reads into directly. Taken while in flight; put back on success.
+    pub(super) frame: Option<&'a mut Option<PageFrame>>,
+}
+
+impl Inner {
+    /// Posts `reqs` (request `members[i]` of the chunk is `reqs[i]`) to
+    /// `conn` as group `group` of the chunk, each page through a pool frame.
+    /// Returns the first error; requests not posted get no frame.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn submit_rdma(
+        &self,
+        chunk: &mut RdmaChunk,
+        group: usize,
+        conn: Arc<RdmaConnection>,
+        write: bool,
+        reqs: &[Request],
+        members: &[usize],
+        pages: &mut Pages<'_>,
+        waiter: &Waiter,
+        deadline: Instant,
+    ) -> Option<TransportError> {
+        let mut first_error = None;
+        let mut ops = [PageOp {
+            offset: 0,
+            local: std::ptr::null_mut(),
+        }; MAX_CHUNK];
+        let mut k = 0;
+        for (req, &j) in reqs.iter().zip(members) {
+            let in_range = req
+                .offset
+                .checked_add(PAGE_SIZE as u64)
+                .is_some_and(|end| end <= conn.region_size_bytes());
+            if !in_range {
+                first_error.get_or_insert(TransportError::Refused {
+                    node: conn.node_id.clone(),
+                    status: Status::OutOfRange,
+                });
+                continue;
+            }
+            let frame = match pages.frame.as_mut().and_then(|f| f.take()) {
+                Some(frame) => frame,
+                None => match self.alloc_frame(deadline) {
+                    Some(frame) => frame,
+                    None => {
+                        first_error.get_or_insert(TransportError::PoolExhausted {
+                            capacity: self.pool.capacity(),
+                        });
+                        continue;
+                    }
+                },
+            };
+            if write {
+                // SAFETY: for WRITE, `req.page` is the caller's page, borrowed
+                // for the whole call; the frame is ours alone and no request
+                // on it is in flight.
+                unsafe { std::ptr::copy_nonoverlapping(req.page, frame.as_ptr(), PAGE_SIZE) };
+            }
+            ops[k] = PageOp {
+                offset: req.offset,
+                local: frame.as_ptr(),
+            };
+            k += 1;
+            chunk.frames[j] = Some(frame);
+            chunk.group_of[j] = group;
+        }
+        if k > 0 {
+            match conn.submit(write, &ops[..k], waiter, deadline) {
+                Ok(id) => chunk.ids[group] = Some(id),
+                Err(err) => {
+                    chunk.ids[group] = err.armed;
+                    tracing::debug!(node = %conn.node_id, reason = %err.reason, "RDMA submission failed");
+                    first_error.get_or_insert(TransportError::NodeDown {
+                        node: conn.node_id.clone(),
+                        reason: err.reason,
+                    });
+                }
+            }
+        }
+        chunk.conns[group] = Some(conn);
+        chunk.groups = chunk.groups.max(group + 1);
+        first_error
+    }
+
+    /// After the wait: collects every batch's outcome, copies READ pages to
+    /// the caller (or hands the frame back), and quarantines the frames of
+    /// failed batches. A timed-out or failed batch tears its QP down.
+    pub(super) fn settle_rdma(
+        &self,
+        chunk: &mut RdmaChunk,
+        nodes: &[&Node],
+        answered: bool,
+        write: bool,
+        pages: &mut Pages<'_>,
+    ) -> Option<TransportError> {
+        let mut first_error = None;
+        // Per group: None = nothing posted; Some(None) = timed out.
+        let mut outcome = [None::<Option<u32>>; MAX_CHUNK];
+        for g in 0..chunk.groups {
+            let (Some(conn), Some(id)) = (&chunk.conns[g], chunk.ids[g]) else {
+                continue;
+            };
+            let code = if answered {
+                Some(conn.inflight.finish(id))
+            } else {
+                conn.inflight.cancel(id)
+            };
+            outcome[g] = Some(code);
+            if let Some(err) = self.rdma_error(code, conn, nodes[g]) {
+                first_error.get_or_insert(err);
+            }
+        }
+        for (j, slot) in chunk.frames.iter_mut().enumerate() {
+            let Some(frame) = slot.take() else {
+                continue;
+            };
+            let g = chunk.group_of[j];
+            match outcome[g] {
+                Some(Some(0)) if !write => match pages.frame.as_mut() {
+                    Some(direct) => **direct = Some(frame),
+                    None => {
+                        let dst = pages.base.wrapping_add(j * PAGE_SIZE);
+                        // SAFETY: the batch completed, so the device is done
+                        // with the frame; request j's page (`dst`) lies
+                        // inside the caller's buffer of the chunk's pages,
+                        // which this call borrows exclusively.
+                        unsafe { std::ptr::copy_nonoverlapping(frame.as_ptr(), dst, PAGE_SIZE) };
+                    }
+                },
+                Some(Some(0)) | None => drop(frame),
+                Some(_) => match &chunk.conns[g] {
+                    Some(conn) => conn.quarantine(frame),
+                    None => std::mem::forget(frame),
+                },
+            }
+        }
+        first_error
+    }
+
+    /// The error a batch's completion code means; a failed batch's
+    /// connection is torn down and forgotten, so the next request builds a
+    /// new QP.
+    fn rdma_error(
+        &self,
+        code: Option<u32>,
+        conn: &Arc<RdmaConnection>,
+        node: &Node,
+    ) -> Option<TransportError> {
+        let node_name = || conn.node_id.clone();
+        let err = match code {
+            Some(0) => return None,
+            None => {
+                // The QP may still move the pages: stop it before anything
+                // else uses them.
+                conn.mark_broken(CODE_CONN_LOST);
+                TransportError::Timeout {
+                    node: node_name(),
+                    timeout_ms: self.config.request_timeout_ms,
+                }
+            }
+            Some(code) => match code_status(code) {
+                Some(status) => TransportError::RdmaCompletion {
+                    node: node_name(),
+                    status,
+                },
+                None if code == CODE_CONN_LOST => TransportError::NodeDown {
+                    node: node_name(),
+                    reason: "connection lost".into(),
+                },
+                None => TransportError::Protocol {
+                    node: node_name(),
+                    detail: format!("unexpected completion code {code:#x}"),
+                },
+            },
+        };
+        self.forget(node, &super::link::Link::Rdma(Arc::clone(conn)));
+        Some(err)
+    }
+
+    /// A free pool frame, waiting for one until `deadline`.
+    fn alloc_frame(&self, deadline: Instant) -> Option<PageFrame> {
+        loop {
+            if let Some(frame) = self.pool.alloc() {
+                return Some(frame);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::yield_now();
+        }
+    }
+}

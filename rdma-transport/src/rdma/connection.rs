@@ -1,0 +1,500 @@
+//! One RDMA connection to a page-server: the TCP control connection (it
+//! carried the HELLO that exchanged the QP endpoints; its EOF means the
+//! peer is gone), one RC QP with its CQ, and the table of batches in flight.
+//!
+//! A batch is one chain of RDMA READs or WRITEs posted with one
+//! `ibv_post_send`, every work request carrying the batch's request id as
+//! `wr_id` and only the last one signaled. On an RC QP completions arrive in
+//! order, so the last one's success means the whole batch succeeded; any
+//! error completion (signaled or not) fails the batch it names and tears
+//! the QP down.
+
+use std::io::{self, Read};
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use parking_lot::Mutex;
+
+use super::device::ClientDevice;
+use super::poller::PollerHandle;
+use super::port::{connect_qp, random_psn};
+use crate::page::PAGE_SIZE;
+use crate::pool::PageFrame;
+use crate::tcp::{
+    dial, handshake, Claim, ConnectError, Inflight, TcpConnection, Waiter, CODE_CONN_LOST,
+};
+use crate::verbs::{
+    CompletionChannel, CompletionQueue, QueuePair, SendWr, Sge, VerbsError, WcStatus,
+    WorkCompletion,
+};
+use crate::wire::{HelloAck, HelloRequest};
+
+/// Most work requests in one batch (one `ibv_post_send` chain).
+pub(crate) const MAX_BATCH: usize = 64;
+/// Completion codes `CODE_WC_BASE + status` carry a failed work completion's
+/// `ibv_wc_status` (codes below are the TCP path's).
+pub(crate) const CODE_WC_BASE: u32 = 0x1000;
+/// Work completions taken per `ibv_poll_cq` call.
+const POLL_BATCH: usize = 32;
+
+/// Why an RDMA connection could not be made.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum DialError {
+    /// TCP connect or HELLO failed.
+    #[error(transparent)]
+    Tcp(#[from] ConnectError),
+    /// Creating or connecting the QP failed.
+    #[error("RDMA set-up with {addr}: {source}")]
+    Verbs {
+        addr: String,
+        #[source]
+        source: VerbsError,
+    },
+}
+
+/// What a dial ended with: RDMA, or plain TCP when the server has no RDMA.
+#[derive(Debug)]
+pub(crate) enum Dialed {
+    Rdma(Arc<RdmaConnection>),
+    TcpOnly(Arc<TcpConnection>),
+}
+
+/// A connected RC QP to one page-server.
+///
+/// Field order is drop order: the QP is destroyed first, so no device access
+/// to a quarantined frame can happen once the frames are freed.
+#[derive(Debug)]
+pub(crate) struct RdmaConnection {
+    qp: QueuePair,
+    cq: CompletionQueue,
+    pub(crate) node_id: String,
+    control: TcpStream,
+    remote_addr: u64,
+    region_size_bytes: u64,
+    rkey: AtomicU32,
+    lkey: u32,
+    pub(crate) inflight: Inflight,
+    /// Work requests of the batch in each inflight slot (for SQ accounting).
+    batch_wrs: Box<[AtomicU32]>,
+    /// Send-queue slots free; unsignaled requests hold theirs until the
+    /// signaled end of their batch completes.
+    sq_free: AtomicIsize,
+    /// Held by whoever polls the CQ; carries the completion array.
+    poll: Mutex<[WorkCompletion; POLL_BATCH]>,
+    parked: AtomicUsize,
+    poller: OnceLock<Arc<PollerHandle>>,
+    broken: AtomicBool,
+    pub(crate) ack: HelloAck,
+    quarantine: Mutex<Vec<PageFrame>>,
+}
+
+/// One page of a batch: its offset in the peer's region and the pool frame
+/// it is read into or written from.
+#[derive(Clone, Copy)]
+pub(crate) struct PageOp {
+    pub(crate) offset: u64,
+    pub(crate) local: *mut u8,
+}
+
+/// A failed submission. When `armed` is set the batch holds an inflight
+/// slot that the caller must still `finish` or `cancel`.
+#[derive(Debug)]
+pub(crate) struct SubmitError {
+    pub(crate) armed: Option<u64>,
+    pub(crate) reason: String,
+}
+
+/// Connects to `addr`, offering RDMA in the HELLO. The server answers with
+/// its QP endpoint and region key (RDMA) or without (TCP only).
+pub(crate) fn dial_rdma(
+    node_id: &str,
+    addr: &str,
+    client_id: u64,
+    timeout: std::time::Duration,
+    device: &ClientDevice,
+    channel: &CompletionChannel,
+) -> Result<Dialed, DialError> {
+    let verbs_err = |source| DialError::Verbs {
+        addr: addr.to_owned(),
+        source,
+    };
+    let mut stream = dial(addr, timeout)?;
+    let (qp, cq) = device.create_qp(channel).map_err(verbs_err)?;
+    let psn = random_psn();
+    let hello = HelloRequest {
+        client_id,
+        rdma: Some(device.port.hello(&qp, psn)),
+    };
+    let ack = handshake(&mut stream, addr, &hello)?;
+    let Some(remote) = ack.rdma else {
+        return Ok(Dialed::TcpOnly(Arc::new(TcpConnection::from_handshaken(
+            node_id, addr, stream, ack,
+        )?)));
+    };
+    connect_qp(&qp, &device.port, psn, &remote).map_err(verbs_err)?;
+    stream
+        .set_nonblocking(true)
+        .map_err(|source| ConnectError::Io {
+            addr: addr.to_owned(),
+            source,
+        })?;
+    let sq_depth = qp.caps().max_send_wr;
+    Ok(Dialed::Rdma(Arc::new(RdmaConnection {
+        qp,
+        cq,
+        node_id: node_id.to_owned(),
+        control: stream,
+        remote_addr: remote.region_addr,
+        region_size_bytes: ack.region_size_bytes,
+        rkey: AtomicU32::new(remote.rkey),
+        lkey: device.lkey(),
+        inflight: Inflight::new(),
+        batch_wrs: (0..crate::tcp::SLOTS).map(|_| AtomicU32::new(0)).collect(),
+        sq_free: AtomicIsize::new(isize::try_from(sq_depth).unwrap_or(0)),
+        poll: Mutex::new([WorkCompletion::default(); POLL_BATCH]),
+        parked: AtomicUsize::new(0),
+        poller: OnceLock::new(),
+        broken: AtomicBool::new(false),
+        ack,
+        quarantine: Mutex::new(Vec::new()),
+    })))
+}
+
+impl RdmaConnection {
+    /// The local QP number (tests check that a torn-down QP was replaced).
+    pub(crate) fn qpn(&self) -> u32 {
+        self.qp.qpn()
+    }
+
+    /// Bytes the peer exports: offsets must stay below this.
+    pub(crate) fn region_size_bytes(&self) -> u64 {
+        self.region_size_bytes
+    }
+
+    pub(crate) fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::SeqCst)
+    }
+
+    /// Tears the QP down (error state: outstanding requests flush and the
+    /// device stops touching their frames), closes the control connection
+    /// (so the server destroys its QP) and fails every batch in flight with
+    /// `code`. Idempotent.
+    pub(crate) fn mark_broken(&self, code: u32) {
+        if !self.broken.swap(true, Ordering::SeqCst) {
+            if let Err(err) = self.qp.modify_to_error() {
+                tracing::debug!(node = %self.node_id, %err, "moving the QP to the error state failed");
+            }
+            let _ = self.control.shutdown(std::net::Shutdown::Both);
+        }
+        self.inflight.fail_all(code);
+    }
+
+    /// Keeps `frame` until the QP is destroyed: a request on it failed or
+    /// timed out, so the device may still write (or read) it.
+    pub(crate) fn quarantine(&self, frame: PageFrame) {
+        self.quarantine.lock().push(frame);
+    }
+
+    /// Test hook: the next batches use a wrong rkey (until the QP fails and
+    /// is rebuilt).
+    pub(crate) fn corrupt_rkey(&self) {
+        self.rkey.fetch_xor(0x00ff_ff00, Ordering::SeqCst);
+    }
+
+    pub(crate) fn set_poller(&self, poller: Arc<PollerHandle>) {
+        let _ = self.poller.set(poller);
+    }
+
+    pub(crate) fn has_parked(&self) -> bool {
+        self.parked.load(Ordering::SeqCst) > 0
+    }
+
+    /// A caller is about to park: its poller must watch this CQ.
+    pub(crate) fn park_enter(&self) {
+        if self.parked.fetch_add(1, Ordering::SeqCst) == 0 {
+            if let Some(p) = self.poller.get() {
+                p.wake();
+            }
+        }
+    }
+
+    pub(crate) fn park_leave(&self) {
+        self.parked.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Arms the CQ: its next completion raises an event on the poller's
+    /// channel.
+    pub(crate) fn arm(&self) {
+        if let Err(err) = self.cq.req_notify(false) {
+            tracing::warn!(node = %self.node_id, %err, "arming the CQ failed; dropping the connection");
+            self.mark_broken(CODE_CONN_LOST);
+        }
+    }
+
+    pub(crate) fn control_fd(&self) -> RawFd {
+        self.control.as_raw_fd()
+    }
+
+    /// Reads the control connection (non-blocking): EOF or an error means
+    /// the page-server is gone, and the connection is torn down.
+    pub(crate) fn check_control(&self) {
+        let mut buf = [0u8; 64];
+        loop {
+            match (&self.control).read(&mut buf) {
+                Ok(0) => {
+                    tracing::info!(node = %self.node_id, "page-server closed the control connection");
+                    self.mark_broken(CODE_CONN_LOST);
+                    return;
+                }
+                // The server sends nothing after HELLO_ACK; ignore stray bytes.
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    if !self.is_broken() {
+                        tracing::info!(node = %self.node_id, err = %e, "control connection failed");
+                    }
+                    self.mark_broken(CODE_CONN_LOST);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Posts one batch (at most [`MAX_BATCH`] pages) and returns its request
+    /// id; the caller waits on `waiter`, then calls `inflight.finish` or
+    /// `inflight.cancel` with it. Every `local` must be a pool frame that
+    /// stays untouched until then.
+    pub(crate) fn submit(
+        &self,
+        write: bool,
+        ops: &[PageOp],
+        waiter: &Waiter,
+        deadline: Instant,
+    ) -> Result<u64, SubmitError> {
+        let n = ops.len();
+        debug_assert!(n > 0 && n <= MAX_BATCH);
+        let fail = |armed, reason: &str| SubmitError {
+            armed,
+            reason: reason.to_owned(),
+        };
+        if self.is_broken() {
+            return Err(fail(None, "connection lost"));
+        }
+        let id = loop {
+            if let Some(id) = self.inflight.arm(std::ptr::null_mut(), waiter) {
+                break id;
+            }
+            if Instant::now() >= deadline {
+                return Err(fail(None, "no free request slot before the deadline"));
+            }
+            self.progress();
+            std::thread::yield_now();
+        };
+        self.batch_wrs[slot_of(id)].store(n as u32, Ordering::Relaxed);
+        if !self.reserve_sq(n, deadline) {
+            // Never posted: take the slot back (a concurrent teardown may
+            // have completed it; either way it is released).
+            let _ = self.inflight.cancel(id);
+            return Err(fail(None, "send queue full until the deadline"));
+        }
+        // A teardown that ran before the slot was armed did not fail it.
+        if self.is_broken() {
+            self.inflight.fail_all(CODE_CONN_LOST);
+            return Err(fail(Some(id), "connection lost"));
+        }
+        let posted = match n {
+            1 => self.post::<1>(write, ops, id),
+            2..=16 => self.post::<16>(write, ops, id),
+            _ => self.post::<MAX_BATCH>(write, ops, id),
+        };
+        if let Err(err) = posted {
+            // Requests before the failed one may be posted (unsignaled):
+            // only a teardown ends them.
+            tracing::warn!(node = %self.node_id, %err, "ibv_post_send failed; dropping the connection");
+            self.mark_broken(CODE_CONN_LOST);
+            return Err(SubmitError {
+                armed: Some(id),
+                reason: err.to_string(),
+            });
+        }
+        // A teardown between the check above and the post would leave this
+        // batch to a flush completion that nobody may poll.
+        if self.is_broken() {
+            self.inflight.fail_all(CODE_CONN_LOST);
+        }
+        Ok(id)
+    }
+
+    /// Builds the chain on the stack (`N` >= `ops.len()`, so a single page
+    /// does not pay for 64 work requests) and posts it.
+    fn post<const N: usize>(&self, write: bool, ops: &[PageOp], id: u64) -> Result<(), VerbsError> {
+        let n = ops.len().min(N);
+        let mut sges = [Sge::default(); N];
+        for (sge, op) in sges.iter_mut().zip(ops) {
+            *sge = Sge::new(op.local as u64, PAGE_SIZE as u32, self.lkey);
+        }
+        let rkey = self.rkey.load(Ordering::Relaxed);
+        let mut wrs: [SendWr<'_>; N] = std::array::from_fn(|i| {
+            let sge = std::slice::from_ref(&sges[i]);
+            let remote = self
+                .remote_addr
+                .wrapping_add(ops.get(i).map_or(0, |op| op.offset));
+            let wr = if write {
+                SendWr::rdma_write(id, sge, remote, rkey)
+            } else {
+                SendWr::rdma_read(id, sge, remote, rkey)
+            };
+            if i + 1 == n {
+                wr.signaled()
+            } else {
+                wr
+            }
+        });
+        self.qp.post_send(&mut wrs[..n])
+    }
+
+    fn reserve_sq(&self, n: usize, deadline: Instant) -> bool {
+        let n = n as isize;
+        let mut spins = 0u32;
+        loop {
+            let free = self.sq_free.load(Ordering::Acquire);
+            if free >= n {
+                if self
+                    .sq_free
+                    .compare_exchange_weak(free, free - n, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    return true;
+                }
+                continue;
+            }
+            // Slots come back as batches complete: help them along.
+            self.progress();
+            spins = spins.wrapping_add(1);
+            if spins % 16 == 0 && Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Polls the CQ empty unless someone else is polling it now, completing
+    /// the batches it names. Returns the number of work completions taken.
+    pub(crate) fn progress(&self) -> usize {
+        let Some(mut wcs) = self.poll.try_lock() else {
+            return 0;
+        };
+        let mut total = 0;
+        loop {
+            let n = match self.cq.poll(&mut wcs[..]) {
+                Ok(n) => n,
+                Err(err) => {
+                    tracing::warn!(node = %self.node_id, %err, "polling the CQ failed; dropping the connection");
+                    self.mark_broken(CODE_CONN_LOST);
+                    return total;
+                }
+            };
+            for wc in &wcs[..n] {
+                self.on_completion(wc);
+            }
+            total += n;
+            if n < POLL_BATCH {
+                return total;
+            }
+        }
+    }
+
+    fn on_completion(&self, wc: &WorkCompletion) {
+        let id = wc.wr_id();
+        if wc.is_success() {
+            if let Claim::Live { slot, .. } = self.inflight.claim(id) {
+                let wrs = self.batch_wrs[slot].load(Ordering::Relaxed);
+                self.sq_free.fetch_add(wrs as isize, Ordering::AcqRel);
+                self.inflight.complete(slot, 0);
+            }
+            // A stale success belongs to a cancelled batch, whose timeout
+            // already tore the connection down: nothing to account.
+            return;
+        }
+        let status = wc.status();
+        if status != WcStatus::WrFlush || !self.is_broken() {
+            tracing::warn!(
+                node = %self.node_id,
+                %status,
+                vendor_err = wc.vendor_err(),
+                "RDMA work request failed; tearing the QP down"
+            );
+        }
+        if let Claim::Live { slot, .. } = self.inflight.claim(id) {
+            self.inflight.complete(slot, status_code(status));
+        }
+        self.mark_broken(status_code(WcStatus::WrFlush));
+    }
+}
+
+fn slot_of(id: u64) -> usize {
+    (id % crate::tcp::SLOTS as u64) as usize
+}
+
+/// The completion code that carries `status`.
+fn status_code(status: WcStatus) -> u32 {
+    let raw = status.to_raw();
+    if raw < CODE_WC_BASE {
+        CODE_WC_BASE + raw
+    } else {
+        CODE_WC_BASE + WcStatus::General.to_raw()
+    }
+}
+
+/// The work completion status a code carries, if it is one.
+pub(crate) fn code_status(code: u32) -> Option<WcStatus> {
+    code.checked_sub(CODE_WC_BASE)
+        .filter(|raw| *raw < CODE_WC_BASE)
+        .map(WcStatus::from_raw)
+}
+
+/// Waits until `waiter` has nothing outstanding or `deadline` passes (false
+/// then). For up to `spin` the caller polls the CQs of `conns` itself (no
+/// hand-off, no wake-up: SoftRoCE often completes a request inside
+/// `ibv_post_send`); then it parks and the connections' pollers take over.
+pub(crate) fn wait(
+    waiter: &Waiter,
+    conns: &[Option<Arc<RdmaConnection>>],
+    spin: std::time::Duration,
+    deadline: Instant,
+) -> bool {
+    let conns = || conns.iter().flatten();
+    let spin_until = Instant::now() + spin;
+    let mut spins = 0u32;
+    loop {
+        for c in conns() {
+            c.progress();
+        }
+        if waiter.is_done() {
+            return true;
+        }
+        spins = spins.wrapping_add(1);
+        if spins % 16 == 0 {
+            let now = Instant::now();
+            if now >= spin_until || now >= deadline {
+                break;
+            }
+        }
+        if spin.is_zero() {
+            break;
+        }
+        std::hint::spin_loop();
+    }
+    for c in conns() {
+        c.park_enter();
+    }
+    let done = waiter.wait(std::time::Duration::ZERO, deadline);
+    for c in conns() {
+        c.park_leave();
+    }
+    done
+}
