@@ -37,7 +37,7 @@ struct Args {
     #[arg(long, default_value_t = 50_000)]
     ops: u64,
     /// Remote memory under test, e.g. 64MiB (the local cluster exports this much).
-    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    #[arg(long, default_value = "64MiB", value_parser = rdma_transport::size::parse_size_bytes)]
     memory: usize,
     /// Benchmark threads.
     #[arg(long, default_value_t = 1)]
@@ -70,22 +70,6 @@ struct Args {
     /// (default: the library's).
     #[arg(long)]
     wait_spin_us: Option<u64>,
-}
-
-fn parse_size(s: &str) -> Result<usize, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: usize = num.parse().map_err(|_| format!("bad size {s:?}"))?;
-    let mult: usize = match unit.trim() {
-        "" | "B" => 1,
-        "KiB" | "K" => 1 << 10,
-        "MiB" | "M" => 1 << 20,
-        "GiB" | "G" => 1 << 30,
-        other => return Err(format!("unknown size unit {other:?} (use KiB, MiB or GiB)")),
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("size {s:?} overflows"))
 }
 
 fn parse_poll_mode(s: &str) -> Result<PollMode, String> {

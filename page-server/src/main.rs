@@ -25,7 +25,7 @@ struct Args {
     #[arg(long)]
     advertise: Option<String>,
     /// Memory to export, e.g. 1GiB, 512MiB, 4096.
-    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    #[arg(long, default_value = "256MiB", value_parser = rdma_transport::size::parse_size_bytes)]
     memory: usize,
     /// First guest-physical address of the exported range (decimal or 0x hex).
     #[arg(long, default_value = "0", value_parser = parse_u64)]
@@ -63,22 +63,6 @@ fn parse_u64(s: &str) -> Result<u64, String> {
         None => s.parse(),
     };
     r.map_err(|e| format!("{s:?}: {e}"))
-}
-
-fn parse_size(s: &str) -> Result<usize, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: usize = num.parse().map_err(|_| format!("bad size {s:?}"))?;
-    let mult: usize = match unit.trim() {
-        "" | "B" => 1,
-        "KiB" | "K" | "k" => 1 << 10,
-        "MiB" | "M" => 1 << 20,
-        "GiB" | "G" => 1 << 30,
-        other => return Err(format!("unknown size unit {other:?} (use KiB, MiB or GiB)")),
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("size {s:?} overflows"))
 }
 
 fn main() -> anyhow::Result<()> {

@@ -20,6 +20,7 @@ pub mod page;
 pub mod pool;
 pub mod rdma;
 pub mod region;
+pub mod size;
 mod sys;
 mod tcp;
 pub mod verbs;
