@@ -83,7 +83,8 @@ impl RdmaExport {
         let ctx = Context::open(&verbs, options.device.as_deref())?;
         let port = PortInfo::query(&ctx, options.port.max(1), options.gid_index)?;
         let pd = ctx.alloc_pd()?;
-        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
+        let access =
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
         // SAFETY: the caller keeps `region` mapped for longer than this value
         // (this fn's contract), and MappedRegion never hands out references
         // to its bytes: every access (here, over TCP, or by DMA) goes through

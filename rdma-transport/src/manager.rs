@@ -24,13 +24,14 @@ use crate::pool::{PageFrame, PagePool};
 use crate::tcp::{
     Pollers, Request, TcpConnection, Waiter, CODE_CONN_LOST, CODE_PROTOCOL, MAX_CHUNK,
 };
+use crate::wire::{Opcode, Status};
 
 mod link;
 mod rdma_batch;
+mod rdma_single;
 
 use link::{Link, RdmaSide};
 use rdma_batch::{Pages, RdmaChunk};
-use crate::wire::{Opcode, Status};
 
 /// Shortest time between two attempts to reach the same unreachable node, or
 /// two map refreshes caused by misses: a dead node fails fast instead of
@@ -74,6 +75,9 @@ struct Node {
     epoch: AtomicU64,
     /// The data path last logged for this node (logged once per change).
     logged_path: Mutex<Option<DataPath>>,
+    /// Why the last attempt could not use RDMA when RDMA is required
+    /// (repeated to callers until the next attempt).
+    rdma_refusal: Mutex<Option<String>>,
 }
 
 #[derive(Debug, Default)]
@@ -360,6 +364,11 @@ impl Inner {
         count: usize,
         mut frame: Option<&mut Option<PageFrame>>,
     ) -> Result<(), TransportError> {
+        if count == 1 {
+            if let Some(result) = self.run_single_rdma(opcode, gpas[0], pages, &mut frame) {
+                return result;
+            }
+        }
         let mut first_error = None;
         for chunk_start in (0..count).step_by(MAX_CHUNK) {
             let chunk_end = (chunk_start + MAX_CHUNK).min(count);
@@ -643,6 +652,7 @@ impl Inner {
                             last_failure: Mutex::new(None),
                             epoch: AtomicU64::new(0),
                             logged_path: Mutex::new(None),
+                            rdma_refusal: Mutex::new(None),
                         })
                     })
             })

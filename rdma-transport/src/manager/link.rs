@@ -113,6 +113,9 @@ impl Inner {
             return Ok(Link::clone(&link));
         }
         if last_failure.is_some_and(|t| t.elapsed() < RETRY_INTERVAL) {
+            if let Some(reason) = node.rdma_refusal.lock().clone() {
+                return Err(TransportError::RdmaUnavailable(reason));
+            }
             return Err(TransportError::NodeDown {
                 node: node.id.clone(),
                 reason: "unreachable (retrying)".into(),
@@ -133,10 +136,15 @@ impl Inner {
                 }
                 node.conn.store(Some(Arc::new(link.clone())));
                 *last_failure = None;
+                *node.rdma_refusal.lock() = None;
                 Ok(link)
             }
             Err(err) => {
                 *last_failure = Some(Instant::now());
+                *node.rdma_refusal.lock() = match &err {
+                    TransportError::RdmaUnavailable(reason) => Some(reason.clone()),
+                    _ => None,
+                };
                 drop(last_failure);
                 if matches!(err, TransportError::NodeDown { .. }) {
                     self.refresh_on_miss();

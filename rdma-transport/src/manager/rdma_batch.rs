@@ -13,7 +13,10 @@ use crate::rdma::{code_status, PageOp, RdmaConnection, MAX_BATCH};
 use crate::tcp::{Request, Waiter, CODE_CONN_LOST, MAX_CHUNK};
 use crate::wire::Status;
 
-const _: () = assert!(MAX_CHUNK <= MAX_BATCH, "a node's share of a chunk is one batch");
+const _: () = assert!(
+    MAX_CHUNK <= MAX_BATCH,
+    "a node's share of a chunk is one batch"
+);
 
 /// The RDMA side of one chunk: per request its frame, per node group its
 /// connection and batch id.
@@ -183,7 +186,7 @@ impl Inner {
     /// The error a batch's completion code means; a failed batch's
     /// connection is torn down and forgotten, so the next request builds a
     /// new QP.
-    fn rdma_error(
+    pub(super) fn rdma_error(
         &self,
         code: Option<u32>,
         conn: &Arc<RdmaConnection>,
@@ -221,7 +224,7 @@ impl Inner {
     }
 
     /// A free pool frame, waiting for one until `deadline`.
-    fn alloc_frame(&self, deadline: Instant) -> Option<PageFrame> {
+    pub(super) fn alloc_frame(&self, deadline: Instant) -> Option<PageFrame> {
         loop {
             if let Some(frame) = self.pool.alloc() {
                 return Some(frame);

@@ -461,6 +461,11 @@ pub(crate) fn code_status(code: u32) -> Option<WcStatus> {
 /// then). For up to `spin` the caller polls the CQs of `conns` itself (no
 /// hand-off, no wake-up: SoftRoCE often completes a request inside
 /// `ibv_post_send`); then it parks and the connections' pollers take over.
+///
+/// Between polls the caller yields its CPU: on a small host the work that
+/// completes the request (SoftRoCE's tasklets in `ksoftirqd`, or another
+/// caller) may be queued behind it. The clock is read only every 16 polls
+/// (it is a system call on some VMs).
 pub(crate) fn wait(
     waiter: &Waiter,
     conns: &[Option<Arc<RdmaConnection>>],
@@ -468,7 +473,7 @@ pub(crate) fn wait(
     deadline: Instant,
 ) -> bool {
     let conns = || conns.iter().flatten();
-    let spin_until = Instant::now() + spin;
+    let mut spin_until = None;
     let mut spins = 0u32;
     loop {
         for c in conns() {
@@ -477,17 +482,17 @@ pub(crate) fn wait(
         if waiter.is_done() {
             return true;
         }
-        spins = spins.wrapping_add(1);
-        if spins % 16 == 0 {
-            let now = Instant::now();
-            if now >= spin_until || now >= deadline {
-                break;
-            }
-        }
         if spin.is_zero() {
             break;
         }
-        std::hint::spin_loop();
+        spins = spins.wrapping_add(1);
+        if spins % 16 == 0 {
+            let now = Instant::now();
+            if now >= *spin_until.get_or_insert(now + spin) || now >= deadline {
+                break;
+            }
+        }
+        std::thread::yield_now();
     }
     for c in conns() {
         c.park_enter();

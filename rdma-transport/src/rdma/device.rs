@@ -43,12 +43,11 @@ impl ClientDevice {
         if devices.is_empty() {
             return Err(VerbsError::NoDevice.to_string());
         }
-        let ctx = Context::open(&verbs, config.rdma_device.as_deref()).map_err(|e| e.to_string())?;
+        let ctx =
+            Context::open(&verbs, config.rdma_device.as_deref()).map_err(|e| e.to_string())?;
         let port = PortInfo::query(&ctx, config.rdma_port, config.rdma_gid_index)
             .map_err(|e| format!("{}: {e}", ctx.name()))?;
-        let pd = ctx
-            .alloc_pd()
-            .map_err(|e| format!("{}: {e}", ctx.name()))?;
+        let pd = ctx.alloc_pd().map_err(|e| format!("{}: {e}", ctx.name()))?;
         let (base, len) = pool.region();
         // SAFETY: the pool's mapping stays allocated while `_pool` (a clone
         // of the pool) lives, which is longer than the MR (field order). The

@@ -155,7 +155,12 @@ pub fn connect_qp(
         lid: remote.lid,
         mtu: remote.mtu,
     };
-    let mut rtr = RtrParams::new(endpoint, port.mtu.min(remote_mtu), port.port, port.gid_index);
+    let mut rtr = RtrParams::new(
+        endpoint,
+        port.mtu.min(remote_mtu),
+        port.port,
+        port.gid_index,
+    );
     rtr.max_dest_rd_atomic = port.max_dest_rd_atomic;
     rtr.min_rnr_timer = QP_MIN_RNR_TIMER;
     qp.modify_to_rtr(&rtr)?;

@@ -1,0 +1,121 @@
+//! The one-page fast path over RDMA (`read_page`, `write_page`,
+//! `read_frame`, one-page batches): one bounce frame, one work request, no
+//! chunk bookkeeping. Under emulation (the SoftRoCE VM) clearing the chunk
+//! path's stack arrays costs a sizeable part of a round trip; here nothing
+//! is cleared and the clock is read once.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::link::Link;
+use super::Inner;
+use crate::config::PollMode;
+use crate::error::TransportError;
+use crate::page::{is_page_aligned, PAGE_SIZE};
+use crate::pool::PageFrame;
+use crate::rdma::PageOp;
+use crate::tcp::Waiter;
+use crate::wire::{Opcode, Status};
+
+impl Inner {
+    /// Runs one page over the node's live RDMA connection. `None` (and
+    /// `frame` untouched) when the general path must do it: no RDMA
+    /// connection yet, a map miss, a bad address.
+    pub(super) fn run_single_rdma(
+        &self,
+        opcode: Opcode,
+        gpa: u64,
+        page: *mut u8,
+        frame: &mut Option<&mut Option<PageFrame>>,
+    ) -> Option<Result<(), TransportError>> {
+        self.rdma.as_ref()?;
+        if !is_page_aligned(gpa) {
+            return None;
+        }
+        let state = self.state.load();
+        let loc = state.map.lookup(gpa)?;
+        let node = state.nodes.get(loc.node_index)?;
+        let link = node.conn.load_full()?;
+        let Link::Rdma(conn) = &*link else {
+            return None;
+        };
+        if conn.is_broken() {
+            return None;
+        }
+        let in_range = loc
+            .remote_offset
+            .checked_add(PAGE_SIZE as u64)
+            .is_some_and(|end| end <= conn.region_size_bytes());
+        if !in_range {
+            return Some(Err(TransportError::Refused {
+                node: node.id.clone(),
+                status: Status::OutOfRange,
+            }));
+        }
+        let write = opcode == Opcode::Write;
+        let deadline = Instant::now() + self.config.request_timeout();
+        let mut direct = frame.take();
+        let buf = match direct.as_mut().and_then(|slot| slot.take()) {
+            Some(f) => f,
+            None => match self.alloc_frame(deadline) {
+                Some(f) => f,
+                None => {
+                    return Some(Err(TransportError::PoolExhausted {
+                        capacity: self.pool.capacity(),
+                    }))
+                }
+            },
+        };
+        if write {
+            // SAFETY: for WRITE, `page` is the caller's page, borrowed for
+            // the whole call; the frame is ours and nothing is in flight on it.
+            unsafe { std::ptr::copy_nonoverlapping(page, buf.as_ptr(), PAGE_SIZE) };
+        }
+        let waiter = Waiter::new();
+        let op = PageOp {
+            offset: loc.remote_offset,
+            local: buf.as_ptr(),
+        };
+        let id = match conn.submit(write, &[op], &waiter, deadline) {
+            Ok(id) => id,
+            Err(err) => match err.armed {
+                Some(id) => id,
+                None => {
+                    // Never posted: the frame is free to reuse.
+                    if let Some(slot) = direct {
+                        *slot = Some(buf);
+                    }
+                    return Some(Err(TransportError::NodeDown {
+                        node: node.id.clone(),
+                        reason: err.reason,
+                    }));
+                }
+            },
+        };
+        let spin = match self.config.poll_mode {
+            PollMode::Busy => Duration::from_micros(self.config.wait_spin_us),
+            PollMode::Event => Duration::ZERO,
+        };
+        let conns = [Some(Arc::clone(conn))];
+        let answered = crate::rdma::wait(&waiter, &conns, spin, deadline);
+        let code = if answered {
+            Some(conn.inflight.finish(id))
+        } else {
+            conn.inflight.cancel(id)
+        };
+        if code == Some(0) {
+            if !write {
+                match direct {
+                    Some(slot) => *slot = Some(buf),
+                    // SAFETY: the READ completed, so the device is done with
+                    // the frame; `page` is the caller's exclusive page.
+                    None => unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), page, PAGE_SIZE) },
+                }
+            }
+            return Some(Ok(()));
+        }
+        // The device may still touch the frame until the QP is gone.
+        conn.quarantine(buf);
+        self.rdma_error(code, conn, node).map(Err)
+    }
+}
