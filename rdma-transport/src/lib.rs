@@ -13,6 +13,7 @@ mod config;
 pub mod coordinator;
 mod error;
 pub mod gpa_map;
+pub mod guest_memory;
 mod ids;
 mod manager;
 

@@ -1,0 +1,369 @@
+//! Guest memory over a real local cluster: pages fault in through
+//! userfaultfd, go back with flush/evict, and a dead owner turns faults
+//! into SIGBUS within the deadline.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use common::*;
+use rdma_transport::guest_memory::{
+    FaultAction, GuestMemory, GuestMemoryConfig, GuestMemoryError, SigbusMethod,
+};
+use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
+
+const NODE: u64 = NODE_BYTES as u64;
+const PAGES_PER_NODE: usize = NODE_BYTES / PAGE_SIZE;
+
+fn cluster_coordinator() -> (tempfile::TempDir, coordinator::RunningCoordinator) {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    (db, coord)
+}
+
+fn config(gpa_base: u64, size_bytes: usize) -> GuestMemoryConfig {
+    GuestMemoryConfig {
+        handler_cpus: Some(vec![]),
+        fault_timeout_ms: 500,
+        ..GuestMemoryConfig::new(gpa_base, size_bytes)
+    }
+}
+
+#[test]
+fn written_pattern_survives_evict_and_faults_back_in() {
+    let (_db, coord) = cluster_coordinator();
+    let _a = page_server(&coord.url(), "a", 0);
+    let _b = page_server(&coord.url(), "b", NODE);
+    let mgr = Arc::new(manager(&coord.url()));
+    let ram = GuestMemory::new(Arc::clone(&mgr), config(0, 2 * NODE_BYTES)).unwrap();
+
+    // Half the pages are read first (installed clean, then a write-protect
+    // fault on the write), half are written first.
+    let mut page = [0u8; PAGE_SIZE];
+    for p in 0..2 * PAGES_PER_NODE {
+        let gpa = (p * PAGE_SIZE) as u64;
+        if p % 2 == 0 {
+            ram.read(gpa, &mut page).unwrap();
+            assert!(page.iter().all(|&b| b == 0), "fresh remote memory is zero");
+        }
+        ram.write(gpa, &page_for(gpa, 7)).unwrap();
+    }
+    let stats = ram.stats();
+    assert_eq!(
+        stats.missing_faults + stats.prefetched_pages,
+        512,
+        "{stats:?}"
+    );
+    assert!(stats.wp_faults >= 128, "{stats:?}");
+
+    let dropped = ram.evict(0, 2 * NODE).unwrap();
+    assert_eq!(dropped, 512);
+    // The owners have every page...
+    for p in (0..2 * PAGES_PER_NODE).step_by(5) {
+        let gpa = (p * PAGE_SIZE) as u64;
+        mgr.read_page(gpa, &mut page).unwrap();
+        assert!(page == page_for(gpa, 7), "remote page {gpa:#x} differs");
+    }
+    // ...and touching guest memory faults them back in.
+    let before = ram.stats().missing_faults;
+    for p in (0..2 * PAGES_PER_NODE).rev() {
+        let gpa = (p * PAGE_SIZE) as u64;
+        ram.read(gpa, &mut page).unwrap();
+        assert!(
+            page == page_for(gpa, 7),
+            "guest page {gpa:#x} differs after evict"
+        );
+    }
+    assert!(ram.stats().missing_faults > before);
+    // Clean pages need no write-back.
+    assert_eq!(ram.flush().unwrap(), 0);
+}
+
+#[test]
+fn two_regions_on_two_nodes() {
+    let (_db, coord) = cluster_coordinator();
+    let _a = page_server(&coord.url(), "a", 0);
+    let _b = page_server(&coord.url(), "b", NODE);
+    let mgr = Arc::new(manager(&coord.url()));
+    let ram_a = GuestMemory::new(Arc::clone(&mgr), config(0, NODE_BYTES)).unwrap();
+    let ram_b = GuestMemory::new(Arc::clone(&mgr), config(NODE, NODE_BYTES)).unwrap();
+    assert!(ram_b.host_addr(NODE).is_some() && ram_b.host_addr(0).is_none());
+
+    std::thread::scope(|s| {
+        for (ram, seed) in [(&ram_a, 1u8), (&ram_b, 2u8)] {
+            s.spawn(move || {
+                for p in 0..PAGES_PER_NODE {
+                    let gpa = ram.gpa_base() + (p * PAGE_SIZE) as u64;
+                    ram.write(gpa, &page_for(gpa, seed)).unwrap();
+                }
+                assert_eq!(ram.flush().unwrap(), PAGES_PER_NODE as u64);
+                ram.evict(ram.gpa_base(), NODE).unwrap();
+            });
+        }
+    });
+    let mut page = [0u8; PAGE_SIZE];
+    for (ram, seed) in [(&ram_a, 1u8), (&ram_b, 2u8)] {
+        for p in 0..PAGES_PER_NODE {
+            let gpa = ram.gpa_base() + (p * PAGE_SIZE) as u64;
+            ram.read(gpa, &mut page).unwrap();
+            assert!(page == page_for(gpa, seed), "page {gpa:#x} differs");
+            mgr.read_page(gpa, &mut page).unwrap();
+            assert!(page == page_for(gpa, seed), "remote page {gpa:#x} differs");
+        }
+    }
+    // Out-of-range and unaligned requests are refused, not served.
+    assert!(matches!(
+        ram_a.evict(NODE, NODE),
+        Err(GuestMemoryError::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        ram_a.evict(1, 4096),
+        Err(GuestMemoryError::OutOfRange { .. })
+    ));
+    assert!(ram_a.read(NODE - 2, &mut page[..4]).is_err());
+}
+
+#[test]
+fn flush_while_faults_are_in_flight_loses_no_write() {
+    let (_db, coord) = cluster_coordinator();
+    let _a = page_server(&coord.url(), "a", 0);
+    let mgr = Arc::new(manager(&coord.url()));
+    let ram = Arc::new(
+        GuestMemory::new(
+            Arc::clone(&mgr),
+            GuestMemoryConfig {
+                handler_threads: 2,
+                ..config(0, NODE_BYTES)
+            },
+        )
+        .unwrap(),
+    );
+    const WRITERS: usize = 2;
+    const ROUNDS: u64 = 40;
+    // completed[p] = last value whose write to page p has returned.
+    let completed: Arc<Vec<AtomicU64>> =
+        Arc::new((0..PAGES_PER_NODE).map(|_| AtomicU64::new(0)).collect());
+    let done = Arc::new(AtomicBool::new(false));
+    let start = Arc::new(Barrier::new(WRITERS + 2));
+    let mut threads = Vec::new();
+    for w in 0..WRITERS {
+        let (ram, completed, start) =
+            (Arc::clone(&ram), Arc::clone(&completed), Arc::clone(&start));
+        threads.push(std::thread::spawn(move || {
+            start.wait();
+            for round in 1..=ROUNDS {
+                for p in (w..PAGES_PER_NODE).step_by(WRITERS) {
+                    let gpa = (p * PAGE_SIZE) as u64;
+                    // Same value at both ends: a torn copy would show.
+                    ram.write(gpa, &round.to_le_bytes()).unwrap();
+                    ram.write(gpa + 4088, &round.to_le_bytes()).unwrap();
+                    completed[p].store(round, Ordering::SeqCst);
+                }
+            }
+        }));
+    }
+    // An evicter keeps pages going away, so MISSING faults are in flight
+    // during the flushes.
+    {
+        let (ram, done, start) = (Arc::clone(&ram), Arc::clone(&done), Arc::clone(&start));
+        threads.push(std::thread::spawn(move || {
+            start.wait();
+            let mut chunk = 0u64;
+            while !done.load(Ordering::SeqCst) {
+                ram.evict(chunk * 16 * 4096, 16 * 4096).unwrap();
+                chunk = (chunk + 3) % (PAGES_PER_NODE as u64 / 16);
+            }
+        }));
+    }
+    start.wait();
+    let gpas: Vec<u64> = (0..PAGES_PER_NODE)
+        .map(|p| (p * PAGE_SIZE) as u64)
+        .collect();
+    let mut remote = vec![[0u8; PAGE_SIZE]; PAGES_PER_NODE];
+    let mut flushes = 0;
+    let check = |remote: &[[u8; PAGE_SIZE]], snapshot: &[u64], exact: bool| {
+        for (p, page) in remote.iter().enumerate() {
+            let head = u64::from_le_bytes(page[..8].try_into().unwrap());
+            let tail = u64::from_le_bytes(page[4088..].try_into().unwrap());
+            if exact {
+                assert_eq!((head, tail), (snapshot[p], snapshot[p]), "page {p}");
+            } else {
+                assert!(
+                    head >= snapshot[p],
+                    "page {p}: remote has {head}, {} was written before the flush",
+                    snapshot[p]
+                );
+                assert!(tail + 1 >= head, "page {p}: torn copy {head}/{tail}");
+            }
+        }
+    };
+    while threads[..WRITERS].iter().any(|t| !t.is_finished()) {
+        let snapshot: Vec<u64> = completed.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+        ram.flush().unwrap();
+        flushes += 1;
+        mgr.read_pages(&gpas, &mut remote).unwrap();
+        check(&remote, &snapshot, false);
+    }
+    done.store(true, Ordering::SeqCst);
+    for t in threads {
+        t.join().unwrap();
+    }
+    ram.flush().unwrap();
+    mgr.read_pages(&gpas, &mut remote).unwrap();
+    check(&remote, &vec![ROUNDS; PAGES_PER_NODE], true);
+    let stats = ram.stats();
+    assert!(flushes >= 2, "{flushes} flushes ran during the writes");
+    assert!(stats.wp_faults > 0 && stats.pages_evicted > 0, "{stats:?}");
+}
+
+/// Child side of the SIGBUS test: touches a page of a dead node. Run only
+/// by `dead_node_faults_raise_sigbus_within_deadline` (with its env vars).
+#[test]
+#[ignore = "child process of dead_node_faults_raise_sigbus_within_deadline"]
+fn child_touches_dead_node() {
+    let (Ok(url), Ok(gpa), Ok(ready), Ok(method)) = (
+        std::env::var("GM_CHILD_URL"),
+        std::env::var("GM_CHILD_GPA"),
+        std::env::var("GM_CHILD_READY"),
+        std::env::var("GM_CHILD_METHOD"),
+    ) else {
+        return;
+    };
+    let gpa: u64 = gpa.parse().unwrap();
+    let mgr = Arc::new(
+        TransportManager::connect(ManagerConfig {
+            coordinator_url: url,
+            request_timeout_ms: 200,
+            connect_timeout_ms: 200,
+            poller_cpus: Some(vec![]),
+            ..ManagerConfig::default()
+        })
+        .unwrap(),
+    );
+    let reported = format!("{ready}.reported");
+    let ram = GuestMemory::new(
+        mgr,
+        GuestMemoryConfig {
+            sigbus_method: if method == "tgkill" {
+                SigbusMethod::Tgkill
+            } else {
+                SigbusMethod::Poison
+            },
+            fault_timeout_ms: 300,
+            on_fault_error: Some(Arc::new(move |report| {
+                let _ = std::fs::write(&reported, format!("{:#x} {}", report.gpa, report.error));
+                FaultAction::Sigbus
+            })),
+            ..config(gpa, NODE_BYTES)
+        },
+    )
+    .unwrap();
+    std::fs::write(&ready, "touching").unwrap();
+    let mut byte = [0u8; 1];
+    let _ = ram.read(gpa + 5 * 4096, &mut byte);
+    // Only reached if no SIGBUS came.
+    std::process::exit(3);
+}
+
+#[test]
+fn dead_node_faults_raise_sigbus_within_deadline() {
+    let (_db, coord) = cluster_coordinator();
+    let _a = page_server(&coord.url(), "a", 0);
+    let mut b = ChildServer::start(&coord.url(), "b", NODE);
+    let mgr = Arc::new(manager(&coord.url()));
+    wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().lookup(NODE).is_some()
+    });
+    let ram_a = GuestMemory::new(Arc::clone(&mgr), config(0, NODE_BYTES)).unwrap();
+    let ram_b = GuestMemory::new(Arc::clone(&mgr), config(NODE, NODE_BYTES)).unwrap();
+    for p in 0..8u64 {
+        ram_b
+            .write(NODE + p * 4096, &page_for(NODE + p * 4096, 3))
+            .unwrap();
+    }
+    b.kill();
+
+    // Write-back to the dead node fails within the deadline and drops nothing.
+    let t0 = Instant::now();
+    assert!(matches!(
+        ram_b.flush(),
+        Err(GuestMemoryError::WriteBack { .. })
+    ));
+    assert!(matches!(
+        ram_b.evict(NODE, NODE),
+        Err(GuestMemoryError::WriteBack { .. })
+    ));
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    let mut page = [0u8; PAGE_SIZE];
+    for p in 0..8u64 {
+        ram_b.read(NODE + p * 4096, &mut page).unwrap();
+        assert!(
+            page == page_for(NODE + p * 4096, 3),
+            "dirty page {p} was lost"
+        );
+    }
+
+    // A thread touching an absent page of the dead node gets SIGBUS, with
+    // both methods.
+    for method in ["poison", "tgkill"] {
+        let dir = tempfile::tempdir().unwrap();
+        let ready = dir.path().join("ready");
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "child_touches_dead_node",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env("GM_CHILD_URL", coord.url())
+            .env("GM_CHILD_GPA", NODE.to_string())
+            .env("GM_CHILD_READY", &ready)
+            .env("GM_CHILD_METHOD", method)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        assert!(
+            wait_until(Duration::from_secs(20), || ready.exists()),
+            "child did not start"
+        );
+        let touched = Instant::now();
+        let mut status = None;
+        wait_until(Duration::from_secs(10), || {
+            status = child.try_wait().unwrap();
+            status.is_some()
+        });
+        let elapsed = touched.elapsed();
+        let Some(status) = status else {
+            let _ = child.kill();
+            panic!("{method}: the faulting thread hung");
+        };
+        assert_eq!(status.signal(), Some(libc::SIGBUS), "{method}: {status:?}");
+        // fault_timeout 300 ms + one request timeout 200 ms + start-up slack.
+        assert!(
+            elapsed < Duration::from_millis(2500),
+            "{method}: {elapsed:?}"
+        );
+        let reported = std::fs::read_to_string(format!("{}.reported", ready.display())).unwrap();
+        assert!(reported.starts_with("0x105000"), "{method}: {reported}");
+    }
+
+    // Nothing else broke: the live node's region works end to end.
+    for p in 0..PAGES_PER_NODE as u64 {
+        ram_a.write(p * 4096, &page_for(p * 4096, 9)).unwrap();
+    }
+    ram_a.evict(0, NODE).unwrap();
+    for p in 0..PAGES_PER_NODE as u64 {
+        ram_a.read(p * 4096, &mut page).unwrap();
+        assert!(page == page_for(p * 4096, 9));
+    }
+    assert_eq!(ram_a.stats().fault_errors, 0);
+}

@@ -1,0 +1,140 @@
+//! Settings of a [`super::GuestMemory`] and the types of its fault-error
+//! channel.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::TransportError;
+
+/// How a fault that cannot be served is turned into SIGBUS in the faulting
+/// thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SigbusMethod {
+    /// [`SigbusMethod::Poison`] where the kernel offers `UFFDIO_POISON`
+    /// (Linux >= 6.6), [`SigbusMethod::Tgkill`] elsewhere.
+    #[default]
+    Auto,
+    /// Install a poison marker on the page (`UFFDIO_POISON`) and wake the
+    /// thread: its access, and every later one, raises SIGBUS with
+    /// `si_code = BUS_MCEERR_AR`, as a hardware memory error would (QEMU and
+    /// other hypervisors already turn that into a machine check in the
+    /// guest). [`super::GuestMemory::evict`] clears the poison, so the page
+    /// is fetched again on the next touch.
+    Poison,
+    /// Send SIGBUS to the faulting thread with `tgkill` (its id comes with
+    /// the fault) and wake it. If the thread survives the signal (it has a
+    /// handler that returns), its access faults again and is served or fails
+    /// again.
+    Tgkill,
+}
+
+/// What to do with a fault that could not be served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultAction {
+    /// Raise SIGBUS in the faulting thread (see [`SigbusMethod`]).
+    Sigbus,
+    /// Keep the thread waiting and try again after `retry_interval_ms`,
+    /// for another `fault_timeout_ms`.
+    Retry,
+}
+
+/// A fault that could not be served within its deadline, as reported to
+/// the embedding hypervisor.
+#[derive(Debug)]
+pub struct FaultReport {
+    /// Guest-physical address of the page.
+    pub gpa: u64,
+    /// Host virtual address of the page.
+    pub host_addr: usize,
+    /// Kernel thread id of the faulting thread.
+    pub thread_id: i32,
+    /// True for a write access.
+    pub write: bool,
+    /// Attempts made so far.
+    pub attempts: u32,
+    /// Milliseconds since the fault was first seen.
+    pub waited_ms: u64,
+    /// The last transport error.
+    pub error: TransportError,
+}
+
+/// The embedding hypervisor's fault-error callback: called on a handler
+/// thread, must not touch guest memory and should return quickly.
+pub type FaultErrorHandler = Arc<dyn Fn(&FaultReport) -> FaultAction + Send + Sync>;
+
+/// Settings of a [`super::GuestMemory`].
+#[derive(Clone)]
+pub struct GuestMemoryConfig {
+    /// First guest-physical address of the region (page aligned).
+    pub gpa_base: u64,
+    /// Size of the region in bytes (a positive multiple of 4096).
+    pub size_bytes: usize,
+    /// Fault handler threads.
+    pub handler_threads: usize,
+    /// CPUs to pin handlers to (handler i on `cpus[i % len]`). `None`: the
+    /// first CPUs of the host, away from the transport's pollers on the last
+    /// ones. `Some(vec![])`: no pinning.
+    pub handler_cpus: Option<Vec<usize>>,
+    /// How long a fault may wait for its page, retries included, before it
+    /// is reported as failed.
+    pub fault_timeout_ms: u64,
+    /// Wait between two attempts to fetch a page whose owner is down.
+    pub retry_interval_ms: u64,
+    /// Largest read-ahead window in pages for sequential faults; 0 turns
+    /// prefetch off.
+    pub prefetch_max_pages: usize,
+    /// How a failed fault becomes SIGBUS.
+    pub sigbus_method: SigbusMethod,
+    /// Also serve faults taken in kernel mode (KVM, `read(2)` into guest
+    /// memory). Needs root or access to `/dev/userfaultfd`; falls back to
+    /// user-mode faults only (with a warning) when refused.
+    pub handle_kernel_faults: bool,
+    /// Called for every fault that cannot be served; `None`: SIGBUS.
+    pub on_fault_error: Option<FaultErrorHandler>,
+}
+
+impl GuestMemoryConfig {
+    /// A config for `size_bytes` of guest memory from `gpa_base`, with the
+    /// defaults below.
+    pub fn new(gpa_base: u64, size_bytes: usize) -> Self {
+        Self {
+            gpa_base,
+            size_bytes,
+            ..Self::default()
+        }
+    }
+}
+
+impl Default for GuestMemoryConfig {
+    fn default() -> Self {
+        Self {
+            gpa_base: 0,
+            size_bytes: 0,
+            handler_threads: 1,
+            handler_cpus: None,
+            fault_timeout_ms: 1000,
+            retry_interval_ms: 50,
+            prefetch_max_pages: 32,
+            sigbus_method: SigbusMethod::Auto,
+            handle_kernel_faults: true,
+            on_fault_error: None,
+        }
+    }
+}
+
+impl fmt::Debug for GuestMemoryConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GuestMemoryConfig")
+            .field("gpa_base", &self.gpa_base)
+            .field("size_bytes", &self.size_bytes)
+            .field("handler_threads", &self.handler_threads)
+            .field("handler_cpus", &self.handler_cpus)
+            .field("fault_timeout_ms", &self.fault_timeout_ms)
+            .field("retry_interval_ms", &self.retry_interval_ms)
+            .field("prefetch_max_pages", &self.prefetch_max_pages)
+            .field("sigbus_method", &self.sigbus_method)
+            .field("handle_kernel_faults", &self.handle_kernel_faults)
+            .field("on_fault_error", &self.on_fault_error.is_some())
+            .finish()
+    }
+}

@@ -1,0 +1,62 @@
+//! Errors of [`super::GuestMemory`].
+
+use std::io;
+
+use crate::error::TransportError;
+
+/// Everything creating or driving a [`super::GuestMemory`] can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GuestMemoryError {
+    /// Bad configuration (size, alignment, thread counts).
+    #[error("invalid guest memory configuration: {0}")]
+    Config(String),
+    /// The kernel lacks a userfaultfd feature this module needs.
+    #[error("unsupported by this kernel: {0}")]
+    Unsupported(String),
+    /// A userfaultfd call failed.
+    #[error("{op} failed")]
+    Userfaultfd {
+        /// The call.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// Mapping or advising the guest region failed.
+    #[error("guest region {op} failed")]
+    Memory {
+        /// The call (`mmap`, `madvise`).
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// A handler or prefetch thread could not be started.
+    #[error("cannot start thread {name}")]
+    Thread {
+        /// Thread name.
+        name: String,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The range is not page aligned or not inside the region.
+    #[error("range {gpa:#x}+{len_bytes:#x} is not page aligned or not inside the region")]
+    OutOfRange {
+        /// First GPA asked for.
+        gpa: u64,
+        /// Length asked for.
+        len_bytes: u64,
+    },
+    /// Writing dirty pages back to their owner failed; they stay dirty and
+    /// mapped, and a later flush or evict retries them.
+    #[error("write-back of {pages} dirty page(s) failed")]
+    WriteBack {
+        /// Pages that stay dirty.
+        pages: usize,
+        /// The first transport error.
+        #[source]
+        source: TransportError,
+    },
+}

@@ -1,0 +1,370 @@
+//! Guest RAM backed by remote pages through userfaultfd: the hypervisor's
+//! fault path.
+//!
+//! A [`GuestMemory`] maps one guest RAM region (a GPA base and a size) as
+//! anonymous memory that is never populated locally and registers it with
+//! userfaultfd for MISSING and write-protect faults. The hypervisor hands
+//! [`GuestMemory::as_ptr`] to its vCPUs (e.g. as a KVM memory slot); every
+//! first touch of a page faults to one of the region's pinned handler
+//! threads, which fetches the page from its owner through the
+//! [`TransportManager`] and installs it. Dirty pages go back to their owner
+//! with [`GuestMemory::flush`] and [`GuestMemory::evict`]. Sequential
+//! faults start read-ahead. A fault that cannot be served is reported to a
+//! callback and, by default, turns into SIGBUS in the faulting thread
+//! rather than freezing it.
+//!
+//! Files: `region.rs` (the mapping), `uffd.rs` (userfaultfd calls),
+//! `state.rs` (per-page state words), `handler.rs` (fault threads),
+//! `dirty.rs` (write-back), `prefetch.rs` (read-ahead), `config.rs`.
+//! The design is in `docs/embedding.md`.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use rdma_transport::guest_memory::{GuestMemory, GuestMemoryConfig};
+//! use rdma_transport::{ManagerConfig, TransportManager};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let manager = Arc::new(TransportManager::connect(ManagerConfig {
+//!     coordinator_url: "http://127.0.0.1:7070".into(),
+//!     ..ManagerConfig::default()
+//! })?);
+//! let ram = GuestMemory::new(manager, GuestMemoryConfig::new(0, 64 << 20))?;
+//! ram.write(0x1000, b"hello")?; // faults the page in, marks it dirty
+//! ram.flush()?;                 // back to its owner
+//! ram.evict(0, 64 << 20)?;      // drop it all; the next touch fetches again
+//! let mut buf = [0u8; 5];
+//! ram.read(0x1000, &mut buf)?;
+//! assert_eq!(&buf, b"hello");
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod dirty;
+mod error;
+mod handler;
+mod prefetch;
+mod region;
+mod shared;
+mod state;
+mod uffd;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::Mutex;
+
+use crate::manager::TransportManager;
+use crate::page::PAGE_SIZE;
+use crate::sys::cvt;
+
+pub use config::{FaultAction, FaultErrorHandler, FaultReport, GuestMemoryConfig, SigbusMethod};
+pub use error::GuestMemoryError;
+
+use shared::{Counters, Shared, Writeback, WRITEBACK_BATCH};
+
+/// Counters of one region since it was created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GuestMemoryStats {
+    /// MISSING faults resolved by fetching the page.
+    pub missing_faults: u64,
+    /// First writes to clean pages.
+    pub wp_faults: u64,
+    /// Faults parked until another thread finished with the page.
+    pub deferred_faults: u64,
+    /// Pages installed by read-ahead.
+    pub prefetched_pages: u64,
+    /// Read-ahead batches fetched.
+    pub prefetch_batches: u64,
+    /// Faults that could not be served within their deadline.
+    pub fault_errors: u64,
+    /// Faults turned into SIGBUS.
+    pub sigbus_raised: u64,
+    /// Pages written back to their owners.
+    pub pages_written_back: u64,
+    /// Pages dropped by `evict`.
+    pub pages_evicted: u64,
+}
+
+/// Guest RAM backed by remote pages. See the [module docs](self).
+///
+/// Dropping it stops its threads and unmaps the region; dirty pages that
+/// were not flushed are discarded. Stop every thread that touches the
+/// region first.
+#[derive(Debug)]
+pub struct GuestMemory {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl GuestMemory {
+    /// Maps `config.size_bytes` of guest RAM at `config.gpa_base`, registers
+    /// it with userfaultfd and starts its handler threads (and the
+    /// prefetch thread when read-ahead is on).
+    ///
+    /// # Errors
+    /// [`GuestMemoryError::Config`] for a bad size, alignment or thread
+    /// count; [`GuestMemoryError::Unsupported`] when the kernel's
+    /// userfaultfd lacks write-protect (Linux < 5.7);
+    /// [`GuestMemoryError::Userfaultfd`], [`GuestMemoryError::Memory`],
+    /// [`GuestMemoryError::Thread`] for failed system calls.
+    pub fn new(
+        manager: Arc<TransportManager>,
+        config: GuestMemoryConfig,
+    ) -> Result<Self, GuestMemoryError> {
+        if config.handler_threads == 0 || config.handler_threads > 64 {
+            return Err(GuestMemoryError::Config(
+                "handler_threads must be between 1 and 64".into(),
+            ));
+        }
+        if config.fault_timeout_ms == 0 {
+            return Err(GuestMemoryError::Config(
+                "fault_timeout_ms must be > 0".into(),
+            ));
+        }
+        let region = region::GuestRegion::new(config.gpa_base, config.size_bytes)?;
+        let uffd = uffd::RegionUffd::new(
+            region.base(),
+            region.len_bytes(),
+            config.handle_kernel_faults,
+        )?;
+        let sigbus = match config.sigbus_method {
+            SigbusMethod::Auto if uffd.has_poison() => SigbusMethod::Poison,
+            SigbusMethod::Auto => SigbusMethod::Tgkill,
+            SigbusMethod::Poison if !uffd.has_poison() => {
+                return Err(GuestMemoryError::Unsupported(
+                    "UFFDIO_POISON needs Linux >= 6.6; use SigbusMethod::Tgkill".into(),
+                ))
+            }
+            other => other,
+        };
+        // SAFETY: plain syscall; the result is checked.
+        let stop_fd = cvt(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })
+            .map_err(|source| GuestMemoryError::Userfaultfd {
+                op: "eventfd",
+                source,
+            })?;
+        tracing::debug!(
+            gpa_base = region.gpa_base(),
+            pages = region.pages(),
+            kernel_faults = uffd.kernel_faults,
+            ?sigbus,
+            "guest memory registered with userfaultfd"
+        );
+        let shared = Arc::new(Shared {
+            manager,
+            states: state::PageStates::new(region.pages()),
+            region,
+            uffd,
+            sigbus,
+            stop: AtomicBool::new(false),
+            stop_fd,
+            counters: Counters::default(),
+            streams: prefetch::StreamTable::default(),
+            prefetch: prefetch::PrefetchQueue::default(),
+            writeback: Mutex::new(Writeback {
+                pages: vec![[0u8; PAGE_SIZE]; WRITEBACK_BATCH],
+                gpas: Vec::with_capacity(WRITEBACK_BATCH),
+                index: Vec::with_capacity(WRITEBACK_BATCH),
+            }),
+            config,
+        });
+        let mut memory = Self {
+            shared: Arc::clone(&shared),
+            threads: Vec::new(),
+        };
+        let cpus = handler_cpus(&shared.config);
+        for i in 0..shared.config.handler_threads {
+            let cpu = (!cpus.is_empty()).then(|| cpus[i % cpus.len()]);
+            let thread_shared = Arc::clone(&shared);
+            memory.spawn(format!("uffd-handler-{i}"), move || {
+                if let Some(id) = cpu {
+                    if !core_affinity::set_for_current(core_affinity::CoreId { id }) {
+                        tracing::warn!(cpu = id, "cannot pin fault handler");
+                    }
+                }
+                handler::run(&thread_shared);
+            })?;
+        }
+        if shared.config.prefetch_max_pages > 0 {
+            let thread_shared = Arc::clone(&shared);
+            memory.spawn("uffd-prefetch".into(), move || {
+                prefetch::run(&thread_shared);
+            })?;
+            if let Some(t) = memory.threads.last() {
+                shared.prefetch.set_thread(t.thread().clone());
+            }
+        }
+        Ok(memory)
+    }
+
+    fn spawn(
+        &mut self,
+        name: String,
+        f: impl FnOnce() + Send + 'static,
+    ) -> Result<(), GuestMemoryError> {
+        let handle = std::thread::Builder::new()
+            .name(name.clone())
+            .spawn(f)
+            .map_err(|source| GuestMemoryError::Thread { name, source })?;
+        self.threads.push(handle);
+        Ok(())
+    }
+
+    /// Host address of the region's first byte (GPA `gpa_base`). Valid for
+    /// `size_bytes()` bytes while `self` lives.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.shared.region.base()
+    }
+
+    /// First guest-physical address of the region.
+    pub fn gpa_base(&self) -> u64 {
+        self.shared.region.gpa_base()
+    }
+
+    /// Size of the region in bytes.
+    pub fn size_bytes(&self) -> usize {
+        self.shared.region.len_bytes()
+    }
+
+    /// Host address of `gpa`, when it is inside the region.
+    pub fn host_addr(&self, gpa: u64) -> Option<*mut u8> {
+        let off = gpa.checked_sub(self.gpa_base())?;
+        (off < self.size_bytes() as u64).then(|| self.as_ptr().wrapping_add(off as usize))
+    }
+
+    /// How a failed fault turns into SIGBUS on this host (`Auto` resolved).
+    pub fn sigbus_method(&self) -> SigbusMethod {
+        self.shared.sigbus
+    }
+
+    /// True when faults taken in kernel mode (KVM, syscalls) are served too.
+    pub fn handles_kernel_faults(&self) -> bool {
+        self.shared.uffd.kernel_faults
+    }
+
+    /// Copies guest memory at `gpa` into `buf`, faulting pages in as needed.
+    /// Must not be called from the fault-error callback.
+    ///
+    /// # Errors
+    /// [`GuestMemoryError::OutOfRange`] when the bytes are not all inside.
+    pub fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<(), GuestMemoryError> {
+        let src = self.checked_ptr(gpa, buf.len())?;
+        // SAFETY: `src..src+len` is inside the live mapping (checked); the
+        // guest may write it concurrently, as with any guest memory access
+        // by a hypervisor, and we only copy raw bytes out.
+        unsafe { std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), buf.len()) };
+        Ok(())
+    }
+
+    /// Copies `data` into guest memory at `gpa`, faulting pages in as
+    /// needed (they become dirty).
+    ///
+    /// # Errors
+    /// [`GuestMemoryError::OutOfRange`] when the bytes are not all inside.
+    pub fn write(&self, gpa: u64, data: &[u8]) -> Result<(), GuestMemoryError> {
+        let dst = self.checked_ptr(gpa, data.len())?;
+        // SAFETY: `dst..dst+len` is inside the live mapping (checked) and
+        // is raw guest memory, never a Rust reference, so it cannot alias
+        // `data`.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        Ok(())
+    }
+
+    fn checked_ptr(&self, gpa: u64, len: usize) -> Result<*mut u8, GuestMemoryError> {
+        let out = || GuestMemoryError::OutOfRange {
+            gpa,
+            len_bytes: len as u64,
+        };
+        let off = gpa.checked_sub(self.gpa_base()).ok_or_else(out)?;
+        let end = off.checked_add(len as u64).ok_or_else(out)?;
+        if end > self.size_bytes() as u64 {
+            return Err(out());
+        }
+        Ok(self.as_ptr().wrapping_add(off as usize))
+    }
+
+    /// Writes every dirty page back to its owner and waits for the
+    /// acknowledgements; returns the number of pages written. Safe to call
+    /// while vCPUs run and fault: every write that completed before the
+    /// call is written back, and writes racing with it leave their page
+    /// dirty for the next flush.
+    ///
+    /// # Errors
+    /// [`GuestMemoryError::WriteBack`] when some pages could not be written
+    /// (they stay dirty; the others were written).
+    pub fn flush(&self) -> Result<u64, GuestMemoryError> {
+        dirty::flush(&self.shared)
+    }
+
+    /// Writes back the dirty pages of `[gpa, gpa + len_bytes)`, waits for
+    /// the acknowledgements, then drops every page of the range
+    /// (`MADV_DONTNEED`): the next touch fetches it again. Also clears
+    /// poisoned pages. Returns the number of pages dropped. No page is
+    /// dropped before its write-back is acknowledged.
+    ///
+    /// # Errors
+    /// [`GuestMemoryError::OutOfRange`] for an unaligned or outside range;
+    /// [`GuestMemoryError::WriteBack`] when a write-back failed: pages of
+    /// that batch and after stay mapped and dirty.
+    pub fn evict(&self, gpa: u64, len_bytes: u64) -> Result<u64, GuestMemoryError> {
+        let (first, end) = self.shared.region.pages_of(gpa, len_bytes)?;
+        dirty::evict(&self.shared, first, end)
+    }
+
+    /// Counters since creation.
+    pub fn stats(&self) -> GuestMemoryStats {
+        let c = &self.shared.counters;
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        GuestMemoryStats {
+            missing_faults: get(&c.missing_faults),
+            wp_faults: get(&c.wp_faults),
+            deferred_faults: get(&c.deferred_faults),
+            prefetched_pages: get(&c.prefetched_pages),
+            prefetch_batches: get(&c.prefetch_batches),
+            fault_errors: get(&c.fault_errors),
+            sigbus_raised: get(&c.sigbus_raised),
+            pages_written_back: get(&c.pages_written_back),
+            pages_evicted: get(&c.pages_evicted),
+        }
+    }
+
+    /// The transport manager pages come from.
+    pub fn manager(&self) -> &Arc<TransportManager> {
+        &self.shared.manager
+    }
+}
+
+impl Drop for GuestMemory {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our eventfd.
+        let ret = unsafe {
+            libc::write(
+                self.shared.stop_fd,
+                (&one as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+        if ret < 0 {
+            tracing::warn!(err = %std::io::Error::last_os_error(), "waking handler threads failed");
+        }
+        for handle in self.threads.drain(..) {
+            handle.thread().unpark();
+            if handle.join().is_err() {
+                tracing::error!("a guest memory thread panicked");
+            }
+        }
+    }
+}
+
+/// CPUs for the handlers: as configured, else the first CPUs of the host
+/// (the transport pins its pollers to the last ones).
+fn handler_cpus(config: &GuestMemoryConfig) -> Vec<usize> {
+    if let Some(cpus) = &config.handler_cpus {
+        return cpus.clone();
+    }
+    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (0..config.handler_threads).map(|i| i % ncpu).collect()
+}

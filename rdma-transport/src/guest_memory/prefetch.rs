@@ -1,0 +1,253 @@
+//! Sequential read-ahead.
+//!
+//! A small lock-free table of streams remembers, for the last few faults,
+//! which page would continue them. A fault on that page is sequential: the
+//! handler claims the next `window` pages (marks them `FETCHING`, so faults
+//! on them wait for the prefetch instead of fetching again) and queues one
+//! batch for the prefetch thread, which reads the whole batch with one
+//! [`TransportManager::read_pages`] (all requests in flight at once) and
+//! installs the pages clean while the vCPU works on the page it faulted on.
+//! The window doubles on every sequential fault, from 4 up to
+//! `prefetch_max_pages` (at most 64). Random faults never match a stream
+//! and cost one table scan.
+//!
+//! Bounded: at most `QUEUE_DEPTH` batches wait; when the queue is full the
+//! claim is undone and the batch dropped.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::Thread;
+
+use crossbeam_queue::ArrayQueue;
+use parking_lot::Mutex;
+
+use crate::page::{Page, PAGE_SIZE};
+
+use super::shared::{Counters, Shared};
+use super::state::{generation, FETCHING, LOCKED, POISONED, PRESENT};
+use super::uffd::CopyOutcome;
+
+/// Largest prefetch window (pages); a batch's pages fit a `u64` mask.
+pub(crate) const MAX_WINDOW: usize = 64;
+const FIRST_WINDOW: usize = 4;
+const STREAMS: usize = 8;
+const QUEUE_DEPTH: usize = 16;
+
+/// Streams: `expect[i]` is the page that continues stream i (plus one; 0 is
+/// an empty slot), `window[i]` its current window.
+#[derive(Debug)]
+pub(crate) struct StreamTable {
+    expect: [AtomicUsize; STREAMS],
+    window: [AtomicUsize; STREAMS],
+    next_slot: AtomicUsize,
+}
+
+impl Default for StreamTable {
+    fn default() -> Self {
+        Self {
+            expect: std::array::from_fn(|_| AtomicUsize::new(0)),
+            window: std::array::from_fn(|_| AtomicUsize::new(0)),
+            next_slot: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl StreamTable {
+    /// Records a fault on `page`; returns the window to prefetch after it
+    /// when the fault continues a stream.
+    fn on_fault(&self, page: usize, max_window: usize) -> Option<usize> {
+        let key = page + 1;
+        for i in 0..STREAMS {
+            if self.expect[i].load(Ordering::Relaxed) == key {
+                let window =
+                    (self.window[i].load(Ordering::Relaxed) * 2).clamp(FIRST_WINDOW, max_window);
+                // Another handler may have taken the same hit; one wins.
+                if self.expect[i]
+                    .compare_exchange(key, key + 1 + window, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    self.window[i].store(window, Ordering::Relaxed);
+                    return Some(window);
+                }
+                return None;
+            }
+        }
+        let slot = self.next_slot.fetch_add(1, Ordering::Relaxed) % STREAMS;
+        self.window[slot].store(0, Ordering::Relaxed);
+        self.expect[slot].store(key + 1, Ordering::Relaxed);
+        None
+    }
+}
+
+/// One claimed batch: pages `first + i` for every bit i of `mask`, each
+/// claimed at generation `gens[i]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Batch {
+    first: usize,
+    mask: u64,
+    gens: [u32; MAX_WINDOW],
+}
+
+/// The queue between handlers and the prefetch thread.
+#[derive(Debug)]
+pub(crate) struct PrefetchQueue {
+    queue: ArrayQueue<Batch>,
+    thread: Mutex<Option<Thread>>,
+    pub(crate) dropped: AtomicU64,
+}
+
+impl Default for PrefetchQueue {
+    fn default() -> Self {
+        Self {
+            queue: ArrayQueue::new(QUEUE_DEPTH),
+            thread: Mutex::new(None),
+            dropped: AtomicU64::new(0),
+        }
+    }
+}
+
+impl PrefetchQueue {
+    pub(crate) fn set_thread(&self, thread: Thread) {
+        *self.thread.lock() = Some(thread);
+    }
+
+    fn unpark(&self) {
+        if let Some(t) = self.thread.lock().as_ref() {
+            t.unpark();
+        }
+    }
+}
+
+/// Called by a handler after it installed `page`: starts read-ahead when
+/// the fault is sequential.
+pub(crate) fn after_fault(shared: &Shared, page: usize) {
+    let max_window = shared.config.prefetch_max_pages.min(MAX_WINDOW);
+    if max_window == 0 {
+        return;
+    }
+    let Some(window) = shared.streams.on_fault(page, max_window) else {
+        return;
+    };
+    let first = page + 1;
+    let end = (first + window).min(shared.region.pages());
+    if first >= end {
+        return;
+    }
+    let mut batch = Batch {
+        first,
+        mask: 0,
+        gens: [0; MAX_WINDOW],
+    };
+    for p in first..end {
+        if let Some(gen) = shared.states.try_start_fetch(p) {
+            batch.mask |= 1 << (p - first);
+            batch.gens[p - first] = gen;
+        }
+    }
+    if batch.mask == 0 {
+        return;
+    }
+    if let Err(batch) = shared.prefetch.queue.push(batch) {
+        shared.prefetch.dropped.fetch_add(1, Ordering::Relaxed);
+        unclaim(shared, &batch);
+        return;
+    }
+    shared.prefetch.unpark();
+}
+
+fn unclaim(shared: &Shared, batch: &Batch) {
+    for_each_page(batch, |p, _| shared.release(p, 0, FETCHING, false));
+}
+
+fn for_each_page(batch: &Batch, mut f: impl FnMut(usize, usize)) {
+    let mut mask = batch.mask;
+    while mask != 0 {
+        let i = mask.trailing_zeros() as usize;
+        mask &= mask - 1;
+        f(batch.first + i, i);
+    }
+}
+
+/// The prefetch thread: installs queued batches until `stop`.
+pub(crate) fn run(shared: &Arc<Shared>) {
+    let mut pages: Vec<Page> = vec![[0u8; PAGE_SIZE]; MAX_WINDOW];
+    let mut gpas = [0u64; MAX_WINDOW];
+    while !shared.stop.load(Ordering::Acquire) {
+        match shared.prefetch.queue.pop() {
+            Some(batch) => install(shared, &batch, &mut gpas, &mut pages),
+            None => std::thread::park_timeout(std::time::Duration::from_millis(100)),
+        }
+    }
+    while let Some(batch) = shared.prefetch.queue.pop() {
+        unclaim(shared, &batch);
+    }
+}
+
+fn install(shared: &Shared, batch: &Batch, gpas: &mut [u64; MAX_WINDOW], pages: &mut [Page]) {
+    let mut n = 0;
+    for_each_page(batch, |p, _| {
+        gpas[n] = shared.region.page_gpa(p);
+        n += 1;
+    });
+    if let Err(err) = shared.manager.read_pages(&gpas[..n], &mut pages[..n]) {
+        tracing::debug!(%err, first = batch.first, "prefetch failed; faults will fetch");
+        unclaim(shared, batch);
+        return;
+    }
+    let mut k = 0;
+    let mut installed = 0;
+    for_each_page(batch, |p, i| {
+        let page = &pages[k];
+        k += 1;
+        let Some(s) = shared.states.try_lock(p) else {
+            // Evict holds it: drop our copy; the page's generation changes.
+            shared.release(p, 0, FETCHING, false);
+            return;
+        };
+        let mut set = 0;
+        if s & (PRESENT | POISONED) == 0 && generation(s) == batch.gens[i] {
+            // SAFETY: `page` is a live 4 KiB buffer; `p` is a page of the region.
+            match unsafe {
+                shared
+                    .uffd
+                    .copy_page(page.as_ptr(), shared.region.page_addr(p), true)
+            } {
+                Ok(CopyOutcome::Copied) => {
+                    set = PRESENT;
+                    installed += 1;
+                }
+                Ok(CopyOutcome::Exists) => set = PRESENT | super::state::DIRTY,
+                Ok(CopyOutcome::Again) => {}
+                Err(err) => tracing::debug!(%err, page = p, "prefetch UFFDIO_COPY failed"),
+            }
+        }
+        shared.release(p, set, LOCKED | FETCHING, false);
+    });
+    Counters::add(&shared.counters.prefetched_pages, installed);
+    Counters::add(&shared.counters.prefetch_batches, 1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sequential_faults_open_a_growing_window() {
+        let t = StreamTable::default();
+        assert_eq!(t.on_fault(10, 32), None, "first fault only opens a stream");
+        assert_eq!(t.on_fault(11, 32), Some(4));
+        // Pages 12..16 are prefetched: the next fault is on 16.
+        assert_eq!(t.on_fault(16, 32), Some(8));
+        assert_eq!(t.on_fault(25, 32), Some(16));
+        assert_eq!(t.on_fault(42, 32), Some(32));
+        assert_eq!(t.on_fault(75, 32), Some(32), "window is bounded");
+    }
+
+    #[test]
+    fn random_faults_never_prefetch() {
+        let t = StreamTable::default();
+        for p in [5usize, 900, 17, 3000, 44, 8, 1234, 99, 7000, 31] {
+            assert_eq!(t.on_fault(p, 32), None);
+        }
+    }
+}
