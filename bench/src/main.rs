@@ -8,6 +8,7 @@
 
 mod baseline;
 mod cluster;
+mod fault;
 mod pattern;
 mod report;
 mod workload;
@@ -108,11 +109,16 @@ fn main() -> anyhow::Result<()> {
         transport: args.transport,
         poll_mode: args.poll_mode,
         poller_threads: args.pollers,
-        wait_spin_us: args.wait_spin_us.unwrap_or(ManagerConfig::default().wait_spin_us),
+        wait_spin_us: args.wait_spin_us.unwrap_or(match args.op {
+            Some(Op::Fault) => fault::WAIT_SPIN_US,
+            _ => ManagerConfig::default().wait_spin_us,
+        }),
         ..ManagerConfig::default()
     };
-    let mgr = TransportManager::connect(config)
-        .with_context(|| format!("connecting to the cluster at {url}"))?;
+    let mgr = std::sync::Arc::new(
+        TransportManager::connect(config)
+            .with_context(|| format!("connecting to the cluster at {url}"))?,
+    );
     let map = mgr.map();
     let nodes = map.nodes().len();
     let limit_pages = args.memory / PAGE_SIZE;
@@ -142,6 +148,19 @@ fn main() -> anyhow::Result<()> {
     let mut records = Vec::new();
     let mut lines = Vec::new();
     for (i, &op) in ops.iter().enumerate() {
+        if op == Op::Fault {
+            let params = fault::Params {
+                ops: args.ops,
+                threads: args.threads,
+                baseline: args.baseline,
+                nodes,
+                data_path: data_path_name(&mgr),
+            };
+            let (recs, summary) = fault::run(&mgr, &set, &params)?;
+            records.extend(recs);
+            lines.extend(summary);
+            continue;
+        }
         let spec = Spec {
             op,
             ops: args.ops,

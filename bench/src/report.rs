@@ -92,6 +92,7 @@ pub fn line(r: &Record) -> String {
     let op = match r.op {
         Op::Read => "read",
         Op::Write => "write",
+        Op::Fault => "fault",
     };
     let l = &r.latency_us;
     format!(

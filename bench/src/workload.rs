@@ -20,6 +20,8 @@ pub enum Op {
     Read,
     /// Page writes.
     Write,
+    /// Guest-memory page faults (bench/src/fault.rs).
+    Fault,
 }
 
 /// Address order.
@@ -205,7 +207,8 @@ fn thread_loop(
         }
         let t0 = Instant::now();
         let result = match spec.op {
-            Op::Read => mgr.read_pages(&gpas[..batch], &mut pages[..batch]),
+            // The fault op runs in fault.rs, never here.
+            Op::Read | Op::Fault => mgr.read_pages(&gpas[..batch], &mut pages[..batch]),
             Op::Write => mgr.write_pages(&gpas[..batch], &pages[..batch]),
         };
         let latency_ns = t0.elapsed().as_nanos() as u64;
@@ -215,7 +218,7 @@ fn thread_loop(
                 let _ = hist.record_n(latency_ns.max(1), batch as u64);
                 for i in 0..batch {
                     match spec.op {
-                        Op::Read => {
+                        Op::Read | Op::Fault => {
                             let expected = set.seeds[idx[i]].load(Ordering::Relaxed);
                             if !pattern::check(&pages[i], gpas[i], expected) {
                                 bad += 1;
@@ -225,7 +228,7 @@ fn thread_loop(
                         Op::Write => set.seeds[idx[i]].store(seed, Ordering::Relaxed),
                     }
                 }
-                if spec.op == Op::Read {
+                if spec.op != Op::Write {
                     checked += batch as u64;
                 }
             }

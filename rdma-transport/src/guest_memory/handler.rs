@@ -194,6 +194,9 @@ impl Handler<'_> {
             if s & (LOCKED | FETCHING) != 0 {
                 if states.defer(page, LOCKED | FETCHING) {
                     Counters::add(&shared.counters.deferred_faults, 1);
+                    if s & FETCHING != 0 {
+                        super::prefetch::after_deferred(shared, page);
+                    }
                     return Ok(false);
                 }
                 continue;

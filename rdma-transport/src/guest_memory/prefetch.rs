@@ -8,8 +8,11 @@
 //! [`TransportManager::read_pages`] (all requests in flight at once) and
 //! installs the pages clean while the vCPU works on the page it faulted on.
 //! The window doubles on every sequential fault, from 4 up to
-//! `prefetch_max_pages` (at most 64). Random faults never match a stream
-//! and cost one table scan.
+//! `prefetch_max_pages` (at most 64). When a fault has to wait for a page
+//! still being prefetched, the vCPU has caught up with read-ahead: the next
+//! window is queued at once, so one batch is fetched while the vCPU works
+//! through the previous one (at most two windows ahead). Random faults never
+//! match a stream and cost one table scan.
 //!
 //! Bounded: at most `QUEUE_DEPTH` batches wait; when the queue is full the
 //! claim is undone and the batch dropped.
@@ -77,6 +80,31 @@ impl StreamTable {
         self.expect[slot].store(key + 1, Ordering::Relaxed);
         None
     }
+
+    /// A fault on `page` waits for read-ahead: when `page` is within one
+    /// window of a stream's frontier, moves the frontier one window on and
+    /// returns the pages to fetch now, so one batch is always in flight
+    /// ahead of the vCPU (never more than two windows ahead).
+    fn extend(&self, page: usize) -> Option<(usize, usize)> {
+        for i in 0..STREAMS {
+            let key = self.expect[i].load(Ordering::Relaxed);
+            let window = self.window[i].load(Ordering::Relaxed);
+            if key == 0 || window == 0 {
+                continue;
+            }
+            let frontier = key - 1;
+            if frontier > page && frontier - page <= window {
+                if self.expect[i]
+                    .compare_exchange(key, key + window, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    return Some((frontier, window));
+                }
+                return None;
+            }
+        }
+        None
+    }
 }
 
 /// One claimed batch: pages `first + i` for every bit i of `mask`, each
@@ -128,7 +156,21 @@ pub(crate) fn after_fault(shared: &Shared, page: usize) {
     let Some(window) = shared.streams.on_fault(page, max_window) else {
         return;
     };
-    let first = page + 1;
+    queue_batch(shared, page + 1, window);
+}
+
+/// Called by a handler when a fault on `page` waits for read-ahead.
+pub(crate) fn after_deferred(shared: &Shared, page: usize) {
+    if shared.config.prefetch_max_pages == 0 {
+        return;
+    }
+    if let Some((first, window)) = shared.streams.extend(page) {
+        queue_batch(shared, first, window);
+    }
+}
+
+/// Claims the absent pages of `[first, first + window)` and queues them.
+fn queue_batch(shared: &Shared, first: usize, window: usize) {
     let end = (first + window).min(shared.region.pages());
     if first >= end {
         return;
@@ -241,6 +283,26 @@ mod tests {
         assert_eq!(t.on_fault(25, 32), Some(16));
         assert_eq!(t.on_fault(42, 32), Some(32));
         assert_eq!(t.on_fault(75, 32), Some(32), "window is bounded");
+    }
+
+    #[test]
+    fn catching_up_with_read_ahead_extends_it_once() {
+        let t = StreamTable::default();
+        t.on_fault(10, 32);
+        assert_eq!(t.on_fault(11, 32), Some(4)); // 12..16 in flight
+        assert_eq!(
+            t.extend(12),
+            Some((16, 4)),
+            "vCPU waits on 12: fetch 16..20"
+        );
+        assert_eq!(t.extend(13), None, "frontier already a window ahead");
+        assert_eq!(t.extend(17), Some((20, 4)));
+        assert_eq!(
+            t.on_fault(24, 32),
+            Some(8),
+            "the stream goes on after the frontier"
+        );
+        assert_eq!(t.extend(500), None, "not part of any stream");
     }
 
     #[test]

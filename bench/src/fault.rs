@@ -1,0 +1,373 @@
+//! `--op fault`: guest memory over the cluster, faulted in by touching it.
+//!
+//! Maps the working set as one [`GuestMemory`] region, fills the remote
+//! pages with a known pattern, and has T threads touch every page once per
+//! round (random order, then sequential order), timing each first touch
+//! from the faulting thread's side and checking every page's content.
+//! Between rounds the region is evicted (not timed), so every round faults
+//! again. Runs: random with prefetch (the default configuration),
+//! sequential with prefetch, sequential without prefetch.
+//!
+//! With `--baseline`, in the same run: a userfaultfd fault resolved by
+//! `UFFDIO_COPY` from a local buffer (same handler-thread pinning as ours)
+//! and the bare TCP ping-pong (16 B request, 4 KiB reply); the report
+//! compares our random-fault p50 with the sum of their p50s.
+
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rdma_transport::guest_memory::{GuestMemory, GuestMemoryConfig};
+use rdma_transport::{Page, TransportManager, PAGE_SIZE};
+
+use crate::pattern;
+use crate::report::Record;
+use crate::workload::{new_histogram, AccessPattern, Op, Outcome, Spec, WorkingSet};
+
+const SEED: u64 = 0xfa17;
+
+/// The caller spin of the fault op's manager (`--wait-spin-us` overrides):
+/// on a 2-CPU host the handler must park soon, or it starves the
+/// page-server thread it waits for (see docs/benchmarking.md, Fault path).
+pub const WAIT_SPIN_US: u64 = 10;
+
+/// Toucher t runs on CPU t (mod the CPU count): toucher 0 shares CPU 0 with
+/// the fault handler (it sleeps in the fault while the handler works, and
+/// both wake-ups stay on one CPU); the transport's poller has the last CPU.
+fn pin_toucher(t: usize) {
+    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let _ = core_affinity::set_for_current(core_affinity::CoreId { id: t % ncpu });
+}
+
+/// What the fault runs need from the command line.
+pub struct Params {
+    pub ops: u64,
+    pub threads: usize,
+    pub baseline: bool,
+    pub nodes: usize,
+    pub data_path: String,
+}
+
+/// Runs the fault benchmark; returns the table's records and the summary lines.
+pub fn run(
+    mgr: &Arc<TransportManager>,
+    set: &WorkingSet,
+    params: &Params,
+) -> anyhow::Result<(Vec<Record>, Vec<String>)> {
+    let gpa_base = set.gpas[0];
+    let pages = set.len();
+    if set
+        .gpas
+        .iter()
+        .enumerate()
+        .any(|(i, &g)| g != gpa_base + (i * PAGE_SIZE) as u64)
+    {
+        bail!("--op fault needs one contiguous GPA range");
+    }
+    set.fill(mgr, SEED).context("filling remote memory")?;
+    let mut records = Vec::new();
+    let mut lines = Vec::new();
+    let runs = [
+        (AccessPattern::Random, 32, "uffd"),
+        (AccessPattern::Seq, 32, "uffd"),
+        (AccessPattern::Seq, 0, "uffd-nopf"),
+    ];
+    let mut random_rate = 0.0;
+    let mut random_p50 = 0.0;
+    for (pattern, prefetch, label) in runs {
+        let ram = GuestMemory::new(
+            Arc::clone(mgr),
+            GuestMemoryConfig {
+                prefetch_max_pages: prefetch,
+                ..GuestMemoryConfig::new(gpa_base, pages * PAGE_SIZE)
+            },
+        )
+        .context("mapping guest memory")?;
+        let spec = Spec {
+            op: Op::Fault,
+            ops: params.ops,
+            threads: params.threads,
+            depth: 1,
+            pattern,
+        };
+        let base = ram.as_ptr() as usize;
+        let outcome = touch_rounds(&ram, spec, |i| {
+            // SAFETY: page i was faulted in by the touch just before and
+            // stays mapped until the eviction after the round.
+            let page = unsafe { &*((base + i * PAGE_SIZE) as *const Page) };
+            pattern::check(page, gpa_base + (i * PAGE_SIZE) as u64, SEED)
+        })?;
+        let stats = ram.stats();
+        drop(ram);
+        let record = Record::new(label, spec, params.nodes, &outcome);
+        lines.push(format!(
+            "fault {label}/{}, {pattern:?}: {:.0} faults/s, p50 {:.1} us ({} fetched by faults, {} by prefetch)",
+            params.data_path,
+            record.throughput.pages_per_s,
+            record.latency_us.p50,
+            stats.missing_faults,
+            stats.prefetched_pages
+        ));
+        match (pattern, prefetch) {
+            (AccessPattern::Random, _) => {
+                random_rate = record.throughput.pages_per_s;
+                random_p50 = record.latency_us.p50;
+            }
+            (AccessPattern::Seq, p) if p > 0 => lines.push(format!(
+                "sequential faults with prefetch vs random: x{:.2} faults/s",
+                record.throughput.pages_per_s / random_rate.max(1e-9)
+            )),
+            _ => {}
+        }
+        records.push(record);
+    }
+    if params.baseline {
+        let spec = Spec {
+            op: Op::Fault,
+            ops: params.ops,
+            threads: 1,
+            depth: 1,
+            pattern: AccessPattern::Random,
+        };
+        let local = local_uffd_baseline(pages.min(16384), spec)?;
+        let local = Record::new("uffd-local", spec, 0, &local);
+        let tcp_spec = Spec {
+            op: Op::Read,
+            ..spec
+        };
+        let tcp = crate::baseline::run(tcp_spec, pages, SEED)?;
+        let tcp = Record::new("bare-tcp", tcp_spec, 1, &tcp);
+        let sum = local.latency_us.p50 + tcp.latency_us.p50;
+        lines.push(format!(
+            "random fault p50 {random_p50:.1} us vs local uffd fault {:.1} us + bare TCP 4 KiB read {:.1} us = {sum:.1} us: x{:.2}",
+            local.latency_us.p50,
+            tcp.latency_us.p50,
+            random_p50 / sum.max(1e-9)
+        ));
+        records.push(local);
+        records.push(tcp);
+    }
+    Ok((records, lines))
+}
+
+/// `spec.threads` threads touch every page of `[0, pages)` once per round in
+/// `spec.pattern` order until `spec.ops` touches; `check(i)` verifies page i
+/// after its touch. The region is evicted between rounds (not timed).
+fn touch_rounds(
+    ram: &GuestMemory,
+    spec: Spec,
+    check: impl Fn(usize) -> bool + Sync,
+) -> anyhow::Result<Outcome> {
+    let pages = ram.size_bytes() / PAGE_SIZE;
+    let per_round = (pages as u64).min(spec.ops);
+    let rounds = spec.ops.div_ceil(per_round);
+    let mut total = Outcome {
+        latency_ns: new_histogram(),
+        elapsed: Duration::ZERO,
+        ops_done: 0,
+        errors: 0,
+        bad_pages: 0,
+        pages_checked: 0,
+        first_error: None,
+    };
+    let base = ram.as_ptr() as usize;
+    for round in 0..rounds {
+        let touches = per_round.min(spec.ops - round * per_round) as usize;
+        let orders = orders(pages, touches, spec, round);
+        let start = Barrier::new(spec.threads + 1);
+        let t0 = Instant::now();
+        let results: Vec<(hdrhistogram::Histogram<u64>, u64)> = std::thread::scope(|s| {
+            let handles: Vec<_> = orders
+                .iter()
+                .enumerate()
+                .map(|(t, order)| {
+                    let (start, check) = (&start, &check);
+                    s.spawn(move || {
+                        pin_toucher(t);
+                        let mut hist = new_histogram();
+                        let mut bad = 0u64;
+                        start.wait();
+                        for &i in order {
+                            let addr = (base + i * PAGE_SIZE) as *const u64;
+                            let t = Instant::now();
+                            // SAFETY: `addr` is the first word of page i of
+                            // the live region; reading it faults the page in.
+                            let word = unsafe { std::ptr::read_volatile(addr) };
+                            let ns = t.elapsed().as_nanos() as u64;
+                            std::hint::black_box(word);
+                            let _ = hist.record(ns.max(1));
+                            if !check(i) {
+                                bad += 1;
+                            }
+                        }
+                        (hist, bad)
+                    })
+                })
+                .collect();
+            start.wait();
+            handles.into_iter().filter_map(|h| h.join().ok()).collect()
+        });
+        total.elapsed += t0.elapsed();
+        for (hist, bad) in results {
+            let _ = total.latency_ns.add(&hist);
+            total.bad_pages += bad;
+        }
+        total.ops_done += touches as u64;
+        total.pages_checked += touches as u64;
+        ram.evict(ram.gpa_base(), ram.size_bytes() as u64)
+            .context("evicting between rounds")?;
+    }
+    Ok(total)
+}
+
+/// The page order of each thread for one round of `touches` touches:
+/// disjoint slices of the region, shuffled for the random pattern.
+fn orders(pages: usize, touches: usize, spec: Spec, round: u64) -> Vec<Vec<usize>> {
+    let threads = spec.threads.max(1);
+    let per_thread = pages / threads;
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(SEED ^ round);
+    (0..threads)
+        .map(|t| {
+            let n = touches / threads + usize::from(t < touches % threads);
+            let mut order: Vec<usize> = (t * per_thread..(t + 1) * per_thread).collect();
+            if spec.pattern == AccessPattern::Random {
+                order.shuffle(&mut rng);
+            }
+            order.truncate(n);
+            order
+        })
+        .collect()
+}
+
+/// A userfaultfd fault served by `UFFDIO_COPY` from a local buffer: one
+/// handler thread pinned like ours, blocking in `poll` like ours.
+fn local_uffd_baseline(pages: usize, spec: Spec) -> anyhow::Result<Outcome> {
+    use userfaultfd::{Event, RegisterMode, UffdBuilder};
+    let len = pages * PAGE_SIZE;
+    let region = rdma_transport::region::MappedRegion::new(
+        len,
+        rdma_transport::region::MapOptions {
+            try_huge_pages: false,
+            populate: false,
+        },
+    )?;
+    let uffd = UffdBuilder::new()
+        .close_on_exec(true)
+        .non_blocking(true)
+        .user_mode_only(true)
+        .create()
+        .context("userfaultfd")?;
+    uffd.register_with_mode(region.as_ptr().cast(), len, RegisterMode::MISSING)
+        .context("UFFDIO_REGISTER")?;
+    let uffd = Arc::new(uffd);
+    let stop = Arc::new(AtomicBool::new(false));
+    let base = region.as_ptr() as usize;
+    let handler = {
+        let (uffd, stop) = (Arc::clone(&uffd), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let _ = core_affinity::set_for_current(core_affinity::CoreId { id: 0 });
+            let mut src: Page = [0u8; PAGE_SIZE];
+            let mut events = userfaultfd::EventBuffer::new(16);
+            while !stop.load(Ordering::Relaxed) {
+                let mut fd = libc::pollfd {
+                    fd: uffd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one live pollfd.
+                if unsafe { libc::poll(&mut fd, 1, 50) } <= 0 {
+                    continue;
+                }
+                let Ok(iter) = uffd.read_events(&mut events) else {
+                    continue;
+                };
+                for event in iter {
+                    if let Ok(Event::Pagefault { addr, .. }) = event {
+                        let page_addr = (addr as usize) & !(PAGE_SIZE - 1);
+                        let gpa = (page_addr - base) as u64;
+                        pattern::fill(&mut src, gpa, SEED);
+                        // SAFETY: `src` is a live page; `page_addr` is a
+                        // page of the registered region.
+                        let _ = unsafe {
+                            uffd.copy(src.as_ptr().cast(), page_addr as *mut _, PAGE_SIZE, true)
+                        };
+                    }
+                }
+            }
+        })
+    };
+    let check = |i: usize| {
+        // SAFETY: page i was faulted in by the touch before this check and
+        // stays mapped until the next round's eviction.
+        let page = unsafe { &*((base + i * PAGE_SIZE) as *const Page) };
+        pattern::check(page, (i * PAGE_SIZE) as u64, SEED)
+    };
+    let result = std::thread::scope(|s| {
+        s.spawn(|| {
+            pin_toucher(0);
+            touch_local(base, pages, spec, check, &region)
+        })
+        .join()
+        .unwrap_or_else(|_| Err(anyhow::anyhow!("local baseline toucher panicked")))
+    });
+    stop.store(true, Ordering::Relaxed);
+    let _ = handler.join();
+    result
+}
+
+fn touch_local(
+    base: usize,
+    pages: usize,
+    spec: Spec,
+    check: impl Fn(usize) -> bool,
+    region: &rdma_transport::region::MappedRegion,
+) -> anyhow::Result<Outcome> {
+    let mut total = Outcome {
+        latency_ns: new_histogram(),
+        elapsed: Duration::ZERO,
+        ops_done: 0,
+        errors: 0,
+        bad_pages: 0,
+        pages_checked: 0,
+        first_error: None,
+    };
+    let per_round = (pages as u64).min(spec.ops);
+    let rounds = spec.ops.div_ceil(per_round);
+    for round in 0..rounds {
+        let touches = per_round.min(spec.ops - round * per_round) as usize;
+        let order = orders(pages, touches, Spec { threads: 1, ..spec }, round).remove(0);
+        let t0 = Instant::now();
+        for &i in &order {
+            let addr = (base + i * PAGE_SIZE) as *const u64;
+            let t = Instant::now();
+            // SAFETY: first word of page i of the live region.
+            let word = unsafe { std::ptr::read_volatile(addr) };
+            let ns = t.elapsed().as_nanos() as u64;
+            std::hint::black_box(word);
+            let _ = total.latency_ns.record(ns.max(1));
+            if !check(i) {
+                total.bad_pages += 1;
+            }
+        }
+        total.elapsed += t0.elapsed();
+        total.ops_done += touches as u64;
+        total.pages_checked += touches as u64;
+        // SAFETY: drops the pages of our own region so the next round
+        // faults again.
+        let ret = unsafe {
+            libc::madvise(
+                region.as_ptr().cast(),
+                region.len_bytes(),
+                libc::MADV_DONTNEED,
+            )
+        };
+        if ret != 0 {
+            bail!("madvise: {}", std::io::Error::last_os_error());
+        }
+    }
+    Ok(total)
+}
