@@ -1,0 +1,418 @@
+//! `RtGuestMemory`: guest RAM backed by remote pages through userfaultfd.
+
+use std::ffi::{c_char, c_void, CString};
+use std::sync::Arc;
+
+use rdma_transport::guest_memory::{
+    FaultAction, FaultReport, GuestMemory, GuestMemoryConfig, GuestMemoryError, SigbusMethod,
+};
+
+use crate::manager::RtManager;
+use crate::status::{chain, fail, guard, guest_status, transport_status, RtStatus};
+
+/// An opaque handle to a guest memory region.
+#[derive(Debug)]
+pub struct RtGuestMemory {
+    inner: GuestMemory,
+}
+
+/// What to do with a fault that cannot be served (callback return value).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RtFaultAction {
+    /// SIGBUS in the faulting thread (the default).
+    Sigbus = 0,
+    /// Keep the thread waiting and try again for another fault timeout.
+    Retry = 1,
+}
+
+/// How a failed fault becomes SIGBUS (see docs/embedding.md).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RtSigbusMethod {
+    /// Poison where the kernel offers UFFDIO_POISON (Linux >= 6.6), else tgkill.
+    Auto = 0,
+    /// Poison the page: every access raises SIGBUS (BUS_MCEERR_AR) until
+    /// `rt_guest_memory_evict` clears it.
+    Poison = 1,
+    /// tgkill(SIGBUS) the faulting thread, then wake it.
+    Tgkill = 2,
+}
+
+/// A fault that could not be served, as passed to the callback.
+#[repr(C)]
+#[derive(Debug)]
+pub struct RtFaultReport {
+    /// Guest-physical address of the page.
+    pub gpa: u64,
+    /// Host address of the page.
+    pub host_addr: u64,
+    /// Kernel thread id of the faulting thread.
+    pub thread_id: i32,
+    /// True for a write access.
+    pub write: bool,
+    /// Fetch attempts made.
+    pub attempts: u32,
+    /// Milliseconds since the fault was first seen.
+    pub waited_ms: u64,
+    /// Why the page could not be fetched.
+    pub status: RtStatus,
+    /// The error message (valid during the callback only).
+    pub message: *const c_char,
+}
+
+/// The fault-error callback: runs on a handler thread, must not touch guest
+/// memory, returns an `RtFaultAction` value (anything else means SIGBUS).
+pub type RtFaultErrorFn =
+    Option<unsafe extern "C" fn(user: *mut c_void, report: *const RtFaultReport) -> u32>;
+
+/// Settings of `rt_guest_memory_create`; fill with
+/// `rt_guest_memory_config_default` first.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct RtGuestMemoryConfig {
+    /// First guest-physical address (4096-aligned).
+    pub gpa_base: u64,
+    /// Size in bytes (a positive multiple of 4096).
+    pub size_bytes: u64,
+    /// Fault handler threads.
+    pub handler_threads: u32,
+    /// Pin handlers to the first CPUs of the host.
+    pub pin_handlers: bool,
+    /// How long a fault may wait for its page, retries included.
+    pub fault_timeout_ms: u64,
+    /// Wait between two fetch attempts while the owner is down.
+    pub retry_interval_ms: u64,
+    /// Largest read-ahead window in pages (0: no prefetch; at most 64).
+    pub prefetch_max_pages: u32,
+    /// An `RtSigbusMethod` value.
+    pub sigbus_method: u32,
+    /// Also serve faults taken in kernel mode (KVM, syscalls); needs root
+    /// or access to /dev/userfaultfd.
+    pub handle_kernel_faults: bool,
+    /// Called for every fault that cannot be served; NULL: SIGBUS.
+    pub on_fault_error: RtFaultErrorFn,
+    /// Passed to `on_fault_error`; must stay valid while the region lives.
+    pub on_fault_error_user: *mut c_void,
+}
+
+/// Counters of a region.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RtGuestMemoryStats {
+    /// MISSING faults resolved by fetching the page.
+    pub missing_faults: u64,
+    /// First writes to clean pages.
+    pub wp_faults: u64,
+    /// Pages installed by read-ahead.
+    pub prefetched_pages: u64,
+    /// Faults that could not be served.
+    pub fault_errors: u64,
+    /// Faults turned into SIGBUS.
+    pub sigbus_raised: u64,
+    /// Pages written back.
+    pub pages_written_back: u64,
+    /// Pages dropped by evict.
+    pub pages_evicted: u64,
+}
+
+/// Fills `config` with the defaults (GPA base 0, size 0: set both).
+///
+/// # Safety
+/// `config` must be NULL or point to a writable `RtGuestMemoryConfig`.
+#[no_mangle]
+pub unsafe extern "C" fn rt_guest_memory_config_default(config: *mut RtGuestMemoryConfig) {
+    let d = GuestMemoryConfig::default();
+    let value = RtGuestMemoryConfig {
+        gpa_base: 0,
+        size_bytes: 0,
+        handler_threads: d.handler_threads as u32,
+        pin_handlers: true,
+        fault_timeout_ms: d.fault_timeout_ms,
+        retry_interval_ms: d.retry_interval_ms,
+        prefetch_max_pages: d.prefetch_max_pages as u32,
+        sigbus_method: RtSigbusMethod::Auto as u32,
+        handle_kernel_faults: d.handle_kernel_faults,
+        on_fault_error: None,
+        on_fault_error_user: std::ptr::null_mut(),
+    };
+    // SAFETY: the caller passes NULL or a writable config.
+    if let Some(out) = unsafe { config.as_mut() } {
+        *out = value;
+    }
+}
+
+/// The embedder's callback and its user pointer, callable from handler threads.
+struct Callback {
+    f: unsafe extern "C" fn(*mut c_void, *const RtFaultReport) -> u32,
+    user: *mut c_void,
+}
+
+// SAFETY: the C contract of `on_fault_error` is that it may be called from
+// any handler thread with `user`; the pointer is never dereferenced here.
+unsafe impl Send for Callback {}
+// SAFETY: as above.
+unsafe impl Sync for Callback {}
+
+impl Callback {
+    fn call(&self, report: &FaultReport) -> FaultAction {
+        let message = CString::new(chain(&report.error).replace('\0', " ")).unwrap_or_default();
+        let c_report = RtFaultReport {
+            gpa: report.gpa,
+            host_addr: report.host_addr as u64,
+            thread_id: report.thread_id,
+            write: report.write,
+            attempts: report.attempts,
+            waited_ms: report.waited_ms,
+            status: transport_status(&report.error),
+            message: message.as_ptr(),
+        };
+        // SAFETY: `f` is the embedder's function, called as its contract
+        // says; `c_report` and `message` outlive the call.
+        let action = unsafe { (self.f)(self.user, &c_report) };
+        if action == RtFaultAction::Retry as u32 {
+            FaultAction::Retry
+        } else {
+            FaultAction::Sigbus
+        }
+    }
+}
+
+/// Maps guest RAM `[gpa_base, gpa_base + size_bytes)` backed by the pages
+/// `manager` reaches, and starts its fault handler threads. `*out` receives
+/// the region; its memory is at `rt_guest_memory_host_addr`.
+///
+/// # Safety
+/// `manager` must be a live handle, `config` a valid config, `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn rt_guest_memory_create(
+    manager: *const RtManager,
+    config: *const RtGuestMemoryConfig,
+    out: *mut *mut RtGuestMemory,
+) -> RtStatus {
+    guard(|| {
+        // SAFETY: the caller passes NULL or a live handle.
+        let Some(manager) = (unsafe { manager.as_ref() }) else {
+            return fail(RtStatus::InvalidArgument, "manager is NULL");
+        };
+        // SAFETY: the caller passes NULL or a valid config.
+        let Some(c) = (unsafe { config.as_ref() }) else {
+            return fail(RtStatus::InvalidArgument, "config is NULL");
+        };
+        if out.is_null() {
+            return fail(RtStatus::InvalidArgument, "out is NULL");
+        }
+        let Ok(size_bytes) = usize::try_from(c.size_bytes) else {
+            return fail(RtStatus::InvalidArgument, "size_bytes too large");
+        };
+        let sigbus_method = match c.sigbus_method {
+            0 => SigbusMethod::Auto,
+            1 => SigbusMethod::Poison,
+            2 => SigbusMethod::Tgkill,
+            other => return fail(RtStatus::InvalidArgument, format!("sigbus_method {other}")),
+        };
+        let on_fault_error = c.on_fault_error.map(|f| {
+            let cb = Callback {
+                f,
+                user: c.on_fault_error_user,
+            };
+            Arc::new(move |r: &FaultReport| cb.call(r))
+                as rdma_transport::guest_memory::FaultErrorHandler
+        });
+        let config = GuestMemoryConfig {
+            gpa_base: c.gpa_base,
+            size_bytes,
+            handler_threads: c.handler_threads as usize,
+            handler_cpus: if c.pin_handlers { None } else { Some(vec![]) },
+            fault_timeout_ms: c.fault_timeout_ms,
+            retry_interval_ms: c.retry_interval_ms,
+            prefetch_max_pages: c.prefetch_max_pages as usize,
+            sigbus_method,
+            handle_kernel_faults: c.handle_kernel_faults,
+            on_fault_error,
+        };
+        match GuestMemory::new(Arc::clone(&manager.inner), config) {
+            Ok(inner) => {
+                let handle = Box::into_raw(Box::new(RtGuestMemory { inner }));
+                // SAFETY: `out` is non-null and writable (caller's contract).
+                unsafe { out.write(handle) };
+                RtStatus::Ok
+            }
+            Err(e) => guest_fail(&e),
+        }
+    })
+}
+
+fn guest_fail(e: &GuestMemoryError) -> RtStatus {
+    fail(guest_status(e), chain(e))
+}
+
+/// Stops the region's threads and unmaps it; unflushed dirty pages are
+/// discarded. Stop every thread that touches the region first.
+///
+/// # Safety
+/// `memory` must be NULL or a live handle, destroyed once.
+#[no_mangle]
+pub unsafe extern "C" fn rt_guest_memory_destroy(memory: *mut RtGuestMemory) {
+    if !memory.is_null() {
+        // SAFETY: a live handle from Box::into_raw, destroyed once.
+        drop(unsafe { Box::from_raw(memory) });
+    }
+}
+
+fn with_memory(memory: *const RtGuestMemory, f: impl FnOnce(&GuestMemory) -> RtStatus) -> RtStatus {
+    guard(|| {
+        // SAFETY: the callers' contract: NULL or a live handle.
+        match unsafe { memory.as_ref() } {
+            Some(m) => f(&m.inner),
+            None => fail(RtStatus::InvalidArgument, "memory is NULL"),
+        }
+    })
+}
+
+/// Host address of the region's first byte (NULL for a NULL handle).
+///
+/// # Safety
+/// `memory` must be NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn rt_guest_memory_host_addr(memory: *const RtGuestMemory) -> *mut u8 {
+    // SAFETY: the caller passes NULL or a live handle.
+    unsafe { memory.as_ref() }.map_or(std::ptr::null_mut(), |m| m.inner.as_ptr())
+}
+
+/// Size of the region in bytes (0 for a NULL handle).
+///
+/// # Safety
+/// `memory` must be NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn rt_guest_memory_size(memory: *const RtGuestMemory) -> u64 {
+    // SAFETY: the caller passes NULL or a live handle.
+    unsafe { memory.as_ref() }.map_or(0, |m| m.inner.size_bytes() as u64)
+}
+
+/// Copies `len` bytes of guest memory at `gpa` into `buf` (faulting pages in).
+///
+/// # Safety
+/// `memory` must be a live handle; `buf` must hold `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn rt_guest_memory_read(
+    memory: *const RtGuestMemory,
+    gpa: u64,
+    buf: *mut u8,
+    len: usize,
+) -> RtStatus {
+    with_memory(memory, |m| {
+        if buf.is_null() && len > 0 {
+            return fail(RtStatus::InvalidArgument, "buf is NULL");
+        }
+        let slice = match len {
+            0 => &mut [][..],
+            // SAFETY: non-null and `len` writable bytes (caller's contract).
+            _ => unsafe { std::slice::from_raw_parts_mut(buf, len) },
+        };
+        m.read(gpa, slice)
+            .map_or_else(|e| guest_fail(&e), |()| RtStatus::Ok)
+    })
+}
+
+/// Copies `len` bytes from `buf` into guest memory at `gpa` (the pages
+/// become dirty).
+///
+/// # Safety
+/// `memory` must be a live handle; `buf` must hold `len` readable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn rt_guest_memory_write(
+    memory: *const RtGuestMemory,
+    gpa: u64,
+    buf: *const u8,
+    len: usize,
+) -> RtStatus {
+    with_memory(memory, |m| {
+        if buf.is_null() && len > 0 {
+            return fail(RtStatus::InvalidArgument, "buf is NULL");
+        }
+        let slice = match len {
+            0 => &[][..],
+            // SAFETY: non-null and `len` readable bytes (caller's contract).
+            _ => unsafe { std::slice::from_raw_parts(buf, len) },
+        };
+        m.write(gpa, slice)
+            .map_or_else(|e| guest_fail(&e), |()| RtStatus::Ok)
+    })
+}
+
+/// Writes every dirty page back and waits for the acknowledgements;
+/// `*pages_written` (may be NULL) receives how many were written.
+///
+/// # Safety
+/// `memory` must be a live handle; `pages_written` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn rt_guest_memory_flush(
+    memory: *const RtGuestMemory,
+    pages_written: *mut u64,
+) -> RtStatus {
+    with_memory(memory, |m| match m.flush() {
+        Ok(n) => {
+            // SAFETY: NULL or writable (caller's contract).
+            if let Some(out) = unsafe { pages_written.as_mut() } {
+                *out = n;
+            }
+            RtStatus::Ok
+        }
+        Err(e) => guest_fail(&e),
+    })
+}
+
+/// Writes back the dirty pages of `[gpa, gpa + len)`, then drops the range
+/// (the next touch fetches again); `*pages_dropped` (may be NULL) receives
+/// how many pages were dropped. No page is dropped before its write-back
+/// is acknowledged.
+///
+/// # Safety
+/// `memory` must be a live handle; `pages_dropped` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn rt_guest_memory_evict(
+    memory: *const RtGuestMemory,
+    gpa: u64,
+    len: u64,
+    pages_dropped: *mut u64,
+) -> RtStatus {
+    with_memory(memory, |m| match m.evict(gpa, len) {
+        Ok(n) => {
+            // SAFETY: NULL or writable (caller's contract).
+            if let Some(out) = unsafe { pages_dropped.as_mut() } {
+                *out = n;
+            }
+            RtStatus::Ok
+        }
+        Err(e) => guest_fail(&e),
+    })
+}
+
+/// Copies the region's counters into `*stats`.
+///
+/// # Safety
+/// `memory` must be a live handle; `stats` writable.
+#[no_mangle]
+pub unsafe extern "C" fn rt_guest_memory_stats(
+    memory: *const RtGuestMemory,
+    stats: *mut RtGuestMemoryStats,
+) -> RtStatus {
+    with_memory(memory, |m| {
+        // SAFETY: NULL or writable (caller's contract).
+        let Some(out) = (unsafe { stats.as_mut() }) else {
+            return fail(RtStatus::InvalidArgument, "stats is NULL");
+        };
+        let s = m.stats();
+        *out = RtGuestMemoryStats {
+            missing_faults: s.missing_faults,
+            wp_faults: s.wp_faults,
+            prefetched_pages: s.prefetched_pages,
+            fault_errors: s.fault_errors,
+            sigbus_raised: s.sigbus_raised,
+            pages_written_back: s.pages_written_back,
+            pages_evicted: s.pages_evicted,
+        };
+        RtStatus::Ok
+    })
+}

@@ -1,0 +1,26 @@
+//! C API of `rdma-transport`, for hypervisors written in C.
+//!
+//! All unsafe code of the C boundary lives in this crate. Every entry point
+//! returns an [`RtStatus`] (0 is success), records a message for
+//! `rt_last_error()` on failure, and never lets a panic cross into C. The
+//! header `include/rdma_transport.h` is generated from these files by
+//! cbindgen (`scripts/gen-header.sh`; the `header` test fails when it is
+//! stale). Build artefacts: `librdma_transport_ffi.so` and
+//! `librdma_transport_ffi.a`. See `docs/embedding.md` for an example.
+
+mod guest;
+mod manager;
+mod status;
+
+pub use guest::{
+    rt_guest_memory_config_default, rt_guest_memory_create, rt_guest_memory_destroy,
+    rt_guest_memory_evict, rt_guest_memory_flush, rt_guest_memory_host_addr, rt_guest_memory_read,
+    rt_guest_memory_size, rt_guest_memory_stats, rt_guest_memory_write, RtFaultAction,
+    RtFaultErrorFn, RtFaultReport, RtGuestMemory, RtGuestMemoryConfig, RtGuestMemoryStats,
+    RtSigbusMethod,
+};
+pub use manager::{
+    rt_manager_config_default, rt_manager_connect, rt_manager_destroy, rt_manager_read_page,
+    rt_manager_write_page, RtManager, RtManagerConfig,
+};
+pub use status::{rt_last_error, rt_status_str, RtStatus};

@@ -1,0 +1,180 @@
+//! `RtManager`: the transport manager.
+
+use std::ffi::{c_char, CStr};
+use std::sync::Arc;
+
+use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
+
+use crate::status::{chain, fail, guard, transport_status, RtStatus};
+
+/// An opaque handle to a transport manager.
+#[derive(Debug)]
+pub struct RtManager {
+    pub(crate) inner: Arc<TransportManager>,
+}
+
+/// Settings of `rt_manager_connect`; fill with `rt_manager_config_default`
+/// first, then change what you need.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct RtManagerConfig {
+    /// Coordinator base URL, e.g. "http://127.0.0.1:7070" (required).
+    pub coordinator_url: *const c_char,
+    /// Deadline of every page request, in milliseconds.
+    pub request_timeout_ms: u64,
+    /// Deadline of a connection attempt, in milliseconds.
+    pub connect_timeout_ms: u64,
+    /// Size of the page pool in bytes (a multiple of 4096).
+    pub pool_size_bytes: u64,
+    /// Poller threads.
+    pub poller_threads: u32,
+    /// Pin pollers to the last CPUs of the host.
+    pub pin_pollers: bool,
+    /// How long a caller spins for its answer before it parks, in
+    /// microseconds (about 10 on hosts with 2-4 CPUs, see docs/embedding.md).
+    pub wait_spin_us: u64,
+}
+
+/// Fills `config` with the library's defaults (no URL).
+///
+/// # Safety
+/// `config` must be NULL or point to a writable `RtManagerConfig`.
+#[no_mangle]
+pub unsafe extern "C" fn rt_manager_config_default(config: *mut RtManagerConfig) {
+    let d = ManagerConfig::default();
+    let value = RtManagerConfig {
+        coordinator_url: std::ptr::null(),
+        request_timeout_ms: d.request_timeout_ms,
+        connect_timeout_ms: d.connect_timeout_ms,
+        pool_size_bytes: d.pool_size_bytes as u64,
+        poller_threads: d.poller_threads as u32,
+        pin_pollers: true,
+        wait_spin_us: d.wait_spin_us,
+    };
+    // SAFETY: the caller passes NULL or a writable config.
+    if let Some(out) = unsafe { config.as_mut() } {
+        *out = value;
+    }
+}
+
+/// Connects to the coordinator and every node of its map; `*out` receives
+/// the manager (destroy it with `rt_manager_destroy`).
+///
+/// # Safety
+/// `config` must point to a valid `RtManagerConfig` whose URL is a
+/// NUL-terminated string; `out` must be writable.
+#[no_mangle]
+pub unsafe extern "C" fn rt_manager_connect(
+    config: *const RtManagerConfig,
+    out: *mut *mut RtManager,
+) -> RtStatus {
+    guard(|| {
+        // SAFETY: the caller passes NULL or a valid config.
+        let Some(config) = (unsafe { config.as_ref() }) else {
+            return fail(RtStatus::InvalidArgument, "config is NULL");
+        };
+        if out.is_null() || config.coordinator_url.is_null() {
+            return fail(RtStatus::InvalidArgument, "out or coordinator_url is NULL");
+        }
+        // SAFETY: non-null, NUL-terminated by the caller's contract.
+        let url = unsafe { CStr::from_ptr(config.coordinator_url) };
+        let Ok(url) = url.to_str() else {
+            return fail(RtStatus::InvalidArgument, "coordinator_url is not UTF-8");
+        };
+        let Ok(pool_size_bytes) = usize::try_from(config.pool_size_bytes) else {
+            return fail(RtStatus::InvalidArgument, "pool_size_bytes too large");
+        };
+        let rust_config = ManagerConfig {
+            coordinator_url: url.to_owned(),
+            request_timeout_ms: config.request_timeout_ms,
+            connect_timeout_ms: config.connect_timeout_ms,
+            pool_size_bytes,
+            poller_threads: config.poller_threads as usize,
+            poller_cpus: if config.pin_pollers {
+                None
+            } else {
+                Some(vec![])
+            },
+            wait_spin_us: config.wait_spin_us,
+            ..ManagerConfig::default()
+        };
+        match TransportManager::connect(rust_config) {
+            Ok(m) => {
+                let handle = Box::into_raw(Box::new(RtManager { inner: Arc::new(m) }));
+                // SAFETY: `out` is non-null and writable (caller's contract).
+                unsafe { out.write(handle) };
+                RtStatus::Ok
+            }
+            Err(e) => fail(transport_status(&e), chain(&e)),
+        }
+    })
+}
+
+/// Destroys a manager. Guest memory created from it keeps its own
+/// reference, so the connections close when the last of them is gone.
+///
+/// # Safety
+/// `manager` must be NULL or a handle from `rt_manager_connect` not yet
+/// destroyed.
+#[no_mangle]
+pub unsafe extern "C" fn rt_manager_destroy(manager: *mut RtManager) {
+    if !manager.is_null() {
+        // SAFETY: a live handle from Box::into_raw, destroyed once.
+        drop(unsafe { Box::from_raw(manager) });
+    }
+}
+
+/// Reads the 4096-byte page at `gpa` into `page`.
+///
+/// # Safety
+/// `manager` must be a live handle; `page` must point to 4096 writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn rt_manager_read_page(
+    manager: *const RtManager,
+    gpa: u64,
+    page: *mut u8,
+) -> RtStatus {
+    guard(|| {
+        // SAFETY: the caller passes NULL or a live handle.
+        let Some(manager) = (unsafe { manager.as_ref() }) else {
+            return fail(RtStatus::InvalidArgument, "manager is NULL");
+        };
+        if page.is_null() {
+            return fail(RtStatus::InvalidArgument, "page is NULL");
+        }
+        // SAFETY: non-null and 4096 writable bytes (caller's contract).
+        let page = unsafe { &mut *page.cast::<[u8; PAGE_SIZE]>() };
+        match manager.inner.read_page(gpa, page) {
+            Ok(()) => RtStatus::Ok,
+            Err(e) => fail(transport_status(&e), chain(&e)),
+        }
+    })
+}
+
+/// Writes the 4096 bytes at `page` to the page at `gpa`; returns once the
+/// owner acknowledged them.
+///
+/// # Safety
+/// `manager` must be a live handle; `page` must point to 4096 readable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn rt_manager_write_page(
+    manager: *const RtManager,
+    gpa: u64,
+    page: *const u8,
+) -> RtStatus {
+    guard(|| {
+        // SAFETY: the caller passes NULL or a live handle.
+        let Some(manager) = (unsafe { manager.as_ref() }) else {
+            return fail(RtStatus::InvalidArgument, "manager is NULL");
+        };
+        if page.is_null() {
+            return fail(RtStatus::InvalidArgument, "page is NULL");
+        }
+        // SAFETY: non-null and 4096 readable bytes (caller's contract).
+        let page = unsafe { &*page.cast::<[u8; PAGE_SIZE]>() };
+        match manager.inner.write_page(gpa, page) {
+            Ok(()) => RtStatus::Ok,
+            Err(e) => fail(transport_status(&e), chain(&e)),
+        }
+    })
+}

@@ -1,0 +1,157 @@
+//! Status codes, the per-thread last error message, and the guard every
+//! entry point runs its body in (no panic crosses the C boundary).
+
+use std::cell::RefCell;
+use std::ffi::{c_char, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use rdma_transport::guest_memory::GuestMemoryError;
+use rdma_transport::TransportError;
+
+/// Result of every fallible call. `RT_STATUS_OK` is 0; on any other value
+/// `rt_last_error()` tells what happened, on the calling thread.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RtStatus {
+    /// Success.
+    Ok = 0,
+    /// A null pointer, bad size or bad configuration value.
+    InvalidArgument = 1,
+    /// No node owns the guest-physical address.
+    UnknownGpa = 2,
+    /// The address or length is not 4096-byte aligned.
+    Unaligned = 3,
+    /// The owner node is down or its connection was lost.
+    NodeDown = 4,
+    /// The request's deadline passed.
+    Timeout = 5,
+    /// The node refused the request.
+    Refused = 6,
+    /// The node broke the wire protocol.
+    Protocol = 7,
+    /// The coordinator could not be asked.
+    Coordinator = 8,
+    /// The page pool could not be set up or is exhausted.
+    Pool = 9,
+    /// The range is outside the guest memory region.
+    OutOfRange = 10,
+    /// Dirty pages could not be written back (they stay dirty and mapped).
+    WriteBack = 11,
+    /// The kernel lacks a needed feature (userfaultfd write-protect, RDMA).
+    Unsupported = 12,
+    /// A system call failed.
+    System = 13,
+    /// A bug in the library (a caught panic).
+    Internal = 14,
+}
+
+impl RtStatus {
+    const ALL: [Self; 15] = [
+        Self::Ok,
+        Self::InvalidArgument,
+        Self::UnknownGpa,
+        Self::Unaligned,
+        Self::NodeDown,
+        Self::Timeout,
+        Self::Refused,
+        Self::Protocol,
+        Self::Coordinator,
+        Self::Pool,
+        Self::OutOfRange,
+        Self::WriteBack,
+        Self::Unsupported,
+        Self::System,
+        Self::Internal,
+    ];
+
+    fn from_i32(value: i32) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| *s as i32 == value)
+    }
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Records `message` as this thread's last error and returns `status`.
+pub(crate) fn fail(status: RtStatus, message: impl std::fmt::Display) -> RtStatus {
+    let text = message.to_string().replace('\0', " ");
+    let c = CString::new(text).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+    status
+}
+
+/// Runs an entry point's body; a panic becomes `RT_STATUS_INTERNAL`.
+pub(crate) fn guard(body: impl FnOnce() -> RtStatus) -> RtStatus {
+    catch_unwind(AssertUnwindSafe(body))
+        .unwrap_or_else(|_| fail(RtStatus::Internal, "internal error (panic caught)"))
+}
+
+pub(crate) fn transport_status(err: &TransportError) -> RtStatus {
+    match err {
+        TransportError::UnknownGpa { .. } => RtStatus::UnknownGpa,
+        TransportError::Unaligned { .. } => RtStatus::Unaligned,
+        TransportError::NodeDown { .. } => RtStatus::NodeDown,
+        TransportError::Timeout { .. } => RtStatus::Timeout,
+        TransportError::Refused { .. } => RtStatus::Refused,
+        TransportError::Protocol { .. } => RtStatus::Protocol,
+        TransportError::Coordinator(_) => RtStatus::Coordinator,
+        TransportError::Pool(_) | TransportError::PoolExhausted { .. } => RtStatus::Pool,
+        TransportError::Config(_) => RtStatus::InvalidArgument,
+        TransportError::RdmaUnavailable(_) => RtStatus::Unsupported,
+        _ => RtStatus::System,
+    }
+}
+
+pub(crate) fn guest_status(err: &GuestMemoryError) -> RtStatus {
+    match err {
+        GuestMemoryError::Config(_) => RtStatus::InvalidArgument,
+        GuestMemoryError::Unsupported(_) => RtStatus::Unsupported,
+        GuestMemoryError::OutOfRange { .. } => RtStatus::OutOfRange,
+        GuestMemoryError::WriteBack { .. } => RtStatus::WriteBack,
+        _ => RtStatus::System,
+    }
+}
+
+/// Full text of an error and its causes.
+pub(crate) fn chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// A static, human-readable name of an `RtStatus` value (never NULL).
+#[no_mangle]
+pub extern "C" fn rt_status_str(status: i32) -> *const c_char {
+    let s: &'static [u8] = match RtStatus::from_i32(status) {
+        None => b"unknown status\0",
+        Some(RtStatus::Ok) => b"ok\0",
+        Some(RtStatus::InvalidArgument) => b"invalid argument\0",
+        Some(RtStatus::UnknownGpa) => b"guest-physical address not mapped to any node\0",
+        Some(RtStatus::Unaligned) => b"address not page aligned\0",
+        Some(RtStatus::NodeDown) => b"owner node down\0",
+        Some(RtStatus::Timeout) => b"request timed out\0",
+        Some(RtStatus::Refused) => b"node refused the request\0",
+        Some(RtStatus::Protocol) => b"protocol error\0",
+        Some(RtStatus::Coordinator) => b"coordinator unreachable or refused\0",
+        Some(RtStatus::Pool) => b"page pool error\0",
+        Some(RtStatus::OutOfRange) => b"range outside the guest memory region\0",
+        Some(RtStatus::WriteBack) => b"write-back of dirty pages failed\0",
+        Some(RtStatus::Unsupported) => b"not supported on this host\0",
+        Some(RtStatus::System) => b"system call failed\0",
+        Some(RtStatus::Internal) => b"internal error\0",
+    };
+    s.as_ptr().cast()
+}
+
+/// The message of the last failed call on this thread ("" if none). Valid
+/// until the next call into this library on the same thread.
+#[no_mangle]
+pub extern "C" fn rt_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
