@@ -71,6 +71,11 @@ struct Args {
     /// (default: the library's).
     #[arg(long)]
     wait_spin_us: Option<u64>,
+    /// RDMA: local ACK timeout code of the QPs (4.096 us * 2^CODE; default:
+    /// the library's 14, ~67 ms). SoftRoCE retransmits spuriously now and
+    /// then, and each retransmission waits this long.
+    #[arg(long, value_name = "CODE")]
+    rdma_ack_timeout: Option<u8>,
 }
 
 fn parse_poll_mode(s: &str) -> Result<PollMode, String> {
@@ -113,6 +118,9 @@ fn main() -> anyhow::Result<()> {
             Some(Op::Fault) => fault::WAIT_SPIN_US,
             _ => ManagerConfig::default().wait_spin_us,
         }),
+        rdma_ack_timeout: args
+            .rdma_ack_timeout
+            .unwrap_or(ManagerConfig::default().rdma_ack_timeout),
         ..ManagerConfig::default()
     };
     let mgr = std::sync::Arc::new(

@@ -10,7 +10,7 @@
 //! using a QP of a connection (or a server) that is gone.
 
 use rdma_transport::coordinator::api::{RdmaEndpoint, RdmaRegion};
-use rdma_transport::rdma::{connect_qp, random_psn, PortInfo};
+use rdma_transport::rdma::{connect_qp, random_psn, PortInfo, QpTimeouts};
 use rdma_transport::region::MappedRegion;
 use rdma_transport::verbs::{
     list_devices, AccessFlags, CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpCaps,
@@ -128,7 +128,8 @@ impl RdmaExport {
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE,
         )?;
         let psn = random_psn();
-        connect_qp(&qp, &self.port, psn, client)?;
+        // The server's QP never sends a request: its timeouts do not matter.
+        connect_qp(&qp, &self.port, psn, client, QpTimeouts::default())?;
         let region = self.region();
         let answer = RdmaHello {
             region_addr: region.addr,

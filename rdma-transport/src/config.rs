@@ -104,6 +104,11 @@ pub struct ManagerConfig {
     /// GID index to use; `None`: the IPv4-mapped RoCE v2 GID on Ethernet
     /// ports, 0 on InfiniBand.
     pub rdma_gid_index: Option<u8>,
+    /// Local ACK timeout code of the QPs (4.096 us * 2^code; 1..=31).
+    /// Default 14 (~67 ms): see `rdma::QP_TIMEOUT`.
+    pub rdma_ack_timeout: u8,
+    /// Transport retries before an RDMA request fails (0..=7). Default 3.
+    pub rdma_retry_count: u8,
 }
 
 impl Default for ManagerConfig {
@@ -124,6 +129,8 @@ impl Default for ManagerConfig {
             rdma_device: None,
             rdma_port: 1,
             rdma_gid_index: None,
+            rdma_ack_timeout: crate::rdma::QP_TIMEOUT,
+            rdma_retry_count: crate::rdma::QP_RETRY_CNT,
         }
     }
 }

@@ -134,7 +134,7 @@ pub(crate) fn dial_rdma(
             node_id, addr, stream, ack,
         )?)));
     };
-    connect_qp(&qp, &device.port, psn, &remote).map_err(verbs_err)?;
+    connect_qp(&qp, &device.port, psn, &remote, device.timeouts).map_err(verbs_err)?;
     stream
         .set_nonblocking(true)
         .map_err(|source| ConnectError::Io {

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::port::PortInfo;
+use super::port::{PortInfo, QpTimeouts};
 use crate::config::ManagerConfig;
 use crate::pool::PagePool;
 use crate::verbs::{
@@ -28,6 +28,7 @@ pub(crate) struct ClientDevice {
     pd: ProtectionDomain,
     ctx: Context,
     pub(crate) port: PortInfo,
+    pub(crate) timeouts: QpTimeouts,
     _pool: PagePool,
 }
 
@@ -38,6 +39,11 @@ impl ClientDevice {
     /// # Errors
     /// A human-readable reason when the host has no usable device.
     pub(crate) fn open(config: &ManagerConfig, pool: &PagePool) -> Result<Arc<Self>, String> {
+        let timeouts = QpTimeouts {
+            ack_timeout_code: config.rdma_ack_timeout,
+            retry_count: config.rdma_retry_count,
+        }
+        .validate()?;
         let verbs = Verbs::load().map_err(|e| e.to_string())?;
         let devices = list_devices(&verbs).map_err(|e| e.to_string())?;
         if devices.is_empty() {
@@ -77,6 +83,7 @@ impl ClientDevice {
             pd,
             ctx,
             port,
+            timeouts,
             _pool: pool.clone(),
         }))
     }

@@ -27,6 +27,46 @@ pub const QP_MIN_RNR_TIMER: u8 = 12;
 /// Most RDMA READs in flight per QP we ask for (the device may allow fewer).
 pub const MAX_RD_ATOMIC: u32 = 16;
 
+/// How long a requester QP waits for an ACK before it retransmits, and how
+/// many times, before the request fails with "retry exceeded".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpTimeouts {
+    /// Local ACK timeout code: 4.096 us * 2^code (1..=31; 0, "forever", is
+    /// refused).
+    pub ack_timeout_code: u8,
+    /// Transport retries (0..=7).
+    pub retry_count: u8,
+}
+
+impl Default for QpTimeouts {
+    /// [`QP_TIMEOUT`] and [`QP_RETRY_CNT`].
+    fn default() -> Self {
+        Self {
+            ack_timeout_code: QP_TIMEOUT,
+            retry_count: QP_RETRY_CNT,
+        }
+    }
+}
+
+impl QpTimeouts {
+    /// Checks the ranges verbs accept (and refuses the infinite timeout).
+    ///
+    /// # Errors
+    /// A message naming the bad value.
+    pub fn validate(self) -> Result<Self, String> {
+        if !(1..=31).contains(&self.ack_timeout_code) {
+            return Err(format!(
+                "RDMA ACK timeout code {} is not in 1..=31 (0 would wait forever)",
+                self.ack_timeout_code
+            ));
+        }
+        if self.retry_count > 7 {
+            return Err(format!("RDMA retry count {} is above 7", self.retry_count));
+        }
+        Ok(self)
+    }
+}
+
 /// The facts of one port that a QP needs: how to address it and what the
 /// device allows.
 #[derive(Debug, Clone)]
@@ -133,8 +173,8 @@ impl PortInfo {
 }
 
 /// Brings `qp` (in INIT) to RTR towards `remote` and then to RTS, with send
-/// PSN `local_psn` and this project's timeouts ([`QP_TIMEOUT`],
-/// [`QP_RETRY_CNT`]) and READ depths.
+/// PSN `local_psn`, `timeouts` (see [`QpTimeouts::default`]) and the port's
+/// READ depths.
 ///
 /// # Errors
 /// [`VerbsError::InvalidArgument`] for a peer MTU this crate does not know;
@@ -144,6 +184,7 @@ pub fn connect_qp(
     port: &PortInfo,
     local_psn: u32,
     remote: &RdmaHello,
+    timeouts: QpTimeouts,
 ) -> Result<(), VerbsError> {
     let remote_mtu = Mtu::from_raw(u32::from(remote.mtu)).ok_or_else(|| {
         VerbsError::InvalidArgument(format!("peer announced unknown MTU code {}", remote.mtu))
@@ -165,8 +206,8 @@ pub fn connect_qp(
     rtr.min_rnr_timer = QP_MIN_RNR_TIMER;
     qp.modify_to_rtr(&rtr)?;
     let mut rts = RtsParams::new(local_psn);
-    rts.timeout = QP_TIMEOUT;
-    rts.retry_cnt = QP_RETRY_CNT;
+    rts.timeout = timeouts.ack_timeout_code;
+    rts.retry_cnt = timeouts.retry_count;
     rts.rnr_retry = QP_RNR_RETRY;
     rts.max_rd_atomic = port.max_rd_atomic;
     qp.modify_to_rts(&rts)
