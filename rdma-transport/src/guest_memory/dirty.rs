@@ -3,7 +3,9 @@
 //! Tracking uses userfaultfd write-protect (synchronous mode): a page read
 //! in is installed write-protected and clean; the first write to it faults,
 //! and the handler marks it `DIRTY` and lifts the protection. A page first
-//! touched by a write is installed writable and `DIRTY` at once.
+//! touched by a write is installed writable and `DIRTY` at once. The mark
+//! always comes before the page becomes writable, because `flush` skips
+//! pages without it without taking their lock.
 //!
 //! `flush` takes every dirty page's lock, write-protects it, copies it,
 //! clears `DIRTY` and releases it, then writes the copies back in batches.
