@@ -367,3 +367,111 @@ fn dead_node_faults_raise_sigbus_within_deadline() {
     }
     assert_eq!(ram_a.stats().fault_errors, 0);
 }
+
+#[test]
+fn retried_fault_completes_when_the_node_returns() {
+    let (_db, coord) = cluster_coordinator();
+    let _a = page_server(&coord.url(), "a", 0);
+    let mut b = ChildServer::start(&coord.url(), "b", NODE);
+    let mgr = Arc::new(manager(&coord.url()));
+    wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().lookup(NODE).is_some()
+    });
+    let reports = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&reports);
+    let ram = Arc::new(
+        GuestMemory::new(
+            Arc::clone(&mgr),
+            GuestMemoryConfig {
+                fault_timeout_ms: 200,
+                on_fault_error: Some(Arc::new(move |report| {
+                    if report.gpa == NODE + 3 * 4096 {
+                        counted.fetch_add(1, Ordering::SeqCst);
+                    }
+                    FaultAction::Retry
+                })),
+                ..config(NODE, NODE_BYTES)
+            },
+        )
+        .unwrap(),
+    );
+    b.kill();
+
+    // The embedder asks to retry: the thread waits while the node is down...
+    let toucher = {
+        let ram = Arc::clone(&ram);
+        std::thread::spawn(move || {
+            let mut word = [0xffu8; 8];
+            ram.read(NODE + 3 * 4096, &mut word).unwrap();
+            word
+        })
+    };
+    assert!(wait_until(Duration::from_secs(10), || reports
+        .load(Ordering::SeqCst)
+        >= 2));
+    assert!(!toucher.is_finished(), "the fault must wait, not fail");
+    // ...and completes once it is back (with fresh, zeroed memory).
+    let _b = ChildServer::start(&coord.url(), "b", NODE);
+    assert!(
+        wait_until(Duration::from_secs(20), || toucher.is_finished()),
+        "fault not served after the node came back"
+    );
+    assert_eq!(toucher.join().unwrap(), [0u8; 8]);
+    assert_eq!(ram.stats().sigbus_raised, 0);
+}
+
+#[test]
+fn poisoned_page_is_fetched_again_after_evict() {
+    let (_db, coord) = cluster_coordinator();
+    let mut b = ChildServer::start(&coord.url(), "b", NODE);
+    let mgr = Arc::new(manager(&coord.url()));
+    wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().lookup(NODE).is_some()
+    });
+    let ram = GuestMemory::new(
+        Arc::clone(&mgr),
+        GuestMemoryConfig {
+            fault_timeout_ms: 200,
+            sigbus_method: SigbusMethod::Poison,
+            ..config(NODE, NODE_BYTES)
+        },
+    )
+    .unwrap();
+    assert!(ram.handles_kernel_faults(), "tests run as root");
+    b.kill();
+
+    // A kernel-mode access (write(2) from guest memory into a pipe) to a
+    // page of the dead node: the page is poisoned, and the kernel's access
+    // fails with EFAULT where a vCPU's would take SIGBUS.
+    let mut fds = [0; 2];
+    // SAFETY: `fds` is a live array of two ints.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    let page = ram.host_addr(NODE + 5 * 4096).unwrap();
+    let t0 = Instant::now();
+    // SAFETY: `page` is 4096 bytes of the live region; the pipe has room.
+    let n = unsafe { libc::write(fds[1], page.cast(), 4096) };
+    let err = std::io::Error::last_os_error();
+    assert_eq!((n, err.raw_os_error()), (-1, Some(libc::EFAULT)));
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert_eq!(ram.stats().sigbus_raised, 1);
+
+    // The node comes back; evict drops the poisoned page and the next
+    // touch fetches it.
+    let _b = ChildServer::start(&coord.url(), "b", NODE);
+    let mut probe = [0u8; PAGE_SIZE];
+    assert!(wait_until(Duration::from_secs(20), || mgr
+        .read_page(NODE, &mut probe)
+        .is_ok()));
+    assert_eq!(ram.evict(NODE + 5 * 4096, 4096).unwrap(), 1);
+    let mut word = [0xffu8; 8];
+    ram.read(NODE + 5 * 4096, &mut word).unwrap();
+    assert_eq!(word, [0u8; 8]);
+    // SAFETY: closing our own pipe ends.
+    unsafe {
+        libc::close(fds[0]);
+    }
+    // SAFETY: as above.
+    unsafe {
+        libc::close(fds[1]);
+    }
+}
