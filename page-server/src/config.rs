@@ -30,6 +30,9 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// The RDMA side (on by default: the first device, if there is one).
     pub rdma: RdmaOptions,
+    /// Back the exported memory with 2 MiB huge pages when the host has
+    /// them reserved (registering it for RDMA is then much faster).
+    pub huge_pages: bool,
 }
 
 impl ServerConfig {
@@ -52,6 +55,7 @@ impl ServerConfig {
                 port: 1,
                 gid_index: None,
             },
+            huge_pages: false,
         }
     }
 }

@@ -55,6 +55,10 @@ struct Args {
     /// Serve TCP only, even where an RDMA device exists.
     #[arg(long)]
     no_rdma: bool,
+    /// Back the exported memory with 2 MiB huge pages when reserved
+    /// (`/proc/sys/vm/nr_hugepages`); normal pages otherwise.
+    #[arg(long)]
+    huge_pages: bool,
 }
 
 fn parse_u64(s: &str) -> Result<u64, String> {
@@ -80,6 +84,7 @@ fn main() -> anyhow::Result<()> {
     config.coordinator_url = Some(args.coordinator);
     config.coordinator_token = args.token;
     config.heartbeat_interval = Duration::from_millis(args.heartbeat_ms.max(1));
+    config.huge_pages = args.huge_pages;
     config.rdma = page_server::RdmaOptions {
         enabled: !args.no_rdma,
         device: args.rdma_device,

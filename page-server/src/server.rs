@@ -107,7 +107,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
     let region = MappedRegion::new(
         config.memory_bytes,
         MapOptions {
-            try_huge_pages: false,
+            try_huge_pages: config.huge_pages,
             populate: false,
         },
     )
@@ -142,7 +142,13 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         .name("page-server-accept".into())
         .spawn(move || accept_loop(&listener, &accept_shared))
         .map_err(|source| ServerError::Listen { addr, source })?;
-    tracing::info!(node = %config.node_id, %addr, memory_bytes = config.memory_bytes, "page-server listening");
+    tracing::info!(
+        node = %config.node_id,
+        %addr,
+        memory_bytes = config.memory_bytes,
+        backing = ?shared.exported.region.backing(),
+        "page-server listening"
+    );
     let published = shared
         .exported
         .rdma
