@@ -34,7 +34,7 @@ pub(crate) struct Exported {
 #[derive(Debug, Default)]
 struct Session {
     greeted: bool,
-    qp: Option<ServerQp>,
+    qp: Option<std::sync::Arc<ServerQp>>,
 }
 
 impl Exported {

@@ -9,6 +9,9 @@
 //! on: when that ends, the QP is destroyed, so a client can never go on
 //! using a QP of a connection (or a server) that is gone.
 
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
 use rdma_transport::coordinator::api::{RdmaEndpoint, RdmaRegion};
 use rdma_transport::rdma::{connect_qp, random_psn, PortInfo, QpTimeouts};
 use rdma_transport::region::MappedRegion;
@@ -45,6 +48,8 @@ pub(crate) struct RdmaExport {
     pd: ProtectionDomain,
     ctx: Context,
     port: PortInfo,
+    /// The clients' QPs (for a test hook; the sessions own them).
+    qps: Mutex<Vec<Weak<ServerQp>>>,
 }
 
 /// A client's QP; destroyed (with its CQ) when dropped.
@@ -91,7 +96,13 @@ impl RdmaExport {
         // raw pointers and tolerates concurrent writes, as `register_raw`
         // requires.
         let mr = unsafe { pd.register_raw(region.as_ptr(), region.len_bytes(), access) }?;
-        Ok(Self { mr, pd, ctx, port })
+        Ok(Self {
+            mr,
+            pd,
+            ctx,
+            port,
+            qps: Mutex::new(Vec::new()),
+        })
     }
 
     /// The device port as the coordinator publishes it.
@@ -112,7 +123,10 @@ impl RdmaExport {
     ///
     /// # Errors
     /// Verb failures (the caller answers without RDMA then).
-    pub(crate) fn accept(&self, client: &RdmaHello) -> Result<(ServerQp, RdmaHello), VerbsError> {
+    pub(crate) fn accept(
+        &self,
+        client: &RdmaHello,
+    ) -> Result<(Arc<ServerQp>, RdmaHello), VerbsError> {
         let cq = self.ctx.create_cq(SERVER_CQ_DEPTH, None, 0)?;
         let caps = QpCaps {
             max_send_wr: 1,
@@ -136,6 +150,23 @@ impl RdmaExport {
             rkey: region.rkey,
             ..self.port.hello(&qp, psn)
         };
-        Ok((ServerQp { qp, _cq: cq }, answer))
+        let qp = Arc::new(ServerQp { qp, _cq: cq });
+        let mut qps = self.qps.lock();
+        qps.retain(|w| w.strong_count() > 0);
+        qps.push(Arc::downgrade(&qp));
+        Ok((qp, answer))
+    }
+
+    /// Test hook: moves every client's QP to the error state while their
+    /// control connections stay up (a peer whose QP died silently). Returns
+    /// how many QPs it broke.
+    pub(crate) fn break_qps(&self) -> usize {
+        let qps: Vec<_> = self.qps.lock().iter().filter_map(Weak::upgrade).collect();
+        for qp in &qps {
+            if let Err(err) = qp.qp.modify_to_error() {
+                tracing::warn!(qpn = qp.qpn(), %err, "cannot move a QP to the error state");
+            }
+        }
+        qps.len()
     }
 }

@@ -282,6 +282,18 @@ impl RunningServer {
         self.addr
     }
 
+    /// Test hook: every client's QP goes to the error state while the
+    /// control connections stay open, as if the QPs died silently. Returns
+    /// the number of QPs broken.
+    #[doc(hidden)]
+    pub fn break_rdma_qps_for_test(&self) -> usize {
+        self.shared
+            .exported
+            .rdma
+            .as_ref()
+            .map_or(0, RdmaExport::break_qps)
+    }
+
     /// The exported region's RDMA address and rkey, when RDMA is served.
     pub fn rdma_region(&self) -> Option<RdmaRegion> {
         self.shared.exported.rdma.as_ref().map(|r| r.region())

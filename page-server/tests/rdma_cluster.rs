@@ -347,6 +347,45 @@ fn rdma_page_server_restart_is_served_from_a_new_qp() {
 }
 
 #[test]
+fn rdma_silently_dead_peer_qp_fails_within_the_deadline_and_is_rebuilt() {
+    let test = "rdma_silently_dead_peer_qp_fails_within_the_deadline_and_is_rebuilt";
+    if !device_present(test) {
+        return;
+    }
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator(&db);
+    let a = server(&coord.url(), "a", 0, true);
+    let mgr = rdma_manager(&coord.url(), PollMode::Busy);
+    let gpa = 3 * PAGE_SIZE as u64;
+    mgr.write_page(gpa, &page_for(gpa, 10)).unwrap();
+    let qpn = mgr.rdma_qpn_for_test("a").unwrap();
+
+    // The server's QP dies; its control connection (no EOF) stays up.
+    assert_eq!(a.break_rdma_qps_for_test(), 1);
+    let mut page = [0u8; PAGE_SIZE];
+    let started = Instant::now();
+    let err = mgr.read_page(gpa, &mut page).unwrap_err();
+    let took = started.elapsed();
+    say(&format!("{test}: {err} after {took:?}"));
+    match &err {
+        TransportError::RdmaCompletion { node, status } => {
+            assert_eq!(node, "a");
+            assert_ne!(*status, WcStatus::Success);
+        }
+        TransportError::Timeout { node, .. } => assert_eq!(node, "a"),
+        other => panic!("{test}: unexpected error {other:?}"),
+    }
+    assert!(
+        took <= Duration::from_millis(REQUEST_TIMEOUT_MS + 500),
+        "{test}: took {took:?}"
+    );
+    // Rebuilt on both sides: the next request is served.
+    mgr.read_page(gpa, &mut page).unwrap();
+    assert!(page == page_for(gpa, 10));
+    assert_ne!(mgr.rdma_qpn_for_test("a").unwrap(), qpn);
+}
+
+#[test]
 fn rdma_auto_uses_tcp_for_a_node_without_rdma_and_rdma_kind_refuses_it() {
     let test = "rdma_auto_uses_tcp_for_a_node_without_rdma_and_rdma_kind_refuses_it";
     if !device_present(test) {

@@ -284,23 +284,23 @@ impl RdmaConnection {
         if self.is_broken() {
             return Err(fail(None, "connection lost"));
         }
+        // Room in the send queue first: a slot, once armed, counts on the
+        // caller's waiter and must then be completed.
+        if !self.reserve_sq(n, deadline) {
+            return Err(fail(None, "send queue full until the deadline"));
+        }
         let id = loop {
             if let Some(id) = self.inflight.arm(std::ptr::null_mut(), waiter) {
                 break id;
             }
             if Instant::now() >= deadline {
+                self.sq_free.fetch_add(n as isize, Ordering::AcqRel);
                 return Err(fail(None, "no free request slot before the deadline"));
             }
             self.progress();
             std::thread::yield_now();
         };
         self.batch_wrs[slot_of(id)].store(n as u32, Ordering::Relaxed);
-        if !self.reserve_sq(n, deadline) {
-            // Never posted: take the slot back (a concurrent teardown may
-            // have completed it; either way it is released).
-            let _ = self.inflight.cancel(id);
-            return Err(fail(None, "send queue full until the deadline"));
-        }
         // A teardown that ran before the slot was armed did not fail it.
         if self.is_broken() {
             self.inflight.fail_all(CODE_CONN_LOST);
