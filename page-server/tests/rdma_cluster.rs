@@ -216,9 +216,10 @@ fn pages_round_trip(test: &str, mode: PollMode) {
     });
     assert!(!failed.load(Ordering::SeqCst), "a concurrent page differs");
     say(&format!(
-        "{test}: {} pages moved by 4 threads in {:?}",
+        "{test}: {} pages moved by 4 threads in {:?}; {} CQ events taken by pollers",
         all.len() + 4 * 10 * 64,
-        started.elapsed()
+        started.elapsed(),
+        mgr.rdma_cq_events_for_test()
     ));
     // The happy path never rebuilt a QP.
     assert_eq!(

@@ -295,6 +295,13 @@ impl TransportManager {
         }
     }
 
+    /// Test hook: CQ events the RDMA pollers took from their completion
+    /// channels (event mode, or busy mode after an idle spell).
+    #[doc(hidden)]
+    pub fn rdma_cq_events_for_test(&self) -> u64 {
+        self.inner.rdma.as_ref().map_or(0, |r| r.pollers.events())
+    }
+
     /// Test hook: the local QP number of the node's live RDMA connection.
     #[doc(hidden)]
     pub fn rdma_qpn_for_test(&self, node: &str) -> Option<u32> {

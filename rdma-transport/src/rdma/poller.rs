@@ -16,7 +16,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -43,6 +43,8 @@ pub(crate) struct PollerHandle {
     stop: AtomicBool,
     /// CQs of this poller's connections raise their events here.
     pub(crate) channel: CompletionChannel,
+    /// CQ events taken from the channel (tests check the event path ran).
+    events: AtomicU64,
 }
 
 impl PollerHandle {
@@ -95,6 +97,7 @@ impl RdmaPollers {
                 wake,
                 stop: AtomicBool::new(false),
                 channel,
+                events: AtomicU64::new(0),
             });
             let cpu = (!cpus.is_empty()).then(|| cpus[i % cpus.len()]);
             let thread_handle = Arc::clone(&handle);
@@ -115,6 +118,14 @@ impl RdmaPollers {
     pub(crate) fn pick(&self) -> Arc<PollerHandle> {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.threads.len();
         Arc::clone(&self.threads[i].0)
+    }
+
+    /// CQ events all pollers have taken so far.
+    pub(crate) fn events(&self) -> u64 {
+        self.threads
+            .iter()
+            .map(|(h, _)| h.events.load(Ordering::Relaxed))
+            .sum()
     }
 
     /// Hands `conn` (whose CQ uses `poller`'s channel) to that poller.
@@ -246,7 +257,9 @@ fn wait_fds(
 fn drain_events(handle: &PollerHandle, conns: &[Arc<RdmaConnection>]) {
     loop {
         match handle.channel.get_cq_event(None) {
-            Ok(Some(_)) => {}
+            Ok(Some(_)) => {
+                handle.events.fetch_add(1, Ordering::Relaxed);
+            }
             Ok(None) => break,
             Err(err) if err.errno() == Some(libc::EAGAIN) => break,
             Err(err) => {
