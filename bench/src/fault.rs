@@ -35,6 +35,43 @@ const SEED: u64 = 0xfa17;
 /// page-server thread it waits for (see docs/benchmarking.md, Fault path).
 pub const WAIT_SPIN_US: u64 = 10;
 
+/// The local cluster's page-server connection threads (in this process)
+/// stand in for remote nodes, which have CPUs of their own. On a 2-CPU host
+/// the last CPU belongs to the transport's busy poller; a server thread
+/// woken there waits for the scheduler to preempt the poller (up to a time
+/// slice), so they go to CPU 0, where the faulting thread sleeps in its
+/// fault and the handler yields while it waits for the answer. The
+/// baselines get the same placement (they run from a thread pinned to CPU
+/// 0, and threads inherit their creator's affinity).
+fn pin_local_servers() {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return;
+    };
+    for task in tasks.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        let Some(tid) = task
+            .file_name()
+            .to_str()
+            .and_then(|t| t.parse::<libc::pid_t>().ok())
+        else {
+            continue;
+        };
+        if comm.starts_with("page-conn") {
+            // SAFETY: a zeroed cpu_set_t is a valid empty set.
+            let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            // SAFETY: CPU 0 is inside the set's bounds.
+            unsafe { libc::CPU_SET(0, &mut set) };
+            // SAFETY: `set` is a live cpu_set_t of the size passed.
+            let ret = unsafe {
+                libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set)
+            };
+            if ret != 0 {
+                tracing::warn!(tid, "cannot pin a page-server thread");
+            }
+        }
+    }
+}
+
 /// Toucher t runs on CPU t (mod the CPU count): toucher 0 shares CPU 0 with
 /// the fault handler (it sleeps in the fault while the handler works, and
 /// both wake-ups stay on one CPU); the transport's poller has the last CPU.
@@ -69,6 +106,7 @@ pub fn run(
         bail!("--op fault needs one contiguous GPA range");
     }
     set.fill(mgr, SEED).context("filling remote memory")?;
+    pin_local_servers();
     let mut records = Vec::new();
     let mut lines = Vec::new();
     // Warm-up, not measured: the first run after start-up is slower
@@ -158,7 +196,16 @@ pub fn run(
             op: Op::Read,
             ..spec
         };
-        let tcp = crate::baseline::run(tcp_spec, pages, SEED)?;
+        // Client and server thread on CPU 0, as our toucher, handler and
+        // page-server threads are.
+        let tcp = std::thread::scope(|s| {
+            s.spawn(|| {
+                pin_toucher(0);
+                crate::baseline::run(tcp_spec, pages, SEED)
+            })
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("baseline thread panicked")))
+        })?;
         let tcp = Record::new("bare-tcp", tcp_spec, 1, &tcp);
         let sum = local.latency_us.p50 + tcp.latency_us.p50;
         lines.push(format!(
