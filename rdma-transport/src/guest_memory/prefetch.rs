@@ -18,11 +18,10 @@
 //! claim is undone and the batch dropped.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::thread::Thread;
 
 use crossbeam_queue::ArrayQueue;
-use parking_lot::Mutex;
 
 use crate::page::{Page, PAGE_SIZE};
 
@@ -120,7 +119,7 @@ pub(crate) struct Batch {
 #[derive(Debug)]
 pub(crate) struct PrefetchQueue {
     queue: ArrayQueue<Batch>,
-    thread: Mutex<Option<Thread>>,
+    thread: OnceLock<Thread>,
     pub(crate) dropped: AtomicU64,
 }
 
@@ -128,7 +127,7 @@ impl Default for PrefetchQueue {
     fn default() -> Self {
         Self {
             queue: ArrayQueue::new(QUEUE_DEPTH),
-            thread: Mutex::new(None),
+            thread: OnceLock::new(),
             dropped: AtomicU64::new(0),
         }
     }
@@ -136,11 +135,11 @@ impl Default for PrefetchQueue {
 
 impl PrefetchQueue {
     pub(crate) fn set_thread(&self, thread: Thread) {
-        *self.thread.lock() = Some(thread);
+        let _ = self.thread.set(thread);
     }
 
     fn unpark(&self) {
-        if let Some(t) = self.thread.lock().as_ref() {
+        if let Some(t) = self.thread.get() {
             t.unpark();
         }
     }
