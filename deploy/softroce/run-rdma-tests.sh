@@ -12,8 +12,10 @@
 #   cargo build --release -p bench
 #
 # Latency is compared in RDMA_ROUNDS rounds (default 5) of perftest then
-# bench, interleaved in the same boot; the verdict uses the median of the
-# per-round ratios (a loaded host moves single figures by up to 2x).
+# bench, interleaved in the same boot. A loaded host slows either side by up
+# to 2x in any round, independently: the verdict compares the best (lowest)
+# p50 of our rounds with the best of perftest's (the same statistic on both
+# sides); the median of the per-round ratios is printed too.
 #
 # Environment: RDMA_BENCH_OPS (default 5000, also perftest's iterations),
 # RDMA_PERF_STRICT=1 (also fail when a performance target is missed;
@@ -184,6 +186,7 @@ nth_perf() { # nth_perf TEST N: the N-th PERFTEST line of TEST
     grep "^PERFTEST $1 .*t_typical_us=" "$out" | sed -n "$2p"
 }
 median() { tr ' ' '\n' | grep -v '^$' | LC_ALL=C sort -g | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
+minimum() { tr ' ' '\n' | grep -v '^$' | LC_ALL=C sort -g | head -n 1; }
 [[ -n "$(nth_perf ib_read_lat "$rounds")" && -n "$(nth_perf ib_write_lat "$rounds")" ]] || failed=1
 
 echo
@@ -211,7 +214,7 @@ if ((bench)); then
     echo "4 KiB, one in flight, random pages (our bench) vs perftest (-s 4096), interleaved rounds:"
     printf '%-6s %-5s %9s %9s %13s %13s %7s %7s\n' round op "our p50" "our p99" "perftest p50" "perftest p99" "p50 x" "p99 x"
     for op in read write; do
-        r50s="" r99s=""
+        r50s="" r99s="" ours50="" ours99="" theirs50="" theirs99=""
         for ((r = 1; r <= rounds; r++)); do
             rec="$(record "lat$r" "$op")"
             perf="$(nth_perf "ib_${op}_lat" "$r")"
@@ -220,12 +223,17 @@ if ((bench)); then
             pt="$(field t_typical_us "$perf")" p99t="$(field t99_us "$perf")"
             r50="$(ratio "$p50" "$pt")" r99="$(ratio "$p99" "$p99t")"
             r50s+=" $r50" r99s+=" $r99"
+            ours50+=" $p50" ours99+=" $p99" theirs50+=" $pt" theirs99+=" $p99t"
             printf '%-6s %-5s %9.1f %9.1f %13s %13s %7s %7s\n' "$r" "$op" "$p50" "$p99" "$pt" "$p99t" "$r50" "$r99"
         done
         m50="$(median <<<"$r50s")" m99="$(median <<<"$r99s")"
         printf '%-6s %-5s %9s %9s %13s %13s %7s %7s\n' median "$op" "" "" "" "" "${m50:-n/a}" "${m99:-n/a}"
-        awk -v r="${m50:-n/a}" 'BEGIN { exit !(r != "n/a" && r <= 1.15) }' ||
-            { echo "  target missed: $op p50 within 1.15x of perftest (median of rounds)"; missed=1; }
+        b50="$(minimum <<<"$ours50")" b99="$(minimum <<<"$ours99")"
+        t50="$(minimum <<<"$theirs50")" t99="$(minimum <<<"$theirs99")"
+        best="$(ratio "${b50:-0}" "${t50:-0}")"
+        printf '%-6s %-5s %9s %9s %13s %13s %7s %7s\n' best "$op" "$b50" "$b99" "$t50" "$t99" "$best" "$(ratio "${b99:-0}" "${t99:-0}")"
+        awk -v r="$best" 'BEGIN { exit !(r != "n/a" && r <= 1.15) }' ||
+            { echo "  target missed: $op p50 within 1.15x of perftest (best of rounds)"; missed=1; }
     done
     ev="$(record event1 read)"
     perf="$(nth_perf ib_read_lat "$rounds")"

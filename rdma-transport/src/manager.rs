@@ -423,6 +423,7 @@ impl Inner {
         }
         // Group by node, submit each group with one writev, wait for all.
         let deadline = Instant::now() + self.config.request_timeout();
+        let rdma_deadline = crate::rdma::Deadline::at(deadline);
         let waiter = Waiter::new();
         let mut groups: [Option<Arc<TcpConnection>>; MAX_CHUNK] = [const { None }; MAX_CHUNK];
         let mut rdma = RdmaChunk::new();
@@ -474,7 +475,7 @@ impl Inner {
                         members,
                         &mut chunk_pages,
                         &waiter,
-                        deadline,
+                        &rdma_deadline,
                     ) {
                         first_error.get_or_insert(e);
                     }
@@ -514,7 +515,7 @@ impl Inner {
         let all_answered = if rdma.groups == 0 {
             sent_count > 0 && crate::tcp::wait(&waiter, &groups[..group_count], spin, deadline)
         } else if sent_count == 0 {
-            crate::rdma::wait(&waiter, &rdma.conns[..rdma.groups], spin, deadline)
+            crate::rdma::wait(&waiter, &rdma.conns[..rdma.groups], spin, &rdma_deadline)
         } else {
             link::wait_mixed(
                 &waiter,

@@ -3,13 +3,12 @@
 //! frame is copied out, handed back, or quarantined.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use super::{Inner, Node};
 use crate::error::TransportError;
 use crate::page::PAGE_SIZE;
 use crate::pool::PageFrame;
-use crate::rdma::{code_status, PageOp, RdmaConnection, MAX_BATCH};
+use crate::rdma::{code_status, Deadline, PageOp, RdmaConnection, MAX_BATCH};
 use crate::tcp::{Request, Waiter, CODE_CONN_LOST, MAX_CHUNK};
 use crate::wire::Status;
 
@@ -64,7 +63,7 @@ impl Inner {
         members: &[usize],
         pages: &mut Pages<'_>,
         waiter: &Waiter,
-        deadline: Instant,
+        deadline: &Deadline,
     ) -> Option<TransportError> {
         let mut first_error = None;
         let mut ops = [PageOp {
@@ -224,12 +223,12 @@ impl Inner {
     }
 
     /// A free pool frame, waiting for one until `deadline`.
-    pub(super) fn alloc_frame(&self, deadline: Instant) -> Option<PageFrame> {
+    pub(super) fn alloc_frame(&self, deadline: &Deadline) -> Option<PageFrame> {
         loop {
             if let Some(frame) = self.pool.alloc() {
                 return Some(frame);
             }
-            if Instant::now() >= deadline {
+            if deadline.passed() {
                 return None;
             }
             std::thread::yield_now();

@@ -5,7 +5,7 @@
 //! is cleared and the clock is read once.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::link::Link;
 use super::Inner;
@@ -13,7 +13,7 @@ use crate::config::PollMode;
 use crate::error::TransportError;
 use crate::page::{is_page_aligned, PAGE_SIZE};
 use crate::pool::PageFrame;
-use crate::rdma::PageOp;
+use crate::rdma::{Deadline, PageOp};
 use crate::tcp::Waiter;
 use crate::wire::{Opcode, Status};
 
@@ -53,11 +53,12 @@ impl Inner {
             }));
         }
         let write = opcode == Opcode::Write;
-        let deadline = Instant::now() + self.config.request_timeout();
+        // Fixed only if the request has to wait (see `Deadline`).
+        let deadline = Deadline::lazy(self.config.request_timeout());
         let mut direct = frame.take();
         let buf = match direct.as_mut().and_then(|slot| slot.take()) {
             Some(f) => f,
-            None => match self.alloc_frame(deadline) {
+            None => match self.alloc_frame(&deadline) {
                 Some(f) => f,
                 None => {
                     return Some(Err(TransportError::PoolExhausted {
@@ -76,7 +77,7 @@ impl Inner {
             offset: loc.remote_offset,
             local: buf.as_ptr(),
         };
-        let id = match conn.submit(write, &[op], &waiter, deadline) {
+        let id = match conn.submit(write, &[op], &waiter, &deadline) {
             Ok(id) => id,
             Err(err) => match err.armed {
                 Some(id) => id,
@@ -97,7 +98,7 @@ impl Inner {
             PollMode::Event => Duration::ZERO,
         };
         let conns = [Some(Arc::clone(conn))];
-        let answered = crate::rdma::wait(&waiter, &conns, spin, deadline);
+        let answered = crate::rdma::wait(&waiter, &conns, spin, &deadline);
         let code = if answered {
             Some(conn.inflight.finish(id))
         } else {

@@ -18,6 +18,7 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
+use super::deadline::Deadline;
 use super::device::ClientDevice;
 use super::poller::PollerHandle;
 use super::port::{connect_qp, random_psn};
@@ -273,7 +274,7 @@ impl RdmaConnection {
         write: bool,
         ops: &[PageOp],
         waiter: &Waiter,
-        deadline: Instant,
+        deadline: &Deadline,
     ) -> Result<u64, SubmitError> {
         let n = ops.len();
         debug_assert!(n > 0 && n <= MAX_BATCH);
@@ -293,7 +294,7 @@ impl RdmaConnection {
             if let Some(id) = self.inflight.arm(std::ptr::null_mut(), waiter) {
                 break id;
             }
-            if Instant::now() >= deadline {
+            if deadline.passed() {
                 self.sq_free.fetch_add(n as isize, Ordering::AcqRel);
                 return Err(fail(None, "no free request slot before the deadline"));
             }
@@ -357,7 +358,7 @@ impl RdmaConnection {
         self.qp.post_send(&mut wrs[..n])
     }
 
-    fn reserve_sq(&self, n: usize, deadline: Instant) -> bool {
+    fn reserve_sq(&self, n: usize, deadline: &Deadline) -> bool {
         let n = n as isize;
         let mut spins = 0u32;
         loop {
@@ -375,7 +376,7 @@ impl RdmaConnection {
             // Slots come back as batches complete: help them along.
             self.progress();
             spins = spins.wrapping_add(1);
-            if spins % 16 == 0 && Instant::now() >= deadline {
+            if spins % 16 == 0 && deadline.passed() {
                 return false;
             }
             std::thread::yield_now();
@@ -470,7 +471,7 @@ pub(crate) fn wait(
     waiter: &Waiter,
     conns: &[Option<Arc<RdmaConnection>>],
     spin: std::time::Duration,
-    deadline: Instant,
+    deadline: &Deadline,
 ) -> bool {
     let conns = || conns.iter().flatten();
     let mut spin_until = None;
@@ -488,7 +489,7 @@ pub(crate) fn wait(
         spins = spins.wrapping_add(1);
         if spins % 16 == 0 {
             let now = Instant::now();
-            if now >= *spin_until.get_or_insert(now + spin) || now >= deadline {
+            if now >= *spin_until.get_or_insert(now + spin) || now >= deadline.get() {
                 break;
             }
         }
@@ -497,7 +498,7 @@ pub(crate) fn wait(
     for c in conns() {
         c.park_enter();
     }
-    let done = waiter.wait(std::time::Duration::ZERO, deadline);
+    let done = waiter.wait(std::time::Duration::ZERO, deadline.get());
     for c in conns() {
         c.park_leave();
     }

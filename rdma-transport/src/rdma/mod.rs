@@ -13,6 +13,7 @@
 //! its QPs up with exactly the same parameters.
 
 mod connection;
+mod deadline;
 mod device;
 mod poller;
 mod port;
@@ -20,6 +21,7 @@ mod port;
 pub(crate) use connection::{
     code_status, dial_rdma, wait, DialError, Dialed, PageOp, RdmaConnection, MAX_BATCH,
 };
+pub(crate) use deadline::Deadline;
 pub(crate) use device::ClientDevice;
 pub(crate) use poller::RdmaPollers;
 pub use port::{
