@@ -2,7 +2,7 @@
 //! userfaultfd and resolve them.
 //!
 //! - MISSING fault: fetch the page from its owner into a pool frame
-//!   ([`TransportManager::read_frame`]), then `UFFDIO_COPY` it in, clean
+//!   ([`TransportManager::read_frame`](crate::TransportManager::read_frame)), then `UFFDIO_COPY` it in, clean
 //!   (write-protected) for a read, dirty (writable) for a write. EEXIST means
 //!   another thread installed it; EAGAIN is retried.
 //! - WP fault (first write to a clean page): mark it dirty and lift the

@@ -5,7 +5,7 @@
 //! handler claims the next `window` pages (marks them `FETCHING`, so faults
 //! on them wait for the prefetch instead of fetching again) and queues one
 //! batch for the prefetch thread, which reads the whole batch with one
-//! [`TransportManager::read_pages`] (all requests in flight at once) and
+//! [`TransportManager::read_pages`](crate::TransportManager::read_pages) (all requests in flight at once) and
 //! installs the pages clean while the vCPU works on the page it faulted on.
 //! The window doubles on every sequential fault, from 4 up to
 //! `prefetch_max_pages` (at most 64). When a fault has to wait for a page
