@@ -57,15 +57,23 @@ pub(crate) struct Pollers {
 impl Pollers {
     /// Starts `count` pollers; poller i is pinned to `cpus[i % cpus.len()]`
     /// when `cpus` is not empty.
-    pub(crate) fn start(count: usize, cpus: &[usize], mode: PollMode, idle_spin: Duration) -> io::Result<Self> {
+    pub(crate) fn start(
+        count: usize,
+        cpus: &[usize],
+        mode: PollMode,
+        idle_spin: Duration,
+    ) -> io::Result<Self> {
         let mut threads = Vec::with_capacity(count);
         for i in 0..count.max(1) {
             // SAFETY: eventfd takes no pointers; the result is checked below.
             let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) })?;
             // SAFETY: `fd` is a fresh descriptor that nothing else owns.
             let wake = unsafe { OwnedFd::from_raw_fd(fd) };
-            let handle =
-                Arc::new(PollerHandle { incoming: ArrayQueue::new(1024), wake, stop: AtomicBool::new(false) });
+            let handle = Arc::new(PollerHandle {
+                incoming: ArrayQueue::new(1024),
+                wake,
+                stop: AtomicBool::new(false),
+            });
             let cpu = (!cpus.is_empty()).then(|| cpus[i % cpus.len()]);
             let thread_handle = Arc::clone(&handle);
             let thread = std::thread::Builder::new()
@@ -73,7 +81,10 @@ impl Pollers {
                 .spawn(move || run(&thread_handle, cpu, mode, idle_spin))?;
             threads.push((handle, Some(thread)));
         }
-        Ok(Self { threads, next: AtomicUsize::new(0) })
+        Ok(Self {
+            threads,
+            next: AtomicUsize::new(0),
+        })
     }
 
     /// Hands a connection to the next poller (round robin).
@@ -123,17 +134,32 @@ fn run(handle: &PollerHandle, cpu: Option<usize>, mode: PollMode, idle_spin: Dur
         conns.retain(|c| !c.is_broken());
         pollfds.clear();
         watched.clear();
-        pollfds.push(libc::pollfd { fd: handle.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        pollfds.push(libc::pollfd {
+            fd: handle.wake.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
         for (i, c) in conns.iter().enumerate() {
             if c.has_parked() {
                 watched.push(i);
-                pollfds.push(libc::pollfd { fd: c.stream().as_raw_fd(), events: libc::POLLIN, revents: 0 });
+                pollfds.push(libc::pollfd {
+                    fd: c.stream().as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
             }
         }
-        let spinning = mode == PollMode::Busy && !watched.is_empty() && last_activity.elapsed() < idle_spin;
+        let spinning =
+            mode == PollMode::Busy && !watched.is_empty() && last_activity.elapsed() < idle_spin;
         let timeout_ms = if spinning { 0 } else { IDLE_BLOCK_TIMEOUT_MS };
         // SAFETY: `pollfds` is a live, correctly sized array of pollfd.
-        let ret = unsafe { libc::poll(pollfds.as_mut_ptr(), pollfds.len() as libc::nfds_t, timeout_ms) };
+        let ret = unsafe {
+            libc::poll(
+                pollfds.as_mut_ptr(),
+                pollfds.len() as libc::nfds_t,
+                timeout_ms,
+            )
+        };
         if ret < 0 {
             let err = io::Error::last_os_error();
             if err.kind() != io::ErrorKind::Interrupted {

@@ -26,7 +26,11 @@ pub(crate) struct RecvBuf {
 
 impl RecvBuf {
     pub(crate) fn new() -> Self {
-        Self { buf: vec![0u8; RECV_BUF_BYTES].into_boxed_slice(), start: 0, end: 0 }
+        Self {
+            buf: vec![0u8; RECV_BUF_BYTES].into_boxed_slice(),
+            start: 0,
+            end: 0,
+        }
     }
 }
 
@@ -130,7 +134,12 @@ impl TcpConnection {
 /// (false then). For up to `spin` the caller reads the answers off `conns`
 /// itself (no hand-off, no wake-up); after that it parks and asks the
 /// connections' pollers to finish the job.
-pub(crate) fn wait(waiter: &Waiter, conns: &[Option<Arc<TcpConnection>>], spin: Duration, deadline: Instant) -> bool {
+pub(crate) fn wait(
+    waiter: &Waiter,
+    conns: &[Option<Arc<TcpConnection>>],
+    spin: Duration,
+    deadline: Instant,
+) -> bool {
     let conns = || conns.iter().flatten();
     if !spin.is_zero() {
         let spin_until = Instant::now() + spin;
