@@ -18,6 +18,7 @@ mod ids;
 mod manager;
 
 pub mod page;
+mod parking;
 pub mod pool;
 pub mod rdma;
 pub mod region;

@@ -228,17 +228,17 @@ pub(super) fn wait_mixed(
         return true;
     }
     for c in tcp.iter().flatten() {
-        c.park_enter();
+        c.parking.enter();
     }
     for c in rdma.iter().flatten() {
-        c.park_enter();
+        c.parking.enter();
     }
     let done = waiter.wait(Duration::ZERO, deadline);
     for c in tcp.iter().flatten() {
-        c.park_leave();
+        c.parking.leave();
     }
     for c in rdma.iter().flatten() {
-        c.park_leave();
+        c.parking.leave();
     }
     done
 }

@@ -12,8 +12,8 @@
 use std::io::{self, Read};
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::Mutex;
@@ -23,6 +23,7 @@ use super::device::ClientDevice;
 use super::poller::PollerHandle;
 use super::port::{connect_qp, random_psn};
 use crate::page::PAGE_SIZE;
+use crate::parking::Parking;
 use crate::pool::PageFrame;
 use crate::tcp::{
     dial, handshake, Claim, ConnectError, Inflight, TcpConnection, Waiter, CODE_CONN_LOST,
@@ -85,8 +86,9 @@ pub(crate) struct RdmaConnection {
     sq_free: AtomicIsize,
     /// Held by whoever polls the CQ; carries the completion array.
     poll: Mutex<[WorkCompletion; POLL_BATCH]>,
-    parked: AtomicUsize,
-    poller: OnceLock<Arc<PollerHandle>>,
+    /// Callers parked on this connection; its poller watches the CQ only
+    /// while there are any.
+    pub(crate) parking: Parking<PollerHandle>,
     broken: AtomicBool,
     pub(crate) ack: HelloAck,
     quarantine: Mutex<Vec<PageFrame>>,
@@ -156,8 +158,7 @@ pub(crate) fn dial_rdma(
         batch_wrs: (0..crate::tcp::SLOTS).map(|_| AtomicU32::new(0)).collect(),
         sq_free: AtomicIsize::new(isize::try_from(sq_depth).unwrap_or(0)),
         poll: Mutex::new([WorkCompletion::default(); POLL_BATCH]),
-        parked: AtomicUsize::new(0),
-        poller: OnceLock::new(),
+        parking: Parking::new(),
         broken: AtomicBool::new(false),
         ack,
         quarantine: Mutex::new(Vec::new()),
@@ -203,27 +204,6 @@ impl RdmaConnection {
     /// is rebuilt).
     pub(crate) fn corrupt_rkey(&self) {
         self.rkey.fetch_xor(0x00ff_ff00, Ordering::SeqCst);
-    }
-
-    pub(crate) fn set_poller(&self, poller: Arc<PollerHandle>) {
-        let _ = self.poller.set(poller);
-    }
-
-    pub(crate) fn has_parked(&self) -> bool {
-        self.parked.load(Ordering::SeqCst) > 0
-    }
-
-    /// A caller is about to park: its poller must watch this CQ.
-    pub(crate) fn park_enter(&self) {
-        if self.parked.fetch_add(1, Ordering::SeqCst) == 0 {
-            if let Some(p) = self.poller.get() {
-                p.wake();
-            }
-        }
-    }
-
-    pub(crate) fn park_leave(&self) {
-        self.parked.fetch_sub(1, Ordering::SeqCst);
     }
 
     /// Arms the CQ: its next completion raises an event on the poller's
@@ -496,11 +476,11 @@ pub(crate) fn wait(
         std::thread::yield_now();
     }
     for c in conns() {
-        c.park_enter();
+        c.parking.enter();
     }
     let done = waiter.wait(std::time::Duration::ZERO, deadline.get());
     for c in conns() {
-        c.park_leave();
+        c.parking.leave();
     }
     done
 }

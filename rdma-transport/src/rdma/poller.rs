@@ -26,6 +26,7 @@ use crossbeam_queue::ArrayQueue;
 use super::connection::RdmaConnection;
 use super::device::ClientDevice;
 use crate::config::PollMode;
+use crate::parking::Wake;
 use crate::sys::cvt;
 use crate::tcp::CODE_CONN_LOST;
 use crate::verbs::CompletionChannel;
@@ -47,9 +48,9 @@ pub(crate) struct PollerHandle {
     events: AtomicU64,
 }
 
-impl PollerHandle {
+impl Wake for PollerHandle {
     /// Wakes the poller from `poll(2)`.
-    pub(crate) fn wake(&self) {
+    fn wake(&self) {
         let one = 1u64.to_ne_bytes();
         // SAFETY: writes 8 bytes from a live buffer to an eventfd we own.
         let ret = unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
@@ -57,7 +58,9 @@ impl PollerHandle {
             tracing::debug!(err = %io::Error::last_os_error(), "RDMA poller wake-up failed");
         }
     }
+}
 
+impl PollerHandle {
     fn drain_wake(&self) {
         let mut buf = [0u8; 8];
         // SAFETY: reads at most 8 bytes into a live 8-byte buffer; the fd is
@@ -130,7 +133,7 @@ impl RdmaPollers {
 
     /// Hands `conn` (whose CQ uses `poller`'s channel) to that poller.
     pub(crate) fn add(poller: &Arc<PollerHandle>, conn: &Arc<RdmaConnection>) {
-        conn.set_poller(Arc::clone(poller));
+        conn.parking.set_poller(Arc::clone(poller));
         if poller.incoming.push(Arc::clone(conn)).is_err() {
             tracing::warn!(node = %conn.node_id, "RDMA poller queue full; connection dropped");
             conn.mark_broken(CODE_CONN_LOST);
@@ -173,7 +176,7 @@ fn run(handle: &PollerHandle, cpu: Option<usize>, mode: PollMode) {
         // Dropping a broken connection here destroys its QP and CQ once the
         // last caller lets go of it.
         conns.retain(|c| !c.is_broken());
-        let parked = conns.iter().any(|c| c.has_parked());
+        let parked = conns.iter().any(|c| c.parking.any());
         if parked && mode == PollMode::Busy {
             for c in &conns {
                 c.progress();
@@ -190,7 +193,7 @@ fn run(handle: &PollerHandle, cpu: Option<usize>, mode: PollMode) {
         }
         if parked {
             // Event mode: re-arm, then poll, then wait.
-            for c in conns.iter().filter(|c| c.has_parked()) {
+            for c in conns.iter().filter(|c| c.parking.any()) {
                 c.arm();
                 c.progress();
             }

@@ -6,8 +6,7 @@
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -16,6 +15,7 @@ use super::inflight::{Inflight, Waiter};
 use super::poller::PollerHandle;
 use super::receive::RecvBuf;
 use crate::page::{Page, PAGE_SIZE};
+use crate::parking::Parking;
 use crate::sys::cvt;
 use crate::wire::{Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN, HELLO_ACK_LEN};
 
@@ -41,9 +41,8 @@ pub(crate) struct TcpConnection {
     /// Bytes read but not parsed; held by whoever is reading answers.
     pub(crate) recv: Mutex<RecvBuf>,
     /// Callers parked waiting for answers on this connection: the poller
-    /// watches the socket only while this is non-zero.
-    parked: AtomicUsize,
-    poller: OnceLock<Arc<PollerHandle>>,
+    /// watches the socket only while there are any.
+    pub(crate) parking: Parking<PollerHandle>,
     broken: AtomicBool,
     pub(crate) ack: HelloAck,
 }
@@ -94,8 +93,7 @@ impl TcpConnection {
             send_lock: Mutex::new(()),
             inflight: Inflight::new(),
             recv: Mutex::new(RecvBuf::new()),
-            parked: AtomicUsize::new(0),
-            poller: OnceLock::new(),
+            parking: Parking::new(),
             broken: AtomicBool::new(false),
             ack,
         })
@@ -103,30 +101,6 @@ impl TcpConnection {
 
     pub(crate) fn stream(&self) -> &TcpStream {
         &self.stream
-    }
-
-    /// Binds the connection to the poller that serves its parked callers.
-    pub(crate) fn set_poller(&self, poller: Arc<PollerHandle>) {
-        let _ = self.poller.set(poller);
-    }
-
-    /// True while some caller is parked on this connection.
-    pub(crate) fn has_parked(&self) -> bool {
-        self.parked.load(Ordering::SeqCst) > 0
-    }
-
-    /// A caller is about to park: make sure the poller watches the socket.
-    pub(crate) fn park_enter(&self) {
-        if self.parked.fetch_add(1, Ordering::SeqCst) == 0 {
-            if let Some(p) = self.poller.get() {
-                p.wake();
-            }
-        }
-    }
-
-    /// A parked caller woke up.
-    pub(crate) fn park_leave(&self) {
-        self.parked.fetch_sub(1, Ordering::SeqCst);
     }
 
     pub(crate) fn is_broken(&self) -> bool {

@@ -17,6 +17,7 @@ use crossbeam_queue::ArrayQueue;
 use super::connection::TcpConnection;
 use super::inflight::CODE_CONN_LOST;
 use crate::config::PollMode;
+use crate::parking::Wake;
 use crate::sys::cvt;
 
 const IDLE_BLOCK_TIMEOUT_MS: i32 = 1000;
@@ -29,9 +30,9 @@ pub(crate) struct PollerHandle {
     stop: AtomicBool,
 }
 
-impl PollerHandle {
+impl Wake for PollerHandle {
     /// Interrupts the poller's `poll(2)` so it looks at its connections again.
-    pub(crate) fn wake(&self) {
+    fn wake(&self) {
         let one = 1u64.to_ne_bytes();
         // SAFETY: writes 8 bytes from a live buffer to an eventfd we own.
         let ret = unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
@@ -39,7 +40,9 @@ impl PollerHandle {
             tracing::debug!(err = %io::Error::last_os_error(), "poller wake-up write failed");
         }
     }
+}
 
+impl PollerHandle {
     fn drain_wake(&self) {
         let mut buf = [0u8; 8];
         // SAFETY: reads at most 8 bytes into a live 8-byte buffer; the fd is non-blocking.
@@ -91,7 +94,7 @@ impl Pollers {
     pub(crate) fn add(&self, conn: &Arc<TcpConnection>) {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.threads.len();
         let handle = &self.threads[i].0;
-        conn.set_poller(Arc::clone(handle));
+        conn.parking.set_poller(Arc::clone(handle));
         if handle.incoming.push(Arc::clone(conn)).is_err() {
             tracing::warn!(node = %conn.node_id, "poller queue full; connection dropped");
             conn.mark_broken(CODE_CONN_LOST);
@@ -140,7 +143,7 @@ fn run(handle: &PollerHandle, cpu: Option<usize>, mode: PollMode, idle_spin: Dur
             revents: 0,
         });
         for (i, c) in conns.iter().enumerate() {
-            if c.has_parked() {
+            if c.parking.any() {
                 watched.push(i);
                 pollfds.push(libc::pollfd {
                     fd: c.stream().as_raw_fd(),

@@ -166,11 +166,11 @@ pub(crate) fn wait(
         }
     }
     for c in conns() {
-        c.park_enter();
+        c.parking.enter();
     }
     let answered = waiter.wait(Duration::ZERO, deadline);
     for c in conns() {
-        c.park_leave();
+        c.parking.leave();
     }
     answered
 }
