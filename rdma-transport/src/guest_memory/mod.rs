@@ -187,8 +187,16 @@ impl GuestMemory {
             })?;
         }
         if shared.config.prefetch_max_pages > 0 {
+            // With the first handler: it runs while the vCPUs it serves
+            // wait, and stays off the transport pollers' CPUs.
+            let cpu = cpus.first().copied();
             let thread_shared = Arc::clone(&shared);
             memory.spawn("uffd-prefetch".into(), move || {
+                if let Some(id) = cpu {
+                    if !core_affinity::set_for_current(core_affinity::CoreId { id }) {
+                        tracing::warn!(cpu = id, "cannot pin the prefetch thread");
+                    }
+                }
                 prefetch::run(&thread_shared);
             })?;
             if let Some(t) = memory.threads.last() {

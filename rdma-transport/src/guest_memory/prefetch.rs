@@ -26,7 +26,7 @@ use crossbeam_queue::ArrayQueue;
 use crate::page::{Page, PAGE_SIZE};
 
 use super::shared::{Counters, Shared};
-use super::state::{generation, FETCHING, LOCKED, POISONED, PRESENT};
+use super::state::{generation, DIRTY, FETCHING, LOCKED, POISONED, PRESENT};
 use super::uffd::CopyOutcome;
 
 /// Largest prefetch window (pages); a batch's pages fit a `u64` mask.
@@ -225,9 +225,12 @@ pub(crate) fn run(shared: &Arc<Shared>) {
 }
 
 fn install(shared: &Shared, batch: &Batch, gpas: &mut [u64; MAX_WINDOW], pages: &mut [Page]) {
+    // The claimed pages in ascending order, with their bit in the batch.
+    let mut claimed = [(0usize, 0usize); MAX_WINDOW];
     let mut n = 0;
-    for_each_page(batch, |p, _| {
+    for_each_page(batch, |p, i| {
         gpas[n] = shared.region.page_gpa(p);
+        claimed[n] = (p, i);
         n += 1;
     });
     if let Err(err) = shared.manager.read_pages(&gpas[..n], &mut pages[..n]) {
@@ -235,35 +238,77 @@ fn install(shared: &Shared, batch: &Batch, gpas: &mut [u64; MAX_WINDOW], pages: 
         unclaim(shared, batch);
         return;
     }
-    let mut k = 0;
-    let mut installed = 0;
-    for_each_page(batch, |p, i| {
-        let page = &pages[k];
-        k += 1;
-        let Some(s) = shared.states.try_lock(p) else {
-            // Evict holds it: drop our copy; the page's generation changes.
-            shared.release(p, 0, FETCHING, false);
-            return;
-        };
-        let mut set = 0;
-        if s & (PRESENT | POISONED) == 0 && generation(s) == batch.gens[i] {
-            // SAFETY: `page` is a live 4 KiB buffer; `p` is a page of the region.
-            match unsafe {
-                shared
-                    .uffd
-                    .copy_page(page.as_ptr(), shared.region.page_addr(p), true)
-            } {
-                Ok(CopyOutcome::Copied) => {
-                    set = PRESENT;
-                    installed += 1;
+    // Lock every page that is still ours to install: absent, at the
+    // generation it was claimed at. try_lock only: a page held by evict is
+    // dropped from the batch (its generation changes anyway).
+    let mut ok = [false; MAX_WINDOW];
+    for k in 0..n {
+        let (p, i) = claimed[k];
+        match shared.states.try_lock(p) {
+            None => shared.release(p, 0, FETCHING, false),
+            Some(s) if s & (PRESENT | POISONED) != 0 || generation(s) != batch.gens[i] => {
+                shared.release(p, 0, LOCKED | FETCHING, false);
+            }
+            Some(_) => ok[k] = true,
+        }
+    }
+    // One UFFDIO_COPY per run of consecutive pages: a vCPU catching up
+    // with read-ahead waits for one ioctl, not for one per page.
+    let mut installed = 0u64;
+    let mut start = 0;
+    while start < n {
+        if !ok[start] {
+            start += 1;
+            continue;
+        }
+        let mut end = start + 1;
+        while end < n && ok[end] && claimed[end].0 == claimed[end - 1].0 + 1 {
+            end += 1;
+        }
+        let mut at = start;
+        let mut again = 0;
+        while at < end {
+            let src = pages[at..end].as_ptr().cast::<u8>();
+            let dst = shared.region.page_addr(claimed[at].0);
+            // SAFETY: `pages[at..end]` is contiguous (a Vec) and holds
+            // `end - at` pages; `claimed[at..end]` are consecutive pages of
+            // the region, all locked by us.
+            match unsafe { shared.uffd.copy_pages(src, dst, end - at, true) } {
+                Ok((copied, outcome)) => {
+                    for &(p, _) in &claimed[at..at + copied] {
+                        shared.release(p, PRESENT, LOCKED | FETCHING, false);
+                    }
+                    installed += copied as u64;
+                    at += copied;
+                    match outcome {
+                        CopyOutcome::Copied => {}
+                        CopyOutcome::Exists => {
+                            // Present without our knowledge: dirty, so a
+                            // flush write-protects and writes it.
+                            shared.release(
+                                claimed[at].0,
+                                PRESENT | DIRTY,
+                                LOCKED | FETCHING,
+                                false,
+                            );
+                            shared.wake(claimed[at].0);
+                            at += 1;
+                        }
+                        CopyOutcome::Again if again < 100 => again += 1,
+                        CopyOutcome::Again => break,
+                    }
                 }
-                Ok(CopyOutcome::Exists) => set = PRESENT | super::state::DIRTY,
-                Ok(CopyOutcome::Again) => {}
-                Err(err) => tracing::debug!(%err, page = p, "prefetch UFFDIO_COPY failed"),
+                Err(err) => {
+                    tracing::debug!(%err, page = claimed[at].0, "prefetch UFFDIO_COPY failed");
+                    break;
+                }
             }
         }
-        shared.release(p, set, LOCKED | FETCHING, false);
-    });
+        for &(p, _) in &claimed[at..end] {
+            shared.release(p, 0, LOCKED | FETCHING, false);
+        }
+        start = end;
+    }
     Counters::add(&shared.counters.prefetched_pages, installed);
     Counters::add(&shared.counters.prefetch_batches, 1);
 }

@@ -183,10 +183,29 @@ impl RegionUffd {
         dst: *mut u8,
         write_protect: bool,
     ) -> io::Result<CopyOutcome> {
+        // SAFETY: forwarded from the caller, for one page.
+        unsafe { self.copy_pages(src, dst, 1, write_protect) }.map(|(_, outcome)| outcome)
+    }
+
+    /// Copies `pages` contiguous pages from `src` to `dst` with one ioctl
+    /// and wakes their waiters. Returns how many were copied from the
+    /// start, and `Copied` when all were; else the outcome at the first page
+    /// not copied (`Exists`, or `Again` after a partial copy).
+    ///
+    /// # Safety
+    /// `src` must be readable for `pages * 4096` bytes; `dst..` must be
+    /// `pages` pages of the registered range.
+    pub(crate) unsafe fn copy_pages(
+        &self,
+        src: *const u8,
+        dst: *mut u8,
+        pages: usize,
+        write_protect: bool,
+    ) -> io::Result<(usize, CopyOutcome)> {
         let mut copy = UffdioCopy {
             dst: dst as u64,
             src: src as u64,
-            len: PAGE_SIZE as u64,
+            len: (pages * PAGE_SIZE) as u64,
             mode: if write_protect {
                 UFFDIO_COPY_MODE_WP
             } else {
@@ -198,12 +217,13 @@ impl RegionUffd {
         // `src` and fills `dst` (guaranteed valid by the caller).
         let ret = unsafe { libc::ioctl(self.raw_fd(), UFFDIO_COPY, &mut copy as *mut UffdioCopy) };
         if ret == 0 {
-            return Ok(CopyOutcome::Copied);
+            return Ok((pages, CopyOutcome::Copied));
         }
         let err = io::Error::last_os_error();
+        let copied = usize::try_from(copy.copy).unwrap_or(0) / PAGE_SIZE;
         match err.raw_os_error() {
-            Some(libc::EEXIST) => Ok(CopyOutcome::Exists),
-            Some(libc::EAGAIN) => Ok(CopyOutcome::Again),
+            Some(libc::EEXIST) => Ok((copied, CopyOutcome::Exists)),
+            Some(libc::EAGAIN) => Ok((copied, CopyOutcome::Again)),
             _ => Err(err),
         }
     }
