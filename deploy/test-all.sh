@@ -47,6 +47,10 @@ step "bench: local cluster, TCP, every page checked"
 cargo run --release --quiet -p bench -- --ops 20000 --depth 8 --json target/bench-smoke.json
 ok
 
+step "bench --op fault: guest memory faulted in over the local cluster, every page checked"
+cargo run --release --quiet -p bench -- --op fault --ops 5000 --json target/bench-fault-smoke.json
+ok
+
 if [[ "${SKIP_VM:-0}" != 1 ]]; then
     step "SoftRoCE VM image (cached after the first run)"
     deploy/softroce/setup.sh
