@@ -19,7 +19,8 @@ pub struct LocalCluster {
 impl LocalCluster {
     /// Starts a coordinator and `nodes` page-servers that together export
     /// `memory_bytes` (split evenly, contiguous GPA ranges from 0).
-    pub fn start(nodes: usize, memory_bytes: usize) -> anyhow::Result<Self> {
+    /// `server_spin` is the page-servers' `spin_before_block`.
+    pub fn start(nodes: usize, memory_bytes: usize, server_spin: Duration) -> anyhow::Result<Self> {
         let db_dir =
             tempfile::tempdir().context("temporary directory for the coordinator database")?;
         let coordinator = coordinator::spawn(CoordinatorConfig {
@@ -37,6 +38,7 @@ impl LocalCluster {
             let mut cfg = ServerConfig::new(format!("node-{i}"), per_node);
             cfg.gpa_base = (i * per_node) as u64;
             cfg.coordinator_url = Some(url.clone());
+            cfg.spin_before_block = server_spin;
             servers.push(
                 page_server::spawn(cfg)
                     .with_context(|| format!("starting page-server node-{i}"))?,

@@ -19,6 +19,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
+use page_server::ServerConfig;
 use rdma_transport::{ManagerConfig, PollMode, TransportKind, TransportManager, PAGE_SIZE};
 
 use crate::report::Record;
@@ -113,7 +114,19 @@ fn run() -> anyhow::Result<()> {
     }
     let cluster = match &args.coordinator {
         Some(_) => None,
-        None => Some(cluster::LocalCluster::start(args.nodes, args.memory)?),
+        None => {
+            // The fault op pins the local page-servers to the faulting
+            // thread's CPU (see fault.rs): there they must not spin.
+            let server_spin = match args.op {
+                Some(Op::Fault) => Duration::ZERO,
+                _ => ServerConfig::new("x", PAGE_SIZE).spin_before_block,
+            };
+            Some(cluster::LocalCluster::start(
+                args.nodes,
+                args.memory,
+                server_spin,
+            )?)
+        }
     };
     let url = match (&cluster, &args.coordinator) {
         (Some(c), _) => c.url().to_owned(),

@@ -28,6 +28,11 @@ pub struct ServerConfig {
     pub register_retry: Duration,
     /// Connections served at once; more are refused.
     pub max_connections: usize,
+    /// How long a connection thread keeps polling its socket (yielding the
+    /// CPU) after a request before it blocks. A streaming client then never
+    /// waits for an idle CPU to wake up; 0 blocks at once (for hosts where
+    /// the server shares a CPU with latency-critical threads).
+    pub spin_before_block: Duration,
     /// The RDMA side (on by default: the first device, if there is one).
     pub rdma: RdmaOptions,
     /// Back the exported memory with 2 MiB huge pages when the host has
@@ -49,6 +54,7 @@ impl ServerConfig {
             heartbeat_interval: Duration::from_millis(1000),
             register_retry: Duration::from_millis(200),
             max_connections: 256,
+            spin_before_block: Duration::from_micros(50),
             rdma: RdmaOptions {
                 enabled: true,
                 device: None,

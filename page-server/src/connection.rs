@@ -5,6 +5,7 @@
 use std::io::{self, Read};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
 
 use rdma_transport::region::MappedRegion;
 use rdma_transport::wire::{
@@ -142,10 +143,14 @@ fn writev_all(stream: &TcpStream, iovecs: &mut [libc::iovec]) -> io::Result<()> 
         let ret = unsafe { libc::writev(stream.as_raw_fd(), iovecs[start..].as_ptr(), count) };
         if ret < 0 {
             let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted {
-                continue;
+            match err.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => {
+                    wait_for(stream, libc::POLLOUT, SEND_STALL_TIMEOUT_MS)?;
+                    continue;
+                }
+                _ => return Err(err),
             }
-            return Err(err);
         }
         let mut written = ret as usize;
         while written > 0 && start < iovecs.len() {
@@ -169,14 +174,15 @@ fn writev_all(stream: &TcpStream, iovecs: &mut [libc::iovec]) -> io::Result<()> 
 
 /// Serves one connection until the client leaves, breaks the protocol, or
 /// the socket is shut down. Returns why it ended.
-pub(crate) fn serve(mut stream: &TcpStream, exported: &Exported) -> io::Result<()> {
+pub(crate) fn serve(stream: &TcpStream, exported: &Exported, spin: Duration) -> io::Result<()> {
     stream.set_nodelay(true)?;
     let mut buf = vec![0u8; RECV_BUF_BYTES];
     let (mut start, mut end) = (0usize, 0usize);
     let mut session = Session::default();
     let mut outbox = Outbox::new();
+    stream.set_nonblocking(true)?;
     loop {
-        let n = match stream.read(&mut buf[end..]) {
+        let n = match read_spinning(stream, &mut buf[end..], spin) {
             Ok(0) => return Ok(()),
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -234,6 +240,55 @@ pub(crate) fn serve(mut stream: &TcpStream, exported: &Exported) -> io::Result<(
             end -= start;
             start = 0;
         }
+    }
+}
+
+/// Reads from a non-blocking socket: polls (yielding the CPU) for up to
+/// `spin`, then blocks in `poll(2)` until it is readable. A client
+/// streaming requests then never waits for this thread's CPU to wake from
+/// idle.
+fn read_spinning(mut stream: &TcpStream, buf: &mut [u8], spin: Duration) -> io::Result<usize> {
+    let start = Instant::now();
+    loop {
+        match stream.read(buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            other => return other,
+        }
+        if start.elapsed() < spin {
+            std::thread::yield_now();
+            continue;
+        }
+        wait_for(stream, libc::POLLIN, -1)?;
+    }
+}
+
+/// A client that takes no answers for this long is dropped.
+const SEND_STALL_TIMEOUT_MS: i32 = 30_000;
+
+/// Blocks until the socket is ready for `events`, or `timeout_ms` passes
+/// (-1: no limit; a timeout is an error).
+fn wait_for(stream: &TcpStream, events: libc::c_short, timeout_ms: i32) -> io::Result<()> {
+    let mut pfd = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events,
+        revents: 0,
+    };
+    // SAFETY: `pfd` is one valid pollfd that outlives the call.
+    let ret = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+    match ret {
+        0 => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "client stopped taking answers",
+        )),
+        r if r < 0 => {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                Ok(())
+            } else {
+                Err(err)
+            }
+        }
+        _ => Ok(()),
     }
 }
 

@@ -39,6 +39,10 @@ struct Args {
     /// Heartbeat period in milliseconds.
     #[arg(long, default_value_t = 1000)]
     heartbeat_ms: u64,
+    /// Microseconds a connection thread keeps polling its socket after a
+    /// request before it blocks (0: block at once).
+    #[arg(long, default_value_t = 50)]
+    spin_us: u64,
     /// Write the bound address to this file once listening (for scripts).
     #[arg(long)]
     ready_file: Option<std::path::PathBuf>,
@@ -84,6 +88,7 @@ fn main() -> anyhow::Result<()> {
     config.coordinator_url = Some(args.coordinator);
     config.coordinator_token = args.token;
     config.heartbeat_interval = Duration::from_millis(args.heartbeat_ms.max(1));
+    config.spin_before_block = Duration::from_micros(args.spin_us);
     config.huge_pages = args.huge_pages;
     config.rdma = page_server::RdmaOptions {
         enabled: !args.no_rdma,

@@ -77,6 +77,7 @@ struct Shared {
     connections: Mutex<Vec<ConnEntry>>,
     active: AtomicUsize,
     max_connections: usize,
+    spin_before_block: std::time::Duration,
 }
 
 /// Maps the exported memory, binds the listener, starts serving, and starts
@@ -136,6 +137,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         connections: Mutex::new(Vec::new()),
         active: AtomicUsize::new(0),
         max_connections: config.max_connections,
+        spin_before_block: config.spin_before_block,
     });
     let accept_shared = Arc::clone(&shared);
     let acceptor = std::thread::Builder::new()
@@ -249,7 +251,11 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
         let spawned = std::thread::Builder::new()
             .name(format!("page-conn-{id}"))
             .spawn(move || {
-                match serve(&stream, &conn_shared.exported) {
+                match serve(
+                    &stream,
+                    &conn_shared.exported,
+                    conn_shared.spin_before_block,
+                ) {
                     Ok(()) => tracing::debug!(?peer, "client left"),
                     Err(err) => tracing::debug!(?peer, %err, "connection ended"),
                 }
