@@ -38,7 +38,7 @@ softroce_log "cargo test --no-run ${cargo_args[*]}"
 # compiler-artifact messages with "test":true in their profile.
 mapfile -t exes < <(
     cargo test --no-run --message-format=json "${cargo_args[@]}" |
-        grep '"reason":"compiler-artifact"' | grep '"test":true' |
+        grep '"reason":"compiler-artifact"' | grep '"profile":{[^}]*"test":true' |
         sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | LC_ALL=C sort -u
 )
 ((${#exes[@]})) || softroce_die "cargo built no test executable"
