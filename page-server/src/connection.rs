@@ -180,7 +180,9 @@ pub(crate) fn serve(stream: &TcpStream, exported: &Exported, spin: Duration) -> 
     let (mut start, mut end) = (0usize, 0usize);
     let mut session = Session::default();
     let mut outbox = Outbox::new();
-    stream.set_nonblocking(true)?;
+    // Spinning needs a non-blocking socket; without it, plain blocking
+    // reads cost one system call each.
+    stream.set_nonblocking(!spin.is_zero())?;
     loop {
         let n = match read_spinning(stream, &mut buf[end..], spin) {
             Ok(0) => return Ok(()),
@@ -243,11 +245,16 @@ pub(crate) fn serve(stream: &TcpStream, exported: &Exported, spin: Duration) -> 
     }
 }
 
-/// Reads from a non-blocking socket: polls (yielding the CPU) for up to
-/// `spin`, then blocks in `poll(2)` until it is readable. A client
+/// Reads from the socket: with a `spin` (non-blocking socket), polls
+/// (yielding the CPU) for up to `spin`, then blocks in `poll(2)` until it is
+/// readable; without one, a plain blocking read. A client
 /// streaming requests then never waits for this thread's CPU to wake from
 /// idle.
 fn read_spinning(mut stream: &TcpStream, buf: &mut [u8], spin: Duration) -> io::Result<usize> {
+    if spin.is_zero() {
+        // The socket is blocking then (see `serve`): one call.
+        return stream.read(buf);
+    }
     let start = Instant::now();
     loop {
         match stream.read(buf) {
