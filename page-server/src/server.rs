@@ -131,7 +131,8 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         exported: Exported {
             rdma,
             region,
-            epoch: epoch(),
+            // Odd, so never 0 (0 means "no epoch seen yet" to clients).
+            epoch: rdma_transport::ids::random_u64() | 1,
         },
         stop: AtomicBool::new(false),
         connections: Mutex::new(Vec::new()),
@@ -206,17 +207,6 @@ fn open_rdma(
             }
         },
     }
-}
-
-fn epoch() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.finish() | 1
 }
 
 fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {

@@ -9,8 +9,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use rdma_transport::{TransportError, PAGE_SIZE};
 
-const PAGES_PER_NODE: u64 = (NODE_BYTES / PAGE_SIZE) as u64;
-
 #[test]
 fn pages_written_to_two_nodes_read_back_identical() {
     let db = tempfile::tempdir().unwrap();
@@ -23,35 +21,7 @@ fn pages_written_to_two_nodes_read_back_identical() {
     let mgr = manager(&coord.url());
     assert_eq!(mgr.map().nodes().len(), 2);
 
-    // One page at a time, on both nodes.
-    let gpas: Vec<u64> = (0..2 * PAGES_PER_NODE)
-        .step_by(7)
-        .map(|p| p * PAGE_SIZE as u64)
-        .collect();
-    for &gpa in &gpas {
-        mgr.write_page(gpa, &page_for(gpa, 1)).unwrap();
-    }
-    let mut page = [0u8; PAGE_SIZE];
-    for &gpa in &gpas {
-        mgr.read_page(gpa, &mut page).unwrap();
-        assert!(page == page_for(gpa, 1), "page at {gpa:#x} differs");
-    }
-
-    // Batches that span both nodes, many in flight.
-    let all: Vec<u64> = (0..2 * PAGES_PER_NODE)
-        .map(|p| p * PAGE_SIZE as u64)
-        .collect();
-    let pages: Vec<_> = all.iter().map(|&g| page_for(g, 2)).collect();
-    mgr.write_pages(&all, &pages).unwrap();
-    let mut back = vec![[0u8; PAGE_SIZE]; all.len()];
-    mgr.read_pages(&all, &mut back).unwrap();
-    for (i, &gpa) in all.iter().enumerate() {
-        assert!(back[i] == pages[i], "batched page at {gpa:#x} differs");
-    }
-
-    // Into a pool frame.
-    let frame = mgr.read_frame(all[3]).unwrap();
-    assert!(*frame == pages[3]);
+    round_trip_all_pages(&mgr, 2, 7, 3);
 }
 
 #[test]

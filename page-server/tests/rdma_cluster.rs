@@ -147,36 +147,10 @@ fn pages_round_trip(test: &str, mode: PollMode) {
         mgr.rdma_qpn_for_test("b").unwrap(),
     );
 
-    // One page at a time, on both nodes.
-    let gpas: Vec<u64> = (0..2 * PAGES_PER_NODE)
-        .step_by(5)
-        .map(|p| p * PAGE_SIZE as u64)
-        .collect();
-    for &gpa in &gpas {
-        mgr.write_page(gpa, &page_for(gpa, 1)).unwrap();
-    }
-    let mut page = [0u8; PAGE_SIZE];
-    for &gpa in &gpas {
-        mgr.read_page(gpa, &mut page).unwrap();
-        assert!(page == page_for(gpa, 1), "page at {gpa:#x} differs");
-    }
-
-    // Every page, in batches that span both nodes.
+    round_trip_all_pages(&mgr, 2, 5, 7);
     let all: Vec<u64> = (0..2 * PAGES_PER_NODE)
         .map(|p| p * PAGE_SIZE as u64)
         .collect();
-    let pages: Vec<_> = all.iter().map(|&g| page_for(g, 2)).collect();
-    mgr.write_pages(&all, &pages).unwrap();
-    let mut back = vec![[0u8; PAGE_SIZE]; all.len()];
-    mgr.read_pages(&all, &mut back).unwrap();
-    for (i, &gpa) in all.iter().enumerate() {
-        assert!(back[i] == pages[i], "batched page at {gpa:#x} differs");
-    }
-
-    // Straight into a pool frame.
-    let frame = mgr.read_frame(all[7]).unwrap();
-    assert!(*frame == pages[7]);
-    drop(frame);
 
     // Many in flight: threads each write their own quarter with batches of
     // 32, then read random batches of 64 across both nodes.

@@ -14,7 +14,7 @@ pub mod coordinator;
 mod error;
 pub mod gpa_map;
 pub mod guest_memory;
-mod ids;
+pub mod ids;
 mod manager;
 
 pub mod page;

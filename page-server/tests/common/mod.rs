@@ -135,3 +135,38 @@ pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     }
     cond()
 }
+
+/// Writes and reads back, with content checked: every `step`-th page one at a
+/// time, then every page of `nodes` nodes in batches spanning them, then page
+/// `frame_index` into a pool frame.
+pub fn round_trip_all_pages(mgr: &TransportManager, nodes: u64, step: usize, frame_index: usize) {
+    let pages_per_node = (NODE_BYTES / PAGE_SIZE) as u64;
+    let gpas: Vec<u64> = (0..nodes * pages_per_node)
+        .step_by(step)
+        .map(|p| p * PAGE_SIZE as u64)
+        .collect();
+    for &gpa in &gpas {
+        mgr.write_page(gpa, &page_for(gpa, 1)).unwrap();
+    }
+    let mut page = [0u8; PAGE_SIZE];
+    for &gpa in &gpas {
+        mgr.read_page(gpa, &mut page).unwrap();
+        assert!(page == page_for(gpa, 1), "page at {gpa:#x} differs");
+    }
+
+    // Every page, in batches that span the nodes, many in flight.
+    let all: Vec<u64> = (0..nodes * pages_per_node)
+        .map(|p| p * PAGE_SIZE as u64)
+        .collect();
+    let pages: Vec<_> = all.iter().map(|&g| page_for(g, 2)).collect();
+    mgr.write_pages(&all, &pages).unwrap();
+    let mut back = vec![[0u8; PAGE_SIZE]; all.len()];
+    mgr.read_pages(&all, &mut back).unwrap();
+    for (i, &gpa) in all.iter().enumerate() {
+        assert!(back[i] == pages[i], "batched page at {gpa:#x} differs");
+    }
+
+    // Straight into a pool frame.
+    let frame = mgr.read_frame(all[frame_index]).unwrap();
+    assert!(*frame == pages[frame_index]);
+}
