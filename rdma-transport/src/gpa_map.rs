@@ -4,6 +4,7 @@
 //! O(log n) by binary search on every page, with no HTTP call and no lock.
 
 use crate::coordinator::api::{MapEntry, MapResponse, NodeInfo, RdmaRegion};
+use crate::page::is_page_aligned;
 
 /// Where one GPA lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +69,29 @@ impl GpaMap {
                 );
                 continue;
             };
+            // Every page of the range must have a representable remote
+            // offset: `lookup` then adds without overflow.
+            if remote_offset.checked_add(length_bytes).is_none() {
+                tracing::warn!(
+                    gpa_start,
+                    remote_offset,
+                    length_bytes,
+                    "map entry's remote offset + length overflows; ignored"
+                );
+                continue;
+            }
+            if ![gpa_start, length_bytes, remote_offset]
+                .into_iter()
+                .all(is_page_aligned)
+            {
+                tracing::warn!(
+                    gpa_start,
+                    remote_offset,
+                    length_bytes,
+                    "map entry is not 4 KiB aligned; ignored"
+                );
+                continue;
+            }
             if ranges.last().is_some_and(|prev| prev.gpa_end > gpa_start) {
                 tracing::warn!(gpa_start, "map entry overlaps the previous one; ignored");
                 continue;
@@ -127,9 +151,12 @@ impl GpaMap {
     pub fn lookup(&self, gpa: u64) -> Option<Location> {
         let idx = self.ranges.partition_point(|r| r.gpa_end <= gpa);
         let r = self.ranges.get(idx).filter(|r| r.gpa_start <= gpa)?;
+        // `from_response` keeps only ranges whose remote end fits in a u64,
+        // so this cannot overflow; checked anyway rather than trusted.
+        let remote_offset = r.remote_offset.checked_add(gpa - r.gpa_start)?;
         Some(Location {
             node_index: r.node_index,
-            remote_offset: r.remote_offset + (gpa - r.gpa_start),
+            remote_offset,
             rdma: r.rdma,
         })
     }
@@ -212,11 +239,18 @@ mod tests {
                 entry(0x9000, 0x1000, "ghost", 0),    // unknown node
                 entry(u64::MAX - 10, 0x1000, "a", 0), // overflows
                 entry(0x5000, 0, "a", 0),             // empty
+                entry(0x10_0000, 0x2000, "a", u64::MAX - 0xfff), // remote end overflows
+                entry(0x20_0000, 0x2000, "a", 0x10),  // unaligned offset
+                entry(0x30_0800, 0x1000, "a", 0),     // unaligned start
+                entry(0x40_0000, 0x1800, "a", 0),     // unaligned length
             ],
             nodes: vec![node("a")],
         });
         assert_eq!(m.len(), 1);
         assert!(m.lookup(0x2000).is_none());
+        for gpa in [0x10_0000, 0x10_1000, 0x20_0000, 0x30_0000, 0x40_0000] {
+            assert_eq!(m.lookup(gpa), None, "{gpa:#x}");
+        }
     }
 
     #[test]

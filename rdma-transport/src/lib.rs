@@ -25,6 +25,8 @@ pub mod region;
 pub mod size;
 mod sys;
 mod tcp;
+#[cfg(test)]
+mod testing;
 pub mod verbs;
 pub mod wire;
 

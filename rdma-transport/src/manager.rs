@@ -6,12 +6,11 @@
 //! makes no allocation: one lock-free map load, a binary search, one
 //! `writev` by the calling thread, and a wait for the poller's completion.
 
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use arc_swap::{ArcSwap, ArcSwapOption};
+use arc_swap::ArcSwap;
 use parking_lot::{Condvar, Mutex};
 
 use crate::config::{DataPath, ManagerConfig, PollMode};
@@ -27,10 +26,14 @@ use crate::tcp::{
 use crate::wire::{Opcode, Status};
 
 mod link;
+mod map_state;
 mod rdma_batch;
 mod rdma_single;
+#[cfg(test)]
+mod tests;
 
 use link::{Link, RdmaSide};
+use map_state::{Install, MapState, Node};
 use rdma_batch::{Pages, RdmaChunk};
 
 /// Shortest time between two attempts to reach the same unreachable node, or
@@ -58,26 +61,6 @@ struct Inner {
     state: ArcSwap<MapState>,
     last_refresh: Mutex<Option<Instant>>,
     client_id: u64,
-}
-
-#[derive(Debug, Default)]
-struct MapState {
-    map: GpaMap,
-    nodes: Vec<Arc<Node>>,
-}
-
-#[derive(Debug)]
-struct Node {
-    id: String,
-    addr: String,
-    conn: ArcSwapOption<Link>,
-    last_failure: Mutex<Option<Instant>>,
-    epoch: AtomicU64,
-    /// The data path last logged for this node (logged once per change).
-    logged_path: Mutex<Option<DataPath>>,
-    /// Why the last attempt could not use RDMA when RDMA is required
-    /// (repeated to callers until the next attempt).
-    rdma_refusal: Mutex<Option<String>>,
 }
 
 #[derive(Debug, Default)]
@@ -144,12 +127,21 @@ impl TransportManager {
             last_refresh: Mutex::new(None),
             client_id,
         });
-        inner.install_map(map);
-        for node in &inner.state.load().nodes {
-            if let Err(err) = inner.connection(node) {
-                tracing::warn!(node = %node.id, %err, "node not reachable at start; will retry on use");
+        inner.install_map(map, Install::Always);
+        // Every node at once: one that is down costs one connect timeout in
+        // all, not one each.
+        let deadline = Instant::now() + inner.config.connect_timeout();
+        let state = inner.state.load_full();
+        std::thread::scope(|s| {
+            for node in &state.nodes {
+                let inner = &inner;
+                s.spawn(move || {
+                    if let Err(err) = inner.connection(node, deadline) {
+                        tracing::warn!(node = %node.id, %err, "node not reachable at start; will retry on use");
+                    }
+                });
             }
-        }
+        });
         let refresher =
             (inner.coordinator.is_some() && inner.config.map_refresh_ms > 0).then(|| {
                 let stop = Arc::new(RefreshStop::default());
@@ -258,7 +250,16 @@ impl TransportManager {
     /// [`TransportError::Coordinator`]; [`TransportError::Config`] for a
     /// manager built with [`TransportManager::from_map`].
     pub fn refresh_map(&self) -> Result<u64, TransportError> {
-        self.inner.refresh()
+        self.inner.refresh(None)
+    }
+
+    /// Installs `map` if its version is newer than the map in use (for a
+    /// hypervisor that distributes the map itself, or a coordinator push).
+    /// Connections of nodes that left the map or changed address are closed
+    /// once the requests still using them are done. Returns whether `map`
+    /// was installed.
+    pub fn update_map(&self, map: MapResponse) -> bool {
+        self.inner.install_map(map, Install::IfNewer)
     }
 
     /// Every node of the map with the data path its connection uses now
@@ -345,7 +346,7 @@ fn refresh_loop(inner: &Inner, stop: &RefreshStop) {
     while !*stopped {
         if stop.cv.wait_for(&mut stopped, period).timed_out() && !*stopped {
             drop(stopped);
-            if let Err(err) = inner.refresh() {
+            if let Err(err) = inner.refresh(None) {
                 tracing::debug!(%err, "background map refresh failed");
             }
             stopped = stop.stop.lock();
@@ -358,6 +359,38 @@ fn refresh_loop(inner: &Inner, stop: &RefreshStop) {
 struct Sent {
     group: usize,
     id: u64,
+}
+
+/// The TCP side of one chunk: per node group its connection, and every
+/// request on the wire. Requests still listed when it drops (the caller
+/// unwound between submit and completion) are cancelled, so no poller
+/// writes into the caller's pages or signals its waiter after it is gone.
+struct TcpChunk {
+    groups: [Option<Arc<TcpConnection>>; MAX_CHUNK],
+    sent: [Sent; MAX_CHUNK],
+    sent_count: usize,
+}
+
+impl TcpChunk {
+    fn new() -> Self {
+        Self {
+            groups: [const { None }; MAX_CHUNK],
+            sent: [Sent::default(); MAX_CHUNK],
+            sent_count: 0,
+        }
+    }
+}
+
+impl Drop for TcpChunk {
+    fn drop(&mut self) {
+        for s in &self.sent[..self.sent_count] {
+            if let Some(conn) = &self.groups[s.group] {
+                // Returns once the slot is free: a poller that had claimed
+                // it has finished with it.
+                let _ = conn.inflight.cancel(s.id);
+            }
+        }
+    }
 }
 
 impl Inner {
@@ -401,6 +434,7 @@ impl Inner {
     ) -> Result<(), TransportError> {
         let pages = chunk_pages.base;
         let n = gpas.len();
+        let deadline = Instant::now() + self.config.request_timeout();
         let mut state = self.state.load();
         // Resolve every address first; refresh the map once on a miss.
         let mut loc = [(0usize, 0u64); MAX_CHUNK];
@@ -411,7 +445,7 @@ impl Inner {
             let found = match state.map.lookup(gpa) {
                 Some(l) => l,
                 None => {
-                    self.refresh_on_miss();
+                    self.refresh_on_miss(deadline);
                     state = self.state.load();
                     state
                         .map
@@ -422,14 +456,13 @@ impl Inner {
             loc[i] = (found.node_index, found.remote_offset);
         }
         // Group by node, submit each group with one writev, wait for all.
-        let deadline = Instant::now() + self.config.request_timeout();
         let rdma_deadline = crate::rdma::Deadline::at(deadline);
+        // Declared before the chunks: their guards cancel every request
+        // that refers to it before it goes, even when unwinding.
         let waiter = Waiter::new();
-        let mut groups: [Option<Arc<TcpConnection>>; MAX_CHUNK] = [const { None }; MAX_CHUNK];
+        let mut tcp = TcpChunk::new();
         let mut rdma = RdmaChunk::new();
         let mut group_nodes = [usize::MAX; MAX_CHUNK];
-        let mut sent = [Sent::default(); MAX_CHUNK];
-        let mut sent_count = 0;
         let mut first_error: Option<TransportError> = None;
         let mut done = [false; MAX_CHUNK];
         let mut group_count = 0;
@@ -458,7 +491,7 @@ impl Inner {
                     m += 1;
                 }
             }
-            let conn = match self.connection(node) {
+            let conn = match self.connection(node, deadline) {
                 Ok(Link::Tcp(c)) => c,
                 Ok(Link::Rdma(c)) => {
                     let group = group_count;
@@ -496,8 +529,8 @@ impl Inner {
                 Err((armed, _)) => *armed,
             };
             for &id in &ids[..armed] {
-                sent[sent_count] = Sent { group, id };
-                sent_count += 1;
+                tcp.sent[tcp.sent_count] = Sent { group, id };
+                tcp.sent_count += 1;
             }
             if let Err((_, err)) = result {
                 tracing::debug!(node = %node.id, %err, "submitting to node failed");
@@ -506,26 +539,30 @@ impl Inner {
                     reason: err.to_string(),
                 });
             }
-            groups[group] = Some(conn);
+            tcp.groups[group] = Some(conn);
         }
+        #[cfg(test)]
+        tests::maybe_panic_after_submit();
         let spin = match self.config.poll_mode {
             PollMode::Busy => Duration::from_micros(self.config.wait_spin_us),
             PollMode::Event => Duration::ZERO,
         };
         let all_answered = if rdma.groups == 0 {
-            sent_count > 0 && crate::tcp::wait(&waiter, &groups[..group_count], spin, deadline)
-        } else if sent_count == 0 {
+            tcp.sent_count > 0
+                && crate::tcp::wait(&waiter, &tcp.groups[..group_count], spin, deadline)
+        } else if tcp.sent_count == 0 {
             crate::rdma::wait(&waiter, &rdma.conns[..rdma.groups], spin, &rdma_deadline)
         } else {
             link::wait_mixed(
                 &waiter,
-                &groups[..group_count],
+                &tcp.groups[..group_count],
                 &rdma.conns[..rdma.groups],
                 deadline,
             )
         };
-        for s in &sent[..sent_count] {
-            let Some(conn) = groups[s.group].as_ref() else {
+        let sent_count = std::mem::take(&mut tcp.sent_count);
+        for s in &tcp.sent[..sent_count] {
+            let Some(conn) = tcp.groups[s.group].as_ref() else {
                 continue;
             };
             let code = if all_answered {
@@ -608,68 +645,5 @@ impl Inner {
         let node = state.nodes.iter().find(|n| n.id == id)?;
         let link = node.conn.load_full()?;
         (!link.is_broken()).then(|| Link::clone(&link))
-    }
-
-    /// Refreshes the map unless that happened less than `RETRY_INTERVAL` ago.
-    fn refresh_on_miss(&self) {
-        if self.coordinator.is_none() {
-            return;
-        }
-        {
-            let mut last = self.last_refresh.lock();
-            if last.is_some_and(|t| t.elapsed() < RETRY_INTERVAL) {
-                return;
-            }
-            *last = Some(Instant::now());
-        }
-        if let Err(err) = self.refresh() {
-            tracing::warn!(%err, "map refresh failed");
-        }
-    }
-
-    fn refresh(&self) -> Result<u64, TransportError> {
-        let client = self.coordinator.as_ref().ok_or_else(|| {
-            TransportError::Config("manager has a fixed map and no coordinator".into())
-        })?;
-        let resp = client.map()?;
-        let version = resp.version;
-        if version != self.state.load().map.version() {
-            self.install_map(resp);
-        }
-        Ok(version)
-    }
-
-    /// Swaps in a new map, keeping the connections of nodes whose address
-    /// did not change.
-    fn install_map(&self, resp: MapResponse) {
-        let map = GpaMap::from_response(resp);
-        let old = self.state.load();
-        let nodes = map
-            .nodes()
-            .iter()
-            .map(|info| {
-                old.nodes
-                    .iter()
-                    .find(|n| n.id == info.id && n.addr == info.tcp_addr)
-                    .cloned()
-                    .unwrap_or_else(|| {
-                        Arc::new(Node {
-                            id: info.id.clone(),
-                            addr: info.tcp_addr.clone(),
-                            conn: ArcSwapOption::empty(),
-                            last_failure: Mutex::new(None),
-                            epoch: AtomicU64::new(0),
-                            logged_path: Mutex::new(None),
-                            rdma_refusal: Mutex::new(None),
-                        })
-                    })
-            })
-            .collect();
-        tracing::debug!(
-            version = map.version(),
-            ranges = map.len(),
-            "GPA map installed"
-        );
-        self.state.store(Arc::new(MapState { map, nodes }));
     }
 }

@@ -191,6 +191,19 @@ impl CoordinatorClient {
         self.call(Method::GET, "/v1/map", None)
     }
 
+    /// `GET /v1/map` with a time limit of its own, shorter than the client's
+    /// (a refresh made inside a request with a deadline).
+    ///
+    /// # Errors
+    ///
+    /// See [`CoordinatorError`]; [`CoordinatorError::Unreachable`] when no
+    /// answer came within `timeout`.
+    pub fn map_within(&self, timeout: Duration) -> Result<MapResponse, CoordinatorError> {
+        let url = format!("{}/v1/map", self.base_url);
+        let body = self.send_within(Method::GET, &url, None, Some(timeout))?;
+        serde_json::from_slice(&body).map_err(|source| CoordinatorError::Decode { url, source })
+    }
+
     /// `GET /v1/resolve?gpa=...`: the range that contains `gpa` and its owner.
     ///
     /// # Errors
@@ -250,8 +263,22 @@ impl CoordinatorClient {
         url: &str,
         json_body: Option<Vec<u8>>,
     ) -> Result<Vec<u8>, CoordinatorError> {
+        self.send_within(method, url, json_body, None)
+    }
+
+    /// As `send`, with `timeout` instead of the client's when given.
+    fn send_within(
+        &self,
+        method: Method,
+        url: &str,
+        json_body: Option<Vec<u8>>,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<u8>, CoordinatorError> {
         tracing::debug!(%method, url, "coordinator request");
         let mut request: RequestBuilder = self.http.request(method, url);
+        if let Some(timeout) = timeout {
+            request = request.timeout(timeout);
+        }
         if let Some(token) = &self.token {
             request = request.bearer_auth(token);
         }

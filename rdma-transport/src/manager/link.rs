@@ -103,16 +103,35 @@ impl RdmaSide {
 
 impl Inner {
     /// The node's live connection, connecting (at most once per
-    /// `RETRY_INTERVAL` after a failure) when there is none.
-    pub(super) fn connection(&self, node: &Node) -> Result<Link, TransportError> {
-        if let Some(link) = node.conn.load_full().filter(|c| !c.is_broken()) {
+    /// `RETRY_INTERVAL` after a failure) when there is none. Returns by
+    /// `deadline`: one caller dials (bounded by its deadline), others of the
+    /// same node wait for that dial each until its own deadline, and no lock
+    /// is held across the dial.
+    pub(super) fn connection(
+        &self,
+        node: &Node,
+        deadline: Instant,
+    ) -> Result<Link, TransportError> {
+        let live = || node.conn.load_full().filter(|c| !c.is_broken());
+        if let Some(link) = live() {
             return Ok(Link::clone(&link));
         }
-        let mut last_failure = node.last_failure.lock();
-        if let Some(link) = node.conn.load_full().filter(|c| !c.is_broken()) {
-            return Ok(Link::clone(&link));
+        let mut dial = node.dial.lock();
+        loop {
+            if let Some(link) = live() {
+                return Ok(Link::clone(&link));
+            }
+            if !dial.dialing {
+                break;
+            }
+            if node.dial_done.wait_until(&mut dial, deadline).timed_out() && dial.dialing {
+                return Err(self.timeout(node));
+            }
         }
-        if last_failure.is_some_and(|t| t.elapsed() < RETRY_INTERVAL) {
+        if dial
+            .last_failure
+            .is_some_and(|t| t.elapsed() < RETRY_INTERVAL)
+        {
             if let Some(reason) = node.rdma_refusal.lock().clone() {
                 return Err(TransportError::RdmaUnavailable(reason));
             }
@@ -121,7 +140,19 @@ impl Inner {
                 reason: "unreachable (retrying)".into(),
             });
         }
-        match self.dial(node) {
+        let timeout = self
+            .config
+            .connect_timeout()
+            .min(deadline.saturating_duration_since(Instant::now()));
+        if timeout.is_zero() {
+            return Err(self.timeout(node));
+        }
+        dial.dialing = true;
+        drop(dial);
+        let dialing = DialingGuard(node);
+        let result = self.dial(node, timeout);
+        let mut dial = node.dial.lock();
+        match result {
             Ok(link) => {
                 let epoch = link.epoch();
                 let old_epoch = node.epoch.swap(epoch, Ordering::Relaxed);
@@ -134,30 +165,40 @@ impl Inner {
                     *logged = Some(path);
                     tracing::info!(node = %node.id, addr = %node.addr, %path, "data path for node");
                 }
+                drop(logged);
                 node.conn.store(Some(Arc::new(link.clone())));
-                *last_failure = None;
+                dial.last_failure = None;
                 *node.rdma_refusal.lock() = None;
+                drop(dial);
+                drop(dialing);
                 Ok(link)
             }
             Err(err) => {
-                *last_failure = Some(Instant::now());
+                dial.last_failure = Some(Instant::now());
                 *node.rdma_refusal.lock() = match &err {
                     TransportError::RdmaUnavailable(reason) => Some(reason.clone()),
                     _ => None,
                 };
-                drop(last_failure);
+                drop(dial);
+                drop(dialing);
                 if matches!(err, TransportError::NodeDown { .. }) {
-                    self.refresh_on_miss();
+                    self.refresh_on_miss(deadline);
                 }
                 Err(err)
             }
         }
     }
 
+    fn timeout(&self, node: &Node) -> TransportError {
+        TransportError::Timeout {
+            node: node.id.clone(),
+            timeout_ms: self.config.request_timeout_ms,
+        }
+    }
+
     /// Makes a new connection to `node` over the data path this manager and
     /// the page-server can both use.
-    fn dial(&self, node: &Node) -> Result<Link, TransportError> {
-        let timeout = self.config.connect_timeout();
+    fn dial(&self, node: &Node, timeout: Duration) -> Result<Link, TransportError> {
         let down = |reason: String| TransportError::NodeDown {
             node: node.id.clone(),
             reason,
@@ -210,6 +251,17 @@ impl Inner {
         let conn = Arc::new(conn);
         self.pollers.add(&conn);
         Ok(Link::Tcp(conn))
+    }
+}
+
+/// Ends a node's dial, even one that unwinds: clears `dialing` and wakes
+/// the callers waiting for it.
+struct DialingGuard<'a>(&'a Node);
+
+impl Drop for DialingGuard<'_> {
+    fn drop(&mut self) {
+        self.0.dial.lock().dialing = false;
+        self.0.dial_done.notify_all();
     }
 }
 

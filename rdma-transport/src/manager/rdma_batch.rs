@@ -39,6 +39,31 @@ impl RdmaChunk {
     }
 }
 
+impl Drop for RdmaChunk {
+    /// Runs with batches unsettled only when the caller unwound between
+    /// submit and completion: each such batch is cancelled and its QP torn
+    /// down, and every frame the device may still write is quarantined with
+    /// its connection instead of going back to the pool.
+    fn drop(&mut self) {
+        for g in 0..self.groups {
+            if let (Some(conn), Some(id)) = (&self.conns[g], self.ids[g].take()) {
+                if conn.inflight.cancel(id) != Some(0) {
+                    conn.mark_broken(CODE_CONN_LOST);
+                }
+            }
+        }
+        for (j, slot) in self.frames.iter_mut().enumerate() {
+            let Some(frame) = slot.take() else {
+                continue;
+            };
+            match self.conns.get(self.group_of[j]).and_then(Option::as_ref) {
+                Some(conn) => conn.quarantine(frame),
+                None => drop(frame),
+            }
+        }
+    }
+}
+
 /// Where the pages of a chunk live.
 pub(super) struct Pages<'a> {
     /// Page i of the chunk is at `base + i * 4096` (the caller's buffers).
@@ -142,7 +167,7 @@ impl Inner {
         // Per group: None = nothing posted; Some(None) = timed out.
         let mut outcome = [None::<Option<u32>>; MAX_CHUNK];
         for g in 0..chunk.groups {
-            let (Some(conn), Some(id)) = (&chunk.conns[g], chunk.ids[g]) else {
+            let (Some(conn), Some(id)) = (&chunk.conns[g], chunk.ids[g].take()) else {
                 continue;
             };
             let code = if answered {

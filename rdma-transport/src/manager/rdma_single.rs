@@ -13,8 +13,9 @@ use crate::config::PollMode;
 use crate::error::TransportError;
 use crate::page::{is_page_aligned, PAGE_SIZE};
 use crate::pool::PageFrame;
-use crate::rdma::{Deadline, PageOp};
+use crate::rdma::{Deadline, PageOp, RdmaConnection};
 use crate::tcp::Waiter;
+use crate::tcp::CODE_CONN_LOST;
 use crate::wire::{Opcode, Status};
 
 impl Inner {
@@ -93,16 +94,23 @@ impl Inner {
                 }
             },
         };
+        let pending = Pending {
+            conn,
+            id: Some(id),
+            frame: Some(buf),
+        };
         let spin = match self.config.poll_mode {
             PollMode::Busy => Duration::from_micros(self.config.wait_spin_us),
             PollMode::Event => Duration::ZERO,
         };
         let conns = [Some(Arc::clone(conn))];
         let answered = crate::rdma::wait(&waiter, &conns, spin, &deadline);
-        let code = if answered {
-            Some(conn.inflight.finish(id))
-        } else {
-            conn.inflight.cancel(id)
+        let (code, buf) = pending.settle(answered);
+        let Some(buf) = buf else {
+            return Some(Err(TransportError::Protocol {
+                node: node.id.clone(),
+                detail: "an RDMA request lost its frame".into(),
+            }));
         };
         if code == Some(0) {
             if !write {
@@ -118,5 +126,41 @@ impl Inner {
         // The device may still touch the frame until the QP is gone.
         conn.quarantine(buf);
         self.rdma_error(code, conn, node).map(Err)
+    }
+}
+
+/// One posted page until its outcome is known. Dropped unsettled (the caller
+/// unwound while it was in flight), it cancels the request, tears the QP
+/// down and quarantines the frame, which the device may still write.
+struct Pending<'a> {
+    conn: &'a Arc<RdmaConnection>,
+    id: Option<u64>,
+    frame: Option<PageFrame>,
+}
+
+impl Pending<'_> {
+    /// The request's completion code (`None`: cancelled at the deadline)
+    /// and the frame back (always there: only `settle` and `drop` take it).
+    fn settle(mut self, answered: bool) -> (Option<u32>, Option<PageFrame>) {
+        let code = match (self.id.take(), answered) {
+            (Some(id), true) => Some(self.conn.inflight.finish(id)),
+            (Some(id), false) => self.conn.inflight.cancel(id),
+            (None, _) => None,
+        };
+        (code, self.frame.take())
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        let Some(id) = self.id.take() else {
+            return;
+        };
+        if self.conn.inflight.cancel(id) != Some(0) {
+            self.conn.mark_broken(CODE_CONN_LOST);
+        }
+        if let Some(frame) = self.frame.take() {
+            self.conn.quarantine(frame);
+        }
     }
 }

@@ -155,6 +155,10 @@ impl TcpConnection {
         // after arming closes the window where a slot armed after that sweep
         // would wait for an answer that can never come.
         if self.is_broken() {
+            // A sweep that ran before these slots were armed did not fail
+            // them, and nothing will answer them: fail them now, so the
+            // caller's wait ends at once instead of at its deadline.
+            self.inflight.fail_all(super::inflight::CODE_CONN_LOST);
             return Err((reqs.len(), io::Error::from(io::ErrorKind::NotConnected)));
         }
         let mut iov_buf = [IoSlice::new(&[]); 2 * MAX_CHUNK];
@@ -198,18 +202,31 @@ impl TcpConnection {
     }
 }
 
-/// Opens a TCP connection to a page-server (no delay, blocking, with
-/// `timeout` on connect, reads and writes).
+/// Opens a TCP connection to a page-server (no delay, blocking), all within
+/// `timeout`: name resolution, connect, and the reads and writes of the
+/// handshake that follows (the socket's timeouts are what is left of it).
 pub(crate) fn dial(addr: &str, timeout: Duration) -> Result<TcpStream, ConnectError> {
     let io_err = |source| ConnectError::Io {
         addr: addr.to_owned(),
         source,
     };
-    let sock_addr: SocketAddr = resolve(addr).map_err(io_err)?;
-    let stream = TcpStream::connect_timeout(&sock_addr, timeout).map_err(io_err)?;
+    let deadline = Instant::now() + timeout;
+    let left = || {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match left.is_zero() {
+            true => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no connection within {} ms", timeout.as_millis()),
+            )),
+            false => Ok(left),
+        }
+    };
+    let sock_addr: SocketAddr = resolve(addr, timeout).map_err(io_err)?;
+    let stream = TcpStream::connect_timeout(&sock_addr, left().map_err(io_err)?).map_err(io_err)?;
     stream.set_nodelay(true).map_err(io_err)?;
-    stream.set_read_timeout(Some(timeout)).map_err(io_err)?;
-    stream.set_write_timeout(Some(timeout)).map_err(io_err)?;
+    let left = left().map_err(io_err)?;
+    stream.set_read_timeout(Some(left)).map_err(io_err)?;
+    stream.set_write_timeout(Some(left)).map_err(io_err)?;
     Ok(stream)
 }
 
@@ -274,12 +291,35 @@ fn wait_writable(stream: &TcpStream, deadline: Instant) -> io::Result<()> {
     }
 }
 
-fn resolve(addr: &str) -> io::Result<SocketAddr> {
+/// `addr` as a socket address: parsed when it is an `ip:port` (no lookup),
+/// else resolved by the system resolver on a helper thread, waiting no longer
+/// than `timeout` (the lookup itself has no time limit; a late answer is
+/// dropped).
+fn resolve(addr: &str, timeout: Duration) -> io::Result<SocketAddr> {
     use std::net::ToSocketAddrs;
-    addr.to_socket_addrs()?.next().ok_or_else(|| {
-        io::Error::new(
+    if let Ok(sock_addr) = addr.parse() {
+        return Ok(sock_addr);
+    }
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let name = addr.to_owned();
+    std::thread::Builder::new()
+        .name("resolve".into())
+        .spawn(move || {
+            let _ = tx.send(name.to_socket_addrs().map(|mut a| a.next()));
+        })?;
+    match rx.recv_timeout(timeout) {
+        Ok(Ok(Some(sock_addr))) => Ok(sock_addr),
+        Ok(Ok(None)) => Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!("{addr} resolves to no address"),
-        )
-    })
+        )),
+        Ok(Err(err)) => Err(err),
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "resolving {addr} took longer than {} ms",
+                timeout.as_millis()
+            ),
+        )),
+    }
 }

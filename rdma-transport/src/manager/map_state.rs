@@ -1,0 +1,169 @@
+//! The map the manager routes by, and the nodes it names: installing a
+//! newer map (never an older one), refreshing it from the coordinator within
+//! a caller's deadline, and closing the connections of nodes that left.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwapOption;
+use parking_lot::{Condvar, Mutex};
+
+use super::link::Link;
+use super::{Inner, RETRY_INTERVAL};
+use crate::config::DataPath;
+use crate::coordinator::api::{MapResponse, NodeInfo};
+use crate::error::TransportError;
+use crate::gpa_map::GpaMap;
+
+/// One installed map and the nodes it names, in the map's node order.
+#[derive(Debug, Default)]
+pub(super) struct MapState {
+    pub(super) map: GpaMap,
+    pub(super) nodes: Vec<Arc<Node>>,
+}
+
+/// A node of the map at one address. A node that changes address is a new
+/// `Node`; the old one (and its connection) goes when the last request that
+/// still uses it is done.
+#[derive(Debug)]
+pub(super) struct Node {
+    pub(super) id: String,
+    pub(super) addr: String,
+    pub(super) conn: ArcSwapOption<Link>,
+    /// Who is dialling, and when the last attempt failed.
+    pub(super) dial: Mutex<DialState>,
+    /// Signalled when a dial ends (callers of the same node wait on it,
+    /// each until its own deadline).
+    pub(super) dial_done: Condvar,
+    pub(super) epoch: AtomicU64,
+    /// The data path last logged for this node (logged once per change).
+    pub(super) logged_path: Mutex<Option<DataPath>>,
+    /// Why the last attempt could not use RDMA when RDMA is required
+    /// (repeated to callers until the next attempt).
+    pub(super) rdma_refusal: Mutex<Option<String>>,
+}
+
+/// A node's connection attempts.
+#[derive(Debug, Default)]
+pub(super) struct DialState {
+    /// A caller is dialling now (outside the lock).
+    pub(super) dialing: bool,
+    pub(super) last_failure: Option<Instant>,
+}
+
+impl Node {
+    fn new(info: &NodeInfo) -> Self {
+        Self {
+            id: info.id.clone(),
+            addr: info.tcp_addr.clone(),
+            conn: ArcSwapOption::empty(),
+            dial: Mutex::new(DialState::default()),
+            dial_done: Condvar::new(),
+            epoch: AtomicU64::new(0),
+            logged_path: Mutex::new(None),
+            rdma_refusal: Mutex::new(None),
+        }
+    }
+}
+
+impl Drop for Node {
+    /// The node left the map or moved: close its connection (socket, receive
+    /// buffer, QP), failing anything still in flight on it. The poller that
+    /// served it drops it at its next turn.
+    fn drop(&mut self) {
+        if let Some(link) = self.conn.swap(None) {
+            tracing::debug!(node = %self.id, addr = %self.addr, "closing the connection of a node no longer in the map");
+            link.mark_broken();
+        }
+    }
+}
+
+/// Whether a map may replace the one in use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Install {
+    /// Only if its version is newer (every refresh and update).
+    IfNewer,
+    /// Whatever its version (the first map).
+    Always,
+}
+
+impl Inner {
+    /// Refreshes the map unless that happened less than `RETRY_INTERVAL`
+    /// ago, giving the coordinator no longer than `deadline`.
+    pub(super) fn refresh_on_miss(&self, deadline: Instant) {
+        if self.coordinator.is_none() {
+            return;
+        }
+        {
+            let mut last = self.last_refresh.lock();
+            if last.is_some_and(|t| t.elapsed() < RETRY_INTERVAL) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            return;
+        }
+        if let Err(err) = self.refresh(Some(remaining)) {
+            tracing::warn!(%err, "map refresh failed");
+        }
+    }
+
+    /// Fetches the map (within `timeout` when given, else the client's own)
+    /// and installs it if it is newer. Returns the coordinator's version.
+    pub(super) fn refresh(&self, timeout: Option<Duration>) -> Result<u64, TransportError> {
+        let client = self.coordinator.as_ref().ok_or_else(|| {
+            TransportError::Config("manager has a fixed map and no coordinator".into())
+        })?;
+        let resp = match timeout {
+            Some(t) => client.map_within(t)?,
+            None => client.map()?,
+        };
+        let version = resp.version;
+        self.install_map(resp, Install::IfNewer);
+        Ok(version)
+    }
+
+    /// Swaps in `resp`'s map, keeping the nodes (and connections) whose
+    /// address did not change. With `Install::IfNewer`, a map whose version
+    /// is not newer than the one in use is dropped: refreshes race (the
+    /// background loop, misses, lost nodes), and an answer that was slower
+    /// to arrive must not undo a newer one. Returns whether it was installed.
+    pub(super) fn install_map(&self, resp: MapResponse, rule: Install) -> bool {
+        let map = GpaMap::from_response(resp);
+        loop {
+            let old = self.state.load_full();
+            if rule == Install::IfNewer && map.version() <= old.map.version() {
+                return false;
+            }
+            let nodes = map
+                .nodes()
+                .iter()
+                .map(|info| {
+                    old.nodes
+                        .iter()
+                        .find(|n| n.id == info.id && n.addr == info.tcp_addr)
+                        .cloned()
+                        .unwrap_or_else(|| Arc::new(Node::new(info)))
+                })
+                .collect();
+            let new = Arc::new(MapState {
+                map: map.clone(),
+                nodes,
+            });
+            let prev = self.state.compare_and_swap(&old, new);
+            if Arc::ptr_eq(&prev, &old) {
+                tracing::debug!(
+                    version = map.version(),
+                    ranges = map.len(),
+                    "GPA map installed"
+                );
+                return true;
+            }
+            // Another thread installed a map meanwhile: decide again
+            // against that one.
+        }
+    }
+}

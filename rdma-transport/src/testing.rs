@@ -1,0 +1,143 @@
+//! Scripted peers for the library's own tests: a page-server whose every
+//! step a test drives (so a test can hold an answer back, send it late, or
+//! watch for the client's FIN), and a coordinator that answers its first
+//! requests and then goes silent.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::coordinator::api::{MapEntry, MapResponse, NodeInfo};
+use crate::page::PAGE_SIZE;
+use crate::wire::{Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN};
+
+/// Bytes each fake node exports, and the GPA stride between nodes.
+pub(crate) const NODE_BYTES: u64 = 16 * PAGE_SIZE as u64;
+pub(crate) const NODE_STRIDE: u64 = 0x10_0000;
+
+/// A map where node i of `nodes` owns `[i * NODE_STRIDE, + NODE_BYTES)`.
+pub(crate) fn map_of(version: u64, nodes: &[(&str, SocketAddr)]) -> MapResponse {
+    MapResponse {
+        version,
+        entries: nodes
+            .iter()
+            .enumerate()
+            .map(|(i, (id, _))| MapEntry {
+                gpa_start: i as u64 * NODE_STRIDE,
+                length_bytes: NODE_BYTES,
+                node_id: (*id).into(),
+                remote_offset: 0,
+                rdma: None,
+            })
+            .collect(),
+        nodes: nodes
+            .iter()
+            .map(|(id, addr)| NodeInfo {
+                id: (*id).into(),
+                tcp_addr: addr.to_string(),
+                rdma: None,
+                alive: true,
+                last_seen_ms_ago: 0,
+            })
+            .collect(),
+    }
+}
+
+/// A page-server that accepts one connection, answers its HELLO, and hands
+/// the stream to `script`.
+pub(crate) fn fake_node<T: Send + 'static>(
+    script: impl FnOnce(TcpStream) -> T + Send + 'static,
+) -> (SocketAddr, JoinHandle<T>) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("local addr");
+    let handle = std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().expect("accept");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .expect("timeout");
+        serve_hello(&mut stream);
+        script(stream)
+    });
+    (addr, handle)
+}
+
+fn serve_hello(stream: &mut TcpStream) {
+    let header = read_header(stream);
+    assert_eq!(header.opcode, Opcode::Hello);
+    let mut payload = vec![0u8; header.payload_len()];
+    stream.read_exact(&mut payload).expect("hello payload");
+    HelloRequest::decode(&payload).expect("a valid HELLO");
+    let ack = HelloAck {
+        region_size_bytes: NODE_BYTES,
+        epoch: 7,
+        page_size: PAGE_SIZE as u32,
+        rdma: None,
+    }
+    .encode();
+    let head = Header {
+        opcode: Opcode::HelloAck,
+        status: Status::Ok,
+        request_id: 0,
+        offset: 0,
+        length: ack.len() as u32,
+    };
+    stream.write_all(&head.encode()).expect("ack header");
+    stream.write_all(&ack).expect("ack payload");
+}
+
+/// Reads one request header (a READ has no payload).
+pub(crate) fn read_header(stream: &mut TcpStream) -> Header {
+    let mut head = [0u8; HEADER_LEN];
+    stream.read_exact(&mut head).expect("a request header");
+    Header::decode(&head).expect("a valid header")
+}
+
+/// Answers READ `request` with a page of `byte`.
+pub(crate) fn answer_read(stream: &mut TcpStream, request: &Header, byte: u8) {
+    let head = Header {
+        opcode: Opcode::ReadResp,
+        status: Status::Ok,
+        request_id: request.request_id,
+        offset: request.offset,
+        length: PAGE_SIZE as u32,
+    };
+    stream.write_all(&head.encode()).expect("answer header");
+    stream.write_all(&[byte; PAGE_SIZE]).expect("answer page");
+}
+
+/// A coordinator that answers its first `answers.len()` `GET /v1/map`
+/// requests with `answers` in order, then accepts and never answers.
+/// Returns its base URL.
+pub(crate) fn fake_coordinator(answers: Vec<MapResponse>) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    std::thread::spawn(move || {
+        let mut answers = answers.into_iter();
+        let mut silent = Vec::new();
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let Some(map) = answers.next() else {
+                // Held open, unanswered, until the test process ends.
+                silent.push(stream);
+                continue;
+            };
+            let mut request = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                match stream.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => request.extend_from_slice(&buf[..n]),
+                }
+            }
+            let body = serde_json::to_vec(&map).expect("json");
+            let head = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = stream.write_all(head.as_bytes());
+            let _ = stream.write_all(&body);
+        }
+    });
+    url
+}
