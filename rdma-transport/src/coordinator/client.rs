@@ -362,6 +362,26 @@ mod tests {
     }
 
     #[test]
+    fn https_urls_speak_tls() {
+        use std::io::Read;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().expect("accept");
+            let mut first = [0u8; 1];
+            stream.read_exact(&mut first).ok().map(|()| first[0])
+        });
+        let url = format!("https://{addr}");
+        let client = CoordinatorClient::new(&url, None, Duration::from_secs(5)).expect("client");
+        // The listener is no TLS server: the call fails, after a ClientHello.
+        assert!(client.health().is_err());
+        // Unblocks the accept if the client never connected (no TLS backend).
+        drop(std::net::TcpStream::connect(addr));
+        // 0x16: a TLS handshake record, not plain-text HTTP ('G' of GET).
+        assert_eq!(server.join().expect("server"), Some(0x16));
+    }
+
+    #[test]
     fn bad_node_id_is_not_sent() {
         let client = CoordinatorClient::new("http://127.0.0.1:9", None, Duration::from_secs(1));
         let Ok(client) = client else { panic!("client") };
