@@ -20,21 +20,21 @@ use crate::error::TransportError;
 use crate::gpa_map::GpaMap;
 use crate::page::{is_page_aligned, Page};
 use crate::pool::{PageFrame, PagePool};
-use crate::tcp::{
-    Pollers, Request, TcpConnection, Waiter, CODE_CONN_LOST, CODE_PROTOCOL, MAX_CHUNK,
-};
-use crate::wire::{Opcode, Status};
+use crate::tcp::{Pollers, Request, Waiter, MAX_CHUNK};
+use crate::wire::Opcode;
 
 mod link;
 mod map_state;
 mod rdma_batch;
 mod rdma_single;
+mod tcp_chunk;
 #[cfg(test)]
 mod tests;
 
 use link::{Link, RdmaSide};
 use map_state::{Install, MapState, Node};
 use rdma_batch::{Pages, RdmaChunk};
+use tcp_chunk::{Sent, TcpChunk};
 
 /// Shortest time between two attempts to reach the same unreachable node, or
 /// two map refreshes caused by misses: a dead node fails fast instead of
@@ -354,45 +354,6 @@ fn refresh_loop(inner: &Inner, stop: &RefreshStop) {
     }
 }
 
-/// Where one request of a batch went.
-#[derive(Clone, Copy, Default)]
-struct Sent {
-    group: usize,
-    id: u64,
-}
-
-/// The TCP side of one chunk: per node group its connection, and every
-/// request on the wire. Requests still listed when it drops (the caller
-/// unwound between submit and completion) are cancelled, so no poller
-/// writes into the caller's pages or signals its waiter after it is gone.
-struct TcpChunk {
-    groups: [Option<Arc<TcpConnection>>; MAX_CHUNK],
-    sent: [Sent; MAX_CHUNK],
-    sent_count: usize,
-}
-
-impl TcpChunk {
-    fn new() -> Self {
-        Self {
-            groups: [const { None }; MAX_CHUNK],
-            sent: [Sent::default(); MAX_CHUNK],
-            sent_count: 0,
-        }
-    }
-}
-
-impl Drop for TcpChunk {
-    fn drop(&mut self) {
-        for s in &self.sent[..self.sent_count] {
-            if let Some(conn) = &self.groups[s.group] {
-                // Returns once the slot is free: a poller that had claimed
-                // it has finished with it.
-                let _ = conn.inflight.cancel(s.id);
-            }
-        }
-    }
-}
-
 impl Inner {
     /// Runs `count` requests of one kind; page i is at `pages + i * 4096`.
     /// `frame` (`read_frame` only, `count` 1): `pages` is that pool frame.
@@ -589,46 +550,6 @@ impl Inner {
             }
         }
         first_error.map_or(Ok(()), Err)
-    }
-
-    fn code_to_error(
-        &self,
-        code: Option<u32>,
-        conn: &Arc<TcpConnection>,
-        node: &Node,
-    ) -> Option<TransportError> {
-        let node_name = || conn.node_id.clone();
-        match code {
-            Some(0) => None,
-            None => Some(TransportError::Timeout {
-                node: node_name(),
-                timeout_ms: self.config.request_timeout_ms,
-            }),
-            Some(CODE_CONN_LOST) => {
-                self.forget(node, &Link::Tcp(Arc::clone(conn)));
-                Some(TransportError::NodeDown {
-                    node: node_name(),
-                    reason: "connection lost".into(),
-                })
-            }
-            Some(CODE_PROTOCOL) => {
-                self.forget(node, &Link::Tcp(Arc::clone(conn)));
-                Some(TransportError::Protocol {
-                    node: node_name(),
-                    detail: "malformed answer".into(),
-                })
-            }
-            Some(other) => {
-                let status = u16::try_from(other)
-                    .ok()
-                    .and_then(Status::from_u16)
-                    .unwrap_or(Status::Internal);
-                Some(TransportError::Refused {
-                    node: node_name(),
-                    status,
-                })
-            }
-        }
     }
 
     /// Drops a dead connection so the next request reconnects.

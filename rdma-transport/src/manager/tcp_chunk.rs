@@ -1,0 +1,91 @@
+//! One chunk's requests to TCP nodes: where each went, the guard that
+//! cancels them if the caller unwinds, and what each completion code means.
+
+use std::sync::Arc;
+
+use super::link::Link;
+use super::{Inner, Node};
+use crate::error::TransportError;
+use crate::tcp::{TcpConnection, CODE_CONN_LOST, CODE_PROTOCOL, MAX_CHUNK};
+use crate::wire::Status;
+
+/// Where one request of a batch went.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Sent {
+    pub(super) group: usize,
+    pub(super) id: u64,
+}
+
+/// The TCP side of one chunk: per node group its connection, and every
+/// request on the wire. Requests still listed when it drops (the caller
+/// unwound between submit and completion) are cancelled, so no poller
+/// writes into the caller's pages or signals its waiter after it is gone.
+pub(super) struct TcpChunk {
+    pub(super) groups: [Option<Arc<TcpConnection>>; MAX_CHUNK],
+    pub(super) sent: [Sent; MAX_CHUNK],
+    pub(super) sent_count: usize,
+}
+
+impl TcpChunk {
+    pub(super) fn new() -> Self {
+        Self {
+            groups: [const { None }; MAX_CHUNK],
+            sent: [Sent::default(); MAX_CHUNK],
+            sent_count: 0,
+        }
+    }
+}
+
+impl Drop for TcpChunk {
+    fn drop(&mut self) {
+        for s in &self.sent[..self.sent_count] {
+            if let Some(conn) = &self.groups[s.group] {
+                // Returns once the slot is free: a poller that had claimed
+                // it has finished with it.
+                let _ = conn.inflight.cancel(s.id);
+            }
+        }
+    }
+}
+
+impl Inner {
+    pub(super) fn code_to_error(
+        &self,
+        code: Option<u32>,
+        conn: &Arc<TcpConnection>,
+        node: &Node,
+    ) -> Option<TransportError> {
+        let node_name = || conn.node_id.clone();
+        match code {
+            Some(0) => None,
+            None => Some(TransportError::Timeout {
+                node: node_name(),
+                timeout_ms: self.config.request_timeout_ms,
+            }),
+            Some(CODE_CONN_LOST) => {
+                self.forget(node, &Link::Tcp(Arc::clone(conn)));
+                Some(TransportError::NodeDown {
+                    node: node_name(),
+                    reason: "connection lost".into(),
+                })
+            }
+            Some(CODE_PROTOCOL) => {
+                self.forget(node, &Link::Tcp(Arc::clone(conn)));
+                Some(TransportError::Protocol {
+                    node: node_name(),
+                    detail: "malformed answer".into(),
+                })
+            }
+            Some(other) => {
+                let status = u16::try_from(other)
+                    .ok()
+                    .and_then(Status::from_u16)
+                    .unwrap_or(Status::Internal);
+                Some(TransportError::Refused {
+                    node: node_name(),
+                    status,
+                })
+            }
+        }
+    }
+}
