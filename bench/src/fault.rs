@@ -25,7 +25,7 @@ use rdma_transport::guest_memory::{GuestMemory, GuestMemoryConfig};
 use rdma_transport::{Page, TransportManager, PAGE_SIZE};
 
 use crate::pattern;
-use crate::report::Record;
+use crate::report::{fmt_us, Record};
 use crate::workload::{new_histogram, AccessPattern, Op, Outcome, Spec, WorkingSet};
 
 const SEED: u64 = 0xfa17;
@@ -162,10 +162,10 @@ pub fn run(
         drop(ram);
         let record = Record::new(label, spec, params.nodes, &outcome);
         lines.push(format!(
-            "fault {label}/{}, {pattern:?}: {:.0} faults/s, p50 {:.1} us ({} fetched by faults, {} by prefetch)",
+            "fault {label}/{}, {pattern:?}: {:.0} faults/s, p50 {} us ({} fetched by faults, {} by prefetch)",
             params.data_path,
             record.throughput.pages_per_s,
-            record.latency_us.p50,
+            fmt_us(record.latency_us.p50),
             stats.missing_faults,
             stats.prefetched_pages
         ));

@@ -74,6 +74,17 @@ impl Record {
     }
 }
 
+/// A latency in microseconds for the table: one decimal, or three (the
+/// histogram's nanoseconds) below 1 us, so a prefetched page's 0.04 us does
+/// not print as 0.0.
+pub fn fmt_us(us: f64) -> String {
+    if us < 1.0 {
+        format!("{us:.3}")
+    } else {
+        format!("{us:.1}")
+    }
+}
+
 /// The table's header line.
 pub fn header() -> String {
     format!(
@@ -96,7 +107,7 @@ pub fn line(r: &Record) -> String {
     };
     let l = &r.latency_us;
     format!(
-        "{:<9} {:<5} {:<6} {:>3} {:>3} {:>8} {:>6} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>10.0} {:>6.2} {:>8}",
+        "{:<9} {:<5} {:<6} {:>3} {:>3} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10.0} {:>6.2} {:>8}",
         r.transport,
         op,
         order,
@@ -104,11 +115,11 @@ pub fn line(r: &Record) -> String {
         r.depth,
         r.ops,
         r.errors,
-        l.p50,
-        l.p90,
-        l.p99,
-        l.p999,
-        l.max,
+        fmt_us(l.p50),
+        fmt_us(l.p90),
+        fmt_us(l.p99),
+        fmt_us(l.p999),
+        fmt_us(l.max),
         r.throughput.pages_per_s,
         r.throughput.gb_per_s,
         if r.verified { "yes" } else { "NO" }
@@ -125,4 +136,17 @@ pub fn ratio_line(ours: &Record, base: &Record) -> String {
         ours.latency_us.p99 / base.latency_us.p99.max(1e-9),
         ours.throughput.pages_per_s / base.throughput.pages_per_s.max(1e-9),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sub_microsecond_latencies_stay_readable() {
+        assert_eq!(fmt_us(0.041), "0.041");
+        assert_eq!(fmt_us(0.0), "0.000");
+        assert_eq!(fmt_us(25.84), "25.8");
+        assert_eq!(fmt_us(1.0), "1.0");
+    }
 }
