@@ -39,6 +39,40 @@ pub struct Record {
     pub throughput: Throughput,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub first_error: Option<String>,
+    /// Baselines only: the layout of the run this record holds (the one
+    /// with the lowest p50, see bench/src/baseline/mod.rs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layout: Option<String>,
+    /// Baselines only: every layout tried in this run, the chosen one included.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub layouts: Vec<LayoutResult>,
+}
+
+/// One layout of the bare ping-pong, as tried for the baseline.
+#[derive(Debug, Clone, Serialize)]
+pub struct LayoutResult {
+    pub layout: String,
+    pub client_cpu: usize,
+    pub server_cpu: usize,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub pages_per_s: f64,
+    pub verified: bool,
+}
+
+impl LayoutResult {
+    pub fn new(layout: &str, (client_cpu, server_cpu): (usize, usize), outcome: &Outcome) -> Self {
+        let h = &outcome.latency_ns;
+        Self {
+            layout: layout.into(),
+            client_cpu,
+            server_cpu,
+            p50_us: h.value_at_quantile(0.50) as f64 / 1000.0,
+            p99_us: h.value_at_quantile(0.99) as f64 / 1000.0,
+            pages_per_s: outcome.ops_done as f64 / outcome.elapsed.as_secs_f64().max(1e-9),
+            verified: outcome.verified(),
+        }
+    }
 }
 
 impl Record {
@@ -70,7 +104,20 @@ impl Record {
                 gb_per_s: ok_pages * rdma_transport::PAGE_SIZE as f64 / secs / 1e9,
             },
             first_error: outcome.first_error.clone(),
+            layout: None,
+            layouts: Vec::new(),
         }
+    }
+
+    /// The record of a best-of-layouts baseline (`transport` `bare-tcp`):
+    /// the chosen layout's figures, every layout's p50, and `verified` only
+    /// when every layout's pages were right.
+    pub fn baseline(spec: Spec, best: &crate::baseline::Best) -> Self {
+        let mut r = Self::new("bare-tcp", spec, 1, &best.outcome);
+        r.verified &= best.all_verified;
+        r.layout = Some(best.layout.name().into());
+        r.layouts = best.tried.clone();
+        r
     }
 }
 
@@ -129,12 +176,32 @@ pub fn line(r: &Record) -> String {
 /// Our figures against the baseline's, as ratios (>1 means we are slower).
 pub fn ratio_line(ours: &Record, base: &Record) -> String {
     format!(
-        "overhead vs bare TCP ({:?}, depth {}): p50 x{:.2}, p99 x{:.2}, throughput x{:.2}",
+        "overhead vs bare TCP ({:?} {:?}, depth {}, best layout {}): p50 x{:.2}, p99 x{:.2}, throughput x{:.2}",
         ours.op,
+        ours.pattern,
         ours.depth,
+        base.layout.as_deref().unwrap_or("-"),
         ours.latency_us.p50 / base.latency_us.p50.max(1e-9),
         ours.latency_us.p99 / base.latency_us.p99.max(1e-9),
         ours.throughput.pages_per_s / base.throughput.pages_per_s.max(1e-9),
+    )
+}
+
+/// Which layout the baseline used and every layout's p50 and p99.
+pub fn layouts_line(base: &Record) -> String {
+    let tried: Vec<String> = base
+        .layouts
+        .iter()
+        .map(|l| format!("{} {}/{} us", l.layout, fmt_us(l.p50_us), fmt_us(l.p99_us)))
+        .collect();
+    format!(
+        "bare TCP baseline ({:?} {:?}, depth {}): best layout {} of {} (p50/p99: {})",
+        base.op,
+        base.pattern,
+        base.depth,
+        base.layout.as_deref().unwrap_or("-"),
+        base.layouts.len(),
+        tried.join(", ")
     )
 }
 
