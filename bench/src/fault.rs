@@ -27,7 +27,7 @@ use rdma_transport::guest_memory::{GuestMemory, GuestMemoryConfig};
 use rdma_transport::{Page, TransportManager, PAGE_SIZE};
 
 use crate::pattern;
-use crate::report::{self, fmt_us, Record};
+use crate::report::{self, fmt_ratio, fmt_us, Record};
 use crate::workload::{new_histogram, AccessPattern, Op, Outcome, Spec, WorkingSet};
 
 const SEED: u64 = 0xfa17;
@@ -222,14 +222,14 @@ pub fn run(
             let sum = local.latency_us.p50 + tcp.latency_us.p50;
             for &(_, prefetch, p50, _) in ran.iter().filter(|r| r.0 == pattern) {
                 lines.push(format!(
-                    "{pattern:?} fault p50 {} us (prefetch {}) vs local uffd fault {} us + bare TCP 4 KiB read {} us ({}) = {} us: x{:.2}",
+                    "{pattern:?} fault p50 {} us (prefetch {}) vs local uffd fault {} us + bare TCP 4 KiB read {} us ({}) = {} us: x{}",
                     fmt_us(p50),
                     if prefetch { "on" } else { "off" },
                     fmt_us(local.latency_us.p50),
                     fmt_us(tcp.latency_us.p50),
                     best.layout.name(),
                     fmt_us(sum),
-                    p50 / sum.max(1e-9)
+                    fmt_ratio(p50 / sum.max(1e-9))
                 ));
             }
             lines.push(report::layouts_line(&tcp));

@@ -9,9 +9,11 @@
 //! pinned to CPU 0), so the bare program must get its best placement too; a
 //! ratio against a slow layout (blocking across CPUs: ~80 us on an idle VM,
 //! against 6-13 us for the others) only measures that layout's wake-ups.
-//! Why p50: it is the ratios' headline figure and the most stable one; the
-//! p99 and throughput of the baseline are those of the same chosen layout
-//! (never a mix of layouts), so every ratio compares with one real program.
+//! Why p50: it is the ratios' headline figure and the most stable one. The
+//! baseline's record (table line) holds the chosen layout's figures; the
+//! printed p99 and throughput ratios are against the best layout for each
+//! (named in the line), since the lowest-p50 layout may have the worst tail
+//! on a busy host (a spinning thread preempted for a whole time slice).
 
 mod conn;
 mod layout;
