@@ -2,16 +2,18 @@
 //!
 //! Maps the working set as one [`GuestMemory`] region, fills the remote
 //! pages with a known pattern, and has T threads touch every page once per
-//! round (random order, then sequential order), timing each first touch
-//! from the faulting thread's side and checking every page's content.
-//! Between rounds the region is evicted (not timed), so every round faults
-//! again. Runs: random and sequential with prefetch (the default
-//! configuration), then both without prefetch.
+//! round, timing each first touch from the faulting thread's side and
+//! checking every page's content. Between rounds the region is evicted (not
+//! timed), so every round faults again. Runs each selected address order
+//! (`--pattern`: random, seq, or all, the default) with each selected
+//! prefetch setting (`--prefetch`: on, off, or both, the default), prefetch
+//! first.
 //!
-//! With `--baseline`, in the same run: a userfaultfd fault resolved by
-//! `UFFDIO_COPY` from a local buffer (same handler-thread pinning as ours)
-//! and the bare TCP ping-pong (16 B request, 4 KiB reply); the report
-//! compares our random-fault p50 with the sum of their p50s.
+//! With `--baseline`, in the same run, for each address order: a
+//! userfaultfd fault resolved by `UFFDIO_COPY` from a local buffer (same
+//! handler-thread pinning as ours) and the bare TCP ping-pong (32 B request,
+//! 32 B + 4 KiB reply) in its best layout (bench/src/baseline/mod.rs); the
+//! report compares each of our runs' p50 with the sum of their p50s.
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,7 +27,7 @@ use rdma_transport::guest_memory::{GuestMemory, GuestMemoryConfig};
 use rdma_transport::{Page, TransportManager, PAGE_SIZE};
 
 use crate::pattern;
-use crate::report::Record;
+use crate::report::{self, fmt_ratio, fmt_us, Record};
 use crate::workload::{new_histogram, AccessPattern, Op, Outcome, Spec, WorkingSet};
 
 const SEED: u64 = 0xfa17;
@@ -87,6 +89,10 @@ pub struct Params {
     pub baseline: bool,
     pub nodes: usize,
     pub data_path: String,
+    /// Address orders to run, in order.
+    pub patterns: Vec<AccessPattern>,
+    /// Read-ahead on or off, per run, in order (each with every pattern).
+    pub prefetch: Vec<bool>,
 }
 
 /// Runs the fault benchmark; returns the table's records and the summary lines.
@@ -127,95 +133,109 @@ pub fn run(
         };
         touch_rounds(&ram, warm, |_| true)?;
     }
-    let runs = [
-        (AccessPattern::Random, 32, "uffd"),
-        (AccessPattern::Seq, 32, "uffd"),
-        (AccessPattern::Random, 0, "uffd-nopf"),
-        (AccessPattern::Seq, 0, "uffd-nopf"),
-    ];
-    let mut random_rate = 0.0;
-    let mut random_p50 = 0.0;
-    for (pattern, prefetch, label) in runs {
-        let ram = GuestMemory::new(
-            Arc::clone(mgr),
-            GuestMemoryConfig {
-                prefetch_max_pages: prefetch,
-                ..GuestMemoryConfig::new(gpa_base, pages * PAGE_SIZE)
-            },
-        )
-        .context("mapping guest memory")?;
-        let spec = Spec {
-            op: Op::Fault,
-            ops: params.ops,
-            threads: params.threads,
-            depth: 1,
-            pattern,
-        };
-        let base = ram.as_ptr() as usize;
-        let outcome = touch_rounds(&ram, spec, |i| {
-            // SAFETY: page i was faulted in by the touch just before and
-            // stays mapped until the eviction after the round.
-            let page = unsafe { &*((base + i * PAGE_SIZE) as *const Page) };
-            pattern::check(page, gpa_base + (i * PAGE_SIZE) as u64, SEED)
-        })?;
-        let stats = ram.stats();
-        drop(ram);
-        let record = Record::new(label, spec, params.nodes, &outcome);
-        lines.push(format!(
-            "fault {label}/{}, {pattern:?}: {:.0} faults/s, p50 {:.1} us ({} fetched by faults, {} by prefetch)",
-            params.data_path,
-            record.throughput.pages_per_s,
-            record.latency_us.p50,
-            stats.missing_faults,
-            stats.prefetched_pages
-        ));
-        match (pattern, prefetch) {
-            (AccessPattern::Random, p) if p > 0 => {
-                random_rate = record.throughput.pages_per_s;
-                random_p50 = record.latency_us.p50;
-            }
-            (AccessPattern::Seq, p) if p > 0 => lines.push(format!(
-                "sequential faults with prefetch vs random: x{:.2} faults/s",
-                record.throughput.pages_per_s / random_rate.max(1e-9)
-            )),
-            _ => {}
+    let default_window = GuestMemoryConfig::new(gpa_base, pages * PAGE_SIZE).prefetch_max_pages;
+    // (pattern, prefetch on, p50 us, faults/s) of each run, for the summaries.
+    let mut ran: Vec<(AccessPattern, bool, f64, f64)> = Vec::new();
+    for &prefetch in &params.prefetch {
+        for &pattern in &params.patterns {
+            let (label, window) = if prefetch {
+                ("uffd", default_window)
+            } else {
+                ("uffd-nopf", 0)
+            };
+            let ram = GuestMemory::new(
+                Arc::clone(mgr),
+                GuestMemoryConfig {
+                    prefetch_max_pages: window,
+                    ..GuestMemoryConfig::new(gpa_base, pages * PAGE_SIZE)
+                },
+            )
+            .context("mapping guest memory")?;
+            let spec = Spec {
+                op: Op::Fault,
+                ops: params.ops,
+                threads: params.threads,
+                depth: 1,
+                pattern,
+            };
+            let base = ram.as_ptr() as usize;
+            let outcome = touch_rounds(&ram, spec, |i| {
+                // SAFETY: page i was faulted in by the touch just before and
+                // stays mapped until the eviction after the round.
+                let page = unsafe { &*((base + i * PAGE_SIZE) as *const Page) };
+                pattern::check(page, gpa_base + (i * PAGE_SIZE) as u64, SEED)
+            })?;
+            let stats = ram.stats();
+            drop(ram);
+            let record = Record::new(label, spec, params.nodes, &outcome);
+            lines.push(format!(
+                "fault {label}/{}, {pattern:?}: {:.0} faults/s, p50 {} us ({} fetched by faults, {} by prefetch)",
+                params.data_path,
+                record.throughput.pages_per_s,
+                fmt_us(record.latency_us.p50),
+                stats.missing_faults,
+                stats.prefetched_pages
+            ));
+            ran.push((
+                pattern,
+                prefetch,
+                record.latency_us.p50,
+                record.throughput.pages_per_s,
+            ));
+            records.push(record);
         }
-        records.push(record);
+    }
+    let rate = |pattern, prefetch| {
+        ran.iter()
+            .find(|r| r.0 == pattern && r.1 == prefetch)
+            .map(|r| r.3)
+    };
+    if let (Some(random), Some(seq)) = (
+        rate(AccessPattern::Random, true),
+        rate(AccessPattern::Seq, true),
+    ) {
+        lines.push(format!(
+            "sequential faults with prefetch vs random: x{:.2} faults/s",
+            seq / random.max(1e-9)
+        ));
     }
     if params.baseline {
-        let spec = Spec {
-            op: Op::Fault,
-            ops: params.ops,
-            threads: 1,
-            depth: 1,
-            pattern: AccessPattern::Random,
-        };
-        let local = local_uffd_baseline(pages.min(16384), spec)?;
-        let local = Record::new("uffd-local", spec, 0, &local);
-        let tcp_spec = Spec {
-            op: Op::Read,
-            ..spec
-        };
-        // Client and server thread on CPU 0, as our toucher, handler and
-        // page-server threads are.
-        let tcp = std::thread::scope(|s| {
-            s.spawn(|| {
-                pin_toucher(0);
-                crate::baseline::run(tcp_spec, pages, SEED)
-            })
-            .join()
-            .unwrap_or_else(|_| Err(anyhow::anyhow!("baseline thread panicked")))
-        })?;
-        let tcp = Record::new("bare-tcp", tcp_spec, 1, &tcp);
-        let sum = local.latency_us.p50 + tcp.latency_us.p50;
-        lines.push(format!(
-            "random fault p50 {random_p50:.1} us vs local uffd fault {:.1} us + bare TCP 4 KiB read {:.1} us = {sum:.1} us: x{:.2}",
-            local.latency_us.p50,
-            tcp.latency_us.p50,
-            random_p50 / sum.max(1e-9)
-        ));
-        records.push(local);
-        records.push(tcp);
+        for &pattern in &params.patterns {
+            let spec = Spec {
+                op: Op::Fault,
+                ops: params.ops,
+                threads: 1,
+                depth: 1,
+                pattern,
+            };
+            let local = local_uffd_baseline(pages.min(16384), spec)?;
+            let local = Record::new("uffd-local", spec, 0, &local);
+            let tcp_spec = Spec {
+                op: Op::Read,
+                ..spec
+            };
+            // Every layout pins its own threads (CPU 0, where our toucher,
+            // handler and page-server threads are, and the last CPU, where
+            // our poller is): the same choice of CPUs we had.
+            let best = crate::baseline::run(tcp_spec, pages, SEED)?;
+            let tcp = Record::baseline(tcp_spec, &best);
+            let sum = local.latency_us.p50 + tcp.latency_us.p50;
+            for &(_, prefetch, p50, _) in ran.iter().filter(|r| r.0 == pattern) {
+                lines.push(format!(
+                    "{pattern:?} fault p50 {} us (prefetch {}) vs local uffd fault {} us + bare TCP 4 KiB read {} us ({}) = {} us: x{}",
+                    fmt_us(p50),
+                    if prefetch { "on" } else { "off" },
+                    fmt_us(local.latency_us.p50),
+                    fmt_us(tcp.latency_us.p50),
+                    best.layout.name(),
+                    fmt_us(sum),
+                    fmt_ratio(p50 / sum.max(1e-9))
+                ));
+            }
+            lines.push(report::layouts_line(&tcp));
+            records.push(local);
+            records.push(tcp);
+        }
     }
     Ok((records, lines))
 }

@@ -9,6 +9,7 @@
 mod baseline;
 mod cluster;
 mod fault;
+mod matrix;
 mod pattern;
 mod report;
 mod workload;
@@ -22,8 +23,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use page_server::ServerConfig;
 use rdma_transport::{ManagerConfig, PollMode, TransportKind, TransportManager, PAGE_SIZE};
 
+use crate::matrix::{PatternChoice, PrefetchChoice};
 use crate::report::Record;
-use crate::workload::{AccessPattern, Op, Spec, WorkingSet};
+use crate::workload::{Op, Spec, WorkingSet};
 
 /// Latency and throughput benchmark of the remote-memory paging transport.
 #[derive(Debug, Parser)]
@@ -47,9 +49,14 @@ struct Args {
     /// Requests in flight per thread.
     #[arg(long, default_value_t = 1)]
     depth: usize,
-    /// Address order.
-    #[arg(long, value_enum, default_value = "random")]
-    pattern: AccessPattern,
+    /// Address order: random, seq, or all (one run of each) [default:
+    /// random for read and write, all for fault].
+    #[arg(long, value_enum)]
+    pattern: Option<PatternChoice>,
+    /// --op fault only: guest-memory read-ahead on, off, or both (one run of
+    /// each) [default: both].
+    #[arg(long, value_enum)]
+    prefetch: Option<PrefetchChoice>,
     /// Page-servers in the local cluster.
     #[arg(long, default_value_t = 2)]
     nodes: usize,
@@ -59,7 +66,9 @@ struct Args {
     /// Write the results as a JSON array to this file.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Also run a bare TCP ping-pong of the same sizes and print our overhead.
+    /// Also run a bare TCP ping-pong of the same sizes in each thread layout
+    /// (same CPU blocking, two CPUs spinning, two CPUs blocking) and print our
+    /// overhead against the layout with the lowest p50.
     #[arg(long)]
     baseline: bool,
     /// Poller mode: busy or event.
@@ -177,9 +186,12 @@ fn run() -> anyhow::Result<()> {
         Some(op) => vec![op],
         None => vec![Op::Write, Op::Read],
     };
+    let prefetch = matrix::prefetch(&ops, args.prefetch)?;
     let mut records = Vec::new();
     let mut lines = Vec::new();
-    for (i, &op) in ops.iter().enumerate() {
+    let mut seed = 100;
+    for &op in &ops {
+        let patterns = matrix::patterns(op, args.pattern);
         if op == Op::Fault {
             let params = fault::Params {
                 ops: args.ops,
@@ -187,36 +199,45 @@ fn run() -> anyhow::Result<()> {
                 baseline: args.baseline,
                 nodes,
                 data_path: data_path_name(&mgr),
+                patterns,
+                prefetch: prefetch.clone(),
             };
             let (recs, summary) = fault::run(&mgr, &set, &params)?;
             records.extend(recs);
             lines.extend(summary);
             continue;
         }
-        let spec = Spec {
-            op,
-            ops: args.ops,
-            threads: args.threads,
-            depth: args.depth,
-            pattern: args.pattern,
-        };
-        let seed = 100 + i as u64;
-        let progress = progress_bar(args.ops, &format!("{op:?}"));
-        let mut outcome = workload::run(&mgr, &set, spec, seed, &progress);
-        progress.finish_and_clear();
-        if op == Op::Write {
-            outcome.bad_pages += set.verify_all(&mgr).context("reading back written pages")?;
-            outcome.pages_checked = outcome.ops_done;
-        }
-        let ours = Record::new(&data_path_name(&mgr), spec, nodes, &outcome);
-        if args.baseline {
-            let base_outcome = baseline::run(Spec { threads: 1, ..spec }, set.len(), seed)?;
-            let base = Record::new("bare-tcp", Spec { threads: 1, ..spec }, 1, &base_outcome);
-            lines.push(report::ratio_line(&ours, &base));
+        for pattern in patterns {
+            let spec = Spec {
+                op,
+                ops: args.ops,
+                threads: args.threads,
+                depth: args.depth,
+                pattern,
+            };
+            seed += 1;
+            let progress = progress_bar(args.ops, &format!("{op:?}"));
+            let mut outcome = workload::run(&mgr, &set, spec, seed, &progress);
+            progress.finish_and_clear();
+            if op == Op::Write {
+                outcome.bad_pages += set.verify_all(&mgr).context("reading back written pages")?;
+                outcome.pages_checked = outcome.ops_done;
+            }
+            let ours = Record::new(&data_path_name(&mgr), spec, nodes, &outcome);
+            let base = if args.baseline {
+                // One client thread, in the best layout this machine offers.
+                let base_spec = Spec { threads: 1, ..spec };
+                let best = baseline::run(base_spec, set.len(), seed)?;
+                Some(Record::baseline(base_spec, &best))
+            } else {
+                None
+            };
+            if let Some(base) = &base {
+                lines.push(report::ratio_line(&ours, base));
+                lines.push(report::layouts_line(base));
+            }
             records.push(ours);
-            records.push(base);
-        } else {
-            records.push(ours);
+            records.extend(base);
         }
     }
     println!("{}", report::header());

@@ -1,0 +1,189 @@
+//! The bare program: a TCP ping-pong of the same sizes with no library in
+//! the way. A server thread answers 32-byte requests with 32 + 4096 bytes
+//! (reads) or takes 32 + 4096 bytes and answers 32 (writes), from a plain
+//! buffer; the client keeps `depth` requests in flight. Both threads are
+//! pinned and wait as their [`Layout`] says. Every page is checked: reads by
+//! the client, writes by the server as they arrive.
+
+use std::net::{TcpListener, TcpStream};
+use std::time::Instant;
+
+use anyhow::Context;
+use rdma_transport::PAGE_SIZE;
+
+use super::conn::Conn;
+use super::layout::{pin_current, Layout};
+use crate::pattern;
+use crate::workload::{new_histogram, AccessPattern, Op, Outcome, Spec};
+
+const REQ_BYTES: usize = 32;
+
+/// Round trips run before the measured ones (checked, not recorded): the
+/// first ones pay for connection set-up and cold caches.
+fn warmup_ops(ops: u64) -> u64 {
+    (ops / 10).min(1000)
+}
+
+/// Runs the ping-pong with `spec`'s op, ops, depth and pattern on one client
+/// thread on CPU `client_cpu` and a server thread on `server_cpu`, over
+/// `pages` pages filled with `seed`'s pattern.
+pub fn run(
+    spec: Spec,
+    pages: usize,
+    seed: u64,
+    layout: Layout,
+    (client_cpu, server_cpu): (usize, usize),
+) -> anyhow::Result<Outcome> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let spin = layout.spinning();
+    std::thread::scope(|s| {
+        let server = s.spawn(move || -> anyhow::Result<u64> {
+            pin_current(server_cpu)?;
+            serve(listener, spec.op, pages, seed, spin)
+        });
+        let client = s.spawn(move || -> anyhow::Result<Outcome> {
+            // Connected before pinning: if pinning fails, dropping the
+            // stream lets the server's accept return and the scope end.
+            let stream = TcpStream::connect(addr)?;
+            pin_current(client_cpu)?;
+            let conn = Conn::new(stream, spin)?;
+            ping(conn, spec, pages, seed)
+        });
+        let mut outcome = client
+            .join()
+            .map_err(|_| anyhow::anyhow!("baseline client panicked"))?
+            .context("baseline client")?;
+        // The client has closed its socket: the server sees EOF and returns.
+        outcome.bad_pages += server
+            .join()
+            .map_err(|_| anyhow::anyhow!("baseline server panicked"))?
+            .context("baseline server")?;
+        Ok(outcome)
+    })
+}
+
+/// The server: answers until the client closes; returns the number of
+/// written pages that arrived wrong.
+fn serve(
+    listener: TcpListener,
+    op: Op,
+    pages: usize,
+    seed: u64,
+    spin: bool,
+) -> anyhow::Result<u64> {
+    let mut mem = vec![0u8; pages * PAGE_SIZE];
+    for (i, page) in mem.chunks_exact_mut(PAGE_SIZE).enumerate() {
+        let page: &mut [u8; PAGE_SIZE] = page.try_into()?;
+        pattern::fill(page, (i * PAGE_SIZE) as u64, seed);
+    }
+    let mut s = Conn::new(listener.accept()?.0, spin)?;
+    let mut req = [0u8; REQ_BYTES + PAGE_SIZE];
+    let mut resp = vec![0u8; REQ_BYTES + PAGE_SIZE];
+    let req_len = if op == Op::Write {
+        REQ_BYTES + PAGE_SIZE
+    } else {
+        REQ_BYTES
+    };
+    let mut bad_writes = 0u64;
+    loop {
+        if s.read_exact(&mut req[..req_len]).is_err() {
+            return Ok(bad_writes);
+        }
+        let off = u64::from_le_bytes(req[16..24].try_into()?) as usize % (pages * PAGE_SIZE);
+        resp[..REQ_BYTES].copy_from_slice(&req[..REQ_BYTES]);
+        if op == Op::Write {
+            let page: &[u8; PAGE_SIZE] = (&req[REQ_BYTES..]).try_into()?;
+            if !pattern::check(page, off as u64, seed) {
+                bad_writes += 1;
+            }
+            mem[off..off + PAGE_SIZE].copy_from_slice(page);
+            s.write_all(&resp[..REQ_BYTES])?;
+        } else {
+            resp[REQ_BYTES..].copy_from_slice(&mem[off..off + PAGE_SIZE]);
+            s.write_all(&resp)?;
+        }
+    }
+}
+
+/// The client: a warm-up, then `spec.ops` measured page operations.
+fn ping(mut c: Conn, spec: Spec, pages: usize, seed: u64) -> anyhow::Result<Outcome> {
+    let op = spec.op;
+    let warmup = warmup_ops(spec.ops);
+    let total_ops = warmup + spec.ops;
+    let mut rng_state = seed | 1;
+    let mut next_seq = 0usize;
+    let mut hist = new_histogram();
+    let mut out = vec![0u8; spec.depth * (REQ_BYTES + PAGE_SIZE)];
+    let mut inbuf = vec![0u8; spec.depth * (REQ_BYTES + PAGE_SIZE)];
+    let mut offs = vec![0usize; spec.depth];
+    let (mut done, mut bad) = (0u64, 0u64);
+    let mut start = Instant::now();
+    while done < total_ops {
+        if done == warmup {
+            start = Instant::now();
+        }
+        // A batch never straddles the end of the warm-up.
+        let left = if done < warmup { warmup } else { total_ops } - done;
+        let batch = spec.depth.min(left as usize);
+        let mut out_len = 0;
+        for off in offs.iter_mut().take(batch) {
+            let page = match spec.pattern {
+                AccessPattern::Random => {
+                    rng_state ^= rng_state << 13;
+                    rng_state ^= rng_state >> 7;
+                    rng_state ^= rng_state << 17;
+                    (rng_state % pages as u64) as usize
+                }
+                AccessPattern::Seq => {
+                    next_seq = (next_seq + 1) % pages;
+                    next_seq
+                }
+            };
+            *off = page * PAGE_SIZE;
+            out[out_len..out_len + REQ_BYTES].fill(0);
+            out[out_len + 16..out_len + 24].copy_from_slice(&(*off as u64).to_le_bytes());
+            out_len += REQ_BYTES;
+            if op == Op::Write {
+                let dst: &mut [u8; PAGE_SIZE] =
+                    (&mut out[out_len..out_len + PAGE_SIZE]).try_into()?;
+                pattern::fill(dst, *off as u64, seed);
+                out_len += PAGE_SIZE;
+            }
+        }
+        let resp_len = batch
+            * if op == Op::Write {
+                REQ_BYTES
+            } else {
+                REQ_BYTES + PAGE_SIZE
+            };
+        let t0 = Instant::now();
+        c.write_all(&out[..out_len])?;
+        c.read_exact(&mut inbuf[..resp_len])?;
+        let ns = t0.elapsed().as_nanos() as u64;
+        if done >= warmup {
+            let _ = hist.record_n(ns.max(1), batch as u64);
+        }
+        if op == Op::Read {
+            for (i, &off) in offs.iter().take(batch).enumerate() {
+                let at = i * (REQ_BYTES + PAGE_SIZE) + REQ_BYTES;
+                let page: &[u8; PAGE_SIZE] = (&inbuf[at..at + PAGE_SIZE]).try_into()?;
+                if !pattern::check(page, off as u64, seed) {
+                    bad += 1;
+                }
+            }
+        }
+        done += batch as u64;
+    }
+    let elapsed = start.elapsed();
+    Ok(Outcome {
+        latency_ns: hist,
+        elapsed,
+        ops_done: spec.ops,
+        errors: 0,
+        bad_pages: bad,
+        // Warm-up pages are checked too; a bad one counts against the run.
+        pages_checked: spec.ops,
+        first_error: None,
+    })
+}
