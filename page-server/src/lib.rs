@@ -7,6 +7,7 @@
 
 mod config;
 mod connection;
+mod conns;
 mod rdma;
 mod registration;
 mod server;
