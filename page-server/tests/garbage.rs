@@ -172,6 +172,67 @@ fn read_framed(s: &mut TcpStream) -> (Header, Vec<u8>) {
     (h, payload)
 }
 
+/// A refused HELLO is answered by a HELLO_ACK that keeps the documented
+/// framing (it promises no payload it does not send): a client reading by
+/// the framing finds the next answer right after it, and the connection
+/// stays usable.
+#[test]
+fn a_refused_hello_keeps_the_framing() {
+    let server = page_server::spawn(page_server::ServerConfig::new("h", NODE_BYTES)).unwrap();
+    let good = HelloRequest {
+        client_id: 2,
+        rdma: None,
+    }
+    .encode();
+    let mut rdma_flag_without_section = good.clone();
+    rdma_flag_without_section[0] = 1;
+    let mut section_without_rdma_flag = good.clone();
+    section_without_rdma_flag.extend_from_slice(&[0u8; 48]);
+    for (what, bad) in [
+        ("5 bytes", vec![0x5au8; 5]),
+        ("RDMA flag, no section", rdma_flag_without_section),
+        ("section, no RDMA flag", section_without_rdma_flag),
+    ] {
+        let mut s = connect(server.addr());
+        // The bad HELLO and a good one in one write: the second answer must
+        // start right where the first one ends.
+        let mut msg = Header::request(Opcode::Hello, 1, 0, bad.len() as u32)
+            .encode()
+            .to_vec();
+        msg.extend_from_slice(&bad);
+        msg.extend_from_slice(&Header::request(Opcode::Hello, 2, 0, good.len() as u32).encode());
+        msg.extend_from_slice(&good);
+        s.write_all(&msg).unwrap();
+        let (h, payload) = read_framed(&mut s);
+        assert_eq!(
+            (h.opcode, h.status, h.request_id, payload.len()),
+            (Opcode::HelloAck, Status::BadLength, 1, 0),
+            "{what}"
+        );
+        let (h, payload) = read_framed(&mut s);
+        assert_eq!(
+            (h.opcode, h.status, h.request_id),
+            (Opcode::HelloAck, Status::Ok, 2),
+            "{what}"
+        );
+        let ack = HelloAck::decode(&payload).expect("a full HELLO_ACK payload");
+        assert_eq!(ack.region_size_bytes, NODE_BYTES as u64, "{what}");
+        // Still framed: a READ is answered with its page, and after the
+        // client hangs up, the server closes (nothing else follows).
+        s.write_all(&Header::request(Opcode::Read, 3, 0, PAGE_SIZE as u32).encode())
+            .unwrap();
+        let (h, payload) = read_framed(&mut s);
+        assert_eq!(
+            (h.opcode, h.status, h.request_id, payload.len()),
+            (Opcode::ReadResp, Status::Ok, 3, PAGE_SIZE),
+            "{what}"
+        );
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        assert_closed(&mut s);
+    }
+    server.shutdown();
+}
+
 /// Many short connections, ended by the server (garbage) or by the client:
 /// every client sees EOF within the bound, and afterwards no connection is
 /// counted as served (the server keeps no duplicate of a closed socket).
