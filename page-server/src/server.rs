@@ -112,7 +112,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         source,
     })?;
     let rdma = open_rdma(&config, &region)?;
-    let listener = TcpListener::bind(config.listen).map_err(|source| ServerError::Listen {
+    let listener = crate::listener::bind(config.listen).map_err(|source| ServerError::Listen {
         addr: config.listen,
         source,
     })?;
