@@ -188,10 +188,14 @@ fn a_refused_hello_keeps_the_framing() {
     rdma_flag_without_section[0] = 1;
     let mut section_without_rdma_flag = good.clone();
     section_without_rdma_flag.extend_from_slice(&[0u8; 48]);
+    // An RDMA section whose READ depths (bytes 27 and 28) are 0.
+    let mut section_without_read_depths = rdma_flag_without_section.clone();
+    section_without_read_depths.extend_from_slice(&[0u8; 48]);
     for (what, bad) in [
         ("5 bytes", vec![0x5au8; 5]),
         ("RDMA flag, no section", rdma_flag_without_section),
         ("section, no RDMA flag", section_without_rdma_flag),
+        ("READ depths 0", section_without_read_depths),
     ] {
         let mut s = connect(server.addr());
         // The bad HELLO and a good one in one write: the second answer must
