@@ -269,6 +269,7 @@ impl RunningServer {
     /// control connections stay open, as if the QPs died silently. Returns
     /// the number of QPs broken.
     #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
     pub fn break_rdma_qps_for_test(&self) -> usize {
         self.shared
             .exported
