@@ -4,10 +4,12 @@
 #
 #   deploy/softroce/cargo-test-in-vm.sh [CARGO_TEST_ARGS...] [-- TEST_ARGS...]
 #
-# e.g. deploy/softroce/cargo-test-in-vm.sh -p rdma-transport --test softroce -- --include-ignored
+# e.g. deploy/softroce/cargo-test-in-vm.sh -p rdma-transport --test verbs_loopback
 #
 # CARGO_TEST_ARGS go to `cargo test --no-run` (run it from the workspace);
-# TEST_ARGS go to every test binary, after --test-threads=1. Options for
+# TEST_ARGS go to every test binary, after --test-threads=1 and
+# --include-ignored (device tests are #[ignore]d for plain `cargo test`;
+# here they run; give --ignored or --include-ignored yourself to choose). Options for
 # run-in-vm.sh can be given in SOFTROCE_VM_OPTS (word-split), e.g.
 # SOFTROCE_VM_OPTS="--timeout 900 --env RUST_LOG=debug".
 #
@@ -32,6 +34,11 @@ while (($#)); do
     shift
 done
 test_args=("$@")
+ignored_flag=1
+for arg in "${test_args[@]}"; do
+    [[ "$arg" != --ignored && "$arg" != --include-ignored ]] || ignored_flag=0
+done
+((ignored_flag == 0)) || test_args=(--include-ignored "${test_args[@]}")
 
 softroce_log "cargo test --no-run ${cargo_args[*]}"
 # Cargo's JSON messages are one object a line; test executables are the

@@ -358,7 +358,13 @@ fn handle(
                 h.length = ack.len() as u32;
                 outbox.push(h, Payload::Hello(ack));
             }
-            None => outbox.push(answer(Status::BadLength), Payload::None),
+            None => {
+                // HELLO_ACK carries `length` payload bytes whatever its
+                // status (docs/wire-protocol.md): a refusal sends none.
+                let mut h = answer(Status::BadLength);
+                h.length = 0;
+                outbox.push(h, Payload::None);
+            }
         },
         Opcode::Read | Opcode::Write if !session.greeted => {
             outbox.push(answer(Status::NoHello), Payload::None)

@@ -7,6 +7,8 @@
 
 mod config;
 mod connection;
+mod conns;
+mod listener;
 mod rdma;
 mod registration;
 mod server;

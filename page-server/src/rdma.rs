@@ -160,6 +160,7 @@ impl RdmaExport {
     /// Test hook: moves every client's QP to the error state while their
     /// control connections stay up (a peer whose QP died silently). Returns
     /// how many QPs it broke.
+    #[cfg(feature = "test-hooks")]
     pub(crate) fn break_qps(&self) -> usize {
         let qps: Vec<_> = self.qps.lock().iter().filter_map(Weak::upgrade).collect();
         for qp in &qps {

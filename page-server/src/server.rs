@@ -2,18 +2,18 @@
 
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use parking_lot::Mutex;
 use rdma_transport::coordinator::api::RdmaRegion;
 use rdma_transport::region::{MapOptions, MappedRegion};
 use rdma_transport::PAGE_SIZE;
 
 use crate::config::ServerConfig;
 use crate::connection::{serve, Exported};
+use crate::conns::Connections;
 use crate::rdma::RdmaExport;
 use crate::registration::Registration;
 
@@ -66,16 +66,11 @@ pub struct RunningServer {
     registration: Option<Registration>,
 }
 
-/// A served connection: its id, a handle on its socket (to shut it down),
-/// and its thread.
-type ConnEntry = (u64, TcpStream, Option<JoinHandle<()>>);
-
 #[derive(Debug)]
 struct Shared {
     exported: Exported,
     stop: AtomicBool,
-    connections: Mutex<Vec<ConnEntry>>,
-    active: AtomicUsize,
+    connections: Arc<Connections>,
     max_connections: usize,
     spin_before_block: std::time::Duration,
 }
@@ -117,7 +112,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         source,
     })?;
     let rdma = open_rdma(&config, &region)?;
-    let listener = TcpListener::bind(config.listen).map_err(|source| ServerError::Listen {
+    let listener = crate::listener::bind(config.listen).map_err(|source| ServerError::Listen {
         addr: config.listen,
         source,
     })?;
@@ -135,8 +130,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             epoch: rdma_transport::ids::random_u64() | 1,
         },
         stop: AtomicBool::new(false),
-        connections: Mutex::new(Vec::new()),
-        active: AtomicUsize::new(0),
+        connections: Arc::new(Connections::default()),
         max_connections: config.max_connections,
         spin_before_block: config.spin_before_block,
     });
@@ -210,7 +204,6 @@ fn open_rdma(
 }
 
 fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
-    let mut next_id = 0u64;
     for stream in listener.incoming() {
         if shared.stop.load(Ordering::SeqCst) {
             break;
@@ -223,7 +216,7 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
             }
         };
         let peer = stream.peer_addr().ok();
-        if shared.active.load(Ordering::SeqCst) >= shared.max_connections {
+        if shared.connections.len() >= shared.max_connections {
             tracing::warn!(
                 ?peer,
                 max = shared.max_connections,
@@ -231,12 +224,15 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
             );
             continue;
         }
-        let Ok(registered) = stream.try_clone() else {
+        let Ok(duplicate) = stream.try_clone() else {
             continue;
         };
-        next_id += 1;
-        let id = next_id;
-        shared.active.fetch_add(1, Ordering::SeqCst);
+        // Recorded before its thread exists; the thread removes the record
+        // (see `conns`), so an ended connection is never left recorded.
+        let Some(recorded) = shared.connections.record(duplicate) else {
+            break;
+        };
+        let id = recorded.id();
         let conn_shared = Arc::clone(shared);
         let spawned = std::thread::Builder::new()
             .name(format!("page-conn-{id}"))
@@ -249,25 +245,16 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
                     Ok(()) => tracing::debug!(?peer, "client left"),
                     Err(err) => tracing::debug!(?peer, %err, "connection ended"),
                 }
-                conn_shared.active.fetch_sub(1, Ordering::SeqCst);
-                conn_shared
-                    .connections
-                    .lock()
-                    .retain(|(cid, _, _)| *cid != id);
+                // The record (and its duplicate socket) goes first, then the
+                // socket itself: the client sees FIN only once neither is
+                // open, and by then the connection is no longer counted.
+                drop(recorded);
+                drop(stream);
             });
         match spawned {
-            Ok(handle) => {
-                let mut conns = shared.connections.lock();
-                // The thread may already have finished and removed nothing;
-                // keep its handle only while it may still be running.
-                if !handle.is_finished() {
-                    conns.push((id, registered, Some(handle)));
-                }
-            }
-            Err(err) => {
-                shared.active.fetch_sub(1, Ordering::SeqCst);
-                tracing::error!(%err, "cannot start a connection thread");
-            }
+            Ok(handle) => shared.connections.set_thread(id, handle),
+            // The closure, and with it the record, has been dropped.
+            Err(err) => tracing::error!(%err, "cannot start a connection thread"),
         }
     }
 }
@@ -282,6 +269,7 @@ impl RunningServer {
     /// control connections stay open, as if the QPs died silently. Returns
     /// the number of QPs broken.
     #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
     pub fn break_rdma_qps_for_test(&self) -> usize {
         self.shared
             .exported
@@ -297,7 +285,7 @@ impl RunningServer {
 
     /// Connections being served now.
     pub fn active_connections(&self) -> usize {
-        self.shared.active.load(Ordering::SeqCst)
+        self.shared.connections.len()
     }
 
     /// Blocks until the node and its range are registered with the
@@ -331,14 +319,8 @@ impl RunningServer {
         if let Some(h) = self.acceptor.take() {
             let _ = h.join();
         }
-        let conns: Vec<_> = std::mem::take(&mut *self.shared.connections.lock());
-        for (_, stream, _) in &conns {
-            let _ = stream.shutdown(std::net::Shutdown::Both);
-        }
-        for (_, _, handle) in conns {
-            if let Some(h) = handle {
-                let _ = h.join();
-            }
+        for thread in self.shared.connections.close_all() {
+            let _ = thread.join();
         }
         tracing::info!(addr = %self.addr, "page-server stopped");
     }

@@ -154,6 +154,143 @@ fn page_server_answers_malformed_requests_and_keeps_serving() {
     server.shutdown();
 }
 
+/// Reads one message strictly by the framing of docs/wire-protocol.md: the
+/// 32-byte header, then exactly `length` payload bytes for HELLO, HELLO_ACK
+/// and WRITE, and for READ_RESP with status OK; nothing for the others.
+fn read_framed(s: &mut TcpStream) -> (Header, Vec<u8>) {
+    let mut b = [0u8; HEADER_LEN];
+    s.read_exact(&mut b).expect("a header");
+    let h = Header::decode(&b).expect("a well-formed header");
+    let carries = match h.opcode {
+        Opcode::Hello | Opcode::HelloAck | Opcode::Write => true,
+        Opcode::ReadResp => h.status == Status::Ok,
+        _ => false,
+    };
+    let mut payload = vec![0u8; if carries { h.length as usize } else { 0 }];
+    s.read_exact(&mut payload)
+        .expect("the payload the header promises");
+    (h, payload)
+}
+
+/// A refused HELLO is answered by a HELLO_ACK that keeps the documented
+/// framing (it promises no payload it does not send): a client reading by
+/// the framing finds the next answer right after it, and the connection
+/// stays usable.
+#[test]
+fn a_refused_hello_keeps_the_framing() {
+    let server = page_server::spawn(page_server::ServerConfig::new("h", NODE_BYTES)).unwrap();
+    let good = HelloRequest {
+        client_id: 2,
+        rdma: None,
+    }
+    .encode();
+    let mut rdma_flag_without_section = good.clone();
+    rdma_flag_without_section[0] = 1;
+    let mut section_without_rdma_flag = good.clone();
+    section_without_rdma_flag.extend_from_slice(&[0u8; 48]);
+    // An RDMA section whose READ depths (bytes 27 and 28) are 0.
+    let mut section_without_read_depths = rdma_flag_without_section.clone();
+    section_without_read_depths.extend_from_slice(&[0u8; 48]);
+    for (what, bad) in [
+        ("5 bytes", vec![0x5au8; 5]),
+        ("RDMA flag, no section", rdma_flag_without_section),
+        ("section, no RDMA flag", section_without_rdma_flag),
+        ("READ depths 0", section_without_read_depths),
+    ] {
+        let mut s = connect(server.addr());
+        // The bad HELLO and a good one in one write: the second answer must
+        // start right where the first one ends.
+        let mut msg = Header::request(Opcode::Hello, 1, 0, bad.len() as u32)
+            .encode()
+            .to_vec();
+        msg.extend_from_slice(&bad);
+        msg.extend_from_slice(&Header::request(Opcode::Hello, 2, 0, good.len() as u32).encode());
+        msg.extend_from_slice(&good);
+        s.write_all(&msg).unwrap();
+        let (h, payload) = read_framed(&mut s);
+        assert_eq!(
+            (h.opcode, h.status, h.request_id, payload.len()),
+            (Opcode::HelloAck, Status::BadLength, 1, 0),
+            "{what}"
+        );
+        let (h, payload) = read_framed(&mut s);
+        assert_eq!(
+            (h.opcode, h.status, h.request_id),
+            (Opcode::HelloAck, Status::Ok, 2),
+            "{what}"
+        );
+        let ack = HelloAck::decode(&payload).expect("a full HELLO_ACK payload");
+        assert_eq!(ack.region_size_bytes, NODE_BYTES as u64, "{what}");
+        // Still framed: a READ is answered with its page, and after the
+        // client hangs up, the server closes (nothing else follows).
+        s.write_all(&Header::request(Opcode::Read, 3, 0, PAGE_SIZE as u32).encode())
+            .unwrap();
+        let (h, payload) = read_framed(&mut s);
+        assert_eq!(
+            (h.opcode, h.status, h.request_id, payload.len()),
+            (Opcode::ReadResp, Status::Ok, 3, PAGE_SIZE),
+            "{what}"
+        );
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        assert_closed(&mut s);
+    }
+    server.shutdown();
+}
+
+/// Many short connections, ended by the server (garbage) or by the client:
+/// every client sees EOF within the bound, and afterwards no connection is
+/// counted as served (the server keeps no duplicate of a closed socket).
+#[test]
+fn every_ended_connection_is_closed_and_forgotten() {
+    const THREADS: usize = 4;
+    const CONNECTIONS_PER_THREAD: usize = 250;
+    let server = page_server::spawn(page_server::ServerConfig::new("e", NODE_BYTES)).unwrap();
+    let addr = server.addr();
+    let hello_body = HelloRequest {
+        client_id: 3,
+        rdma: None,
+    }
+    .encode();
+    std::thread::scope(|scope| {
+        for t in 0..THREADS {
+            let hello_body = &hello_body;
+            scope.spawn(move || {
+                for i in 0..CONNECTIONS_PER_THREAD {
+                    let mut s = connect(addr);
+                    if (t + i) % 2 == 0 {
+                        // Garbage: the server answers ERROR and closes.
+                        let mut frame = Header::request(Opcode::Read, 1, 0, 0).encode();
+                        frame[0] = b'X';
+                        s.write_all(&frame).unwrap();
+                        let (h, _) = read_framed(&mut s);
+                        assert_eq!(h.status, Status::BadMagic);
+                    } else {
+                        // A good HELLO, then the client hangs up its side.
+                        let mut msg = Header::request(Opcode::Hello, 1, 0, hello_body.len() as u32)
+                            .encode()
+                            .to_vec();
+                        msg.extend_from_slice(hello_body);
+                        s.write_all(&msg).unwrap();
+                        let (h, _) = read_framed(&mut s);
+                        assert_eq!(h.status, Status::Ok);
+                        s.shutdown(std::net::Shutdown::Write).unwrap();
+                    }
+                    // EOF within the read timeout (5 s), not a timeout error.
+                    let mut rest = Vec::new();
+                    match s.read_to_end(&mut rest) {
+                        Ok(_) => assert!(rest.is_empty(), "{} stray bytes", rest.len()),
+                        Err(err) => panic!("thread {t} connection {i}: no EOF: {err}"),
+                    }
+                }
+            });
+        }
+    });
+    // A connection's record goes before its socket closes, so every client
+    // having seen EOF means none is counted any more.
+    assert_eq!(server.active_connections(), 0);
+    server.shutdown();
+}
+
 #[test]
 fn coordinator_survives_garbage_and_keeps_serving() {
     let db = tempfile::tempdir().unwrap();

@@ -92,7 +92,11 @@ pub struct ManagerConfig {
     pub wait_spin_us: u64,
     /// Deadline of every request, from submission to answer.
     pub request_timeout_ms: u64,
-    /// Deadline of a connection attempt plus handshake.
+    /// Deadline of a connection attempt plus handshake. Default 3500: Linux
+    /// retransmits a lost SYN after 1 s and again 2 s later, so a 1 s
+    /// deadline failed a connect on one dropped SYN (e.g. a full listen
+    /// backlog); 3.5 s survives two. A request's own deadline still bounds
+    /// the dial it waits for.
     pub connect_timeout_ms: u64,
     /// Period of the background map refresh; 0 turns it off (the map is
     /// still refreshed on a miss or a lost node).
@@ -124,7 +128,7 @@ impl Default for ManagerConfig {
             poll_idle_spin_us: 1000,
             wait_spin_us: 1000,
             request_timeout_ms: 1000,
-            connect_timeout_ms: 1000,
+            connect_timeout_ms: 3500,
             map_refresh_ms: 1000,
             rdma_device: None,
             rdma_port: 1,

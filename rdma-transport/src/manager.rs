@@ -286,6 +286,7 @@ impl TransportManager {
     /// so they fail with a remote access error and the QP is rebuilt. False
     /// when the node has no live RDMA connection.
     #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
     pub fn corrupt_rkey_for_test(&self, node: &str) -> bool {
         match self.inner.live_link(node) {
             Some(Link::Rdma(conn)) => {
@@ -299,12 +300,14 @@ impl TransportManager {
     /// Test hook: CQ events the RDMA pollers took from their completion
     /// channels (event mode, or busy mode after an idle spell).
     #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
     pub fn rdma_cq_events_for_test(&self) -> u64 {
         self.inner.rdma.as_ref().map_or(0, |r| r.pollers.events())
     }
 
     /// Test hook: the local QP number of the node's live RDMA connection.
     #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
     pub fn rdma_qpn_for_test(&self, node: &str) -> Option<u32> {
         match self.inner.live_link(node) {
             Some(Link::Rdma(conn)) => Some(conn.qpn()),
@@ -561,6 +564,7 @@ impl Inner {
     }
 
     /// The live connection of the node named `id`, if any.
+    #[cfg(feature = "test-hooks")]
     fn live_link(&self, id: &str) -> Option<Link> {
         let state = self.state.load();
         let node = state.nodes.iter().find(|n| n.id == id)?;

@@ -167,6 +167,7 @@ pub(crate) fn dial_rdma(
 
 impl RdmaConnection {
     /// The local QP number (tests check that a torn-down QP was replaced).
+    #[cfg(feature = "test-hooks")]
     pub(crate) fn qpn(&self) -> u32 {
         self.qp.qpn()
     }
@@ -202,6 +203,7 @@ impl RdmaConnection {
 
     /// Test hook: the next batches use a wrong rkey (until the QP fails and
     /// is rebuilt).
+    #[cfg(feature = "test-hooks")]
     pub(crate) fn corrupt_rkey(&self) {
         self.rkey.fetch_xor(0x00ff_ff00, Ordering::SeqCst);
     }

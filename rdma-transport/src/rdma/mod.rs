@@ -25,6 +25,6 @@ pub(crate) use deadline::Deadline;
 pub(crate) use device::ClientDevice;
 pub(crate) use poller::RdmaPollers;
 pub use port::{
-    connect_qp, random_psn, PortInfo, QpTimeouts, MAX_RD_ATOMIC, QP_MIN_RNR_TIMER, QP_RETRY_CNT,
-    QP_RNR_RETRY, QP_TIMEOUT,
+    connect_qp, random_psn, PortInfo, QpTimeouts, ReadDepths, MAX_RD_ATOMIC, QP_MIN_RNR_TIMER,
+    QP_RETRY_CNT, QP_RNR_RETRY, QP_TIMEOUT,
 };

@@ -124,6 +124,7 @@ impl RdmaPollers {
     }
 
     /// CQ events all pollers have taken so far.
+    #[cfg(feature = "test-hooks")]
     pub(crate) fn events(&self) -> u64 {
         self.threads
             .iter()

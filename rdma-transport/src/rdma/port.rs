@@ -27,6 +27,38 @@ pub const QP_MIN_RNR_TIMER: u8 = 12;
 /// Most RDMA READs in flight per QP we ask for (the device may allow fewer).
 pub const MAX_RD_ATOMIC: u32 = 16;
 
+/// How many RDMA READs a QP may have outstanding: as the initiator
+/// (`max_rd_atomic`) and as the responder (`max_dest_rd_atomic`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadDepths {
+    /// READs the QP may initiate at once.
+    pub max_rd_atomic: u8,
+    /// READs the QP may serve at once.
+    pub max_dest_rd_atomic: u8,
+}
+
+impl ReadDepths {
+    /// The depths of a QP with these local limits whose peer announced
+    /// `remote` (its own limits): it initiates no more than the peer serves
+    /// and serves no more than the peer initiates. Both sides compute the
+    /// same pair mirrored, so in each direction the initiator's
+    /// `max_rd_atomic` is at most the responder's `max_dest_rd_atomic`.
+    pub fn agree(self, remote: ReadDepths) -> ReadDepths {
+        ReadDepths {
+            max_rd_atomic: self.max_rd_atomic.min(remote.max_dest_rd_atomic),
+            max_dest_rd_atomic: self.max_dest_rd_atomic.min(remote.max_rd_atomic),
+        }
+    }
+
+    /// The limits a peer announced in its HELLO section.
+    pub fn of_peer(remote: &RdmaHello) -> ReadDepths {
+        ReadDepths {
+            max_rd_atomic: remote.max_rd_atomic,
+            max_dest_rd_atomic: remote.max_dest_rd_atomic,
+        }
+    }
+}
+
 /// How long a requester QP waits for an ACK before it retransmits, and how
 /// many times, before the request fails with "retry exceeded".
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,8 +188,17 @@ impl PortInfo {
         }
     }
 
-    /// The HELLO section describing `qp` (with send PSN `psn`), without a
-    /// region (the caller fills `region_addr`/`rkey` on the server side).
+    /// This port's READ limits (what a HELLO announces).
+    pub fn read_depths(&self) -> ReadDepths {
+        ReadDepths {
+            max_rd_atomic: self.max_rd_atomic,
+            max_dest_rd_atomic: self.max_dest_rd_atomic,
+        }
+    }
+
+    /// The HELLO section describing `qp` (with send PSN `psn`) and this
+    /// port's READ limits, without a region (the caller fills
+    /// `region_addr`/`rkey` on the server side).
     pub fn hello(&self, qp: &QueuePair, psn: u32) -> RdmaHello {
         let ep = qp.endpoint(psn, Gid(self.hello_gid()), self.lid, self.mtu);
         RdmaHello {
@@ -166,6 +207,8 @@ impl PortInfo {
             gid: ep.gid,
             lid: ep.lid,
             mtu: ep.mtu,
+            max_rd_atomic: self.max_rd_atomic,
+            max_dest_rd_atomic: self.max_dest_rd_atomic,
             region_addr: 0,
             rkey: 0,
         }
@@ -173,12 +216,14 @@ impl PortInfo {
 }
 
 /// Brings `qp` (in INIT) to RTR towards `remote` and then to RTS, with send
-/// PSN `local_psn`, `timeouts` (see [`QpTimeouts::default`]) and the port's
-/// READ depths.
+/// PSN `local_psn`, `timeouts` (see [`QpTimeouts::default`]) and the READ
+/// depths agreed from the port's limits and the peer's
+/// ([`ReadDepths::agree`]).
 ///
 /// # Errors
-/// [`VerbsError::InvalidArgument`] for a peer MTU this crate does not know;
-/// `ibv_modify_qp` errors (on RoCE often a wrong GID index).
+/// [`VerbsError::InvalidArgument`] for a peer MTU this crate does not know
+/// or a peer READ limit of 0; `ibv_modify_qp` errors (on RoCE often a wrong
+/// GID index).
 pub fn connect_qp(
     qp: &QueuePair,
     port: &PortInfo,
@@ -189,6 +234,13 @@ pub fn connect_qp(
     let remote_mtu = Mtu::from_raw(u32::from(remote.mtu)).ok_or_else(|| {
         VerbsError::InvalidArgument(format!("peer announced unknown MTU code {}", remote.mtu))
     })?;
+    let peer = ReadDepths::of_peer(remote);
+    if peer.max_rd_atomic == 0 || peer.max_dest_rd_atomic == 0 {
+        return Err(VerbsError::InvalidArgument(format!(
+            "peer announced READ limits {peer:?}: each must be at least 1"
+        )));
+    }
+    let depths = port.read_depths().agree(peer);
     let endpoint = QpEndpoint {
         qpn: remote.qpn,
         psn: remote.psn,
@@ -202,18 +254,77 @@ pub fn connect_qp(
         port.port,
         port.gid_index,
     );
-    rtr.max_dest_rd_atomic = port.max_dest_rd_atomic;
+    rtr.max_dest_rd_atomic = depths.max_dest_rd_atomic;
     rtr.min_rnr_timer = QP_MIN_RNR_TIMER;
     qp.modify_to_rtr(&rtr)?;
     let mut rts = RtsParams::new(local_psn);
     rts.timeout = timeouts.ack_timeout_code;
     rts.retry_cnt = timeouts.retry_count;
     rts.rnr_retry = QP_RNR_RETRY;
-    rts.max_rd_atomic = port.max_rd_atomic;
-    qp.modify_to_rts(&rts)
+    rts.max_rd_atomic = depths.max_rd_atomic;
+    qp.modify_to_rts(&rts)?;
+    tracing::debug!(
+        qpn = qp.qpn(),
+        max_rd_atomic = depths.max_rd_atomic,
+        max_dest_rd_atomic = depths.max_dest_rd_atomic,
+        "QP connected with the agreed READ depths"
+    );
+    Ok(())
 }
 
 /// A random 24-bit initial packet sequence number.
 pub fn random_psn() -> u32 {
     crate::ids::random_u64() as u32 & 0x00ff_ffff
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn depths(max_rd_atomic: u8, max_dest_rd_atomic: u8) -> ReadDepths {
+        ReadDepths {
+            max_rd_atomic,
+            max_dest_rd_atomic,
+        }
+    }
+
+    #[test]
+    fn agreed_depths_never_let_an_initiator_exceed_its_responder() {
+        for a_init in 1..=16 {
+            for a_dest in 1..=16 {
+                for b_init in [1, 2, 4, 15, 16] {
+                    for b_dest in [1, 3, 8, 16] {
+                        let (a, b) = (depths(a_init, a_dest), depths(b_init, b_dest));
+                        let (on_a, on_b) = (a.agree(b), b.agree(a));
+                        assert!(on_a.max_rd_atomic <= on_b.max_dest_rd_atomic, "{a:?} {b:?}");
+                        assert!(on_b.max_rd_atomic <= on_a.max_dest_rd_atomic, "{a:?} {b:?}");
+                        // Never above the side's own device limits.
+                        assert!(on_a.max_rd_atomic <= a_init && on_a.max_dest_rd_atomic <= a_dest);
+                        assert!(on_b.max_rd_atomic <= b_init && on_b.max_dest_rd_atomic <= b_dest);
+                        // And as deep as both allow.
+                        assert_eq!(on_a.max_rd_atomic, a_init.min(b_dest));
+                        assert_eq!(on_b.max_rd_atomic, b_init.min(a_dest));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_client_deeper_than_the_server_is_lowered_to_the_server() {
+        let client = depths(16, 16);
+        let server = depths(16, 4);
+        assert_eq!(client.agree(server), depths(4, 16));
+        assert_eq!(server.agree(client), depths(16, 4));
+    }
+
+    #[test]
+    fn the_peer_limits_come_from_its_hello_section() {
+        let hello = RdmaHello {
+            max_rd_atomic: 7,
+            max_dest_rd_atomic: 3,
+            ..RdmaHello::default()
+        };
+        assert_eq!(ReadDepths::of_peer(&hello), depths(7, 3));
+    }
 }

@@ -5,8 +5,9 @@ use crate::page::PAGE_SIZE;
 
 /// First four bytes of every message (`"PGTP"` read as a little-endian u32).
 pub const MAGIC: u32 = u32::from_le_bytes(*b"PGTP");
-/// Protocol version this library speaks.
-pub const VERSION: u8 = 1;
+/// Protocol version this library speaks. 2: the HELLO RDMA section carries
+/// each side's READ depths (version 1 sent zeros there).
+pub const VERSION: u8 = 2;
 /// Size of [`Header`] on the wire.
 pub const HEADER_LEN: usize = 32;
 /// Largest payload any message may carry: one page.
@@ -263,6 +264,9 @@ mod tests {
         let mut bytes = sample().encode();
         bytes[4] = 99;
         assert_eq!(Header::decode(&bytes), Err(DecodeError::BadVersion(99)));
+        // Version 1 peers sent no READ depths in the HELLO RDMA section.
+        bytes[4] = 1;
+        assert_eq!(Header::decode(&bytes), Err(DecodeError::BadVersion(1)));
     }
 
     #[test]

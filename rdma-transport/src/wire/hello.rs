@@ -1,6 +1,6 @@
 //! Payloads of the HELLO handshake. The RDMA section carries the queue-pair
-//! endpoint exchange (QPN, PSN, GID/LID, MTU) and the exported region's
-//! address and rkey.
+//! endpoint exchange (QPN, PSN, GID/LID, MTU, READ depths) and the exported
+//! region's address and rkey.
 
 /// Flag bit: an [`RdmaHello`] section follows the fixed part.
 const FLAG_RDMA: u32 = 1;
@@ -13,8 +13,9 @@ pub const HELLO_MAX_LEN: usize = HELLO_FIXED_LEN + RDMA_LEN;
 /// Length of a HELLO_ACK payload without its RDMA section.
 pub const HELLO_ACK_LEN: usize = ACK_FIXED_LEN;
 
-/// One side's RDMA endpoint. On the wire, 48 bytes:
-/// qpn u32, psn u32, gid [16], lid u16, mtu u8, pad u8, pad u32, addr u64, rkey u32, pad u32.
+/// One side's RDMA endpoint. On the wire, 48 bytes: qpn u32, psn u32,
+/// gid [16], lid u16, mtu u8, max_rd_atomic u8, max_dest_rd_atomic u8,
+/// 3 bytes zero, addr u64, rkey u32, 4 bytes zero.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RdmaHello {
     /// Queue pair number.
@@ -27,6 +28,12 @@ pub struct RdmaHello {
     pub lid: u16,
     /// Path MTU as the verbs enum value (1 = 256 ... 5 = 4096).
     pub mtu: u8,
+    /// RDMA READs this side's QP can have outstanding as the initiator
+    /// (at least 1 on the wire).
+    pub max_rd_atomic: u8,
+    /// RDMA READs this side's QP can serve at once as the responder (at
+    /// least 1 on the wire). The peer initiates no more than this.
+    pub max_dest_rd_atomic: u8,
     /// Address of the exported region (server side; 0 from clients).
     pub region_addr: u64,
     /// Remote key of the exported region (server side; 0 from clients).
@@ -40,14 +47,18 @@ impl RdmaHello {
         out.extend_from_slice(&self.gid);
         out.extend_from_slice(&self.lid.to_le_bytes());
         out.push(self.mtu);
-        out.extend_from_slice(&[0u8; 5]);
+        out.push(self.max_rd_atomic);
+        out.push(self.max_dest_rd_atomic);
+        out.extend_from_slice(&[0u8; 3]);
         out.extend_from_slice(&self.region_addr.to_le_bytes());
         out.extend_from_slice(&self.rkey.to_le_bytes());
         out.extend_from_slice(&[0u8; 4]);
     }
 
+    /// `None` unless `b` is exactly one section whose READ depths are at
+    /// least 1 (a QP that can take no READ cannot serve this protocol).
     fn decode(b: &[u8]) -> Option<Self> {
-        if b.len() != RDMA_LEN {
+        if b.len() != RDMA_LEN || b[27] == 0 || b[28] == 0 {
             return None;
         }
         let mut gid = [0u8; 16];
@@ -58,6 +69,8 @@ impl RdmaHello {
             gid,
             lid: u16::from_le_bytes([b[24], b[25]]),
             mtu: b[26],
+            max_rd_atomic: b[27],
+            max_dest_rd_atomic: b[28],
             region_addr: u64_at(b, 32),
             rkey: u32_at(b, 40),
         })
@@ -175,6 +188,8 @@ mod tests {
             gid: [7; 16],
             lid: 3,
             mtu: 5,
+            max_rd_atomic: 16,
+            max_dest_rd_atomic: 8,
             region_addr: 0x7f00_0000,
             rkey: 0xabcd,
         }
@@ -224,5 +239,47 @@ mod tests {
         }
         .encode();
         assert_eq!(HelloAck::decode(&ack[..ACK_FIXED_LEN - 1]), None);
+    }
+
+    #[test]
+    fn rdma_section_layout_carries_the_read_depths() {
+        let bytes = HelloRequest {
+            client_id: 1,
+            rdma: Some(rdma()),
+        }
+        .encode();
+        let section = &bytes[HELLO_FIXED_LEN..];
+        assert_eq!(section.len(), RDMA_LEN);
+        assert_eq!(&section[0..4], &0x11u32.to_le_bytes());
+        assert_eq!(&section[24..26], &3u16.to_le_bytes());
+        assert_eq!(section[26], 5, "mtu");
+        assert_eq!(section[27], 16, "max_rd_atomic");
+        assert_eq!(section[28], 8, "max_dest_rd_atomic");
+        assert_eq!(&section[29..32], &[0, 0, 0]);
+        assert_eq!(&section[32..40], &0x7f00_0000u64.to_le_bytes());
+        assert_eq!(&section[40..44], &0xabcdu32.to_le_bytes());
+        assert_eq!(&section[44..48], &[0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn a_section_without_a_read_depth_is_refused() {
+        for at in [27, 28] {
+            let mut bytes = HelloRequest {
+                client_id: 1,
+                rdma: Some(rdma()),
+            }
+            .encode();
+            bytes[HELLO_FIXED_LEN + at] = 0;
+            assert_eq!(HelloRequest::decode(&bytes), None, "byte {at}");
+            let mut ack = HelloAck {
+                region_size_bytes: 1,
+                epoch: 2,
+                page_size: 4096,
+                rdma: Some(rdma()),
+            }
+            .encode();
+            ack[ACK_FIXED_LEN + at] = 0;
+            assert_eq!(HelloAck::decode(&ack), None, "byte {at}");
+        }
     }
 }
