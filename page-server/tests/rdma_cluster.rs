@@ -411,3 +411,76 @@ fn without_a_device_rdma_kind_refuses_and_auto_uses_tcp() {
         vec![("a".to_owned(), Some(DataPath::Tcp))]
     );
 }
+
+/// A caller that unwinds (a panic caught by `catch_unwind`, as the C API
+/// does) while its RDMA request is still in flight: the QP is torn down at
+/// once, before any later completion, so the NIC cannot write into a frame
+/// that went back to the pool; the next request runs on a new QP and every
+/// frame returns to the pool. The server's QP is made silently dead and the
+/// ACK timeout is long, so the request is certainly still in flight when
+/// the caller unwinds.
+fn unwind_mid_request(test: &str, mode: PollMode) {
+    require_device(test);
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator(&db);
+    let a = server(&coord.url(), "a", 0, true);
+    let mgr = TransportManager::connect(ManagerConfig {
+        // ~4.3 s per try: the dead QP is not noticed while the test looks.
+        rdma_ack_timeout: 20,
+        ..config(&coord.url(), TransportKind::Rdma, mode)
+    })
+    .expect("manager connects");
+    let (g0, g1) = (0u64, 5 * PAGE_SIZE as u64);
+    mgr.write_pages(&[g0, g1], &[page_for(g0, 3), page_for(g1, 3)])
+        .unwrap();
+    let capacity = mgr.pool().capacity();
+    let connected = |mgr: &TransportManager| {
+        mgr.node_transports()
+            .iter()
+            .any(|(n, p)| n == "a" && p.is_some())
+    };
+    for batch in [false, true] {
+        let qpn = mgr.rdma_qpn_for_test("a").expect("RDMA connection");
+        assert_eq!(a.break_rdma_qps_for_test(), 1);
+        mgr.panic_after_next_submit_for_test();
+        let mut pages = [[0u8; PAGE_SIZE]; 2];
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match batch {
+            false => mgr.read_page(g0, &mut pages[0]),
+            true => mgr.read_pages(&[g0, g1], &mut pages),
+        }));
+        assert!(unwound.is_err(), "{test}: the injected panic unwound");
+        assert!(
+            !connected(&mgr),
+            "{test} (batch {batch}): the connection of an abandoned in-flight request is still up"
+        );
+        mgr.read_pages(&[g0, g1], &mut pages)
+            .expect("served again on a new QP");
+        assert!(pages[0] == page_for(g0, 3) && pages[1] == page_for(g1, 3));
+        assert_ne!(mgr.rdma_qpn_for_test("a").unwrap(), qpn);
+        assert!(
+            wait_until(Duration::from_secs(10), || mgr.pool().available()
+                == capacity),
+            "{test}: frames never came back to the pool ({} of {capacity})",
+            mgr.pool().available()
+        );
+    }
+    assert_all_rdma(&mgr);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_caller_unwinding_mid_request_tears_the_qp_down() {
+    unwind_mid_request(
+        "rdma_caller_unwinding_mid_request_tears_the_qp_down",
+        PollMode::Busy,
+    );
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_caller_unwinding_mid_request_event_mode() {
+    unwind_mid_request(
+        "rdma_caller_unwinding_mid_request_event_mode",
+        PollMode::Event,
+    );
+}

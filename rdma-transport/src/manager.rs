@@ -30,6 +30,8 @@ mod rdma_single;
 mod tcp_chunk;
 #[cfg(test)]
 mod tests;
+#[cfg(any(test, feature = "test-hooks"))]
+mod unwind_hook;
 
 use link::{Link, RdmaSide};
 use map_state::{Install, MapState, Node};
@@ -305,6 +307,15 @@ impl TransportManager {
         self.inner.rdma.as_ref().map_or(0, |r| r.pollers.events())
     }
 
+    /// Test hook: the calling thread's next request panics right after it
+    /// is submitted (before its completion), to test that an unwinding
+    /// caller leaves nothing pointing at its stack, buffers or frames.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn panic_after_next_submit_for_test(&self) {
+        unwind_hook::arm();
+    }
+
     /// Test hook: the local QP number of the node's live RDMA connection.
     #[doc(hidden)]
     #[cfg(feature = "test-hooks")]
@@ -505,8 +516,8 @@ impl Inner {
             }
             tcp.groups[group] = Some(conn);
         }
-        #[cfg(test)]
-        tests::maybe_panic_after_submit();
+        #[cfg(any(test, feature = "test-hooks"))]
+        unwind_hook::maybe_panic_after_submit();
         let spin = match self.config.poll_mode {
             PollMode::Busy => Duration::from_micros(self.config.wait_spin_us),
             PollMode::Event => Duration::ZERO,

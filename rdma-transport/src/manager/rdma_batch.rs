@@ -41,14 +41,22 @@ impl RdmaChunk {
 
 impl Drop for RdmaChunk {
     /// Runs with batches unsettled only when the caller unwound between
-    /// submit and completion: each such batch is cancelled and its QP torn
-    /// down, and every frame the device may still write is quarantined with
-    /// its connection instead of going back to the pool.
+    /// submit and completion: each such batch is cancelled; one still in
+    /// flight has its QP torn down and its frames, which the device may
+    /// still write, quarantined with the connection (freed with the QP)
+    /// instead of going back to the pool.
     fn drop(&mut self) {
-        for g in 0..self.groups {
-            if let (Some(conn), Some(id)) = (&self.conns[g], self.ids[g].take()) {
-                if conn.inflight.cancel(id) != Some(0) {
-                    conn.mark_broken(CODE_CONN_LOST);
+        let mut in_flight = [false; MAX_CHUNK];
+        let groups = self.conns.iter().zip(self.ids.iter_mut()).take(self.groups);
+        for ((conn, id), in_flight) in groups.zip(in_flight.iter_mut()) {
+            if let (Some(conn), Some(id)) = (conn, id.take()) {
+                match conn.inflight.cancel(id) {
+                    Some(0) => {}
+                    Some(_) => conn.mark_broken(CODE_CONN_LOST),
+                    None => {
+                        conn.mark_broken(CODE_CONN_LOST);
+                        *in_flight = true;
+                    }
                 }
             }
         }
@@ -56,9 +64,11 @@ impl Drop for RdmaChunk {
             let Some(frame) = slot.take() else {
                 continue;
             };
-            match self.conns.get(self.group_of[j]).and_then(Option::as_ref) {
-                Some(conn) => conn.quarantine(frame),
-                None => drop(frame),
+            let g = self.group_of[j];
+            match self.conns.get(g).and_then(Option::as_ref) {
+                Some(conn) if in_flight.get(g) == Some(&true) => conn.quarantine(frame),
+                // Completed, or never posted: the device is done with it.
+                _ => drop(frame),
             }
         }
     }

@@ -99,6 +99,8 @@ impl Inner {
             id: Some(id),
             frame: Some(buf),
         };
+        #[cfg(any(test, feature = "test-hooks"))]
+        super::unwind_hook::maybe_panic_after_submit();
         let spin = match self.config.poll_mode {
             PollMode::Busy => Duration::from_micros(self.config.wait_spin_us),
             PollMode::Event => Duration::ZERO,
@@ -156,11 +158,23 @@ impl Drop for Pending<'_> {
         let Some(id) = self.id.take() else {
             return;
         };
-        if self.conn.inflight.cancel(id) != Some(0) {
-            self.conn.mark_broken(CODE_CONN_LOST);
-        }
-        if let Some(frame) = self.frame.take() {
-            self.conn.quarantine(frame);
+        let frame = self.frame.take();
+        match self.conn.inflight.cancel(id) {
+            // Completed: the device is done with the frame.
+            Some(code) => {
+                if code != 0 {
+                    self.conn.mark_broken(CODE_CONN_LOST);
+                }
+                drop(frame);
+            }
+            // Still in flight: stop the QP, keep the frame from the pool
+            // until the QP is destroyed.
+            None => {
+                self.conn.mark_broken(CODE_CONN_LOST);
+                if let Some(frame) = frame {
+                    self.conn.quarantine(frame);
+                }
+            }
         }
     }
 }

@@ -3,7 +3,6 @@
 //! deadline whatever the network or the coordinator does, and a caller that
 //! unwinds mid-request leaves nothing pointing at its stack or buffers.
 
-use std::cell::Cell;
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -15,18 +14,6 @@ use crate::config::{ManagerConfig, PollMode, TransportKind};
 use crate::error::TransportError;
 use crate::page::PAGE_SIZE;
 use crate::testing::{answer_read, fake_coordinator, fake_node, map_of, read_header, NODE_STRIDE};
-
-thread_local! {
-    static PANIC_AFTER_SUBMIT: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Called by `run_chunk` once its requests are on the wire: panics there
-/// when this thread's test asked for it.
-pub(super) fn maybe_panic_after_submit() {
-    if PANIC_AFTER_SUBMIT.with(|p| p.replace(false)) {
-        panic!("injected panic between submit and completion");
-    }
-}
 
 fn config(request_timeout_ms: u64, poll_mode: PollMode) -> ManagerConfig {
     ManagerConfig {
@@ -195,7 +182,7 @@ fn a_caller_that_unwinds_mid_request_leaves_its_page_alone() {
             TransportManager::from_map(config(5000, PollMode::Event), map_of(1, &[("a", addr)]))
                 .expect("manager");
         let mut abandoned = Box::new([0u8; PAGE_SIZE]);
-        PANIC_AFTER_SUBMIT.with(|p| p.set(true));
+        super::unwind_hook::arm();
         let unwound = catch_unwind(AssertUnwindSafe(|| mgr.read_page(0, &mut abandoned)));
         assert!(unwound.is_err(), "the injected panic unwound the call");
         first_seen.recv().expect("node got the first request");
