@@ -132,7 +132,8 @@ pub unsafe extern "C" fn rt_guest_memory_config_default(config: *mut RtGuestMemo
         retry_interval_ms: d.retry_interval_ms,
         prefetch_max_pages: d.prefetch_max_pages as u32,
         sigbus_method: RtSigbusMethod::Auto as u32,
-        handle_kernel_faults: d.handle_kernel_faults,
+        handle_kernel_faults: d.fault_mode
+            == rdma_transport::guest_memory::FaultMode::KernelAndUser,
         on_fault_error: None,
         on_fault_error_user: std::ptr::null_mut(),
     };
@@ -228,7 +229,11 @@ pub unsafe extern "C" fn rt_guest_memory_create(
             retry_interval_ms: c.retry_interval_ms,
             prefetch_max_pages: c.prefetch_max_pages as usize,
             sigbus_method,
-            handle_kernel_faults: c.handle_kernel_faults,
+            fault_mode: if c.handle_kernel_faults {
+                rdma_transport::guest_memory::FaultMode::KernelAndUser
+            } else {
+                rdma_transport::guest_memory::FaultMode::UserOnly
+            },
             on_fault_error,
         };
         match GuestMemory::new(Arc::clone(&manager.inner), config) {

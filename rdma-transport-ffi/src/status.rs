@@ -107,6 +107,7 @@ pub(crate) fn guest_status(err: &GuestMemoryError) -> RtStatus {
     match err {
         GuestMemoryError::Config(_) => RtStatus::InvalidArgument,
         GuestMemoryError::Unsupported(_) => RtStatus::Unsupported,
+        GuestMemoryError::KernelFaultsRefused { .. } => RtStatus::Unsupported,
         GuestMemoryError::OutOfRange { .. } => RtStatus::OutOfRange,
         GuestMemoryError::WriteBack { .. } => RtStatus::WriteBack,
         _ => RtStatus::System,

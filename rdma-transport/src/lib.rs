@@ -25,6 +25,7 @@ pub mod region;
 pub mod size;
 mod sys;
 mod tcp;
+pub mod uffd;
 pub mod verbs;
 pub mod wire;
 
