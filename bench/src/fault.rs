@@ -332,7 +332,7 @@ fn orders(pages: usize, touches: usize, spec: Spec, round: u64) -> Vec<Vec<usize
 /// A userfaultfd fault served by `UFFDIO_COPY` from a local buffer: one
 /// handler thread pinned like ours, blocking in `poll` like ours.
 fn local_uffd_baseline(pages: usize, spec: Spec) -> anyhow::Result<Outcome> {
-    use userfaultfd::{Event, RegisterMode, UffdBuilder};
+    use rdma_transport::uffd::{Event, EventBuffer, FaultMode, RegisterMode, Userfaultfd};
     let len = pages * PAGE_SIZE;
     let region = rdma_transport::region::MappedRegion::new(
         len,
@@ -341,13 +341,9 @@ fn local_uffd_baseline(pages: usize, spec: Spec) -> anyhow::Result<Outcome> {
             populate: false,
         },
     )?;
-    let uffd = UffdBuilder::new()
-        .close_on_exec(true)
-        .non_blocking(true)
-        .user_mode_only(true)
-        .create()
-        .context("userfaultfd")?;
-    uffd.register_with_mode(region.as_ptr().cast(), len, RegisterMode::MISSING)
+    let uffd = Userfaultfd::open(FaultMode::UserOnly).context("userfaultfd")?;
+    uffd.enable(0).context("UFFDIO_API")?;
+    uffd.register(region.as_ptr(), len, RegisterMode::MISSING)
         .context("UFFDIO_REGISTER")?;
     let uffd = Arc::new(uffd);
     let stop = Arc::new(AtomicBool::new(false));
@@ -357,7 +353,7 @@ fn local_uffd_baseline(pages: usize, spec: Spec) -> anyhow::Result<Outcome> {
         std::thread::spawn(move || {
             let _ = core_affinity::set_for_current(core_affinity::CoreId { id: 0 });
             let mut src: Page = [0u8; PAGE_SIZE];
-            let mut events = userfaultfd::EventBuffer::new(16);
+            let mut events = EventBuffer::new(16);
             while !stop.load(Ordering::Relaxed) {
                 let mut fd = libc::pollfd {
                     fd: uffd.as_raw_fd(),
@@ -368,18 +364,19 @@ fn local_uffd_baseline(pages: usize, spec: Spec) -> anyhow::Result<Outcome> {
                 if unsafe { libc::poll(&mut fd, 1, 50) } <= 0 {
                     continue;
                 }
-                let Ok(iter) = uffd.read_events(&mut events) else {
+                if uffd.read_events(&mut events).is_err() {
                     continue;
-                };
-                for event in iter {
-                    if let Ok(Event::Pagefault { addr, .. }) = event {
-                        let page_addr = (addr as usize) & !(PAGE_SIZE - 1);
+                }
+                for event in events.events() {
+                    if let Event::Pagefault(fault) = event {
+                        let page_addr = fault.addr & !(PAGE_SIZE - 1);
                         let gpa = (page_addr - base) as u64;
                         pattern::fill(&mut src, gpa, SEED);
                         // SAFETY: `src` is a live page; `page_addr` is a
-                        // page of the registered region.
+                        // missing page of the registered region, read by
+                        // the toucher only through raw pointers.
                         let _ = unsafe {
-                            uffd.copy(src.as_ptr().cast(), page_addr as *mut _, PAGE_SIZE, true)
+                            uffd.copy(src.as_ptr(), page_addr as *mut u8, PAGE_SIZE, false, true)
                         };
                     }
                 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use rdma_transport::guest_memory::{
-    FaultAction, GuestMemory, GuestMemoryConfig, GuestMemoryError, SigbusMethod,
+    FaultAction, FaultMode, GuestMemory, GuestMemoryConfig, GuestMemoryError, SigbusMethod,
 };
 use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
 
@@ -85,6 +85,63 @@ fn written_pattern_survives_evict_and_faults_back_in() {
     assert!(ram.stats().missing_faults > before);
     // Clean pages need no write-back.
     assert_eq!(ram.flush().unwrap(), 0);
+}
+
+/// `write(2)` of the guest page at `ptr` into a pipe (a kernel-mode read
+/// of guest memory, as KVM's would be), and what came out of the pipe.
+fn kernel_mode_read(ptr: *mut u8) -> std::io::Result<Vec<u8>> {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` is a live array of two ints.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: `ptr` is one page of a live guest region; the pipe has room.
+    let n = unsafe { libc::write(fds[1], ptr.cast(), PAGE_SIZE) };
+    let result = if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        let mut out = vec![0u8; n as usize];
+        // SAFETY: `out` has room for the `n` bytes in the pipe.
+        let got = unsafe { libc::read(fds[0], out.as_mut_ptr().cast(), out.len()) };
+        assert_eq!(got, n);
+        Ok(out)
+    };
+    for fd in fds {
+        // SAFETY: our own pipe ends, closed once.
+        unsafe { libc::close(fd) };
+    }
+    result
+}
+
+#[test]
+fn fault_mode_decides_whether_kernel_mode_accesses_are_served() {
+    let (_db, coord) = cluster_coordinator();
+    let _a = page_server(&coord.url(), "a", 0);
+    let mgr = Arc::new(manager(&coord.url()));
+    let gpa = 2 * PAGE_SIZE as u64;
+    mgr.write_page(gpa, &page_for(gpa, 3)).unwrap();
+
+    // User-mode faults only: the kernel's access to a page not fetched
+    // yet fails, and no fault reaches the handler.
+    let ram = GuestMemory::new(
+        Arc::clone(&mgr),
+        GuestMemoryConfig {
+            fault_mode: FaultMode::UserOnly,
+            ..config(0, NODE_BYTES)
+        },
+    )
+    .unwrap();
+    assert!(!ram.handles_kernel_faults());
+    let err = kernel_mode_read(ram.host_addr(gpa).unwrap()).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EFAULT));
+    assert_eq!(ram.stats().missing_faults, 0);
+    drop(ram);
+
+    // The default serves it: the handler fetches the page and the syscall
+    // completes with its content.
+    let ram = GuestMemory::new(Arc::clone(&mgr), config(0, NODE_BYTES)).unwrap();
+    assert!(ram.handles_kernel_faults(), "tests run as root");
+    let bytes = kernel_mode_read(ram.host_addr(gpa).unwrap()).unwrap();
+    assert!(bytes == page_for(gpa, 3), "kernel read the wrong bytes");
+    assert_eq!(ram.stats().missing_faults, 1);
 }
 
 #[test]

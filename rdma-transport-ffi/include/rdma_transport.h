@@ -42,6 +42,13 @@ typedef enum RtStatus {
   RT_STATUS_SYSTEM = 13,
   // A bug in the library (a caught panic).
   RT_STATUS_INTERNAL = 14,
+  // The process may not do what was asked: kernel-mode userfaultfd
+  // faults (`RT_FAULT_MODE_KERNEL_AND_USER`) need CAP_SYS_PTRACE,
+  // sysctl vm.unprivileged_userfaultfd=1 or access to /dev/userfaultfd.
+  RT_STATUS_PERMISSION = 15,
+  // A config's `struct_size` is not a size this library knows (set it
+  // to `sizeof` the struct; the `_config_default` functions do).
+  RT_STATUS_STRUCT_SIZE = 16,
 } RtStatus;
 
 // What to do with a fault that cannot be served (callback return value).
@@ -51,6 +58,18 @@ typedef enum RtFaultAction {
   // Keep the thread waiting and try again for another fault timeout.
   RT_FAULT_ACTION_RETRY = 1,
 } RtFaultAction;
+
+// Which faults of the region are served (see docs/embedding.md).
+typedef enum RtFaultMode {
+  // The default, what KVM needs: faults taken in user mode and in kernel
+  // mode (KVM, syscalls). Needs CAP_SYS_PTRACE, sysctl
+  // vm.unprivileged_userfaultfd=1 or access to /dev/userfaultfd; when
+  // refused, `rt_guest_memory_create` fails with `RT_STATUS_PERMISSION`.
+  RT_FAULT_MODE_KERNEL_AND_USER = 0,
+  // User-mode faults only: no privilege needed; a kernel-mode access to
+  // a page not yet fetched fails with EFAULT.
+  RT_FAULT_MODE_USER_ONLY = 1,
+} RtFaultMode;
 
 // How a failed fault becomes SIGBUS (see docs/embedding.md).
 typedef enum RtSigbusMethod {
@@ -94,16 +113,20 @@ typedef struct RtFaultReport {
 typedef uint32_t (*RtFaultErrorFn)(void *user, const struct RtFaultReport *report);
 
 // Settings of `rt_guest_memory_create`; fill with
-// `rt_guest_memory_config_default` first.
+// `rt_guest_memory_config_default` first. Flags are 0 or 1; other values
+// are refused with `RT_STATUS_INVALID_ARGUMENT`.
 typedef struct RtGuestMemoryConfig {
+  // `sizeof(RtGuestMemoryConfig)`, set by
+  // `rt_guest_memory_config_default`: lets the struct grow (see
+  // docs/embedding.md). Other sizes are refused with
+  // `RT_STATUS_STRUCT_SIZE`.
+  uint32_t struct_size;
+  // Fault handler threads.
+  uint32_t handler_threads;
   // First guest-physical address (4096-aligned).
   uint64_t gpa_base;
   // Size in bytes (a positive multiple of 4096).
   uint64_t size_bytes;
-  // Fault handler threads.
-  uint32_t handler_threads;
-  // Pin handlers to the first CPUs of the host.
-  bool pin_handlers;
   // How long a fault may wait for its page, retries included.
   uint64_t fault_timeout_ms;
   // Wait between two fetch attempts while the owner is down.
@@ -112,9 +135,10 @@ typedef struct RtGuestMemoryConfig {
   uint32_t prefetch_max_pages;
   // An `RtSigbusMethod` value.
   uint32_t sigbus_method;
-  // Also serve faults taken in kernel mode (KVM, syscalls); needs root
-  // or access to /dev/userfaultfd.
-  bool handle_kernel_faults;
+  // An `RtFaultMode` value (0, the default: kernel- and user-mode faults).
+  uint32_t fault_mode;
+  // 1: pin handlers to the first CPUs of the host; 0: no pinning.
+  uint32_t pin_handlers;
   // Called for every fault that cannot be served; NULL: SIGBUS.
   RtFaultErrorFn on_fault_error;
   // Passed to `on_fault_error`; must stay valid while the region lives.
@@ -140,8 +164,15 @@ typedef struct RtGuestMemoryStats {
 } RtGuestMemoryStats;
 
 // Settings of `rt_manager_connect`; fill with `rt_manager_config_default`
-// first, then change what you need.
+// first, then change what you need. Flags are 0 or 1; other values are
+// refused with `RT_STATUS_INVALID_ARGUMENT`.
 typedef struct RtManagerConfig {
+  // `sizeof(RtManagerConfig)`, set by `rt_manager_config_default`: lets
+  // the struct grow (see docs/embedding.md). Other sizes are refused with
+  // `RT_STATUS_STRUCT_SIZE`.
+  uint32_t struct_size;
+  // Poller threads.
+  uint32_t poller_threads;
   // Coordinator base URL, e.g. "http://127.0.0.1:7070" (required).
   const char *coordinator_url;
   // Deadline of every page request, in milliseconds.
@@ -150,13 +181,11 @@ typedef struct RtManagerConfig {
   uint64_t connect_timeout_ms;
   // Size of the page pool in bytes (a multiple of 4096).
   uint64_t pool_size_bytes;
-  // Poller threads.
-  uint32_t poller_threads;
-  // Pin pollers to the last CPUs of the host.
-  bool pin_pollers;
   // How long a caller spins for its answer before it parks, in
   // microseconds (about 10 on hosts with 2-4 CPUs, see docs/embedding.md).
   uint64_t wait_spin_us;
+  // 1: pin pollers to the last CPUs of the host; 0: no pinning.
+  uint32_t pin_pollers;
 } RtManagerConfig;
 
 #ifdef __cplusplus
@@ -173,8 +202,13 @@ void rt_guest_memory_config_default(struct RtGuestMemoryConfig *config);
 // `manager` reaches, and starts its fault handler threads. `*out` receives
 // the region; its memory is at `rt_guest_memory_host_addr`.
 //
+// The config is checked first (`struct_size`, flags, enum values), then the
+// other arguments.
+//
 // # Safety
-// `manager` must be a live handle, `config` a valid config, `out` writable.
+// `manager` must be NULL or a live handle, `config` NULL or an
+// `RtGuestMemoryConfig` (at least `struct_size` readable bytes), `out`
+// NULL or writable.
 enum RtStatus rt_guest_memory_create(const struct RtManager *manager,
                                      const struct RtGuestMemoryConfig *config,
                                      struct RtGuestMemory **out);
@@ -253,8 +287,9 @@ void rt_manager_config_default(struct RtManagerConfig *config);
 // the manager (destroy it with `rt_manager_destroy`).
 //
 // # Safety
-// `config` must point to a valid `RtManagerConfig` whose URL is a
-// NUL-terminated string; `out` must be writable.
+// `config` must point to an `RtManagerConfig` (at least `struct_size`
+// readable bytes) whose URL is a NUL-terminated string; `out` must be
+// writable.
 enum RtStatus rt_manager_connect(const struct RtManagerConfig *config, struct RtManager **out);
 
 // Destroys a manager. Guest memory created from it keeps its own

@@ -4,9 +4,11 @@ use std::ffi::{c_char, c_void, CString};
 use std::sync::Arc;
 
 use rdma_transport::guest_memory::{
-    FaultAction, FaultReport, GuestMemory, GuestMemoryConfig, GuestMemoryError, SigbusMethod,
+    FaultAction, FaultMode, FaultReport, GuestMemory, GuestMemoryConfig, GuestMemoryError,
+    SigbusMethod,
 };
 
+use crate::abi::{flag, read_config, struct_size, CConfig};
 use crate::manager::RtManager;
 use crate::status::{chain, fail, guard, guest_status, transport_status, RtStatus};
 
@@ -39,6 +41,20 @@ pub enum RtSigbusMethod {
     Tgkill = 2,
 }
 
+/// Which faults of the region are served (see docs/embedding.md).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RtFaultMode {
+    /// The default, what KVM needs: faults taken in user mode and in kernel
+    /// mode (KVM, syscalls). Needs CAP_SYS_PTRACE, sysctl
+    /// vm.unprivileged_userfaultfd=1 or access to /dev/userfaultfd; when
+    /// refused, `rt_guest_memory_create` fails with `RT_STATUS_PERMISSION`.
+    KernelAndUser = 0,
+    /// User-mode faults only: no privilege needed; a kernel-mode access to
+    /// a page not yet fetched fails with EFAULT.
+    UserOnly = 1,
+}
+
 /// A fault that could not be served, as passed to the callback.
 #[repr(C)]
 #[derive(Debug)]
@@ -67,18 +83,22 @@ pub type RtFaultErrorFn =
     Option<unsafe extern "C" fn(user: *mut c_void, report: *const RtFaultReport) -> u32>;
 
 /// Settings of `rt_guest_memory_create`; fill with
-/// `rt_guest_memory_config_default` first.
+/// `rt_guest_memory_config_default` first. Flags are 0 or 1; other values
+/// are refused with `RT_STATUS_INVALID_ARGUMENT`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct RtGuestMemoryConfig {
+    /// `sizeof(RtGuestMemoryConfig)`, set by
+    /// `rt_guest_memory_config_default`: lets the struct grow (see
+    /// docs/embedding.md). Other sizes are refused with
+    /// `RT_STATUS_STRUCT_SIZE`.
+    pub struct_size: u32,
+    /// Fault handler threads.
+    pub handler_threads: u32,
     /// First guest-physical address (4096-aligned).
     pub gpa_base: u64,
     /// Size in bytes (a positive multiple of 4096).
     pub size_bytes: u64,
-    /// Fault handler threads.
-    pub handler_threads: u32,
-    /// Pin handlers to the first CPUs of the host.
-    pub pin_handlers: bool,
     /// How long a fault may wait for its page, retries included.
     pub fault_timeout_ms: u64,
     /// Wait between two fetch attempts while the owner is down.
@@ -87,13 +107,18 @@ pub struct RtGuestMemoryConfig {
     pub prefetch_max_pages: u32,
     /// An `RtSigbusMethod` value.
     pub sigbus_method: u32,
-    /// Also serve faults taken in kernel mode (KVM, syscalls); needs root
-    /// or access to /dev/userfaultfd.
-    pub handle_kernel_faults: bool,
+    /// An `RtFaultMode` value (0, the default: kernel- and user-mode faults).
+    pub fault_mode: u32,
+    /// 1: pin handlers to the first CPUs of the host; 0: no pinning.
+    pub pin_handlers: u32,
     /// Called for every fault that cannot be served; NULL: SIGBUS.
     pub on_fault_error: RtFaultErrorFn,
     /// Passed to `on_fault_error`; must stay valid while the region lives.
     pub on_fault_error_user: *mut c_void,
+}
+
+impl CConfig for RtGuestMemoryConfig {
+    const NAME: &'static str = "RtGuestMemoryConfig";
 }
 
 /// Counters of a region.
@@ -124,15 +149,19 @@ pub struct RtGuestMemoryStats {
 pub unsafe extern "C" fn rt_guest_memory_config_default(config: *mut RtGuestMemoryConfig) {
     let d = GuestMemoryConfig::default();
     let value = RtGuestMemoryConfig {
+        struct_size: struct_size::<RtGuestMemoryConfig>(),
         gpa_base: 0,
         size_bytes: 0,
         handler_threads: d.handler_threads as u32,
-        pin_handlers: true,
+        pin_handlers: 1,
         fault_timeout_ms: d.fault_timeout_ms,
         retry_interval_ms: d.retry_interval_ms,
         prefetch_max_pages: d.prefetch_max_pages as u32,
         sigbus_method: RtSigbusMethod::Auto as u32,
-        handle_kernel_faults: d.handle_kernel_faults,
+        fault_mode: match d.fault_mode {
+            FaultMode::KernelAndUser => RtFaultMode::KernelAndUser as u32,
+            FaultMode::UserOnly => RtFaultMode::UserOnly as u32,
+        },
         on_fault_error: None,
         on_fault_error_user: std::ptr::null_mut(),
     };
@@ -182,8 +211,13 @@ impl Callback {
 /// `manager` reaches, and starts its fault handler threads. `*out` receives
 /// the region; its memory is at `rt_guest_memory_host_addr`.
 ///
+/// The config is checked first (`struct_size`, flags, enum values), then the
+/// other arguments.
+///
 /// # Safety
-/// `manager` must be a live handle, `config` a valid config, `out` writable.
+/// `manager` must be NULL or a live handle, `config` NULL or an
+/// `RtGuestMemoryConfig` (at least `struct_size` readable bytes), `out`
+/// NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn rt_guest_memory_create(
     manager: *const RtManager,
@@ -191,46 +225,22 @@ pub unsafe extern "C" fn rt_guest_memory_create(
     out: *mut *mut RtGuestMemory,
 ) -> RtStatus {
     guard(|| {
+        // SAFETY: the caller passes NULL or a config of `struct_size` bytes.
+        let c = match unsafe { read_config(config) } {
+            Ok(c) => c,
+            Err(status) => return status,
+        };
+        let config = match rust_config(&c) {
+            Ok(config) => config,
+            Err(status) => return status,
+        };
         // SAFETY: the caller passes NULL or a live handle.
         let Some(manager) = (unsafe { manager.as_ref() }) else {
             return fail(RtStatus::InvalidArgument, "manager is NULL");
         };
-        // SAFETY: the caller passes NULL or a valid config.
-        let Some(c) = (unsafe { config.as_ref() }) else {
-            return fail(RtStatus::InvalidArgument, "config is NULL");
-        };
         if out.is_null() {
             return fail(RtStatus::InvalidArgument, "out is NULL");
         }
-        let Ok(size_bytes) = usize::try_from(c.size_bytes) else {
-            return fail(RtStatus::InvalidArgument, "size_bytes too large");
-        };
-        let sigbus_method = match c.sigbus_method {
-            0 => SigbusMethod::Auto,
-            1 => SigbusMethod::Poison,
-            2 => SigbusMethod::Tgkill,
-            other => return fail(RtStatus::InvalidArgument, format!("sigbus_method {other}")),
-        };
-        let on_fault_error = c.on_fault_error.map(|f| {
-            let cb = Callback {
-                f,
-                user: c.on_fault_error_user,
-            };
-            Arc::new(move |r: &FaultReport| cb.call(r))
-                as rdma_transport::guest_memory::FaultErrorHandler
-        });
-        let config = GuestMemoryConfig {
-            gpa_base: c.gpa_base,
-            size_bytes,
-            handler_threads: c.handler_threads as usize,
-            handler_cpus: if c.pin_handlers { None } else { Some(vec![]) },
-            fault_timeout_ms: c.fault_timeout_ms,
-            retry_interval_ms: c.retry_interval_ms,
-            prefetch_max_pages: c.prefetch_max_pages as usize,
-            sigbus_method,
-            handle_kernel_faults: c.handle_kernel_faults,
-            on_fault_error,
-        };
         match GuestMemory::new(Arc::clone(&manager.inner), config) {
             Ok(inner) => {
                 let handle = Box::into_raw(Box::new(RtGuestMemory { inner }));
@@ -240,6 +250,56 @@ pub unsafe extern "C" fn rt_guest_memory_create(
             }
             Err(e) => guest_fail(&e),
         }
+    })
+}
+
+/// The Rust config of a C one, every value checked.
+fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryConfig, RtStatus> {
+    const NAME: &str = RtGuestMemoryConfig::NAME;
+    let pin_handlers = flag(c.pin_handlers, NAME, "pin_handlers")?;
+    let Ok(size_bytes) = usize::try_from(c.size_bytes) else {
+        return Err(fail(RtStatus::InvalidArgument, "size_bytes too large"));
+    };
+    let sigbus_method = match c.sigbus_method {
+        0 => SigbusMethod::Auto,
+        1 => SigbusMethod::Poison,
+        2 => SigbusMethod::Tgkill,
+        other => {
+            return Err(fail(
+                RtStatus::InvalidArgument,
+                format!("{NAME}.sigbus_method {other} is not an RtSigbusMethod"),
+            ))
+        }
+    };
+    let fault_mode = match c.fault_mode {
+        0 => FaultMode::KernelAndUser,
+        1 => FaultMode::UserOnly,
+        other => {
+            return Err(fail(
+                RtStatus::InvalidArgument,
+                format!("{NAME}.fault_mode {other} is not an RtFaultMode"),
+            ))
+        }
+    };
+    let on_fault_error = c.on_fault_error.map(|f| {
+        let cb = Callback {
+            f,
+            user: c.on_fault_error_user,
+        };
+        Arc::new(move |r: &FaultReport| cb.call(r))
+            as rdma_transport::guest_memory::FaultErrorHandler
+    });
+    Ok(GuestMemoryConfig {
+        gpa_base: c.gpa_base,
+        size_bytes,
+        handler_threads: c.handler_threads as usize,
+        handler_cpus: if pin_handlers { None } else { Some(vec![]) },
+        fault_timeout_ms: c.fault_timeout_ms,
+        retry_interval_ms: c.retry_interval_ms,
+        prefetch_max_pages: c.prefetch_max_pages as usize,
+        sigbus_method,
+        fault_mode,
+        on_fault_error,
     })
 }
 

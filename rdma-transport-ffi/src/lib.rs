@@ -8,6 +8,7 @@
 //! stale). Build artefacts: `librdma_transport_ffi.so` and
 //! `librdma_transport_ffi.a`. See `docs/embedding.md` for an example.
 
+mod abi;
 mod guest;
 mod manager;
 mod status;
@@ -16,8 +17,8 @@ pub use guest::{
     rt_guest_memory_config_default, rt_guest_memory_create, rt_guest_memory_destroy,
     rt_guest_memory_evict, rt_guest_memory_flush, rt_guest_memory_host_addr, rt_guest_memory_read,
     rt_guest_memory_size, rt_guest_memory_stats, rt_guest_memory_write, RtFaultAction,
-    RtFaultErrorFn, RtFaultReport, RtGuestMemory, RtGuestMemoryConfig, RtGuestMemoryStats,
-    RtSigbusMethod,
+    RtFaultErrorFn, RtFaultMode, RtFaultReport, RtGuestMemory, RtGuestMemoryConfig,
+    RtGuestMemoryStats, RtSigbusMethod,
 };
 pub use manager::{
     rt_manager_config_default, rt_manager_connect, rt_manager_destroy, rt_manager_read_page,

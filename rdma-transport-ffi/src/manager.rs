@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
 
+use crate::abi::{flag, read_config, struct_size, CConfig};
 use crate::status::{chain, fail, guard, transport_status, RtStatus};
 
 /// An opaque handle to a transport manager.
@@ -14,10 +15,17 @@ pub struct RtManager {
 }
 
 /// Settings of `rt_manager_connect`; fill with `rt_manager_config_default`
-/// first, then change what you need.
+/// first, then change what you need. Flags are 0 or 1; other values are
+/// refused with `RT_STATUS_INVALID_ARGUMENT`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct RtManagerConfig {
+    /// `sizeof(RtManagerConfig)`, set by `rt_manager_config_default`: lets
+    /// the struct grow (see docs/embedding.md). Other sizes are refused with
+    /// `RT_STATUS_STRUCT_SIZE`.
+    pub struct_size: u32,
+    /// Poller threads.
+    pub poller_threads: u32,
     /// Coordinator base URL, e.g. "http://127.0.0.1:7070" (required).
     pub coordinator_url: *const c_char,
     /// Deadline of every page request, in milliseconds.
@@ -26,13 +34,15 @@ pub struct RtManagerConfig {
     pub connect_timeout_ms: u64,
     /// Size of the page pool in bytes (a multiple of 4096).
     pub pool_size_bytes: u64,
-    /// Poller threads.
-    pub poller_threads: u32,
-    /// Pin pollers to the last CPUs of the host.
-    pub pin_pollers: bool,
     /// How long a caller spins for its answer before it parks, in
     /// microseconds (about 10 on hosts with 2-4 CPUs, see docs/embedding.md).
     pub wait_spin_us: u64,
+    /// 1: pin pollers to the last CPUs of the host; 0: no pinning.
+    pub pin_pollers: u32,
+}
+
+impl CConfig for RtManagerConfig {
+    const NAME: &'static str = "RtManagerConfig";
 }
 
 /// Fills `config` with the library's defaults (no URL).
@@ -43,12 +53,13 @@ pub struct RtManagerConfig {
 pub unsafe extern "C" fn rt_manager_config_default(config: *mut RtManagerConfig) {
     let d = ManagerConfig::default();
     let value = RtManagerConfig {
+        struct_size: struct_size::<RtManagerConfig>(),
         coordinator_url: std::ptr::null(),
         request_timeout_ms: d.request_timeout_ms,
         connect_timeout_ms: d.connect_timeout_ms,
         pool_size_bytes: d.pool_size_bytes as u64,
         poller_threads: d.poller_threads as u32,
-        pin_pollers: true,
+        pin_pollers: 1,
         wait_spin_us: d.wait_spin_us,
     };
     // SAFETY: the caller passes NULL or a writable config.
@@ -61,17 +72,23 @@ pub unsafe extern "C" fn rt_manager_config_default(config: *mut RtManagerConfig)
 /// the manager (destroy it with `rt_manager_destroy`).
 ///
 /// # Safety
-/// `config` must point to a valid `RtManagerConfig` whose URL is a
-/// NUL-terminated string; `out` must be writable.
+/// `config` must point to an `RtManagerConfig` (at least `struct_size`
+/// readable bytes) whose URL is a NUL-terminated string; `out` must be
+/// writable.
 #[no_mangle]
 pub unsafe extern "C" fn rt_manager_connect(
     config: *const RtManagerConfig,
     out: *mut *mut RtManager,
 ) -> RtStatus {
     guard(|| {
-        // SAFETY: the caller passes NULL or a valid config.
-        let Some(config) = (unsafe { config.as_ref() }) else {
-            return fail(RtStatus::InvalidArgument, "config is NULL");
+        // SAFETY: the caller passes NULL or a config of `struct_size` bytes.
+        let config = match unsafe { read_config(config) } {
+            Ok(c) => c,
+            Err(status) => return status,
+        };
+        let pin_pollers = match flag(config.pin_pollers, RtManagerConfig::NAME, "pin_pollers") {
+            Ok(pin) => pin,
+            Err(status) => return status,
         };
         if out.is_null() || config.coordinator_url.is_null() {
             return fail(RtStatus::InvalidArgument, "out or coordinator_url is NULL");
@@ -90,11 +107,7 @@ pub unsafe extern "C" fn rt_manager_connect(
             connect_timeout_ms: config.connect_timeout_ms,
             pool_size_bytes,
             poller_threads: config.poller_threads as usize,
-            poller_cpus: if config.pin_pollers {
-                None
-            } else {
-                Some(vec![])
-            },
+            poller_cpus: if pin_pollers { None } else { Some(vec![]) },
             wait_spin_us: config.wait_spin_us,
             ..ManagerConfig::default()
         };

@@ -43,10 +43,17 @@ pub enum RtStatus {
     System = 13,
     /// A bug in the library (a caught panic).
     Internal = 14,
+    /// The process may not do what was asked: kernel-mode userfaultfd
+    /// faults (`RT_FAULT_MODE_KERNEL_AND_USER`) need CAP_SYS_PTRACE,
+    /// sysctl vm.unprivileged_userfaultfd=1 or access to /dev/userfaultfd.
+    Permission = 15,
+    /// A config's `struct_size` is not a size this library knows (set it
+    /// to `sizeof` the struct; the `_config_default` functions do).
+    StructSize = 16,
 }
 
 impl RtStatus {
-    const ALL: [Self; 15] = [
+    const ALL: [Self; 17] = [
         Self::Ok,
         Self::InvalidArgument,
         Self::UnknownGpa,
@@ -62,6 +69,8 @@ impl RtStatus {
         Self::Unsupported,
         Self::System,
         Self::Internal,
+        Self::Permission,
+        Self::StructSize,
     ];
 
     fn from_i32(value: i32) -> Option<Self> {
@@ -109,6 +118,7 @@ pub(crate) fn guest_status(err: &GuestMemoryError) -> RtStatus {
         GuestMemoryError::Unsupported(_) => RtStatus::Unsupported,
         GuestMemoryError::OutOfRange { .. } => RtStatus::OutOfRange,
         GuestMemoryError::WriteBack { .. } => RtStatus::WriteBack,
+        GuestMemoryError::KernelFaultsRefused { .. } => RtStatus::Permission,
         _ => RtStatus::System,
     }
 }
@@ -145,6 +155,8 @@ pub extern "C" fn rt_status_str(status: i32) -> *const c_char {
         Some(RtStatus::Unsupported) => b"not supported on this host\0",
         Some(RtStatus::System) => b"system call failed\0",
         Some(RtStatus::Internal) => b"internal error\0",
+        Some(RtStatus::Permission) => b"not permitted\0",
+        Some(RtStatus::StructSize) => b"config struct_size not known to this library\0",
     };
     s.as_ptr().cast()
 }
@@ -154,4 +166,24 @@ pub extern "C" fn rt_status_str(status: i32) -> *const c_char {
 #[no_mangle]
 pub extern "C" fn rt_last_error() -> *const c_char {
     LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::CStr;
+    use std::io;
+
+    use super::*;
+
+    #[test]
+    fn refused_kernel_faults_are_a_permission_status() {
+        let err = GuestMemoryError::KernelFaultsRefused {
+            source: io::Error::from(io::ErrorKind::PermissionDenied),
+        };
+        assert_eq!(guest_status(&err), RtStatus::Permission);
+        // SAFETY: rt_status_str returns a static NUL-terminated string.
+        let name = unsafe { CStr::from_ptr(rt_status_str(RtStatus::Permission as i32)) };
+        assert_eq!(name.to_str().unwrap(), "not permitted");
+        assert!(chain(&err).contains("/dev/userfaultfd"));
+    }
 }

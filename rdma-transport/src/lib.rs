@@ -27,6 +27,7 @@ mod sys;
 mod tcp;
 #[cfg(test)]
 mod testing;
+pub mod uffd;
 pub mod verbs;
 pub mod wire;
 

@@ -48,9 +48,17 @@ int main(int argc, char **argv) {
 
   RtManagerConfig mc;
   rt_manager_config_default(&mc);
+  EXPECT(mc.struct_size == sizeof mc);
   mc.coordinator_url = argv[1];
-  mc.pin_pollers = false;
+  mc.pin_pollers = 0;
   RtManager *m = NULL;
+  /* Config checks: a flag is 0 or 1, struct_size is sizeof the struct. */
+  mc.pin_pollers = 2;
+  EXPECT(rt_manager_connect(&mc, &m) == RT_STATUS_INVALID_ARGUMENT && m == NULL);
+  mc.pin_pollers = 0;
+  mc.struct_size = sizeof mc + 8;
+  EXPECT(rt_manager_connect(&mc, &m) == RT_STATUS_STRUCT_SIZE && m == NULL);
+  mc.struct_size = sizeof mc;
   CHECK(rt_manager_connect(&mc, &m));
 
   /* Page I/O straight through the manager. */
@@ -70,10 +78,18 @@ int main(int argc, char **argv) {
   /* Guest memory over the whole cluster. */
   RtGuestMemoryConfig gc;
   rt_guest_memory_config_default(&gc);
+  EXPECT(gc.struct_size == sizeof gc);
+  EXPECT(gc.fault_mode == RT_FAULT_MODE_KERNEL_AND_USER);
   gc.gpa_base = 0;
   gc.size_bytes = size;
-  gc.pin_handlers = false;
+  gc.pin_handlers = 0;
   RtGuestMemory *g = NULL;
+  gc.fault_mode = 7;
+  EXPECT(rt_guest_memory_create(m, &gc, &g) == RT_STATUS_INVALID_ARGUMENT && g == NULL);
+  gc.fault_mode = RT_FAULT_MODE_KERNEL_AND_USER;
+  gc.struct_size = 8;
+  EXPECT(rt_guest_memory_create(m, &gc, &g) == RT_STATUS_STRUCT_SIZE && g == NULL);
+  gc.struct_size = sizeof gc;
   CHECK(rt_guest_memory_create(m, &gc, &g));
   EXPECT(rt_guest_memory_size(g) == size);
   volatile uint64_t *ram = (volatile uint64_t *)rt_guest_memory_host_addr(g);

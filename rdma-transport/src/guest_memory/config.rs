@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::error::TransportError;
+use crate::uffd::FaultMode;
 
 /// How a fault that cannot be served is turned into SIGBUS in the faulting
 /// thread.
@@ -85,10 +86,14 @@ pub struct GuestMemoryConfig {
     pub prefetch_max_pages: usize,
     /// How a failed fault becomes SIGBUS.
     pub sigbus_method: SigbusMethod,
-    /// Also serve faults taken in kernel mode (KVM, `read(2)` into guest
-    /// memory). Needs root or access to `/dev/userfaultfd`; falls back to
-    /// user-mode faults only (with a warning) when refused.
-    pub handle_kernel_faults: bool,
+    /// Which faults are served. [`FaultMode::KernelAndUser`] (the default,
+    /// what KVM needs) also serves faults taken in kernel mode (KVM,
+    /// `read(2)` into guest memory); when the kernel refuses them to this
+    /// process, [`super::GuestMemory::new`] fails with
+    /// [`super::GuestMemoryError::KernelFaultsRefused`] (never a silent
+    /// fallback). [`FaultMode::UserOnly`] needs no privilege; a kernel-mode
+    /// access to a page not yet fetched then fails with `EFAULT`.
+    pub fault_mode: FaultMode,
     /// Called for every fault that cannot be served; `None`: SIGBUS.
     pub on_fault_error: Option<FaultErrorHandler>,
 }
@@ -116,7 +121,7 @@ impl Default for GuestMemoryConfig {
             retry_interval_ms: 50,
             prefetch_max_pages: 32,
             sigbus_method: SigbusMethod::Auto,
-            handle_kernel_faults: true,
+            fault_mode: FaultMode::KernelAndUser,
             on_fault_error: None,
         }
     }
@@ -133,7 +138,7 @@ impl fmt::Debug for GuestMemoryConfig {
             .field("retry_interval_ms", &self.retry_interval_ms)
             .field("prefetch_max_pages", &self.prefetch_max_pages)
             .field("sigbus_method", &self.sigbus_method)
-            .field("handle_kernel_faults", &self.handle_kernel_faults)
+            .field("fault_mode", &self.fault_mode)
             .field("on_fault_error", &self.on_fault_error.is_some())
             .finish()
     }

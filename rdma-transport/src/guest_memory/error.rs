@@ -14,6 +14,19 @@ pub enum GuestMemoryError {
     /// The kernel lacks a userfaultfd feature this module needs.
     #[error("unsupported by this kernel: {0}")]
     Unsupported(String),
+    /// Kernel-mode faults ([`super::FaultMode::KernelAndUser`], what KVM
+    /// needs) were asked for and the kernel refused them to this process.
+    #[error(
+        "userfaultfd refused to deliver kernel-mode faults (KVM needs them): \
+         give the process CAP_SYS_PTRACE, or set sysctl vm.unprivileged_userfaultfd=1, \
+         or give it read-write access to /dev/userfaultfd (Linux >= 6.1); \
+         or, if only user-space code touches guest memory, ask for FaultMode::UserOnly"
+    )]
+    KernelFaultsRefused {
+        /// The OS error (`EPERM`).
+        #[source]
+        source: io::Error,
+    },
     /// A userfaultfd call failed.
     #[error("{op} failed")]
     Userfaultfd {

@@ -23,9 +23,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use userfaultfd::{Event, EventBuffer, FaultKind, ReadWrite};
-
 use crate::error::TransportError;
+use crate::uffd::{Event, EventBuffer, FaultKind, Pagefault};
 
 use super::config::{FaultAction, FaultReport, SigbusMethod};
 use super::shared::{is_transient, Counters, Shared};
@@ -96,48 +95,44 @@ struct Handler<'a> {
 impl Handler<'_> {
     fn drain(&mut self, events: &mut EventBuffer) {
         loop {
-            let mut got = 0;
-            let iter = match self.shared.uffd.uffd().read_events(events) {
-                Ok(iter) => iter,
+            let got = match self.shared.uffd.read_events(events) {
+                Ok(got) => got,
                 Err(err) => {
                     tracing::warn!(%err, "reading userfaultfd events failed");
                     return;
                 }
             };
-            for event in iter {
-                got += 1;
-                match event {
-                    Ok(Event::Pagefault {
-                        kind,
-                        rw,
-                        addr,
-                        thread_id,
-                    }) => {
-                        let write = rw == ReadWrite::Write;
-                        let Some(page) = self.shared.region.page_of_addr(addr as usize) else {
-                            tracing::warn!(?addr, "fault outside the region; ignored");
-                            continue;
-                        };
-                        match kind {
-                            FaultKind::Missing => {
-                                let now = Instant::now();
-                                self.missing(PendingFault {
-                                    page,
-                                    write,
-                                    thread_id: thread_id.as_raw(),
-                                    first_seen: now,
-                                    due: now,
-                                    attempts: 0,
-                                });
-                            }
-                            FaultKind::WriteProtected => self.write_protected(page),
-                        }
+            for event in events.events() {
+                let Event::Pagefault(Pagefault {
+                    addr,
+                    kind,
+                    write,
+                    thread_id,
+                }) = event
+                else {
+                    tracing::debug!(?event, "unexpected userfaultfd event");
+                    continue;
+                };
+                let Some(page) = self.shared.region.page_of_addr(addr) else {
+                    tracing::warn!(addr, "fault outside the region; ignored");
+                    continue;
+                };
+                match kind {
+                    FaultKind::Missing => {
+                        let now = Instant::now();
+                        self.missing(PendingFault {
+                            page,
+                            write,
+                            thread_id,
+                            first_seen: now,
+                            due: now,
+                            attempts: 0,
+                        });
                     }
-                    Ok(other) => tracing::debug!(?other, "unexpected userfaultfd event"),
-                    Err(err) => tracing::warn!(%err, "bad userfaultfd event"),
+                    FaultKind::WriteProtect => self.write_protected(page),
                 }
             }
-            if got < EVENTS_PER_READ {
+            if got < events.capacity() {
                 return;
             }
         }

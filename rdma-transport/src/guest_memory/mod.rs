@@ -13,7 +13,8 @@
 //! callback and, by default, turns into SIGBUS in the faulting thread
 //! rather than freezing it.
 //!
-//! Files: `region.rs` (the mapping), `uffd.rs` (userfaultfd calls),
+//! Files: `region.rs` (the mapping), `uffd.rs` (the region's userfaultfd,
+//! on [`crate::uffd`]),
 //! `state.rs` (per-page state words), `handler.rs` (fault threads),
 //! `dirty.rs` (write-back), `prefetch.rs` (read-ahead), `config.rs`.
 //! The design is in `docs/embedding.md`.
@@ -58,6 +59,7 @@ use crate::manager::TransportManager;
 use crate::page::PAGE_SIZE;
 use crate::sys::cvt;
 
+pub use crate::uffd::FaultMode;
 pub use config::{FaultAction, FaultErrorHandler, FaultReport, GuestMemoryConfig, SigbusMethod};
 pub use error::GuestMemoryError;
 
@@ -106,6 +108,9 @@ impl GuestMemory {
     /// [`GuestMemoryError::Config`] for a bad size, alignment or thread
     /// count; [`GuestMemoryError::Unsupported`] when the kernel's
     /// userfaultfd lacks write-protect (Linux < 5.7);
+    /// [`GuestMemoryError::KernelFaultsRefused`] when `config.fault_mode` is
+    /// [`FaultMode::KernelAndUser`] and the process may not have kernel-mode
+    /// faults;
     /// [`GuestMemoryError::Userfaultfd`], [`GuestMemoryError::Memory`],
     /// [`GuestMemoryError::Thread`] for failed system calls.
     pub fn new(
@@ -123,11 +128,7 @@ impl GuestMemory {
             ));
         }
         let region = region::GuestRegion::new(config.gpa_base, config.size_bytes)?;
-        let uffd = uffd::RegionUffd::new(
-            region.base(),
-            region.len_bytes(),
-            config.handle_kernel_faults,
-        )?;
+        let uffd = uffd::RegionUffd::new(region.base(), region.len_bytes(), config.fault_mode)?;
         let sigbus = match config.sigbus_method {
             SigbusMethod::Auto if uffd.has_poison() => SigbusMethod::Poison,
             SigbusMethod::Auto => SigbusMethod::Tgkill,
@@ -147,7 +148,7 @@ impl GuestMemory {
         tracing::debug!(
             gpa_base = region.gpa_base(),
             pages = region.pages(),
-            kernel_faults = uffd.kernel_faults,
+            kernel_faults = uffd.kernel_faults(),
             ?sigbus,
             "guest memory registered with userfaultfd"
         );
@@ -248,7 +249,7 @@ impl GuestMemory {
 
     /// True when faults taken in kernel mode (KVM, syscalls) are served too.
     pub fn handles_kernel_faults(&self) -> bool {
-        self.shared.uffd.kernel_faults
+        self.shared.uffd.kernel_faults()
     }
 
     /// Copies guest memory at `gpa` into `buf`, faulting pages in as needed.
