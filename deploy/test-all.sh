@@ -14,7 +14,7 @@ step() { printf '\n==> %s\n' "$*"; }
 ok() { passed=$((passed + 1)); }
 trap 'echo; echo "test-all: FAILED at step $((passed + 1)) ($BASH_COMMAND)"; echo "checks: $passed passed, 1 failed"' ERR
 
-step "host packages (verbs headers and libclang for the bindings check, rdma-core)"
+step "host packages (verbs headers and libclang for the bindings-freshness check only, rdma-core)"
 pkgs=(libibverbs-dev libclang-dev clang rdma-core ibverbs-providers pkg-config)
 missing=()
 for p in "${pkgs[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
@@ -28,6 +28,13 @@ ok
 step "bindgen-cli (pinned) for the committed-bindings check"
 if ! rdma-transport/scripts/gen-verbs-bindings.sh --check >/dev/null 2>&1; then
     command -v bindgen >/dev/null 2>&1 || rdma-transport/scripts/gen-verbs-bindings.sh --install-tool
+fi
+ok
+
+step "the default build needs nothing but Rust and a C compiler (no bindgen, no libclang)"
+if cargo tree -e normal,build --workspace | grep -E "clang-sys|bindgen"; then
+    echo "a normal or build dependency needs libclang: the README's run command breaks on a fresh machine"
+    false
 fi
 ok
 
