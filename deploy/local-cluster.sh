@@ -17,11 +17,14 @@ target/release/coordinator --listen 127.0.0.1:0 --db "$dir/coordinator.db" --rea
 pids+=($!)
 for _ in $(seq 100); do [[ -s "$dir/coord.addr" ]] && break; sleep 0.1; done
 url="http://$(cat "$dir/coord.addr")"
+# The cluster key every member proves in each connection's handshake.
+(umask 077 && openssl rand -hex 32 >"$dir/cluster.key" 2>/dev/null) ||
+    (umask 077 && head -c 32 /dev/urandom | od -An -vtx1 | tr -d ' \n' >"$dir/cluster.key")
 bytes=$(numfmt --from=iec-i --suffix=B "$memory" 2>/dev/null | tr -d B || echo 268435456)
 for i in $(seq 0 $((nodes - 1))); do
     target/release/page-server --node-id "node-$i" --listen 127.0.0.1:0 --memory "$memory" \
-        --gpa-base $((i * bytes)) --coordinator "$url" &
+        --gpa-base $((i * bytes)) --coordinator "$url" --cluster-key-file "$dir/cluster.key" &
     pids+=($!)
 done
-echo "coordinator: $url  (try: target/release/bench --coordinator $url)"
+echo "coordinator: $url  (try: target/release/bench --coordinator $url --cluster-key-file $dir/cluster.key)"
 wait

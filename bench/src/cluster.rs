@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use coordinator::{CoordinatorConfig, RunningCoordinator};
 use page_server::{RunningServer, ServerConfig};
+use rdma_transport::auth::ClusterKey;
 
 /// The running pieces; dropping this stops them all.
 pub struct LocalCluster {
@@ -19,8 +20,14 @@ pub struct LocalCluster {
 impl LocalCluster {
     /// Starts a coordinator and `nodes` page-servers that together export
     /// `memory_bytes` (split evenly, contiguous GPA ranges from 0).
-    /// `server_spin` is the page-servers' `spin_before_block`.
-    pub fn start(nodes: usize, memory_bytes: usize, server_spin: Duration) -> anyhow::Result<Self> {
+    /// `server_spin` is the page-servers' `spin_before_block`; `key` the
+    /// cluster key they require (`None`: insecure).
+    pub fn start(
+        nodes: usize,
+        memory_bytes: usize,
+        server_spin: Duration,
+        key: Option<ClusterKey>,
+    ) -> anyhow::Result<Self> {
         let db_dir =
             tempfile::tempdir().context("temporary directory for the coordinator database")?;
         let coordinator = coordinator::spawn(CoordinatorConfig {
@@ -39,6 +46,7 @@ impl LocalCluster {
             cfg.gpa_base = (i * per_node) as u64;
             cfg.coordinator_url = Some(url.clone());
             cfg.spin_before_block = server_spin;
+            cfg.cluster_key = key.clone();
             servers.push(
                 page_server::spawn(cfg)
                     .with_context(|| format!("starting page-server node-{i}"))?,

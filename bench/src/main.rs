@@ -63,6 +63,14 @@ struct Args {
     /// Use an existing cluster at this coordinator URL instead of starting one.
     #[arg(long)]
     coordinator: Option<String>,
+    /// With --coordinator: the cluster's key file (hex, not readable by other
+    /// users). The local cluster makes a throw-away key of its own.
+    #[arg(long, env = "RT_CLUSTER_KEY_FILE")]
+    cluster_key_file: Option<PathBuf>,
+    /// Run without a cluster key (the local cluster too): anyone on the
+    /// network could read and write the pages.
+    #[arg(long)]
+    insecure: bool,
     /// Write the results as a JSON array to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -121,6 +129,14 @@ fn run() -> anyhow::Result<()> {
     if args.memory < PAGE_SIZE * args.nodes {
         bail!("--memory must hold at least one page per node");
     }
+    let cluster_key = match (&args.coordinator, args.insecure) {
+        (None, false) => Some(
+            rdma_transport::auth::ClusterKey::generate()
+                .context("a throw-away key for the local cluster")?,
+        ),
+        _ => rdma_transport::auth::key_from_flags(args.cluster_key_file.as_deref(), args.insecure)
+            .map_err(anyhow::Error::msg)?,
+    };
     let cluster = match &args.coordinator {
         Some(_) => None,
         None => {
@@ -134,6 +150,7 @@ fn run() -> anyhow::Result<()> {
                 args.nodes,
                 args.memory,
                 server_spin,
+                cluster_key.clone(),
             )?)
         }
     };
@@ -144,6 +161,7 @@ fn run() -> anyhow::Result<()> {
     };
     let config = ManagerConfig {
         coordinator_url: url.clone(),
+        cluster_key,
         transport: args.transport,
         poll_mode: args.poll_mode,
         poller_threads: args.pollers,

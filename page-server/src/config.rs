@@ -3,6 +3,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use rdma_transport::auth::ClusterKey;
+
 use crate::rdma::RdmaOptions;
 
 /// What to export and where to announce it.
@@ -22,6 +24,10 @@ pub struct ServerConfig {
     pub coordinator_url: Option<String>,
     /// Bearer token for the coordinator's write routes.
     pub coordinator_token: Option<String>,
+    /// The cluster key clients must prove (and this server proves to them)
+    /// before any page moves. `None`: insecure, any client is served and
+    /// clients that hold a key refuse this server.
+    pub cluster_key: Option<ClusterKey>,
     /// Period of the heartbeat that keeps this node's lease alive.
     pub heartbeat_interval: Duration,
     /// Wait between registration attempts while the coordinator is not up.
@@ -51,6 +57,7 @@ impl ServerConfig {
             gpa_base: 0,
             coordinator_url: None,
             coordinator_token: None,
+            cluster_key: None,
             heartbeat_interval: Duration::from_millis(1000),
             register_retry: Duration::from_millis(200),
             max_connections: 256,

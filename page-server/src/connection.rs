@@ -8,12 +8,11 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use rdma_transport::region::MappedRegion;
-use rdma_transport::wire::{
-    DecodeError, Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN,
-};
+use rdma_transport::wire::{DecodeError, Header, Opcode, Status, HEADER_LEN};
 use rdma_transport::PAGE_SIZE;
 
-use crate::rdma::{RdmaExport, ServerQp};
+use crate::handshake::{self, Refusal, ServerAuth, Session};
+use crate::rdma::RdmaExport;
 
 const RECV_BUF_BYTES: usize = 256 * 1024;
 /// Answers gathered before they are flushed (each takes two iovecs at most).
@@ -28,15 +27,9 @@ pub(crate) struct Exported {
     pub(crate) rdma: Option<RdmaExport>,
     pub(crate) region: MappedRegion,
     pub(crate) epoch: u64,
+    pub(crate) auth: ServerAuth,
 }
 
-/// What one connection has set up: whether it said HELLO, and the QP made
-/// for it (destroyed when the connection ends).
-#[derive(Debug, Default)]
-struct Session {
-    greeted: bool,
-    qp: Option<std::sync::Arc<ServerQp>>,
-}
 
 impl Exported {
     /// Checks a page request against the region; the region offset on success.
@@ -65,7 +58,7 @@ enum Payload {
     None,
     /// A page of the exported region (bounds already checked).
     Region(*mut u8),
-    /// An encoded HELLO_ACK.
+    /// An encoded handshake message (CHALLENGE, HELLO_ACK).
     Hello(Vec<u8>),
 }
 
@@ -178,7 +171,10 @@ pub(crate) fn serve(stream: &TcpStream, exported: &Exported, spin: Duration) -> 
     stream.set_nodelay(true)?;
     let mut buf = vec![0u8; RECV_BUF_BYTES];
     let (mut start, mut end) = (0usize, 0usize);
-    let mut session = Session::default();
+    let mut session = Session {
+        peer: stream.peer_addr().ok().map(|a| a.ip()),
+        ..Session::default()
+    };
     let mut outbox = Outbox::new();
     // Spinning needs a non-blocking socket; without it, plain blocking
     // reads cost one system call each.
@@ -222,7 +218,13 @@ pub(crate) fn serve(stream: &TcpStream, exported: &Exported, spin: Duration) -> 
                 // them before a later WRITE changes what they must show.
                 outbox.flush(stream)?;
             }
-            handle(&header, payload, exported, &mut session, &mut outbox);
+            if let Err(refusal) = handle(&header, payload, exported, &mut session, &mut outbox) {
+                outbox.flush(stream)?;
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    refusal.to_string(),
+                ));
+            }
             start += total;
             if outbox.is_full() {
                 outbox.flush(stream)?;
@@ -303,13 +305,15 @@ fn protocol_error(err: DecodeError) -> String {
     format!("closing connection after a malformed header: {err}")
 }
 
+/// Answers one message. Until the handshake is done only its messages are
+/// answered; anything else, or a failed proof, closes the connection.
 fn handle(
     header: &Header,
     payload: &[u8],
     exported: &Exported,
     session: &mut Session,
     outbox: &mut Outbox,
-) {
+) -> Result<(), Refusal> {
     let answer = |status: Status| Header {
         opcode: header.opcode.response(),
         status,
@@ -317,57 +321,37 @@ fn handle(
         offset: header.offset,
         length: header.length,
     };
+    let handshake_answer = |bytes: Vec<u8>, outbox: &mut Outbox| {
+        let mut h = answer(Status::Ok);
+        h.length = bytes.len() as u32;
+        outbox.push(h, Payload::Hello(bytes));
+    };
     match header.opcode {
-        Opcode::Hello => match HelloRequest::decode(payload) {
-            Some(hello) => {
-                tracing::debug!(
-                    client_id = hello.client_id,
-                    rdma = hello.rdma.is_some(),
-                    "client said HELLO"
-                );
-                session.greeted = true;
-                // A new HELLO replaces any QP set up by an earlier one.
-                session.qp = None;
-                let rdma = match (&hello.rdma, &exported.rdma) {
-                    (Some(client), Some(export)) => match export.accept(client) {
-                        Ok((qp, answer)) => {
-                            tracing::debug!(
-                                client_id = hello.client_id,
-                                qpn = qp.qpn(),
-                                client_qpn = client.qpn,
-                                "RDMA QP ready for client"
-                            );
-                            session.qp = Some(qp);
-                            Some(answer)
-                        }
-                        Err(err) => {
-                            tracing::warn!(client_id = hello.client_id, %err, "cannot set up a QP for the client; answering without RDMA");
-                            None
-                        }
-                    },
-                    _ => None,
-                };
-                let ack = HelloAck {
-                    region_size_bytes: exported.region.len_bytes() as u64,
-                    epoch: exported.epoch,
-                    page_size: PAGE_SIZE as u32,
-                    rdma,
+        Opcode::Hello => {
+            match handshake::on_hello(payload, &exported.auth, exported.epoch, session)? {
+                Some(challenge) => handshake_answer(challenge, outbox),
+                None => {
+                    // The answer carries `length` payload bytes whatever its
+                    // status (docs/wire-protocol.md): a refusal sends none.
+                    let mut h = answer(Status::BadLength);
+                    h.length = 0;
+                    outbox.push(h, Payload::None);
                 }
-                .encode();
-                let mut h = answer(Status::Ok);
-                h.length = ack.len() as u32;
-                outbox.push(h, Payload::Hello(ack));
             }
-            None => {
-                // HELLO_ACK carries `length` payload bytes whatever its
-                // status (docs/wire-protocol.md): a refusal sends none.
-                let mut h = answer(Status::BadLength);
-                h.length = 0;
-                outbox.push(h, Payload::None);
-            }
-        },
-        Opcode::Read | Opcode::Write if !session.greeted => {
-            outbox.push(answer(Status::NoHello), Payload::None)
+        }
+        Opcode::Auth => {
+            let ack = handshake::on_auth(
+                payload,
+                &exported.auth,
+                exported.epoch,
+                exported.region.len_bytes() as u64,
+                exported.rdma.as_ref(),
+                session,
+            )?;
+            handshake_answer(ack, outbox);
+        }
+        Opcode::Read | Opcode::Write if !session.is_ready() => {
+            return Err(Refusal::BeforeHandshake)
         }
         Opcode::Read => match exported.check(header) {
             Ok(off) => match exported.region.ptr_at(off, PAGE_SIZE) {
@@ -386,8 +370,16 @@ fn handle(
             }
             Err(status) => outbox.push(answer(status), Payload::None),
         },
-        Opcode::HelloAck | Opcode::ReadResp | Opcode::WriteResp | Opcode::Error => {
+        Opcode::HelloAck
+        | Opcode::Challenge
+        | Opcode::ReadResp
+        | Opcode::WriteResp
+        | Opcode::Error => {
+            if !session.is_ready() {
+                return Err(Refusal::BeforeHandshake);
+            }
             outbox.push(answer(Status::BadOpcode), Payload::None);
         }
     }
+    Ok(())
 }

@@ -8,6 +8,7 @@
 mod config;
 mod connection;
 mod conns;
+mod handshake;
 mod listener;
 mod rdma;
 mod registration;

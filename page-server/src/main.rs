@@ -36,6 +36,14 @@ struct Args {
     /// Bearer token for the coordinator (or env COORDINATOR_TOKEN).
     #[arg(long, env = "COORDINATOR_TOKEN")]
     token: Option<String>,
+    /// File holding the cluster key (hex, at least 32 bytes, not readable by
+    /// other users): clients must prove it before any page moves.
+    #[arg(long, env = "RT_CLUSTER_KEY_FILE")]
+    cluster_key_file: Option<std::path::PathBuf>,
+    /// Run without a cluster key: any client on the network can read and
+    /// write the exported memory.
+    #[arg(long)]
+    insecure: bool,
     /// Heartbeat period in milliseconds.
     #[arg(long, default_value_t = 1000)]
     heartbeat_ms: u64,
@@ -81,7 +89,13 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    let cluster_key = rdma_transport::auth::key_from_flags(
+        args.cluster_key_file.as_deref(),
+        args.insecure,
+    )
+    .map_err(anyhow::Error::msg)?;
     let mut config = ServerConfig::new(args.node_id, args.memory);
+    config.cluster_key = cluster_key;
     config.listen = args.listen;
     config.advertise = args.advertise;
     config.gpa_base = args.gpa_base;

@@ -14,6 +14,7 @@ use rdma_transport::PAGE_SIZE;
 use crate::config::ServerConfig;
 use crate::connection::{serve, Exported};
 use crate::conns::Connections;
+use crate::handshake::ServerAuth;
 use crate::rdma::RdmaExport;
 use crate::registration::Registration;
 
@@ -82,6 +83,9 @@ struct Shared {
 /// # Errors
 /// [`ServerError::Config`], [`ServerError::Memory`], [`ServerError::Listen`].
 pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
+    if config.cluster_key.is_none() {
+        tracing::warn!(node = %config.node_id, "no cluster key: insecure mode, any client that connects can read and write the exported memory");
+    }
     if config.memory_bytes == 0 || config.memory_bytes % PAGE_SIZE != 0 {
         return Err(ServerError::Config(format!(
             "memory size {} is not a positive multiple of {PAGE_SIZE}",
@@ -128,6 +132,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             region,
             // Odd, so never 0 (0 means "no epoch seen yet" to clients).
             epoch: rdma_transport::ids::random_u64() | 1,
+            auth: ServerAuth::new(config.node_id.clone(), config.cluster_key.clone()),
         },
         stop: AtomicBool::new(false),
         connections: Arc::new(Connections::default()),
@@ -281,6 +286,11 @@ impl RunningServer {
     /// The exported region's RDMA address and rkey, when RDMA is served.
     pub fn rdma_region(&self) -> Option<RdmaRegion> {
         self.shared.exported.rdma.as_ref().map(|r| r.region())
+    }
+
+    /// Handshakes refused because the client could not prove the cluster key.
+    pub fn auth_failures(&self) -> u64 {
+        self.shared.exported.auth.failures()
     }
 
     /// Connections being served now.

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::auth::ClusterKey;
+
 /// Which data path to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TransportKind {
@@ -75,6 +77,10 @@ pub struct ManagerConfig {
     pub coordinator_url: String,
     /// Bearer token for the coordinator's write routes (not needed for reads).
     pub coordinator_token: Option<String>,
+    /// The cluster key every page-server proves and this client proves to
+    /// them in each connection's handshake. `None`: insecure, only servers
+    /// without a key are used (logged at WARN once).
+    pub cluster_key: Option<ClusterKey>,
     /// Data path choice.
     pub transport: TransportKind,
     /// Size of the page pool in bytes (a multiple of 4096).
@@ -120,6 +126,7 @@ impl Default for ManagerConfig {
         Self {
             coordinator_url: "http://127.0.0.1:7070".into(),
             coordinator_token: None,
+            cluster_key: None,
             transport: TransportKind::Auto,
             pool_size_bytes: 16 << 20,
             poller_threads: 1,

@@ -37,6 +37,16 @@ pub enum TransportError {
         /// The deadline that passed.
         timeout_ms: u64,
     },
+    /// The peer at the node's address could not prove the cluster key (a
+    /// port squatter, another cluster, a server without a key), or did not
+    /// accept this client's proof. Nothing is read from or written to it.
+    #[error("node {node} failed authentication: {detail}")]
+    AuthFailed {
+        /// Node id the map gives for the address.
+        node: String,
+        /// What failed.
+        detail: String,
+    },
     /// The node answered something that breaks the wire protocol.
     #[error("protocol error with node {node}: {detail}")]
     Protocol {

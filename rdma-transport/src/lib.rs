@@ -9,6 +9,7 @@
 #![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
+pub mod auth;
 mod config;
 pub mod coordinator;
 mod error;

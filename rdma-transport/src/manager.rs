@@ -108,6 +108,9 @@ impl TransportManager {
                 "request_timeout_ms and poller_threads must be > 0".into(),
             ));
         }
+        if config.cluster_key.is_none() {
+            tracing::warn!("no cluster key: insecure mode, only page-servers without a key are used and nothing proves who they are");
+        }
         let pool = PagePool::new(config.pool_size_bytes)?;
         let cpus = config.resolved_poller_cpus();
         let pollers = Pollers::start(

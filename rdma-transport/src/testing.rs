@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::coordinator::api::{MapEntry, MapResponse, NodeInfo};
 use crate::page::PAGE_SIZE;
-use crate::wire::{Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN};
+use crate::wire::{AuthRequest, Challenge, Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN};
 
 /// Bytes each fake node exports, and the GPA stride between nodes.
 pub(crate) const NODE_BYTES: u64 = 16 * PAGE_SIZE as u64;
@@ -62,12 +62,25 @@ pub(crate) fn fake_node<T: Send + 'static>(
     (addr, handle)
 }
 
+/// The server side of the handshake, without a cluster key (insecure).
 fn serve_hello(stream: &mut TcpStream) {
     let header = read_header(stream);
     assert_eq!(header.opcode, Opcode::Hello);
     let mut payload = vec![0u8; header.payload_len()];
     stream.read_exact(&mut payload).expect("hello payload");
     HelloRequest::decode(&payload).expect("a valid HELLO");
+    let challenge = Challenge {
+        epoch: 7,
+        nonce: [9; 32],
+        proof: None,
+    }
+    .encode();
+    send(stream, Opcode::Challenge, &challenge);
+    let header = read_header(stream);
+    assert_eq!(header.opcode, Opcode::Auth);
+    let mut payload = vec![0u8; header.payload_len()];
+    stream.read_exact(&mut payload).expect("auth payload");
+    AuthRequest::decode(&payload).expect("a valid AUTH");
     let ack = HelloAck {
         region_size_bytes: NODE_BYTES,
         epoch: 7,
@@ -75,15 +88,19 @@ fn serve_hello(stream: &mut TcpStream) {
         rdma: None,
     }
     .encode();
+    send(stream, Opcode::HelloAck, &ack);
+}
+
+fn send(stream: &mut TcpStream, opcode: Opcode, payload: &[u8]) {
     let head = Header {
-        opcode: Opcode::HelloAck,
+        opcode,
         status: Status::Ok,
         request_id: 0,
         offset: 0,
-        length: ack.len() as u32,
+        length: payload.len() as u32,
     };
-    stream.write_all(&head.encode()).expect("ack header");
-    stream.write_all(&ack).expect("ack payload");
+    stream.write_all(&head.encode()).expect("header");
+    stream.write_all(payload).expect("payload");
 }
 
 /// Reads one request header (a READ has no payload).
@@ -95,11 +112,17 @@ pub(crate) fn read_header(stream: &mut TcpStream) -> Header {
 
 /// Answers READ `request` with a page of `byte`.
 pub(crate) fn answer_read(stream: &mut TcpStream, request: &Header, byte: u8) {
+    answer_read_at(stream, request, request.offset, byte);
+}
+
+/// Answers READ `request` with a page of `byte`, claiming it is the page at
+/// `offset` (a broken or lying server when that is not the request's).
+pub(crate) fn answer_read_at(stream: &mut TcpStream, request: &Header, offset: u64, byte: u8) {
     let head = Header {
         opcode: Opcode::ReadResp,
         status: Status::Ok,
         request_id: request.request_id,
-        offset: request.offset,
+        offset,
         length: PAGE_SIZE as u32,
     };
     stream.write_all(&head.encode()).expect("answer header");

@@ -80,6 +80,7 @@ impl ChildServer {
                 url,
                 "--heartbeat-ms",
                 "200",
+                "--insecure",
             ])
             .arg("--ready-file")
             .arg(&ready)

@@ -11,7 +11,7 @@ use crate::config::{DataPath, ManagerConfig, TransportKind};
 use crate::error::TransportError;
 use crate::pool::PagePool;
 use crate::rdma::{dial_rdma, ClientDevice, Dialed, RdmaConnection, RdmaPollers};
-use crate::tcp::{TcpConnection, Waiter, CODE_CONN_LOST};
+use crate::tcp::{ClientAuth, ConnectError, TcpConnection, Waiter, CODE_CONN_LOST};
 
 /// The connection a node's requests go over.
 #[derive(Debug, Clone)]
@@ -181,7 +181,10 @@ impl Inner {
                 };
                 drop(dial);
                 drop(dialing);
-                if matches!(err, TransportError::NodeDown { .. }) {
+                if matches!(
+                    err,
+                    TransportError::NodeDown { .. } | TransportError::AuthFailed { .. }
+                ) {
                     self.refresh_on_miss(deadline);
                 }
                 Err(err)
@@ -199,18 +202,13 @@ impl Inner {
     /// Makes a new connection to `node` over the data path this manager and
     /// the page-server can both use.
     fn dial(&self, node: &Node, timeout: Duration) -> Result<Link, TransportError> {
-        let down = |reason: String| TransportError::NodeDown {
-            node: node.id.clone(),
-            reason,
-        };
         let Some(rdma) = &self.rdma else {
             return self.dial_tcp(node, timeout);
         };
         let poller = rdma.pollers.pick();
         let dialed = dial_rdma(
-            &node.id,
             &node.addr,
-            self.client_id,
+            &self.client_auth(node),
             timeout,
             &rdma.device,
             &poller.channel,
@@ -229,7 +227,7 @@ impl Inner {
                 self.pollers.add(&conn);
                 Ok(Link::Tcp(conn))
             }
-            Err(crate::rdma::DialError::Tcp(err)) => Err(down(err.to_string())),
+            Err(crate::rdma::DialError::Tcp(err)) => Err(connect_error(node, err)),
             Err(err) if require => Err(TransportError::RdmaUnavailable(format!(
                 "node {}: {err}",
                 node.id
@@ -242,15 +240,40 @@ impl Inner {
     }
 
     fn dial_tcp(&self, node: &Node, timeout: Duration) -> Result<Link, TransportError> {
-        let conn = TcpConnection::connect(&node.id, &node.addr, self.client_id, timeout).map_err(
-            |err| TransportError::NodeDown {
-                node: node.id.clone(),
-                reason: err.to_string(),
-            },
-        )?;
+        let conn = TcpConnection::connect(&node.addr, &self.client_auth(node), timeout)
+            .map_err(|err| connect_error(node, err))?;
         let conn = Arc::new(conn);
         self.pollers.add(&conn);
         Ok(Link::Tcp(conn))
+    }
+}
+
+impl Inner {
+    fn client_auth<'a>(&'a self, node: &'a Node) -> ClientAuth<'a> {
+        ClientAuth {
+            client_id: self.client_id,
+            node_id: &node.id,
+            key: self.config.cluster_key.as_ref(),
+        }
+    }
+}
+
+/// What a failed dial means to the caller: a peer that fails the cluster
+/// key check is `AuthFailed` (and said so in the log), anything else
+/// `NodeDown`.
+fn connect_error(node: &Node, err: ConnectError) -> TransportError {
+    match err {
+        ConnectError::AuthFailed { addr, detail } => {
+            tracing::warn!(node = %node.id, %addr, %detail, "refusing a peer that failed authentication");
+            TransportError::AuthFailed {
+                node: node.id.clone(),
+                detail: format!("{addr}: {detail}"),
+            }
+        }
+        other => TransportError::NodeDown {
+            node: node.id.clone(),
+            reason: other.to_string(),
+        },
     }
 }
 

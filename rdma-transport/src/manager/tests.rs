@@ -13,7 +13,9 @@ use super::TransportManager;
 use crate::config::{ManagerConfig, PollMode, TransportKind};
 use crate::error::TransportError;
 use crate::page::PAGE_SIZE;
-use crate::testing::{answer_read, fake_coordinator, fake_node, map_of, read_header, NODE_STRIDE};
+use crate::testing::{
+    answer_read, answer_read_at, fake_coordinator, fake_node, map_of, read_header, NODE_STRIDE,
+};
 
 fn config(request_timeout_ms: u64, poll_mode: PollMode) -> ManagerConfig {
     ManagerConfig {
@@ -207,8 +209,13 @@ fn a_submit_on_a_connection_that_broke_first_fails_at_once() {
     use crate::tcp::{Request, TcpConnection, Waiter, CODE_CONN_LOST};
     use crate::wire::Opcode;
     let (addr, node) = fake_node(sees_close);
+    let auth = crate::tcp::ClientAuth {
+        client_id: 1,
+        node_id: "a",
+        key: None,
+    };
     let conn =
-        TcpConnection::connect("a", &addr.to_string(), 1, Duration::from_secs(5)).expect("connect");
+        TcpConnection::connect(&addr.to_string(), &auth, Duration::from_secs(5)).expect("connect");
     conn.mark_broken(CODE_CONN_LOST);
     let mut page = [0u8; PAGE_SIZE];
     let waiter = Waiter::new();
@@ -231,4 +238,25 @@ fn a_submit_on_a_connection_that_broke_first_fails_at_once() {
     assert_eq!(conn.inflight.finish(ids[0]), CODE_CONN_LOST);
     drop(conn);
     assert!(node.join().expect("node"));
+}
+
+#[test]
+fn an_answer_that_is_not_for_its_request_delivers_no_page() {
+    let (addr, node) = fake_node(|mut stream| {
+        let request = read_header(&mut stream);
+        // The right request id, the wrong page.
+        answer_read_at(&mut stream, &request, request.offset + PAGE_SIZE as u64, 0xee);
+        sees_close(stream)
+    });
+    let mgr = TransportManager::from_map(config(5000, PollMode::Event), map_of(1, &[("a", addr)]))
+        .expect("manager");
+    let mut page = [0u8; PAGE_SIZE];
+    let result = mgr.read_page(0, &mut page);
+    assert!(
+        matches!(result, Err(TransportError::Protocol { .. })),
+        "{result:?}"
+    );
+    assert!(page.iter().all(|&b| b == 0), "a mismatched answer was delivered");
+    drop(mgr);
+    assert!(node.join().expect("node"), "the connection was dropped");
 }

@@ -26,13 +26,14 @@ use crate::page::PAGE_SIZE;
 use crate::parking::Parking;
 use crate::pool::PageFrame;
 use crate::tcp::{
-    dial, handshake, Claim, ConnectError, Inflight, TcpConnection, Waiter, CODE_CONN_LOST,
+    dial, handshake, Claim, ClientAuth, ConnectError, Inflight, TcpConnection, Waiter,
+    CODE_CONN_LOST,
 };
 use crate::verbs::{
     CompletionChannel, CompletionQueue, QueuePair, SendWr, Sge, VerbsError, WcStatus,
     WorkCompletion,
 };
-use crate::wire::{HelloAck, HelloRequest};
+use crate::wire::HelloAck;
 
 /// Most work requests in one batch (one `ibv_post_send` chain).
 pub(crate) const MAX_BATCH: usize = 64;
@@ -110,12 +111,11 @@ pub(crate) struct SubmitError {
     pub(crate) reason: String,
 }
 
-/// Connects to `addr`, offering RDMA in the HELLO. The server answers with
-/// its QP endpoint and region key (RDMA) or without (TCP only).
+/// Connects to `addr`, offering RDMA in the AUTH message. The server answers
+/// with its QP endpoint and region key (RDMA) or without (TCP only).
 pub(crate) fn dial_rdma(
-    node_id: &str,
     addr: &str,
-    client_id: u64,
+    auth: &ClientAuth<'_>,
     timeout: std::time::Duration,
     device: &ClientDevice,
     channel: &CompletionChannel,
@@ -127,11 +127,8 @@ pub(crate) fn dial_rdma(
     let mut stream = dial(addr, timeout)?;
     let (qp, cq) = device.create_qp(channel).map_err(verbs_err)?;
     let psn = random_psn();
-    let hello = HelloRequest {
-        client_id,
-        rdma: Some(device.port.hello(&qp, psn)),
-    };
-    let ack = handshake(&mut stream, addr, &hello)?;
+    let ack = handshake(&mut stream, addr, auth, Some(device.port.hello(&qp, psn)))?;
+    let node_id = auth.node_id;
     let Some(remote) = ack.rdma else {
         return Ok(Dialed::TcpOnly(Arc::new(TcpConnection::from_handshaken(
             node_id, addr, stream, ack,
@@ -273,7 +270,7 @@ impl RdmaConnection {
             return Err(fail(None, "send queue full until the deadline"));
         }
         let id = loop {
-            if let Some(id) = self.inflight.arm(std::ptr::null_mut(), waiter) {
+            if let Some(id) = self.inflight.arm(std::ptr::null_mut(), 0, waiter) {
                 break id;
             }
             if deadline.passed() {

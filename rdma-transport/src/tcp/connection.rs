@@ -17,7 +17,11 @@ use super::receive::RecvBuf;
 use crate::page::{Page, PAGE_SIZE};
 use crate::parking::Parking;
 use crate::sys::cvt;
-use crate::wire::{Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN, HELLO_ACK_LEN};
+use crate::auth::{ClusterKey, Role, Transcript};
+use crate::wire::{
+    AuthRequest, Challenge, Header, HelloAck, HelloRequest, Opcode, RdmaHello, Status, HEADER_LEN,
+    HELLO_ACK_LEN, VERSION,
+};
 
 /// Requests one call writes with one `writev` at most.
 pub(crate) const MAX_CHUNK: usize = 64;
@@ -29,6 +33,18 @@ pub(crate) enum ConnectError {
     Io { addr: String, source: io::Error },
     #[error("handshake with {addr}: {detail}")]
     Handshake { addr: String, detail: String },
+    #[error("{addr} is not a member of this cluster: {detail}")]
+    AuthFailed { addr: String, detail: String },
+}
+
+/// What a client proves in the handshake, and to whom.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ClientAuth<'a> {
+    pub(crate) client_id: u64,
+    /// The node the map says is at the address.
+    pub(crate) node_id: &'a str,
+    /// `None`: insecure (no proof sent; only a server without a key accepts).
+    pub(crate) key: Option<&'a ClusterKey>,
 }
 
 /// A connected, handshaken page-server connection.
@@ -59,18 +75,13 @@ impl TcpConnection {
     /// Connects to `addr`, does the HELLO handshake, and leaves the socket
     /// non-blocking for the poller.
     pub(crate) fn connect(
-        node_id: &str,
         addr: &str,
-        client_id: u64,
+        auth: &ClientAuth<'_>,
         timeout: Duration,
     ) -> Result<Self, ConnectError> {
         let mut stream = dial(addr, timeout)?;
-        let hello = HelloRequest {
-            client_id,
-            rdma: None,
-        };
-        let ack = handshake(&mut stream, addr, &hello)?;
-        Self::from_handshaken(node_id, addr, stream, ack)
+        let ack = handshake(&mut stream, addr, auth, None)?;
+        Self::from_handshaken(auth.node_id, addr, stream, ack)
     }
 
     /// Wraps a stream whose HELLO handshake is done (e.g. one where the
@@ -140,7 +151,7 @@ impl TcpConnection {
                 std::ptr::null_mut()
             };
             let id = loop {
-                if let Some(id) = self.inflight.arm(dst, waiter) {
+                if let Some(id) = self.inflight.arm(dst, req.offset, waiter) {
                     break id;
                 }
                 if Instant::now() >= deadline {
@@ -230,44 +241,121 @@ pub(crate) fn dial(addr: &str, timeout: Duration) -> Result<TcpStream, ConnectEr
     Ok(stream)
 }
 
-/// Sends `hello` and reads the HELLO_ACK (bounded by the stream's timeouts).
+/// The handshake, client side (docs/wire-protocol.md): HELLO with a fresh
+/// nonce; CHALLENGE, whose server proof is checked before anything else is
+/// sent; AUTH with the client's proof and, for RDMA, its QP endpoint; then
+/// the HELLO_ACK. Bounded by the stream's timeouts.
+///
+/// A server that cannot prove the key, or that hangs up after the client's
+/// proof, is `ConnectError::AuthFailed`: never used.
 pub(crate) fn handshake(
     stream: &mut TcpStream,
     addr: &str,
-    hello: &HelloRequest,
+    auth: &ClientAuth<'_>,
+    rdma: Option<RdmaHello>,
 ) -> Result<HelloAck, ConnectError> {
     let io_err = |source| ConnectError::Io {
         addr: addr.to_owned(),
         source,
     };
-    let payload = hello.encode();
-    let header = Header::request(Opcode::Hello, 0, 0, payload.len() as u32);
-    let mut msg = header.encode().to_vec();
-    msg.extend_from_slice(&payload);
-    stream.write_all(&msg).map_err(io_err)?;
-    let mut head = [0u8; HEADER_LEN];
-    stream.read_exact(&mut head).map_err(io_err)?;
     let bad = |detail: String| ConnectError::Handshake {
         addr: addr.to_owned(),
         detail,
     };
-    let header = Header::decode(&head).map_err(|e| bad(e.to_string()))?;
-    if header.opcode != Opcode::HelloAck || header.status != Status::Ok {
-        return Err(bad(format!(
-            "expected HELLO_ACK, got {:?} ({})",
-            header.opcode, header.status
-        )));
-    }
-    let mut payload = vec![0u8; header.payload_len()];
-    stream.read_exact(&mut payload).map_err(io_err)?;
-    HelloAck::decode(&payload)
+    let refused = |detail: &str| ConnectError::AuthFailed {
+        addr: addr.to_owned(),
+        detail: detail.to_owned(),
+    };
+    let client_nonce = crate::auth::nonce().map_err(io_err)?;
+    let hello = HelloRequest {
+        client_id: auth.client_id,
+        nonce: client_nonce,
+    };
+    send(stream, Opcode::Hello, &hello.encode()).map_err(io_err)?;
+    let payload = receive(stream, Opcode::Challenge, addr)?;
+    let challenge = Challenge::decode(&payload)
+        .ok_or_else(|| bad(format!("malformed CHALLENGE of {} bytes", payload.len())))?;
+    let transcript = Transcript {
+        version: VERSION,
+        client_id: auth.client_id,
+        node_id: auth.node_id,
+        client_nonce: &client_nonce,
+        server_nonce: &challenge.nonce,
+        epoch: challenge.epoch,
+    };
+    let proof = match (auth.key, &challenge.proof) {
+        (Some(key), Some(server_proof)) => {
+            if !transcript.verify(key, Role::Server, server_proof) {
+                return Err(refused(&format!(
+                    "its proof of the cluster key is wrong (another key, or not node {})",
+                    auth.node_id
+                )));
+            }
+            Some(transcript.prove(key, Role::Client))
+        }
+        (Some(_), None) => return Err(refused("it runs without a cluster key (--insecure)")),
+        (None, _) => None,
+    };
+    send(stream, Opcode::Auth, &AuthRequest { proof, rdma }.encode()).map_err(io_err)?;
+    let payload = match receive(stream, Opcode::HelloAck, addr) {
+        Ok(p) => p,
+        // The server hangs up on a proof it does not accept.
+        Err(ConnectError::Io { source, .. }) if source.kind() == io::ErrorKind::UnexpectedEof => {
+            return Err(refused(match auth.key {
+                Some(_) => "it closed the connection after our proof (a different cluster key?)",
+                None => "it closed the connection: it needs a cluster key and this client has none",
+            }))
+        }
+        Err(e) => return Err(e),
+    };
+    let ack = HelloAck::decode(&payload)
         .filter(|a| a.page_size as usize == PAGE_SIZE)
         .ok_or_else(|| {
             bad(format!(
                 "malformed HELLO_ACK of {} bytes (need {HELLO_ACK_LEN}+)",
                 payload.len()
             ))
-        })
+        })?;
+    if ack.epoch != challenge.epoch {
+        return Err(bad(format!(
+            "HELLO_ACK epoch {:#x} differs from CHALLENGE epoch {:#x}",
+            ack.epoch, challenge.epoch
+        )));
+    }
+    Ok(ack)
+}
+
+fn send(stream: &mut TcpStream, opcode: Opcode, payload: &[u8]) -> io::Result<()> {
+    let header = Header::request(opcode, 0, 0, payload.len() as u32);
+    let mut msg = header.encode().to_vec();
+    msg.extend_from_slice(payload);
+    stream.write_all(&msg)
+}
+
+/// Reads one handshake message of `opcode` with status OK; its payload.
+fn receive(stream: &mut TcpStream, opcode: Opcode, addr: &str) -> Result<Vec<u8>, ConnectError> {
+    let io_err = |source| ConnectError::Io {
+        addr: addr.to_owned(),
+        source,
+    };
+    let mut head = [0u8; HEADER_LEN];
+    stream.read_exact(&mut head).map_err(io_err)?;
+    let header = Header::decode(&head).map_err(|e| ConnectError::Handshake {
+        addr: addr.to_owned(),
+        detail: e.to_string(),
+    })?;
+    if header.opcode != opcode || header.status != Status::Ok {
+        return Err(ConnectError::Handshake {
+            addr: addr.to_owned(),
+            detail: format!(
+                "expected {opcode:?}, got {:?} ({})",
+                header.opcode, header.status
+            ),
+        });
+    }
+    let mut payload = vec![0u8; header.payload_len()];
+    stream.read_exact(&mut payload).map_err(io_err)?;
+    Ok(payload)
 }
 
 fn wait_writable(stream: &TcpStream, deadline: Instant) -> io::Result<()> {

@@ -90,6 +90,8 @@ impl Waiter {
 struct Slot {
     state: AtomicU64,
     dst: AtomicPtr<u8>,
+    /// The request's region offset: its answer must echo it.
+    offset: AtomicU64,
     waiter: AtomicPtr<Waiter>,
     code: AtomicU32,
 }
@@ -104,7 +106,12 @@ pub(crate) struct Inflight {
 /// What the poller should do with an answer's payload.
 pub(crate) enum Claim {
     /// The request is live; copy a READ payload to `dst` (null for WRITE).
-    Live { slot: usize, dst: *mut u8 },
+    /// `offset` is the request's, which a valid answer echoes.
+    Live {
+        slot: usize,
+        dst: *mut u8,
+        offset: u64,
+    },
     /// Nobody waits for this answer any more (cancelled or unknown): drop it.
     Stale,
 }
@@ -115,6 +122,7 @@ impl Inflight {
             .map(|_| Slot {
                 state: AtomicU64::new(FREE),
                 dst: AtomicPtr::new(std::ptr::null_mut()),
+                offset: AtomicU64::new(0),
                 waiter: AtomicPtr::new(std::ptr::null_mut()),
                 code: AtomicU32::new(0),
             })
@@ -129,7 +137,7 @@ impl Inflight {
     /// Takes a free slot and arms it; returns the request id. `dst` is the
     /// READ destination (null for WRITE). The caller must keep `dst` and
     /// `waiter` alive until the slot is released by `finish` or `cancel`.
-    pub(crate) fn arm(&self, dst: *mut u8, waiter: &Waiter) -> Option<u64> {
+    pub(crate) fn arm(&self, dst: *mut u8, offset: u64, waiter: &Waiter) -> Option<u64> {
         let slot_index = self.free.pop()? as usize;
         let slot = &self.slots[slot_index];
         let old_id = slot.state.load(Ordering::Relaxed) >> PHASE_BITS;
@@ -137,6 +145,7 @@ impl Inflight {
             (old_id >> SLOT_BITS).wrapping_add(1) & ((1 << (64 - SLOT_BITS - PHASE_BITS)) - 1);
         let id = (generation << SLOT_BITS) | slot_index as u64;
         slot.dst.store(dst, Ordering::Relaxed);
+        slot.offset.store(offset, Ordering::Relaxed);
         slot.waiter
             .store(std::ptr::from_ref(waiter).cast_mut(), Ordering::Relaxed);
         slot.code.store(0, Ordering::Relaxed);
@@ -169,6 +178,7 @@ impl Inflight {
             Ok(_) => Claim::Live {
                 slot: (request_id & ((1 << SLOT_BITS) - 1)) as usize,
                 dst: slot.dst.load(Ordering::Relaxed),
+                offset: slot.offset.load(Ordering::Relaxed),
             },
             Err(_) => Claim::Stale,
         }
@@ -258,7 +268,7 @@ mod tests {
     fn answer_completes_matching_request_only() {
         let t = Inflight::new();
         let w = Waiter::new();
-        let id = t.arm(std::ptr::null_mut(), &w).unwrap();
+        let id = t.arm(std::ptr::null_mut(), 0, &w).unwrap();
         assert!(
             matches!(t.claim(id + (1 << SLOT_BITS)), Claim::Stale),
             "other generation"
@@ -276,15 +286,15 @@ mod tests {
     fn cancelled_request_ignores_late_answer_and_slot_is_reused() {
         let t = Inflight::new();
         let w = Waiter::new();
-        let id = t.arm(std::ptr::null_mut(), &w).unwrap();
+        let id = t.arm(std::ptr::null_mut(), 0, &w).unwrap();
         assert_eq!(t.cancel(id), None);
         assert!(matches!(t.claim(id), Claim::Stale));
         // Reuse every slot; none may accept the old id.
         let ids: Vec<_> = (0..SLOTS)
-            .map(|_| t.arm(std::ptr::null_mut(), &w).unwrap())
+            .map(|_| t.arm(std::ptr::null_mut(), 0, &w).unwrap())
             .collect();
         assert!(
-            t.arm(std::ptr::null_mut(), &w).is_none(),
+            t.arm(std::ptr::null_mut(), 0, &w).is_none(),
             "table is bounded"
         );
         assert!(!ids.contains(&id));

@@ -12,5 +12,5 @@ pub(crate) use poller::Pollers;
 pub(crate) use receive::wait;
 
 // The RDMA data path reuses the request table, the waiter and the HELLO.
-pub(crate) use connection::{dial, handshake, ConnectError};
+pub(crate) use connection::{dial, handshake, ClientAuth, ConnectError};
 pub(crate) use inflight::{Claim, Inflight, SLOTS};

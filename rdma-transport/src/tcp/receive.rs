@@ -106,11 +106,18 @@ impl TcpConnection {
                 return Err(CODE_PROTOCOL);
             }
         };
-        let (slot, dst) = match self.inflight.claim(header.request_id) {
-            Claim::Live { slot, dst } => (slot, dst),
+        let (slot, dst, offset) = match self.inflight.claim(header.request_id) {
+            Claim::Live { slot, dst, offset } => (slot, dst, offset),
             Claim::Stale => return Ok(()),
         };
+        // A successful answer must be the answer to this request: its
+        // opcode (READ has a destination, WRITE none), offset and length.
+        let echoes = header.offset == offset && header.length as usize == PAGE_SIZE;
+        if header.status == Status::Ok && !echoes {
+            tracing::warn!(node = %self.node_id, request_id = header.request_id, offset = header.offset, expected_offset = offset, length = header.length, "answer does not match its request; dropping connection");
+        }
         let code = match (expected, header.status) {
+            (_, Status::Ok) if !echoes => CODE_PROTOCOL,
             (Opcode::ReadResp, Status::Ok) if payload.len() == PAGE_SIZE && !dst.is_null() => {
                 // SAFETY: the slot is claimed, so its caller is blocked until
                 // we complete it and `dst` points at its live, exclusive

@@ -7,7 +7,7 @@ use crate::page::PAGE_SIZE;
 pub const MAGIC: u32 = u32::from_le_bytes(*b"PGTP");
 /// Protocol version this library speaks. 2: the HELLO RDMA section carries
 /// each side's READ depths (version 1 sent zeros there).
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Size of [`Header`] on the wire.
 pub const HEADER_LEN: usize = 32;
 /// Largest payload any message may carry: one page.
@@ -29,6 +29,12 @@ pub enum Opcode {
     Write = 5,
     /// Answer to `Write`; no payload.
     WriteResp = 6,
+    /// Server → client, answering `Hello`: the server's nonce, epoch and
+    /// proof of the cluster key; payload is a `Challenge`.
+    Challenge = 7,
+    /// Client → server, answering `Challenge`: the client's proof (and QP
+    /// endpoint); payload is an `AuthRequest`. Answered with `HelloAck`.
+    Auth = 8,
     /// Error answer to a message whose type could not be trusted; no payload.
     Error = 0x7f,
 }
@@ -43,6 +49,8 @@ impl Opcode {
             4 => Self::ReadResp,
             5 => Self::Write,
             6 => Self::WriteResp,
+            7 => Self::Challenge,
+            8 => Self::Auth,
             0x7f => Self::Error,
             _ => return None,
         })
@@ -51,7 +59,8 @@ impl Opcode {
     /// The answer's opcode for a request opcode (`Error` for the others).
     pub const fn response(self) -> Self {
         match self {
-            Self::Hello => Self::HelloAck,
+            Self::Hello => Self::Challenge,
+            Self::Auth => Self::HelloAck,
             Self::Read => Self::ReadResp,
             Self::Write => Self::WriteResp,
             _ => Self::Error,
@@ -134,7 +143,11 @@ impl Header {
     /// Number of payload bytes that follow this header on the wire.
     pub const fn payload_len(&self) -> usize {
         match self.opcode {
-            Opcode::Hello | Opcode::HelloAck | Opcode::Write => self.length as usize,
+            Opcode::Hello
+            | Opcode::HelloAck
+            | Opcode::Challenge
+            | Opcode::Auth
+            | Opcode::Write => self.length as usize,
             Opcode::ReadResp if matches!(self.status, Status::Ok) => self.length as usize,
             _ => 0,
         }

@@ -1,15 +1,25 @@
-//! Payloads of the HELLO handshake. The RDMA section carries the queue-pair
-//! endpoint exchange (QPN, PSN, GID/LID, MTU, READ depths) and the exported
-//! region's address and rkey.
+//! Payloads of the handshake: HELLO (client nonce), CHALLENGE (server
+//! nonce, epoch, server proof), AUTH (client proof, client QP endpoint),
+//! HELLO_ACK (region, server QP endpoint and rkey). The RDMA section carries
+//! the queue-pair endpoint exchange (QPN, PSN, GID/LID, MTU, READ depths)
+//! and the exported region's address and rkey.
+
+use crate::auth::{Nonce, Proof, PROOF_LEN};
 
 /// Flag bit: an [`RdmaHello`] section follows the fixed part.
 const FLAG_RDMA: u32 = 1;
-const HELLO_FIXED_LEN: usize = 16;
+/// Flag bit (CHALLENGE, AUTH): the sender holds no cluster key (insecure).
+const FLAG_NO_KEY: u32 = 2;
 const ACK_FIXED_LEN: usize = 24;
+const AUTH_FIXED_LEN: usize = 40;
 const RDMA_LEN: usize = 48;
 
-/// Largest HELLO payload.
-pub const HELLO_MAX_LEN: usize = HELLO_FIXED_LEN + RDMA_LEN;
+/// Length of a HELLO payload.
+pub const HELLO_LEN: usize = 48;
+/// Length of a CHALLENGE payload.
+pub const CHALLENGE_LEN: usize = 80;
+/// Largest AUTH payload.
+pub const AUTH_MAX_LEN: usize = AUTH_FIXED_LEN + RDMA_LEN;
 /// Length of a HELLO_ACK payload without its RDMA section.
 pub const HELLO_ACK_LEN: usize = ACK_FIXED_LEN;
 
@@ -77,24 +87,100 @@ impl RdmaHello {
     }
 }
 
-/// HELLO payload: fixed 16 bytes (flags u32, reserved u32, client id u64),
-/// then the optional RDMA section.
+/// HELLO payload, 48 bytes: flags u32 (0), reserved u32, client id u64,
+/// client nonce [32].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct HelloRequest {
     /// Random per-client identifier, for the server's logs.
     pub client_id: u64,
-    /// The client's QP endpoint when it wants the RDMA data path.
-    pub rdma: Option<RdmaHello>,
+    /// Fresh random bytes: the server's proof covers them.
+    pub nonce: Nonce,
 }
 
 impl HelloRequest {
     /// Encodes the payload.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(HELLO_MAX_LEN);
-        let flags = if self.rdma.is_some() { FLAG_RDMA } else { 0 };
-        out.extend_from_slice(&flags.to_le_bytes());
+        let mut out = Vec::with_capacity(HELLO_LEN);
+        out.extend_from_slice(&0u32.to_le_bytes());
         out.extend_from_slice(&0u32.to_le_bytes());
         out.extend_from_slice(&self.client_id.to_le_bytes());
+        out.extend_from_slice(&self.nonce);
+        out
+    }
+
+    /// Decodes a payload; `None` when its length or flags do not match.
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() != HELLO_LEN || u32_at(b, 0) != 0 {
+            return None;
+        }
+        Some(Self {
+            client_id: u64_at(b, 8),
+            nonce: array_at(b, 16),
+        })
+    }
+}
+
+/// CHALLENGE payload, 80 bytes: flags u32 (bit 0: the server holds no
+/// cluster key), reserved u32, epoch u64, server nonce [32], server proof
+/// [32] (zero without a key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Challenge {
+    /// The server's epoch (as in HELLO_ACK), covered by both proofs.
+    pub epoch: u64,
+    /// Fresh random bytes: the client's proof covers them.
+    pub nonce: Nonce,
+    /// The server's proof of the key; `None` from a server without one.
+    pub proof: Option<Proof>,
+}
+
+impl Challenge {
+    /// Encodes the payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(CHALLENGE_LEN);
+        let flags = if self.proof.is_none() { FLAG_NO_KEY } else { 0 };
+        out.extend_from_slice(&flags.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&self.epoch.to_le_bytes());
+        out.extend_from_slice(&self.nonce);
+        out.extend_from_slice(&self.proof.unwrap_or([0u8; PROOF_LEN]));
+        out
+    }
+
+    /// Decodes a payload; `None` when its length or flags do not match.
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() != CHALLENGE_LEN || u32_at(b, 0) & !FLAG_NO_KEY != 0 {
+            return None;
+        }
+        Some(Self {
+            epoch: u64_at(b, 8),
+            nonce: array_at(b, 16),
+            proof: (u32_at(b, 0) & FLAG_NO_KEY == 0).then(|| array_at(b, 48)),
+        })
+    }
+}
+
+/// AUTH payload: fixed 40 bytes (flags u32, reserved u32, client proof
+/// [32], zero without a key), then the optional RDMA section (the client's
+/// QP endpoint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AuthRequest {
+    /// The client's proof of the key; `None` from a client without one.
+    pub proof: Option<Proof>,
+    /// The client's QP endpoint when it wants the RDMA data path.
+    pub rdma: Option<RdmaHello>,
+}
+
+impl AuthRequest {
+    /// Encodes the payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(AUTH_FIXED_LEN + RDMA_LEN);
+        let mut flags = if self.rdma.is_some() { FLAG_RDMA } else { 0 };
+        if self.proof.is_none() {
+            flags |= FLAG_NO_KEY;
+        }
+        out.extend_from_slice(&flags.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&self.proof.unwrap_or([0u8; PROOF_LEN]));
         if let Some(r) = &self.rdma {
             r.encode_into(&mut out);
         }
@@ -103,16 +189,19 @@ impl HelloRequest {
 
     /// Decodes a payload; `None` when its length or flags do not match.
     pub fn decode(b: &[u8]) -> Option<Self> {
-        let fixed = b.get(..HELLO_FIXED_LEN)?;
+        let fixed = b.get(..AUTH_FIXED_LEN)?;
         let flags = u32_at(fixed, 0);
-        let rest = &b[HELLO_FIXED_LEN..];
+        if flags & !(FLAG_RDMA | FLAG_NO_KEY) != 0 {
+            return None;
+        }
+        let rest = &b[AUTH_FIXED_LEN..];
         let rdma = match (flags & FLAG_RDMA != 0, rest.is_empty()) {
             (true, false) => Some(RdmaHello::decode(rest)?),
             (false, true) => None,
             _ => return None,
         };
         Some(Self {
-            client_id: u64_at(fixed, 8),
+            proof: (flags & FLAG_NO_KEY == 0).then(|| array_at(fixed, 8)),
             rdma,
         })
     }
@@ -171,6 +260,12 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
+fn array_at<const N: usize>(b: &[u8], at: usize) -> [u8; N] {
+    let mut x = [0u8; N];
+    x.copy_from_slice(&b[at..at + N]);
+    x
+}
+
 fn u64_at(b: &[u8], at: usize) -> u64 {
     let mut x = [0u8; 8];
     x.copy_from_slice(&b[at..at + 8]);
@@ -196,13 +291,27 @@ mod tests {
     }
 
     #[test]
-    fn hello_round_trips_with_and_without_rdma() {
-        for r in [None, Some(rdma())] {
-            let h = HelloRequest {
-                client_id: 42,
-                rdma: r,
+    fn handshake_payloads_round_trip() {
+        let h = HelloRequest {
+            client_id: 42,
+            nonce: [5; 32],
+        };
+        assert_eq!(h.encode().len(), HELLO_LEN);
+        assert_eq!(HelloRequest::decode(&h.encode()), Some(h));
+        for proof in [None, Some([6u8; 32])] {
+            let c = Challenge {
+                epoch: 9,
+                nonce: [7; 32],
+                proof,
             };
-            assert_eq!(HelloRequest::decode(&h.encode()), Some(h));
+            assert_eq!(c.encode().len(), CHALLENGE_LEN);
+            assert_eq!(Challenge::decode(&c.encode()), Some(c));
+            for r in [None, Some(rdma())] {
+                let a = AuthRequest { proof, rdma: r };
+                assert_eq!(AuthRequest::decode(&a.encode()), Some(a));
+            }
+        }
+        for r in [None, Some(rdma())] {
             let a = HelloAck {
                 region_size_bytes: 1 << 30,
                 epoch: 9,
@@ -215,22 +324,43 @@ mod tests {
 
     #[test]
     fn truncated_or_inconsistent_payloads_are_refused() {
-        let full = HelloRequest {
+        let hello = HelloRequest {
             client_id: 1,
+            nonce: [1; 32],
+        }
+        .encode();
+        let challenge = Challenge {
+            epoch: 1,
+            nonce: [2; 32],
+            proof: Some([3; 32]),
+        }
+        .encode();
+        let auth = AuthRequest {
+            proof: Some([4; 32]),
             rdma: Some(rdma()),
         }
         .encode();
-        for cut in 0..full.len() {
-            assert_eq!(HelloRequest::decode(&full[..cut]), None, "cut at {cut}");
+        for cut in 0..hello.len() {
+            assert_eq!(HelloRequest::decode(&hello[..cut]), None, "cut at {cut}");
         }
-        // flag says RDMA but nothing follows
-        let mut lying = HelloRequest {
-            client_id: 1,
+        for cut in 0..challenge.len() {
+            assert_eq!(Challenge::decode(&challenge[..cut]), None, "cut at {cut}");
+        }
+        for cut in 0..auth.len() {
+            assert_eq!(AuthRequest::decode(&auth[..cut]), None, "cut at {cut}");
+        }
+        // Unknown flags are refused.
+        let mut odd = challenge.clone();
+        odd[0] |= 0x10;
+        assert_eq!(Challenge::decode(&odd), None);
+        // AUTH's flag says RDMA but nothing follows.
+        let mut lying = AuthRequest {
+            proof: Some([4; 32]),
             rdma: None,
         }
         .encode();
-        lying[0] = 1;
-        assert_eq!(HelloRequest::decode(&lying), None);
+        lying[0] |= FLAG_RDMA as u8;
+        assert_eq!(AuthRequest::decode(&lying), None);
         let ack = HelloAck {
             region_size_bytes: 1,
             epoch: 2,
@@ -243,12 +373,12 @@ mod tests {
 
     #[test]
     fn rdma_section_layout_carries_the_read_depths() {
-        let bytes = HelloRequest {
-            client_id: 1,
+        let bytes = AuthRequest {
+            proof: None,
             rdma: Some(rdma()),
         }
         .encode();
-        let section = &bytes[HELLO_FIXED_LEN..];
+        let section = &bytes[AUTH_FIXED_LEN..];
         assert_eq!(section.len(), RDMA_LEN);
         assert_eq!(&section[0..4], &0x11u32.to_le_bytes());
         assert_eq!(&section[24..26], &3u16.to_le_bytes());
@@ -264,13 +394,13 @@ mod tests {
     #[test]
     fn a_section_without_a_read_depth_is_refused() {
         for at in [27, 28] {
-            let mut bytes = HelloRequest {
-                client_id: 1,
+            let mut bytes = AuthRequest {
+                proof: None,
                 rdma: Some(rdma()),
             }
             .encode();
-            bytes[HELLO_FIXED_LEN + at] = 0;
-            assert_eq!(HelloRequest::decode(&bytes), None, "byte {at}");
+            bytes[AUTH_FIXED_LEN + at] = 0;
+            assert_eq!(AuthRequest::decode(&bytes), None, "byte {at}");
             let mut ack = HelloAck {
                 region_size_bytes: 1,
                 epoch: 2,

@@ -10,5 +10,8 @@ mod hello;
 mod status;
 
 pub use header::{DecodeError, Header, Opcode, HEADER_LEN, MAGIC, MAX_PAYLOAD_BYTES, VERSION};
-pub use hello::{HelloAck, HelloRequest, RdmaHello, HELLO_ACK_LEN, HELLO_MAX_LEN};
+pub use hello::{
+    AuthRequest, Challenge, HelloAck, HelloRequest, RdmaHello, AUTH_MAX_LEN, CHALLENGE_LEN,
+    HELLO_ACK_LEN, HELLO_LEN,
+};
 pub use status::Status;
