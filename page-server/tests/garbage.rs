@@ -9,7 +9,8 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use common::*;
-use rdma_transport::wire::{Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN};
+use common::raw::{self, read_framed};
+use rdma_transport::wire::{Header, HelloAck, Opcode, Status, HEADER_LEN};
 use rdma_transport::PAGE_SIZE;
 
 fn connect(addr: SocketAddr) -> TcpStream {
@@ -19,19 +20,7 @@ fn connect(addr: SocketAddr) -> TcpStream {
 }
 
 fn hello(s: &mut TcpStream) -> HelloAck {
-    let body = HelloRequest {
-        client_id: 1,
-        rdma: None,
-    }
-    .encode();
-    s.write_all(&Header::request(Opcode::Hello, 1, 0, body.len() as u32).encode())
-        .unwrap();
-    s.write_all(&body).unwrap();
-    let h = read_header(s);
-    assert_eq!((h.opcode, h.status), (Opcode::HelloAck, Status::Ok));
-    let mut p = vec![0u8; h.payload_len()];
-    s.read_exact(&mut p).unwrap();
-    HelloAck::decode(&p).unwrap()
+    raw::handshake(s, 1, "g", None).expect("an insecure server accepts the handshake")
 }
 
 fn read_header(s: &mut TcpStream) -> Header {
@@ -54,15 +43,20 @@ fn page_server_answers_malformed_requests_and_keeps_serving() {
     let server = page_server::spawn(page_server::ServerConfig::new("g", NODE_BYTES)).unwrap();
     let addr = server.addr();
 
-    // READ before HELLO: refused, connection kept.
-    let mut s = connect(addr);
-    s.write_all(&Header::request(Opcode::Read, 5, 0, PAGE_SIZE as u32).encode())
+    // READ before the handshake: no answer at all, the connection closes.
+    let mut early = connect(addr);
+    early
+        .write_all(&Header::request(Opcode::Read, 5, 0, PAGE_SIZE as u32).encode())
         .unwrap();
-    let h = read_header(&mut s);
-    assert_eq!(
-        (h.opcode, h.status, h.request_id),
-        (Opcode::ReadResp, Status::NoHello, 5)
-    );
+    assert_closed(&mut early);
+    // Same after HELLO, before AUTH.
+    let mut early = connect(addr);
+    raw::hello(&mut early, 4);
+    early
+        .write_all(&Header::request(Opcode::Read, 5, 0, PAGE_SIZE as u32).encode())
+        .unwrap();
+    assert_closed(&mut early);
+    let mut s = connect(addr);
     let ack = hello(&mut s);
     assert_eq!(ack.region_size_bytes, NODE_BYTES as u64);
 
@@ -154,48 +148,22 @@ fn page_server_answers_malformed_requests_and_keeps_serving() {
     server.shutdown();
 }
 
-/// Reads one message strictly by the framing of docs/wire-protocol.md: the
-/// 32-byte header, then exactly `length` payload bytes for HELLO, HELLO_ACK
-/// and WRITE, and for READ_RESP with status OK; nothing for the others.
-fn read_framed(s: &mut TcpStream) -> (Header, Vec<u8>) {
-    let mut b = [0u8; HEADER_LEN];
-    s.read_exact(&mut b).expect("a header");
-    let h = Header::decode(&b).expect("a well-formed header");
-    let carries = match h.opcode {
-        Opcode::Hello | Opcode::HelloAck | Opcode::Write => true,
-        Opcode::ReadResp => h.status == Status::Ok,
-        _ => false,
-    };
-    let mut payload = vec![0u8; if carries { h.length as usize } else { 0 }];
-    s.read_exact(&mut payload)
-        .expect("the payload the header promises");
-    (h, payload)
-}
-
-/// A refused HELLO is answered by a HELLO_ACK that keeps the documented
-/// framing (it promises no payload it does not send): a client reading by
-/// the framing finds the next answer right after it, and the connection
-/// stays usable.
+/// A refused HELLO is answered (CHALLENGE with BAD_LENGTH) so that the
+/// documented framing holds (it promises no payload it does not send): a
+/// client reading by the framing finds the next answer right after it, and
+/// the connection stays usable.
 #[test]
 fn a_refused_hello_keeps_the_framing() {
     let server = page_server::spawn(page_server::ServerConfig::new("h", NODE_BYTES)).unwrap();
-    let good = HelloRequest {
-        client_id: 2,
-        rdma: None,
-    }
-    .encode();
-    let mut rdma_flag_without_section = good.clone();
-    rdma_flag_without_section[0] = 1;
-    let mut section_without_rdma_flag = good.clone();
-    section_without_rdma_flag.extend_from_slice(&[0u8; 48]);
-    // An RDMA section whose READ depths (bytes 27 and 28) are 0.
-    let mut section_without_read_depths = rdma_flag_without_section.clone();
-    section_without_read_depths.extend_from_slice(&[0u8; 48]);
+    let good = raw::hello_payload(2);
+    let mut unknown_flags = good.clone();
+    unknown_flags[0] = 1;
+    let mut too_long = good.clone();
+    too_long.extend_from_slice(&[0u8; 48]);
     for (what, bad) in [
         ("5 bytes", vec![0x5au8; 5]),
-        ("RDMA flag, no section", rdma_flag_without_section),
-        ("section, no RDMA flag", section_without_rdma_flag),
-        ("READ depths 0", section_without_read_depths),
+        ("unknown flags", unknown_flags),
+        ("too long", too_long),
     ] {
         let mut s = connect(server.addr());
         // The bad HELLO and a good one in one write: the second answer must
@@ -210,15 +178,30 @@ fn a_refused_hello_keeps_the_framing() {
         let (h, payload) = read_framed(&mut s);
         assert_eq!(
             (h.opcode, h.status, h.request_id, payload.len()),
-            (Opcode::HelloAck, Status::BadLength, 1, 0),
+            (Opcode::Challenge, Status::BadLength, 1, 0),
             "{what}"
         );
         let (h, payload) = read_framed(&mut s);
         assert_eq!(
             (h.opcode, h.status, h.request_id),
-            (Opcode::HelloAck, Status::Ok, 2),
+            (Opcode::Challenge, Status::Ok, 2),
             "{what}"
         );
+        let challenge =
+            rdma_transport::wire::Challenge::decode(&payload).expect("a full CHALLENGE payload");
+        assert!(challenge.proof.is_none(), "{what}: a server without a key");
+        raw::send(
+            &mut s,
+            Opcode::Auth,
+            3,
+            &rdma_transport::wire::AuthRequest {
+                proof: None,
+                rdma: None,
+            }
+            .encode(),
+        );
+        let (h, payload) = read_framed(&mut s);
+        assert_eq!((h.opcode, h.status), (Opcode::HelloAck, Status::Ok), "{what}");
         let ack = HelloAck::decode(&payload).expect("a full HELLO_ACK payload");
         assert_eq!(ack.region_size_bytes, NODE_BYTES as u64, "{what}");
         // Still framed: a READ is answered with its page, and after the
@@ -246,11 +229,7 @@ fn every_ended_connection_is_closed_and_forgotten() {
     const CONNECTIONS_PER_THREAD: usize = 250;
     let server = page_server::spawn(page_server::ServerConfig::new("e", NODE_BYTES)).unwrap();
     let addr = server.addr();
-    let hello_body = HelloRequest {
-        client_id: 3,
-        rdma: None,
-    }
-    .encode();
+    let hello_body = raw::hello_payload(3);
     std::thread::scope(|scope| {
         for t in 0..THREADS {
             let hello_body = &hello_body;

@@ -2,6 +2,8 @@
 //! and page-servers, in-process or as real child processes.
 #![allow(dead_code)]
 
+pub mod raw;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -1,0 +1,90 @@
+//! The handshake spoken by hand over a plain socket, for tests that need to
+//! send what a real client never would.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+
+use rdma_transport::auth::{ClusterKey, Role, Transcript};
+use rdma_transport::wire::{
+    AuthRequest, Challenge, Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN, VERSION,
+};
+
+/// Sends one message with `payload`.
+pub fn send(s: &mut TcpStream, opcode: Opcode, request_id: u64, payload: &[u8]) {
+    let mut msg = Header::request(opcode, request_id, 0, payload.len() as u32)
+        .encode()
+        .to_vec();
+    msg.extend_from_slice(payload);
+    s.write_all(&msg).expect("send");
+}
+
+/// Reads one message strictly by the framing of docs/wire-protocol.md: the
+/// 32-byte header, then exactly `length` payload bytes for the handshake
+/// messages and WRITE, and for READ_RESP with status OK; nothing for the
+/// others.
+pub fn read_framed(s: &mut TcpStream) -> (Header, Vec<u8>) {
+    let mut b = [0u8; HEADER_LEN];
+    s.read_exact(&mut b).expect("a header");
+    let h = Header::decode(&b).expect("a well-formed header");
+    let carries = match h.opcode {
+        Opcode::Hello | Opcode::Challenge | Opcode::Auth | Opcode::HelloAck | Opcode::Write => {
+            true
+        }
+        Opcode::ReadResp => h.status == Status::Ok,
+        _ => false,
+    };
+    let mut payload = vec![0u8; if carries { h.length as usize } else { 0 }];
+    s.read_exact(&mut payload)
+        .expect("the payload the header promises");
+    (h, payload)
+}
+
+/// A HELLO payload with a fixed nonce.
+pub fn hello_payload(client_id: u64) -> Vec<u8> {
+    HelloRequest {
+        client_id,
+        nonce: [client_id as u8; 32],
+    }
+    .encode()
+}
+
+/// HELLO and its CHALLENGE.
+pub fn hello(s: &mut TcpStream, client_id: u64) -> Challenge {
+    send(s, Opcode::Hello, 1, &hello_payload(client_id));
+    let (h, payload) = read_framed(s);
+    assert_eq!((h.opcode, h.status), (Opcode::Challenge, Status::Ok));
+    Challenge::decode(&payload).expect("a valid CHALLENGE")
+}
+
+/// The whole handshake as client `client_id` of node `node_id`, proving
+/// `key` (`None`: no proof). Returns the HELLO_ACK, or `None` when the
+/// server closed the connection instead.
+pub fn handshake(
+    s: &mut TcpStream,
+    client_id: u64,
+    node_id: &str,
+    key: Option<&ClusterKey>,
+) -> Option<HelloAck> {
+    let challenge = hello(s, client_id);
+    let proof = key.map(|key| {
+        Transcript {
+            version: VERSION,
+            client_id,
+            node_id,
+            client_nonce: &[client_id as u8; 32],
+            server_nonce: &challenge.nonce,
+            epoch: challenge.epoch,
+        }
+        .prove(key, Role::Client)
+    });
+    send(s, Opcode::Auth, 2, &AuthRequest { proof, rdma: None }.encode());
+    let mut b = [0u8; HEADER_LEN];
+    if s.read_exact(&mut b).is_err() {
+        return None;
+    }
+    let h = Header::decode(&b).expect("a well-formed header");
+    assert_eq!((h.opcode, h.status), (Opcode::HelloAck, Status::Ok));
+    let mut payload = vec![0u8; h.payload_len()];
+    s.read_exact(&mut payload).expect("HELLO_ACK payload");
+    Some(HelloAck::decode(&payload).expect("a valid HELLO_ACK"))
+}
