@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use crate::coordinator::api::{MapEntry, MapResponse, NodeInfo};
 use crate::page::PAGE_SIZE;
-use crate::wire::{AuthRequest, Challenge, Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN};
+use crate::wire::{
+    AuthRequest, Challenge, Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN,
+};
 
 /// Bytes each fake node exports, and the GPA stride between nodes.
 pub(crate) const NODE_BYTES: u64 = 16 * PAGE_SIZE as u64;

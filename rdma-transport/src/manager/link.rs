@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::map_state::Refusal;
 use super::{Inner, Node, RETRY_INTERVAL};
 use crate::config::{DataPath, ManagerConfig, TransportKind};
 use crate::error::TransportError;
@@ -132,8 +133,8 @@ impl Inner {
             .last_failure
             .is_some_and(|t| t.elapsed() < RETRY_INTERVAL)
         {
-            if let Some(reason) = node.rdma_refusal.lock().clone() {
-                return Err(TransportError::RdmaUnavailable(reason));
+            if let Some(refusal) = node.refusal.lock().as_ref() {
+                return Err(refusal.to_error(&node.id));
             }
             return Err(TransportError::NodeDown {
                 node: node.id.clone(),
@@ -168,17 +169,14 @@ impl Inner {
                 drop(logged);
                 node.conn.store(Some(Arc::new(link.clone())));
                 dial.last_failure = None;
-                *node.rdma_refusal.lock() = None;
+                *node.refusal.lock() = None;
                 drop(dial);
                 drop(dialing);
                 Ok(link)
             }
             Err(err) => {
                 dial.last_failure = Some(Instant::now());
-                *node.rdma_refusal.lock() = match &err {
-                    TransportError::RdmaUnavailable(reason) => Some(reason.clone()),
-                    _ => None,
-                };
+                *node.refusal.lock() = Refusal::of(&err);
                 drop(dial);
                 drop(dialing);
                 if matches!(

@@ -39,9 +39,38 @@ pub(super) struct Node {
     pub(super) epoch: AtomicU64,
     /// The data path last logged for this node (logged once per change).
     pub(super) logged_path: Mutex<Option<DataPath>>,
-    /// Why the last attempt could not use RDMA when RDMA is required
+    /// Why the last attempt was refused, when that is more than "down"
     /// (repeated to callers until the next attempt).
-    pub(super) rdma_refusal: Mutex<Option<String>>,
+    pub(super) refusal: Mutex<Option<Refusal>>,
+}
+
+/// A refusal a node's callers keep getting until the next attempt.
+#[derive(Debug, Clone)]
+pub(super) enum Refusal {
+    /// RDMA is required and the node cannot do it.
+    Rdma(String),
+    /// The peer at the node's address failed authentication.
+    Auth(String),
+}
+
+impl Refusal {
+    pub(super) fn of(err: &TransportError) -> Option<Self> {
+        match err {
+            TransportError::RdmaUnavailable(reason) => Some(Self::Rdma(reason.clone())),
+            TransportError::AuthFailed { detail, .. } => Some(Self::Auth(detail.clone())),
+            _ => None,
+        }
+    }
+
+    pub(super) fn to_error(&self, node: &str) -> TransportError {
+        match self {
+            Self::Rdma(reason) => TransportError::RdmaUnavailable(reason.clone()),
+            Self::Auth(detail) => TransportError::AuthFailed {
+                node: node.to_owned(),
+                detail: detail.clone(),
+            },
+        }
+    }
 }
 
 /// A node's connection attempts.
@@ -62,7 +91,7 @@ impl Node {
             dial_done: Condvar::new(),
             epoch: AtomicU64::new(0),
             logged_path: Mutex::new(None),
-            rdma_refusal: Mutex::new(None),
+            refusal: Mutex::new(None),
         }
     }
 }

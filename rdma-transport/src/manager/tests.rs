@@ -245,7 +245,12 @@ fn an_answer_that_is_not_for_its_request_delivers_no_page() {
     let (addr, node) = fake_node(|mut stream| {
         let request = read_header(&mut stream);
         // The right request id, the wrong page.
-        answer_read_at(&mut stream, &request, request.offset + PAGE_SIZE as u64, 0xee);
+        answer_read_at(
+            &mut stream,
+            &request,
+            request.offset + PAGE_SIZE as u64,
+            0xee,
+        );
         sees_close(stream)
     });
     let mgr = TransportManager::from_map(config(5000, PollMode::Event), map_of(1, &[("a", addr)]))
@@ -256,7 +261,10 @@ fn an_answer_that_is_not_for_its_request_delivers_no_page() {
         matches!(result, Err(TransportError::Protocol { .. })),
         "{result:?}"
     );
-    assert!(page.iter().all(|&b| b == 0), "a mismatched answer was delivered");
+    assert!(
+        page.iter().all(|&b| b == 0),
+        "a mismatched answer was delivered"
+    );
     drop(mgr);
     assert!(node.join().expect("node"), "the connection was dropped");
 }

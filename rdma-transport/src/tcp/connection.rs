@@ -14,10 +14,10 @@ use parking_lot::Mutex;
 use super::inflight::{Inflight, Waiter};
 use super::poller::PollerHandle;
 use super::receive::RecvBuf;
+use crate::auth::{ClusterKey, Role, Transcript};
 use crate::page::{Page, PAGE_SIZE};
 use crate::parking::Parking;
 use crate::sys::cvt;
-use crate::auth::{ClusterKey, Role, Transcript};
 use crate::wire::{
     AuthRequest, Challenge, Header, HelloAck, HelloRequest, Opcode, RdmaHello, Status, HEADER_LEN,
     HELLO_ACK_LEN, VERSION,

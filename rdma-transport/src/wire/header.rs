@@ -143,11 +143,9 @@ impl Header {
     /// Number of payload bytes that follow this header on the wire.
     pub const fn payload_len(&self) -> usize {
         match self.opcode {
-            Opcode::Hello
-            | Opcode::HelloAck
-            | Opcode::Challenge
-            | Opcode::Auth
-            | Opcode::Write => self.length as usize,
+            Opcode::Hello | Opcode::HelloAck | Opcode::Challenge | Opcode::Auth | Opcode::Write => {
+                self.length as usize
+            }
             Opcode::ReadResp if matches!(self.status, Status::Ok) => self.length as usize,
             _ => 0,
         }
