@@ -48,8 +48,9 @@ struct Args {
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
     handshake_timeout_ms: u64,
     /// Milliseconds a handshaken connection may go without a complete
-    /// request before it is closed (0: never).
-    #[arg(long, default_value_t = 60_000)]
+    /// request before it is closed (0: never; clients do not yet retry a
+    /// request on a connection closed while idle).
+    #[arg(long, default_value_t = 0)]
     idle_timeout_ms: u64,
     /// Handshaken connections served at once.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
