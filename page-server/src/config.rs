@@ -32,8 +32,23 @@ pub struct ServerConfig {
     pub heartbeat_interval: Duration,
     /// Wait between registration attempts while the coordinator is not up.
     pub register_retry: Duration,
-    /// Connections served at once; more are refused.
+    /// Handshaken connections served at once; a connection that finishes
+    /// its HELLO beyond this is closed without a HELLO_ACK. Connections
+    /// still in their handshake do not count (see `max_pending_handshakes`).
     pub max_connections: usize,
+    /// Connections that have not finished their HELLO handshake, at once; a
+    /// new one beyond this closes the oldest of them, so they can never
+    /// keep a good client out.
+    pub max_pending_handshakes: usize,
+    /// Time from accept to the end of the HELLO handshake; a connection
+    /// that takes longer (however its bytes trickle in) is closed.
+    pub handshake_timeout: Duration,
+    /// A handshaken connection that sends no complete request for this long
+    /// is closed; zero (the default): never. Off by default because
+    /// `TransportManager` does not yet retry a request whose connection the
+    /// server closed while idle: its first request after such a close fails
+    /// with `NodeDown` (see `tests/flood.rs`, the ignored test).
+    pub idle_timeout: Duration,
     /// How long a connection thread keeps polling its socket (yielding the
     /// CPU) after a request before it blocks. A streaming client then never
     /// waits for an idle CPU to wake up; 0 blocks at once (for hosts where
@@ -61,6 +76,9 @@ impl ServerConfig {
             heartbeat_interval: Duration::from_millis(1000),
             register_retry: Duration::from_millis(200),
             max_connections: 256,
+            max_pending_handshakes: 64,
+            handshake_timeout: Duration::from_secs(2),
+            idle_timeout: Duration::ZERO,
             spin_before_block: Duration::from_micros(50),
             rdma: RdmaOptions {
                 enabled: true,

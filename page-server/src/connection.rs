@@ -12,6 +12,7 @@ use rdma_transport::wire::{DecodeError, Header, Opcode, Status, HEADER_LEN};
 use rdma_transport::PAGE_SIZE;
 
 use crate::handshake::{self, Refusal, ServerAuth, Session};
+use crate::limits::ConnGuard;
 use crate::rdma::RdmaExport;
 
 const RECV_BUF_BYTES: usize = 256 * 1024;
@@ -164,9 +165,14 @@ fn writev_all(stream: &TcpStream, iovecs: &mut [libc::iovec]) -> io::Result<()> 
     Ok(())
 }
 
-/// Serves one connection until the client leaves, breaks the protocol, or
-/// the socket is shut down. Returns why it ended.
-pub(crate) fn serve(stream: &TcpStream, exported: &Exported, spin: Duration) -> io::Result<()> {
+/// Serves one connection until the client leaves, breaks the protocol or a
+/// limit in `guard`, or the socket is shut down. Returns why it ended.
+pub(crate) fn serve(
+    stream: &TcpStream,
+    exported: &Exported,
+    spin: Duration,
+    guard: &mut ConnGuard,
+) -> io::Result<()> {
     stream.set_nodelay(true)?;
     let mut buf = vec![0u8; RECV_BUF_BYTES];
     let (mut start, mut end) = (0usize, 0usize);
@@ -178,8 +184,11 @@ pub(crate) fn serve(stream: &TcpStream, exported: &Exported, spin: Duration) -> 
     // Spinning needs a non-blocking socket; without it, plain blocking
     // reads cost one system call each.
     stream.set_nonblocking(!spin.is_zero())?;
+    if spin.is_zero() {
+        stream.set_read_timeout(blocking_read_timeout(guard.check(Instant::now())?))?;
+    }
     loop {
-        let n = match read_spinning(stream, &mut buf[end..], spin) {
+        let n = match read_spinning(stream, &mut buf[end..], spin, guard) {
             Ok(0) => return Ok(()),
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -187,6 +196,7 @@ pub(crate) fn serve(stream: &TcpStream, exported: &Exported, spin: Duration) -> 
         };
         end += n;
         let mut close = None;
+        let mut requests = 0usize;
         while close.is_none() {
             let header = match Header::decode_prefix(&buf[start..end]) {
                 Ok(Some(h)) => h,
@@ -225,16 +235,31 @@ pub(crate) fn serve(stream: &TcpStream, exported: &Exported, spin: Duration) -> 
                 ));
             }
             start += total;
+            requests += 1;
+            guard.count_request();
+            if session.is_ready() && !guard.is_handshaken() && !guard.handshake_done() {
+                // Closed before its HELLO_ACK is sent: see `ConnGuard`.
+                return Err(io::Error::new(
+                    io::ErrorKind::ConnectionRefused,
+                    "connection limit reached",
+                ));
+            }
             if outbox.is_full() {
                 outbox.flush(stream)?;
             }
         }
         outbox.flush(stream)?;
         if let Some(err) = close {
+            guard.protocol_error();
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 protocol_error(err),
             ));
+        }
+        if requests == 0 || !guard.is_handshaken() {
+            // Bytes that completed no request (a trickle), or a client not
+            // yet handshaken: its limits hold however data arrives.
+            guard.check(Instant::now())?;
         }
         if start == end {
             (start, end) = (0, 0);
@@ -248,13 +273,33 @@ pub(crate) fn serve(stream: &TcpStream, exported: &Exported, spin: Duration) -> 
 
 /// Reads from the socket: with a `spin` (non-blocking socket), polls
 /// (yielding the CPU) for up to `spin`, then blocks in `poll(2)` until it is
-/// readable; without one, a plain blocking read. A client
+/// readable or `guard`'s limit; without one, a plain blocking read (whose
+/// receive timeout brings it back to check `guard`). A client
 /// streaming requests then never waits for this thread's CPU to wake from
-/// idle.
-fn read_spinning(mut stream: &TcpStream, buf: &mut [u8], spin: Duration) -> io::Result<usize> {
+/// idle, and only a wait that ends without data reads the clock.
+fn read_spinning(
+    mut stream: &TcpStream,
+    buf: &mut [u8],
+    spin: Duration,
+    guard: &mut ConnGuard,
+) -> io::Result<usize> {
     if spin.is_zero() {
-        // The socket is blocking then (see `serve`): one call.
-        return stream.read(buf);
+        // The socket is blocking then (see `serve`): one call, unless its
+        // receive timeout ends it.
+        loop {
+            match stream.read(buf) {
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    let left = guard.check(Instant::now())?;
+                    stream.set_read_timeout(blocking_read_timeout(left))?;
+                }
+                other => return other,
+            }
+        }
     }
     let start = Instant::now();
     loop {
@@ -262,11 +307,39 @@ fn read_spinning(mut stream: &TcpStream, buf: &mut [u8], spin: Duration) -> io::
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             other => return other,
         }
-        if start.elapsed() < spin {
+        let now = Instant::now();
+        if now.duration_since(start) < spin {
             std::thread::yield_now();
             continue;
         }
-        wait_for(stream, libc::POLLIN, -1)?;
+        let left = guard.check(now)?;
+        wait_readable(stream, left)?;
+    }
+}
+
+/// Longest receive timeout of a blocking connection socket: the idle time
+/// is only checked when a read times out, so a blocking connection is
+/// closed within this much after its limit.
+const BLOCKING_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The receive timeout that makes a blocking read come back to check a
+/// limit `left` away (`None`: no limit, no timeout).
+fn blocking_read_timeout(left: Option<Duration>) -> Option<Duration> {
+    left.map(|l| l.clamp(Duration::from_millis(1), BLOCKING_CHECK_INTERVAL))
+}
+
+/// Blocks until the socket is readable, or `limit` passes (`None`: no
+/// limit). A wait that ends without data is not an error: the caller reads
+/// and checks its limits again.
+fn wait_readable(stream: &TcpStream, limit: Option<Duration>) -> io::Result<()> {
+    let timeout_ms = match limit {
+        // Rounded up, so that the caller's next check finds the limit reached.
+        Some(left) => i32::try_from(left.as_nanos().div_ceil(1_000_000)).unwrap_or(i32::MAX),
+        None => -1,
+    };
+    match wait_for(stream, libc::POLLIN, timeout_ms) {
+        Err(e) if e.kind() == io::ErrorKind::TimedOut => Ok(()),
+        other => other,
     }
 }
 

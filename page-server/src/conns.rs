@@ -23,17 +23,49 @@ pub(crate) struct Connections {
 struct Inner {
     entries: Vec<Entry>,
     next_id: u64,
+    /// Entries in [`State::Pending`] and [`State::Handshaken`].
+    pending: usize,
+    handshaken: usize,
     /// Set by [`Connections::close_all`]: nothing is recorded after it.
     closed: bool,
 }
 
-/// One connection: a duplicate of its socket (to shut it down) and, once
-/// started, its thread.
+/// One connection: a duplicate of its socket (to shut it down), its state
+/// and, once started, its thread.
 #[derive(Debug)]
 struct Entry {
     id: u64,
     socket: TcpStream,
+    state: State,
     thread: Option<JoinHandle<()>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Accepted; no HELLO handshake yet.
+    Pending,
+    Handshaken,
+    /// Shut down to make room for a newer pending connection; its thread
+    /// is ending.
+    Evicted,
+}
+
+/// What became of a pending connection that finished its handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Promotion {
+    Promoted,
+    /// `max_connections` handshaken connections are open: close it.
+    Full,
+    /// It was evicted meanwhile: close it.
+    Evicted,
+}
+
+/// A newly recorded connection, and whether recording it evicted an older
+/// pending one.
+#[derive(Debug)]
+pub(crate) struct Admitted {
+    pub(crate) recorded: Recorded,
+    pub(crate) evicted: bool,
 }
 
 /// The record of one connection; dropping it removes the record (and
@@ -50,6 +82,27 @@ impl Recorded {
     pub(crate) fn id(&self) -> u64 {
         self.id
     }
+
+    /// Moves the connection from pending to handshaken, unless
+    /// `max_handshaken` are open or it has been evicted.
+    pub(crate) fn promote(&self, max_handshaken: usize) -> Promotion {
+        let mut inner = self.conns.inner.lock();
+        let full = inner.handshaken >= max_handshaken;
+        let Some(entry) = inner.entries.iter_mut().find(|e| e.id == self.id) else {
+            return Promotion::Evicted;
+        };
+        match entry.state {
+            State::Handshaken => Promotion::Promoted,
+            State::Evicted => Promotion::Evicted,
+            State::Pending if full => Promotion::Full,
+            State::Pending => {
+                entry.state = State::Handshaken;
+                inner.pending -= 1;
+                inner.handshaken += 1;
+                Promotion::Promoted
+            }
+        }
+    }
 }
 
 impl Drop for Recorded {
@@ -58,30 +111,69 @@ impl Drop for Recorded {
         if let Some(at) = inner.entries.iter().position(|e| e.id == self.id) {
             // The thread being dropped here is this connection's own: its
             // handle is only detached.
-            inner.entries.swap_remove(at);
+            let entry = inner.entries.swap_remove(at);
+            inner.uncount(entry.state);
         }
     }
 }
 
+impl Inner {
+    fn uncount(&mut self, state: State) {
+        match state {
+            State::Pending => self.pending -= 1,
+            State::Handshaken => self.handshaken -= 1,
+            State::Evicted => {}
+        }
+    }
+
+    /// Shuts the oldest pending connection down (its thread then sees the
+    /// end of the stream and ends).
+    fn evict_oldest_pending(&mut self) -> bool {
+        let oldest = self
+            .entries
+            .iter_mut()
+            .filter(|e| e.state == State::Pending)
+            .min_by_key(|e| e.id);
+        let Some(entry) = oldest else {
+            return false;
+        };
+        let _ = entry.socket.shutdown(Shutdown::Both);
+        entry.state = State::Evicted;
+        self.pending -= 1;
+        true
+    }
+}
+
 impl Connections {
-    /// Records a connection by a duplicate of its socket. `None` once
-    /// [`Connections::close_all`] has run (the connection is then not to be
-    /// served).
-    pub(crate) fn record(self: &Arc<Self>, socket: TcpStream) -> Option<Recorded> {
+    /// Records a new, pending connection by a duplicate of its socket,
+    /// first evicting the oldest pending one when `max_pending` are
+    /// recorded. `None` once [`Connections::close_all`] has run (the
+    /// connection is then not to be served).
+    pub(crate) fn record(
+        self: &Arc<Self>,
+        socket: TcpStream,
+        max_pending: usize,
+    ) -> Option<Admitted> {
         let mut inner = self.inner.lock();
         if inner.closed {
             return None;
         }
+        let evicted = inner.pending >= max_pending.max(1) && inner.evict_oldest_pending();
         inner.next_id += 1;
         let id = inner.next_id;
         inner.entries.push(Entry {
             id,
             socket,
+            state: State::Pending,
             thread: None,
         });
-        Some(Recorded {
-            conns: Arc::clone(self),
-            id,
+        inner.pending += 1;
+        Some(Admitted {
+            recorded: Recorded {
+                conns: Arc::clone(self),
+                id,
+            },
+            evicted,
         })
     }
 
@@ -100,12 +192,19 @@ impl Connections {
         self.inner.lock().entries.len()
     }
 
+    /// Pending and handshaken connections now.
+    pub(crate) fn counts(&self) -> (usize, usize) {
+        let inner = self.inner.lock();
+        (inner.pending, inner.handshaken)
+    }
+
     /// Stops recording, shuts every recorded socket down (its thread then
     /// sees the end of the stream) and returns the threads to join.
     pub(crate) fn close_all(&self) -> Vec<JoinHandle<()>> {
         let entries = {
             let mut inner = self.inner.lock();
             inner.closed = true;
+            (inner.pending, inner.handshaken) = (0, 0);
             std::mem::take(&mut inner.entries)
         };
         entries
@@ -151,7 +250,10 @@ mod tests {
     fn a_connection_that_ends_before_its_thread_is_stored_is_not_left_recorded() {
         let conns = Arc::new(Connections::default());
         let (mut client, server) = pair();
-        let recorded = conns.record(server.try_clone().unwrap()).unwrap();
+        let recorded = conns
+            .record(server.try_clone().unwrap(), 8)
+            .unwrap()
+            .recorded;
         let id = recorded.id();
         let thread = std::thread::spawn(move || {
             drop(recorded);
@@ -167,7 +269,10 @@ mod tests {
     fn close_all_shuts_recorded_sockets_down_and_refuses_new_records() {
         let conns = Arc::new(Connections::default());
         let (mut client, server) = pair();
-        let recorded = conns.record(server.try_clone().unwrap()).unwrap();
+        let recorded = conns
+            .record(server.try_clone().unwrap(), 8)
+            .unwrap()
+            .recorded;
         let id = recorded.id();
         let mut server = server;
         let thread = std::thread::spawn(move || {
@@ -186,6 +291,53 @@ mod tests {
         assert_eof(&mut client);
         assert_eq!(conns.len(), 0);
         let (_client, late) = pair();
-        assert!(conns.record(late).is_none());
+        assert!(conns.record(late, 8).is_none());
+    }
+
+    /// Over the pending cap, the oldest pending connection is shut down
+    /// (its client sees EOF) and a newer one keeps its place; handshaken
+    /// ones are neither evicted nor counted against the pending cap.
+    #[test]
+    fn a_new_connection_over_the_pending_cap_evicts_the_oldest_pending_one() {
+        let conns = Arc::new(Connections::default());
+        let (mut c1, s1) = pair();
+        let (_c2, s2) = pair();
+        let (_c3, s3) = pair();
+        let (_c4, s4) = pair();
+        let r1 = conns.record(s1, 2).unwrap();
+        let r2 = conns.record(s2, 2).unwrap();
+        assert!(!r1.evicted && !r2.evicted);
+        let r3 = conns.record(s3, 2).unwrap();
+        assert!(r3.evicted);
+        assert_eof(&mut c1);
+        assert_eq!(r1.recorded.promote(10), Promotion::Evicted);
+        assert_eq!(conns.counts(), (2, 0));
+        assert_eq!(r2.recorded.promote(10), Promotion::Promoted);
+        assert_eq!(conns.counts(), (1, 1));
+        let r4 = conns.record(s4, 2).unwrap();
+        assert!(
+            !r4.evicted,
+            "a handshaken connection does not count as pending"
+        );
+        assert_eq!(conns.counts(), (2, 1));
+        drop(r1);
+        assert_eq!(conns.len(), 3);
+        drop(r2);
+        assert_eq!(conns.counts(), (2, 0));
+    }
+
+    #[test]
+    fn promotion_is_refused_when_max_handshaken_are_open() {
+        let conns = Arc::new(Connections::default());
+        let (_c1, s1) = pair();
+        let (_c2, s2) = pair();
+        let r1 = conns.record(s1, 8).unwrap().recorded;
+        let r2 = conns.record(s2, 8).unwrap().recorded;
+        assert_eq!(r1.promote(1), Promotion::Promoted);
+        assert_eq!(r2.promote(1), Promotion::Full);
+        assert_eq!(conns.counts(), (1, 1));
+        drop(r1);
+        assert_eq!(r2.promote(1), Promotion::Promoted);
+        assert_eq!(conns.counts(), (0, 1));
     }
 }

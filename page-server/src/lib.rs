@@ -5,15 +5,21 @@
 //! [`spawn`] runs one in-process (the bench and tests do); `main.rs` is the
 //! daemon.
 
+mod acceptor;
+mod admission;
 mod config;
 mod connection;
 mod conns;
 mod handshake;
+mod limits;
 mod listener;
+mod log_limit;
 mod rdma;
 mod registration;
 mod server;
+mod stats;
 
 pub use config::ServerConfig;
 pub use rdma::RdmaOptions;
 pub use server::{spawn, RunningServer, ServerError};
+pub use stats::ServerStats;

@@ -51,6 +51,22 @@ struct Args {
     /// request before it blocks (0: block at once).
     #[arg(long, default_value_t = 50)]
     spin_us: u64,
+    /// Milliseconds from accept to the end of a connection's HELLO
+    /// handshake; slower connections are closed.
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
+    handshake_timeout_ms: u64,
+    /// Milliseconds a handshaken connection may go without a complete
+    /// request before it is closed (0: never; clients do not yet retry a
+    /// request on a connection closed while idle).
+    #[arg(long, default_value_t = 0)]
+    idle_timeout_ms: u64,
+    /// Handshaken connections served at once.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    max_connections: u64,
+    /// Connections still in their handshake at once; beyond it the oldest
+    /// of them is closed.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    max_pending_handshakes: u64,
     /// Write the bound address to this file once listening (for scripts).
     #[arg(long)]
     ready_file: Option<std::path::PathBuf>,
@@ -102,6 +118,11 @@ fn main() -> anyhow::Result<()> {
     config.heartbeat_interval = Duration::from_millis(args.heartbeat_ms.max(1));
     config.spin_before_block = Duration::from_micros(args.spin_us);
     config.huge_pages = args.huge_pages;
+    config.handshake_timeout = Duration::from_millis(args.handshake_timeout_ms);
+    config.idle_timeout = Duration::from_millis(args.idle_timeout_ms);
+    config.max_connections = usize::try_from(args.max_connections).context("--max-connections")?;
+    config.max_pending_handshakes =
+        usize::try_from(args.max_pending_handshakes).context("--max-pending-handshakes")?;
     config.rdma = page_server::RdmaOptions {
         enabled: !args.no_rdma,
         device: args.rdma_device,

@@ -1,7 +1,7 @@
 //! The listener, the connection threads, and the handle to stop them.
 
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -11,12 +11,14 @@ use rdma_transport::coordinator::api::RdmaRegion;
 use rdma_transport::region::{MapOptions, MappedRegion};
 use rdma_transport::PAGE_SIZE;
 
+use crate::admission::Admission;
 use crate::config::ServerConfig;
-use crate::connection::{serve, Exported};
-use crate::conns::Connections;
+use crate::connection::Exported;
 use crate::handshake::ServerAuth;
+use crate::limits::Timeouts;
 use crate::rdma::RdmaExport;
 use crate::registration::Registration;
+use crate::stats::ServerStats;
 
 /// Why a page-server could not start or register.
 #[derive(Debug, thiserror::Error)]
@@ -67,13 +69,13 @@ pub struct RunningServer {
     registration: Option<Registration>,
 }
 
+/// What the acceptor and the connection threads share.
 #[derive(Debug)]
-struct Shared {
-    exported: Exported,
-    stop: AtomicBool,
-    connections: Arc<Connections>,
-    max_connections: usize,
-    spin_before_block: std::time::Duration,
+pub(crate) struct Shared {
+    pub(crate) exported: Exported,
+    pub(crate) stop: AtomicBool,
+    pub(crate) admission: Arc<Admission>,
+    pub(crate) spin_before_block: Duration,
 }
 
 /// Maps the exported memory, binds the listener, starts serving, and starts
@@ -104,6 +106,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             config.node_id
         )));
     }
+    check_limits(&config)?;
     let region = MappedRegion::new(
         config.memory_bytes,
         MapOptions {
@@ -135,14 +138,20 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             auth: ServerAuth::new(config.node_id.clone(), config.cluster_key.clone()),
         },
         stop: AtomicBool::new(false),
-        connections: Arc::new(Connections::default()),
-        max_connections: config.max_connections,
+        admission: Arc::new(Admission::new(
+            Timeouts {
+                handshake: config.handshake_timeout,
+                idle: (!config.idle_timeout.is_zero()).then_some(config.idle_timeout),
+            },
+            config.max_connections,
+            config.max_pending_handshakes,
+        )),
         spin_before_block: config.spin_before_block,
     });
     let accept_shared = Arc::clone(&shared);
     let acceptor = std::thread::Builder::new()
         .name("page-server-accept".into())
-        .spawn(move || accept_loop(&listener, &accept_shared))
+        .spawn(move || crate::acceptor::accept_loop(&listener, &accept_shared))
         .map_err(|source| ServerError::Listen { addr, source })?;
     tracing::info!(
         node = %config.node_id,
@@ -166,6 +175,22 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         acceptor: Some(acceptor),
         registration,
     })
+}
+
+/// The connection limits must let something in.
+fn check_limits(config: &ServerConfig) -> Result<(), ServerError> {
+    if config.handshake_timeout.is_zero() {
+        return Err(ServerError::Config(
+            "the handshake timeout must be positive".into(),
+        ));
+    }
+    if config.max_connections == 0 || config.max_pending_handshakes == 0 {
+        return Err(ServerError::Config(format!(
+            "max_connections ({}) and max_pending_handshakes ({}) must be positive",
+            config.max_connections, config.max_pending_handshakes
+        )));
+    }
+    Ok(())
 }
 
 /// Opens the RDMA side unless disabled. Without an explicitly named device,
@@ -208,62 +233,6 @@ fn open_rdma(
     }
 }
 
-fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
-    for stream in listener.incoming() {
-        if shared.stop.load(Ordering::SeqCst) {
-            break;
-        }
-        let stream = match stream {
-            Ok(s) => s,
-            Err(err) => {
-                tracing::warn!(%err, "accept failed");
-                continue;
-            }
-        };
-        let peer = stream.peer_addr().ok();
-        if shared.connections.len() >= shared.max_connections {
-            tracing::warn!(
-                ?peer,
-                max = shared.max_connections,
-                "too many connections; refusing"
-            );
-            continue;
-        }
-        let Ok(duplicate) = stream.try_clone() else {
-            continue;
-        };
-        // Recorded before its thread exists; the thread removes the record
-        // (see `conns`), so an ended connection is never left recorded.
-        let Some(recorded) = shared.connections.record(duplicate) else {
-            break;
-        };
-        let id = recorded.id();
-        let conn_shared = Arc::clone(shared);
-        let spawned = std::thread::Builder::new()
-            .name(format!("page-conn-{id}"))
-            .spawn(move || {
-                match serve(
-                    &stream,
-                    &conn_shared.exported,
-                    conn_shared.spin_before_block,
-                ) {
-                    Ok(()) => tracing::debug!(?peer, "client left"),
-                    Err(err) => tracing::debug!(?peer, %err, "connection ended"),
-                }
-                // The record (and its duplicate socket) goes first, then the
-                // socket itself: the client sees FIN only once neither is
-                // open, and by then the connection is no longer counted.
-                drop(recorded);
-                drop(stream);
-            });
-        match spawned {
-            Ok(handle) => shared.connections.set_thread(id, handle),
-            // The closure, and with it the record, has been dropped.
-            Err(err) => tracing::error!(%err, "cannot start a connection thread"),
-        }
-    }
-}
-
 impl RunningServer {
     /// The bound listener address.
     pub fn addr(&self) -> SocketAddr {
@@ -293,9 +262,16 @@ impl RunningServer {
         self.shared.exported.auth.failures()
     }
 
-    /// Connections being served now.
+    /// Connections being served now (handshaken or not, and evicted ones
+    /// whose threads are still ending).
     pub fn active_connections(&self) -> usize {
-        self.shared.connections.len()
+        self.shared.admission.conns.len()
+    }
+
+    /// Connections open now, and those refused or closed by the limits
+    /// since the server started, by reason.
+    pub fn stats(&self) -> ServerStats {
+        self.shared.admission.stats()
     }
 
     /// Blocks until the node and its range are registered with the
@@ -329,7 +305,7 @@ impl RunningServer {
         if let Some(h) = self.acceptor.take() {
             let _ = h.join();
         }
-        for thread in self.shared.connections.close_all() {
+        for thread in self.shared.admission.conns.close_all() {
             let _ = thread.join();
         }
         tracing::info!(addr = %self.addr, "page-server stopped");

@@ -28,6 +28,11 @@ pub fn coordinator_on(db: &Path, listen: SocketAddr) -> RunningCoordinator {
 pub fn page_server(url: &str, node: &str, gpa_base: u64) -> RunningServer {
     let mut cfg = ServerConfig::new(node, NODE_BYTES);
     cfg.gpa_base = gpa_base;
+    page_server_with(url, cfg)
+}
+
+/// Starts `cfg` registered with the coordinator at `url`.
+pub fn page_server_with(url: &str, mut cfg: ServerConfig) -> RunningServer {
     cfg.coordinator_url = Some(url.to_owned());
     let s = page_server::spawn(cfg).expect("page-server starts");
     s.wait_registered(Duration::from_secs(10))

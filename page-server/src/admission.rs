@@ -1,0 +1,77 @@
+//! Which connections get served: the registry of connections with its two
+//! caps (pending handshakes, handshaken connections), the per-connection
+//! time limits, and the counters of what was refused or closed.
+
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::conns::{Connections, Recorded};
+use crate::limits::Timeouts;
+use crate::log_limit::LogLimit;
+use crate::stats::{CloseReason, Counters, ServerStats};
+
+/// How often each kind of refusal may be logged.
+const LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The server's connection limits, shared by the acceptor and every
+/// connection thread.
+#[derive(Debug)]
+pub(crate) struct Admission {
+    pub(crate) conns: Arc<Connections>,
+    pub(crate) timeouts: Timeouts,
+    /// Handshaken connections served at once.
+    pub(crate) max_connections: usize,
+    /// Connections waiting for their HELLO at once.
+    max_pending: usize,
+    counters: Counters,
+    evict_log: LogLimit,
+    pub(crate) full_log: LogLimit,
+    pub(crate) accept_log: LogLimit,
+}
+
+impl Admission {
+    pub(crate) fn new(timeouts: Timeouts, max_connections: usize, max_pending: usize) -> Self {
+        Self {
+            conns: Arc::new(Connections::default()),
+            timeouts,
+            max_connections,
+            max_pending,
+            counters: Counters::default(),
+            evict_log: LogLimit::new(LOG_INTERVAL),
+            full_log: LogLimit::new(LOG_INTERVAL),
+            accept_log: LogLimit::new(LOG_INTERVAL),
+        }
+    }
+
+    /// Records a newly accepted connection (by a duplicate of its socket)
+    /// as pending; over the pending cap, the oldest pending connection is
+    /// closed to make room. `None` once the server is stopping.
+    pub(crate) fn admit(&self, duplicate: TcpStream) -> Option<Recorded> {
+        let admitted = self.conns.record(duplicate, self.max_pending)?;
+        if admitted.evicted {
+            self.closed(CloseReason::EvictedPending);
+            if let Some(suppressed) = self.evict_log.event() {
+                tracing::warn!(
+                    max_pending_handshakes = self.max_pending,
+                    suppressed,
+                    "too many connections without a handshake; closed the oldest"
+                );
+            }
+        }
+        Some(admitted.recorded)
+    }
+
+    pub(crate) fn closed(&self, reason: CloseReason) {
+        self.counters.closed(reason);
+    }
+
+    pub(crate) fn accept_failed(&self) {
+        self.counters.accept_failed();
+    }
+
+    pub(crate) fn stats(&self) -> ServerStats {
+        let (pending, handshaken) = self.conns.counts();
+        self.counters.snapshot(pending, handshaken)
+    }
+}

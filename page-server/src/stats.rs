@@ -1,0 +1,86 @@
+//! Counters of connections refused or closed by the server's limits, by
+//! reason, and the snapshot [`ServerStats`] that `RunningServer::stats`
+//! returns (for tests and, later, metrics).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Connections refused or closed by the page-server, by reason, since it
+/// started; and the connections open now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ServerStats {
+    /// Connections open now that have not finished the HELLO handshake.
+    pub pending_handshakes: usize,
+    /// Connections open now that have finished it.
+    pub handshaken_connections: usize,
+    /// Unhandshaken connections closed because `max_pending_handshakes`
+    /// were already waiting (the oldest waiting one is closed).
+    pub evicted_pending: u64,
+    /// Connections closed after their HELLO because `max_connections`
+    /// handshaken connections were already open (no HELLO_ACK is sent).
+    pub refused_full: u64,
+    /// Connections closed because they did not finish the handshake within
+    /// `handshake_timeout`.
+    pub handshake_timeouts: u64,
+    /// Handshaken connections closed after `idle_timeout` without a
+    /// complete request.
+    pub idle_timeouts: u64,
+    /// Connections closed after a malformed header.
+    pub protocol_errors: u64,
+    /// `accept` calls that failed (e.g. out of file descriptors).
+    pub accept_errors: u64,
+}
+
+/// Why the server refused or closed a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CloseReason {
+    EvictedPending,
+    RefusedFull,
+    HandshakeTimeout,
+    IdleTimeout,
+    ProtocolError,
+}
+
+/// The live counters behind [`ServerStats`] (the gauges come from the
+/// connection registry).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    evicted_pending: AtomicU64,
+    refused_full: AtomicU64,
+    handshake_timeouts: AtomicU64,
+    idle_timeouts: AtomicU64,
+    protocol_errors: AtomicU64,
+    accept_errors: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn closed(&self, reason: CloseReason) {
+        let counter = match reason {
+            CloseReason::EvictedPending => &self.evicted_pending,
+            CloseReason::RefusedFull => &self.refused_full,
+            CloseReason::HandshakeTimeout => &self.handshake_timeouts,
+            CloseReason::IdleTimeout => &self.idle_timeouts,
+            CloseReason::ProtocolError => &self.protocol_errors,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn accept_failed(&self) {
+        self.accept_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The counters, with the given gauges.
+    pub(crate) fn snapshot(&self, pending: usize, handshaken: usize) -> ServerStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        ServerStats {
+            pending_handshakes: pending,
+            handshaken_connections: handshaken,
+            evicted_pending: get(&self.evicted_pending),
+            refused_full: get(&self.refused_full),
+            handshake_timeouts: get(&self.handshake_timeouts),
+            idle_timeouts: get(&self.idle_timeouts),
+            protocol_errors: get(&self.protocol_errors),
+            accept_errors: get(&self.accept_errors),
+        }
+    }
+}
