@@ -49,6 +49,9 @@ typedef enum RtStatus {
   // A config's `struct_size` is not a size this library knows (set it
   // to `sizeof` the struct; the `_config_default` functions do).
   RT_STATUS_STRUCT_SIZE = 16,
+  // A page-server could not prove the cluster key (a squatter, another
+  // cluster, a server without a key) or refused this client's proof.
+  RT_STATUS_AUTH_FAILED = 17,
 } RtStatus;
 
 // What to do with a fault that cannot be served (callback return value).
@@ -186,6 +189,13 @@ typedef struct RtManagerConfig {
   uint64_t wait_spin_us;
   // 1: pin pollers to the last CPUs of the host; 0: no pinning.
   uint32_t pin_pollers;
+  // 1: run without a cluster key (insecure: only page-servers without a
+  // key are used, and nothing proves who they are); 0: `cluster_key_file`
+  // is required.
+  uint32_t insecure;
+  // Path of the cluster key file (hex, at least 32 bytes, not readable by
+  // other users), NUL-terminated; NULL only with `insecure` = 1.
+  const char *cluster_key_file;
 } RtManagerConfig;
 
 #ifdef __cplusplus

@@ -39,6 +39,13 @@ pub struct RtManagerConfig {
     pub wait_spin_us: u64,
     /// 1: pin pollers to the last CPUs of the host; 0: no pinning.
     pub pin_pollers: u32,
+    /// 1: run without a cluster key (insecure: only page-servers without a
+    /// key are used, and nothing proves who they are); 0: `cluster_key_file`
+    /// is required.
+    pub insecure: u32,
+    /// Path of the cluster key file (hex, at least 32 bytes, not readable by
+    /// other users), NUL-terminated; NULL only with `insecure` = 1.
+    pub cluster_key_file: *const c_char,
 }
 
 impl CConfig for RtManagerConfig {
@@ -60,6 +67,8 @@ pub unsafe extern "C" fn rt_manager_config_default(config: *mut RtManagerConfig)
         pool_size_bytes: d.pool_size_bytes as u64,
         poller_threads: d.poller_threads as u32,
         pin_pollers: 1,
+        insecure: 0,
+        cluster_key_file: std::ptr::null(),
         wait_spin_us: d.wait_spin_us,
     };
     // SAFETY: the caller passes NULL or a writable config.
@@ -90,6 +99,25 @@ pub unsafe extern "C" fn rt_manager_connect(
             Ok(pin) => pin,
             Err(status) => return status,
         };
+        let insecure = match flag(config.insecure, RtManagerConfig::NAME, "insecure") {
+            Ok(insecure) => insecure,
+            Err(status) => return status,
+        };
+        let key_path = if config.cluster_key_file.is_null() {
+            None
+        } else {
+            // SAFETY: non-null, NUL-terminated by the caller's contract.
+            let path = unsafe { CStr::from_ptr(config.cluster_key_file) };
+            match path.to_str() {
+                Ok(p) => Some(std::path::PathBuf::from(p)),
+                Err(_) => return fail(RtStatus::InvalidArgument, "cluster_key_file is not UTF-8"),
+            }
+        };
+        let cluster_key = match rdma_transport::auth::key_from_flags(key_path.as_deref(), insecure)
+        {
+            Ok(key) => key,
+            Err(msg) => return fail(RtStatus::InvalidArgument, msg),
+        };
         if out.is_null() || config.coordinator_url.is_null() {
             return fail(RtStatus::InvalidArgument, "out or coordinator_url is NULL");
         }
@@ -103,6 +131,7 @@ pub unsafe extern "C" fn rt_manager_connect(
         };
         let rust_config = ManagerConfig {
             coordinator_url: url.to_owned(),
+            cluster_key,
             request_timeout_ms: config.request_timeout_ms,
             connect_timeout_ms: config.connect_timeout_ms,
             pool_size_bytes,

@@ -50,10 +50,13 @@ pub enum RtStatus {
     /// A config's `struct_size` is not a size this library knows (set it
     /// to `sizeof` the struct; the `_config_default` functions do).
     StructSize = 16,
+    /// A page-server could not prove the cluster key (a squatter, another
+    /// cluster, a server without a key) or refused this client's proof.
+    AuthFailed = 17,
 }
 
 impl RtStatus {
-    const ALL: [Self; 17] = [
+    const ALL: [Self; 18] = [
         Self::Ok,
         Self::InvalidArgument,
         Self::UnknownGpa,
@@ -71,6 +74,7 @@ impl RtStatus {
         Self::Internal,
         Self::Permission,
         Self::StructSize,
+        Self::AuthFailed,
     ];
 
     fn from_i32(value: i32) -> Option<Self> {
@@ -108,6 +112,7 @@ pub(crate) fn transport_status(err: &TransportError) -> RtStatus {
         TransportError::Pool(_) | TransportError::PoolExhausted { .. } => RtStatus::Pool,
         TransportError::Config(_) => RtStatus::InvalidArgument,
         TransportError::RdmaUnavailable(_) => RtStatus::Unsupported,
+        TransportError::AuthFailed { .. } => RtStatus::AuthFailed,
         _ => RtStatus::System,
     }
 }
@@ -157,6 +162,7 @@ pub extern "C" fn rt_status_str(status: i32) -> *const c_char {
         Some(RtStatus::Internal) => b"internal error\0",
         Some(RtStatus::Permission) => b"not permitted\0",
         Some(RtStatus::StructSize) => b"config struct_size not known to this library\0",
+        Some(RtStatus::AuthFailed) => b"peer failed cluster-key authentication\0",
     };
     s.as_ptr().cast()
 }

@@ -41,9 +41,18 @@ fn c_program_drives_manager_and_guest_memory() {
         lease_ms: 3000,
     })
     .unwrap();
+    let key = rdma_transport::auth::ClusterKey::generate().unwrap();
+    let key_file = db.path().join("cluster.key");
+    std::fs::write(&key_file, key.to_hex()).unwrap();
+    std::fs::set_permissions(
+        &key_file,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
     let servers: Vec<_> = (0..2)
         .map(|i| {
             let mut cfg = ServerConfig::new(format!("n{i}"), NODE_BYTES);
+            cfg.cluster_key = Some(key.clone());
             cfg.gpa_base = (i * NODE_BYTES) as u64;
             cfg.coordinator_url = Some(coord.url());
             page_server::spawn(cfg).unwrap()
@@ -78,6 +87,7 @@ fn c_program_drives_manager_and_guest_memory() {
     let run = Command::new(&exe)
         .arg(coord.url())
         .arg((2 * NODE_BYTES).to_string())
+        .arg(&key_file)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&run.stdout);

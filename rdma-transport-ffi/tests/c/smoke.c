@@ -39,8 +39,8 @@ static uint64_t word(uint64_t page, uint64_t i) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 3) {
-    fprintf(stderr, "usage: %s <coordinator-url> <bytes>\n", argv[0]);
+  if (argc != 4) {
+    fprintf(stderr, "usage: %s <coordinator-url> <bytes> <cluster-key-file>\n", argv[0]);
     return 2;
   }
   uint64_t size = strtoull(argv[2], NULL, 0);
@@ -59,6 +59,18 @@ int main(int argc, char **argv) {
   mc.struct_size = sizeof mc + 8;
   EXPECT(rt_manager_connect(&mc, &m) == RT_STATUS_STRUCT_SIZE && m == NULL);
   mc.struct_size = sizeof mc;
+  /* No cluster key and not insecure: refused with a reason. */
+  EXPECT(rt_manager_connect(&mc, &m) == RT_STATUS_INVALID_ARGUMENT && m == NULL);
+  EXPECT(strstr(rt_last_error(), "cluster key") != NULL);
+  /* Insecure: the page-servers hold a key, so they are refused. */
+  mc.insecure = 1;
+  CHECK(rt_manager_connect(&mc, &m));
+  uint8_t probe[PAGE];
+  EXPECT(rt_manager_read_page(m, 0, probe) == RT_STATUS_AUTH_FAILED);
+  rt_manager_destroy(m);
+  m = NULL;
+  mc.insecure = 0;
+  mc.cluster_key_file = argv[3];
   CHECK(rt_manager_connect(&mc, &m));
 
   /* Page I/O straight through the manager. */
