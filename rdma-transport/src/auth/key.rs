@@ -151,7 +151,10 @@ fn decode_hex(hex: &str) -> Result<Vec<u8>, KeyError> {
         b'0'..=b'9' => Ok(c - b'0'),
         b'a'..=b'f' => Ok(c - b'a' + 10),
         b'A'..=b'F' => Ok(c - b'A' + 10),
-        _ => Err(KeyError::NotHex(format!("'{}' is not a hex digit", c as char))),
+        _ => Err(KeyError::NotHex(format!(
+            "'{}' is not a hex digit",
+            c as char
+        ))),
     };
     hex.as_bytes()
         .chunks_exact(2)

@@ -117,8 +117,14 @@ mod tests {
             Transcript { version: 2, ..t },
             Transcript { client_id: 8, ..t },
             Transcript { node_id: "b", ..t },
-            Transcript { client_nonce: &cn2, ..t },
-            Transcript { server_nonce: &sn2, ..t },
+            Transcript {
+                client_nonce: &cn2,
+                ..t
+            },
+            Transcript {
+                server_nonce: &sn2,
+                ..t
+            },
             Transcript { epoch: 10, ..t },
         ] {
             assert!(!changed.verify(&key, Role::Server, &p), "{changed:?}");
