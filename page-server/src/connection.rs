@@ -30,7 +30,6 @@ pub(crate) struct Exported {
     pub(crate) auth: ServerAuth,
 }
 
-
 impl Exported {
     /// Checks a page request against the region; the region offset on success.
     fn check(&self, header: &Header) -> Result<usize, Status> {

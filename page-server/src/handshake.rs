@@ -63,7 +63,12 @@ impl ServerAuth {
             logged.clear();
         }
         logged.insert(peer, now);
-        tracing::warn!(?peer, client_id, total_failures = total, "refused a client that failed authentication: {why}");
+        tracing::warn!(
+            ?peer,
+            client_id,
+            total_failures = total,
+            "refused a client that failed authentication: {why}"
+        );
     }
 }
 

@@ -89,11 +89,9 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
-    let cluster_key = rdma_transport::auth::key_from_flags(
-        args.cluster_key_file.as_deref(),
-        args.insecure,
-    )
-    .map_err(anyhow::Error::msg)?;
+    let cluster_key =
+        rdma_transport::auth::key_from_flags(args.cluster_key_file.as_deref(), args.insecure)
+            .map_err(anyhow::Error::msg)?;
     let mut config = ServerConfig::new(args.node_id, args.memory);
     config.cluster_key = cluster_key;
     config.listen = args.listen;

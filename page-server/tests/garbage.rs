@@ -8,8 +8,8 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-use common::*;
 use common::raw::{self, read_framed};
+use common::*;
 use rdma_transport::wire::{Header, HelloAck, Opcode, Status, HEADER_LEN};
 use rdma_transport::PAGE_SIZE;
 
@@ -201,7 +201,11 @@ fn a_refused_hello_keeps_the_framing() {
             .encode(),
         );
         let (h, payload) = read_framed(&mut s);
-        assert_eq!((h.opcode, h.status), (Opcode::HelloAck, Status::Ok), "{what}");
+        assert_eq!(
+            (h.opcode, h.status),
+            (Opcode::HelloAck, Status::Ok),
+            "{what}"
+        );
         let ack = HelloAck::decode(&payload).expect("a full HELLO_ACK payload");
         assert_eq!(ack.region_size_bytes, NODE_BYTES as u64, "{what}");
         // Still framed: a READ is answered with its page, and after the

@@ -27,9 +27,7 @@ pub fn read_framed(s: &mut TcpStream) -> (Header, Vec<u8>) {
     s.read_exact(&mut b).expect("a header");
     let h = Header::decode(&b).expect("a well-formed header");
     let carries = match h.opcode {
-        Opcode::Hello | Opcode::Challenge | Opcode::Auth | Opcode::HelloAck | Opcode::Write => {
-            true
-        }
+        Opcode::Hello | Opcode::Challenge | Opcode::Auth | Opcode::HelloAck | Opcode::Write => true,
         Opcode::ReadResp => h.status == Status::Ok,
         _ => false,
     };
@@ -77,7 +75,12 @@ pub fn handshake(
         }
         .prove(key, Role::Client)
     });
-    send(s, Opcode::Auth, 2, &AuthRequest { proof, rdma: None }.encode());
+    send(
+        s,
+        Opcode::Auth,
+        2,
+        &AuthRequest { proof, rdma: None }.encode(),
+    );
     let mut b = [0u8; HEADER_LEN];
     if s.read_exact(&mut b).is_err() {
         return None;
