@@ -109,6 +109,9 @@ mod tests {
         //   openssl dgst -sha256 -mac HMAC -macopt hexkey:0f0f...0f
         let expected = "0afd1d97b9a984e255f05245462a60deef477d1de8d6c08770e9a9011e897d7c";
         assert_eq!(key().admin_credential(), expected);
+        // printf 'pgtp node credential\0%s' node-0 | openssl dgst ... (the same key)
+        let node_0 = "f8f7f75ce027605cdbc7e40cae111d8371d6d404cf0aeb00766acb0da1f59e02";
+        assert_eq!(key().node_credential("node-0"), node_0);
     }
 
     #[test]
