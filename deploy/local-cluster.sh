@@ -13,13 +13,15 @@ dir=$(mktemp -d)
 pids=()
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$dir"; }
 trap cleanup EXIT INT TERM
-target/release/coordinator --listen 127.0.0.1:0 --db "$dir/coordinator.db" --ready-file "$dir/coord.addr" &
+# The cluster key every member proves in each connection's handshake, and
+# from which the coordinator credentials are derived.
+(umask 077 && openssl rand -hex 32 >"$dir/cluster.key" 2>/dev/null) ||
+    (umask 077 && head -c 32 /dev/urandom | od -An -vtx1 | tr -d ' \n' >"$dir/cluster.key")
+target/release/coordinator --listen 127.0.0.1:0 --db "$dir/coordinator.db" --ready-file "$dir/coord.addr" \
+    --cluster-key-file "$dir/cluster.key" &
 pids+=($!)
 for _ in $(seq 100); do [[ -s "$dir/coord.addr" ]] && break; sleep 0.1; done
 url="http://$(cat "$dir/coord.addr")"
-# The cluster key every member proves in each connection's handshake.
-(umask 077 && openssl rand -hex 32 >"$dir/cluster.key" 2>/dev/null) ||
-    (umask 077 && head -c 32 /dev/urandom | od -An -vtx1 | tr -d ' \n' >"$dir/cluster.key")
 bytes=$(numfmt --from=iec-i --suffix=B "$memory" 2>/dev/null | tr -d B || echo 268435456)
 for i in $(seq 0 $((nodes - 1))); do
     target/release/page-server --node-id "node-$i" --listen 127.0.0.1:0 --memory "$memory" \
@@ -27,4 +29,5 @@ for i in $(seq 0 $((nodes - 1))); do
     pids+=($!)
 done
 echo "coordinator: $url  (try: target/release/bench --coordinator $url --cluster-key-file $dir/cluster.key)"
+echo "admin credential: target/release/coordinator credential --admin --cluster-key-file $dir/cluster.key"
 wait

@@ -21,7 +21,7 @@ impl LocalCluster {
     /// Starts a coordinator and `nodes` page-servers that together export
     /// `memory_bytes` (split evenly, contiguous GPA ranges from 0).
     /// `server_spin` is the page-servers' `spin_before_block`; `key` the
-    /// cluster key they require (`None`: insecure).
+    /// cluster key they and the coordinator require (`None`: insecure).
     pub fn start(
         nodes: usize,
         memory_bytes: usize,
@@ -30,13 +30,14 @@ impl LocalCluster {
     ) -> anyhow::Result<Self> {
         let db_dir =
             tempfile::tempdir().context("temporary directory for the coordinator database")?;
-        let coordinator = coordinator::spawn(CoordinatorConfig {
-            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            db_path: db_dir.path().join("coordinator.db"),
-            token: None,
-            lease_ms: 3000,
-        })
-        .context("starting the coordinator")?;
+        let mut config = CoordinatorConfig::new(
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            db_dir.path().join("coordinator.db"),
+        );
+        // The same key as the page-servers: they register with their node
+        // credentials, the manager reads the map with the client one.
+        config.cluster_key = key.clone();
+        let coordinator = coordinator::spawn(config).context("starting the coordinator")?;
         let url = coordinator.url();
         let per_node =
             (memory_bytes / nodes).div_ceil(rdma_transport::PAGE_SIZE) * rdma_transport::PAGE_SIZE;

@@ -3,6 +3,8 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use rdma_transport::auth::ClusterKey;
+
 /// How to run a coordinator.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CoordinatorConfig {
@@ -10,24 +12,66 @@ pub struct CoordinatorConfig {
     pub listen: SocketAddr,
     /// SQLite database file; created when missing.
     pub db_path: PathBuf,
-    /// When set, every write (PUT, POST, DELETE) needs
-    /// `Authorization: Bearer <token>`. Must not be empty.
+    /// When set, every route but `GET /v1/health` needs a credential
+    /// derived from this key (node, client or admin; see
+    /// `docs/coordinator.md`). `None`: insecure, reads are open and writes
+    /// need `token` when one is set (logged at WARN at start).
+    pub cluster_key: Option<ClusterKey>,
+    /// An extra admin credential: `Authorization: Bearer <token>`. Without
+    /// a cluster key it guards writes only. Must not be empty.
     pub token: Option<String>,
     /// A node is alive while its last heartbeat is younger than this.
     pub lease_ms: u64,
+    /// Bounds on what one caller can take from the others.
+    pub limits: Limits,
+}
+
+/// Resource bounds of a coordinator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Registered nodes at most; registering one more answers 429.
+    pub max_nodes: usize,
+    /// Map entries at most; claiming one more answers 429.
+    pub max_ranges: usize,
+    /// Map entries one node may own at most; claiming one more answers 429.
+    pub max_ranges_per_node: usize,
+    /// Connections served at once; more wait in the listen backlog.
+    pub max_connections: usize,
+    /// A connection that has not sent a whole request head this long after
+    /// connecting (or after its previous answer) is closed.
+    pub header_timeout_ms: u64,
+    /// A request whose body has not fully arrived this long after its head
+    /// answers 408.
+    pub body_timeout_ms: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_nodes: 4096,
+            max_ranges: 65536,
+            max_ranges_per_node: 4096,
+            max_connections: 256,
+            header_timeout_ms: 10_000,
+            body_timeout_ms: 10_000,
+        }
+    }
 }
 
 impl CoordinatorConfig {
     /// Lease used when none is given.
     pub const DEFAULT_LEASE_MS: u64 = 3000;
 
-    /// A configuration without token and with [`Self::DEFAULT_LEASE_MS`].
+    /// An insecure configuration (no key, no token) with
+    /// [`Self::DEFAULT_LEASE_MS`] and default [`Limits`].
     pub fn new(listen: SocketAddr, db_path: impl Into<PathBuf>) -> Self {
         Self {
             listen,
             db_path: db_path.into(),
+            cluster_key: None,
             token: None,
             lease_ms: Self::DEFAULT_LEASE_MS,
+            limits: Limits::default(),
         }
     }
 }

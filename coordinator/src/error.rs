@@ -18,8 +18,10 @@ use crate::store::StoreError;
 pub(crate) enum ApiError {
     #[error("{0}")]
     BadRequest(String),
-    #[error("a valid `Authorization: Bearer <token>` header is required for writes")]
+    #[error("a valid `Authorization: Bearer <credential>` header is required")]
     Unauthorized,
+    #[error("{0}")]
+    Forbidden(String),
     #[error("{0}")]
     NotFound(String),
     #[error("{0}")]
@@ -28,6 +30,10 @@ pub(crate) enum ApiError {
     Conflict(String),
     #[error("request body larger than {limit_bytes} bytes")]
     PayloadTooLarge { limit_bytes: usize },
+    #[error("the request body did not arrive within {timeout_ms} ms")]
+    BodyTimeout { timeout_ms: u64 },
+    #[error("{0}")]
+    LimitReached(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -37,10 +43,13 @@ impl ApiError {
         match self {
             Self::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             Self::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
+            Self::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
             Self::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             Self::MethodNotAllowed(_) => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             Self::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             Self::PayloadTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
+            Self::BodyTimeout { .. } => (StatusCode::REQUEST_TIMEOUT, "request_timeout"),
+            Self::LimitReached(_) => (StatusCode::TOO_MANY_REQUESTS, "limit_reached"),
             Self::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         }
     }
@@ -69,6 +78,12 @@ impl From<StoreError> for ApiError {
             StoreError::Overlap { existing } => Self::Conflict(format!(
                 "range overlaps the entry at gpa_start {:#x} (length_bytes {:#x}, node {:?})",
                 existing.gpa_start, existing.length_bytes, existing.node_id
+            )),
+            StoreError::LimitReached { what, max } => Self::LimitReached(format!(
+                "{what} limit reached: at most {max}; remove some first or raise the limit"
+            )),
+            StoreError::NotOwner { gpa_start, owner } => Self::Forbidden(format!(
+                "the range at {gpa_start:#x} belongs to node {owner:?}"
             )),
             other => Self::Internal(format!("database: {other}")),
         }

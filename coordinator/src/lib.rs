@@ -11,8 +11,10 @@
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
 mod auth;
+mod body;
 mod clock;
 mod config;
+mod connections;
 mod error;
 mod extract;
 mod routes;
@@ -22,7 +24,8 @@ mod state;
 mod store;
 mod validate;
 
-pub use config::CoordinatorConfig;
+pub use auth::Access;
+pub use config::{CoordinatorConfig, Limits};
 pub use error::ServeError;
 pub use routes::{route_table, HttpMethod, Route};
 pub use server::{serve, Server};

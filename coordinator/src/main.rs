@@ -4,22 +4,66 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use clap::Parser;
-use coordinator::{CoordinatorConfig, Server};
+use clap::{Parser, Subcommand};
+use coordinator::{CoordinatorConfig, Limits, Server};
+use rdma_transport::auth::{key_from_flags, ClusterKey};
 use tracing_subscriber::EnvFilter;
 
 /// Stores node endpoints and the GPA ownership map of the remote-memory
 /// paging transport, in SQLite.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(version, about, args_conflicts_with_subcommands = true)]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Prints a credential derived from the cluster key, for
+    /// `Authorization: Bearer <credential>` (e.g. with curl).
+    Credential(CredentialArgs),
+}
+
+#[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("kind").required(true).args(["admin", "client", "node"])))]
+struct CredentialArgs {
+    /// The cluster key file.
+    #[arg(long, env = "RT_CLUSTER_KEY_FILE")]
+    cluster_key_file: PathBuf,
+    /// The admin credential: every route.
+    #[arg(long)]
+    admin: bool,
+    /// The client credential: reads only.
+    #[arg(long)]
+    client: bool,
+    /// The credential of this node (printed as `node:<id>:<hex>`).
+    #[arg(long, value_name = "ID")]
+    node: Option<String>,
+}
+
+/// Serving (no subcommand).
+#[derive(Debug, clap::Args)]
+struct ServeArgs {
     /// Address to listen on (port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: SocketAddr,
     /// SQLite database file (created when missing).
     #[arg(long, default_value = "coordinator.db")]
     db: PathBuf,
-    /// Bearer token every write must carry. Defaults to the environment
+    /// Hex cluster key file (mode 600): every route but /v1/health then
+    /// needs a credential derived from it (`coordinator credential --help`).
+    #[arg(long, env = "RT_CLUSTER_KEY_FILE")]
+    cluster_key_file: Option<PathBuf>,
+    /// Run without a cluster key: anyone who can reach the coordinator
+    /// reads every node address and, without --token, can re-register any
+    /// node and take its traffic.
+    #[arg(long)]
+    insecure: bool,
+    /// An extra admin credential (`Authorization: Bearer <token>`); without
+    /// a cluster key it guards writes only. Defaults to the environment
     /// variable COORDINATOR_TOKEN, which keeps it out of `ps`.
     #[arg(long)]
     token: Option<String>,
@@ -30,6 +74,24 @@ struct Args {
     /// this file.
     #[arg(long)]
     ready_file: Option<PathBuf>,
+    /// Registered nodes at most.
+    #[arg(long, default_value_t = Limits::default().max_nodes)]
+    max_nodes: usize,
+    /// Map entries at most.
+    #[arg(long, default_value_t = Limits::default().max_ranges)]
+    max_ranges: usize,
+    /// Map entries one node may own at most.
+    #[arg(long, default_value_t = Limits::default().max_ranges_per_node)]
+    max_ranges_per_node: usize,
+    /// Connections served at once.
+    #[arg(long, default_value_t = Limits::default().max_connections)]
+    max_connections: usize,
+    /// A connection must send a whole request head within this long.
+    #[arg(long, default_value_t = Limits::default().header_timeout_ms)]
+    header_timeout_ms: u64,
+    /// A request body must arrive within this long after its head.
+    #[arg(long, default_value_t = Limits::default().body_timeout_ms)]
+    body_timeout_ms: u64,
 }
 
 #[tokio::main]
@@ -40,7 +102,15 @@ async fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let args = Args::parse();
+    let Args {
+        command,
+        serve: args,
+    } = Args::parse();
+    if let Some(Command::Credential(credential)) = command {
+        return print_credential(&credential);
+    }
+    let cluster_key = key_from_flags(args.cluster_key_file.as_deref(), args.insecure)
+        .map_err(anyhow::Error::msg)?;
     let token = args
         .token
         .or_else(|| std::env::var("COORDINATOR_TOKEN").ok())
@@ -48,8 +118,17 @@ async fn main() -> anyhow::Result<()> {
     let config = CoordinatorConfig {
         listen: args.listen,
         db_path: args.db,
+        cluster_key,
         token,
         lease_ms: args.lease_ms,
+        limits: Limits {
+            max_nodes: args.max_nodes,
+            max_ranges: args.max_ranges,
+            max_ranges_per_node: args.max_ranges_per_node,
+            max_connections: args.max_connections,
+            header_timeout_ms: args.header_timeout_ms,
+            body_timeout_ms: args.body_timeout_ms,
+        },
     };
     let server = Server::bind(config).await?;
     if let Some(path) = &args.ready_file {
@@ -57,6 +136,24 @@ async fn main() -> anyhow::Result<()> {
             .with_context(|| format!("cannot write the ready file {}", path.display()))?;
     }
     server.serve(shutdown_signal()).await?;
+    Ok(())
+}
+
+/// `coordinator credential`: prints the asked-for credential on stdout.
+fn print_credential(args: &CredentialArgs) -> anyhow::Result<()> {
+    let key = ClusterKey::from_file(&args.cluster_key_file)?;
+    let credential = match &args.node {
+        Some(id) => {
+            anyhow::ensure!(
+                rdma_transport::coordinator::api::is_valid_node_id(id),
+                "invalid node id {id:?}: use 1 to 64 characters of [A-Za-z0-9_.-]"
+            );
+            format!("node:{id}:{}", key.node_credential(id))
+        }
+        None if args.admin => key.admin_credential(),
+        None => key.client_credential(),
+    };
+    println!("{credential}");
     Ok(())
 }
 

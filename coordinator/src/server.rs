@@ -6,19 +6,20 @@ use std::time::Duration;
 
 use axum::Router;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 
-use crate::config::CoordinatorConfig;
+use crate::auth::Authenticator;
+use crate::config::{CoordinatorConfig, Limits};
+use crate::connections::serve_connections;
 use crate::error::ServeError;
 use crate::routes::router;
 use crate::state::AppState;
-use crate::store::Store;
+use crate::store::{Store, StoreLimits};
 
 /// Largest accepted request body.
 pub(crate) const MAX_BODY_BYTES: usize = 64 * 1024;
 
 /// After the shutdown signal, requests in flight get this long to finish.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// A coordinator whose database is open and whose socket is bound, not yet
 /// serving. Lets the caller learn the bound address (e.g. after asking for
@@ -28,6 +29,7 @@ pub struct Server {
     listener: TcpListener,
     local_addr: SocketAddr,
     router: Router,
+    limits: Limits,
 }
 
 impl Server {
@@ -35,22 +37,27 @@ impl Server {
     ///
     /// # Errors
     ///
-    /// [`ServeError::InvalidConfig`] for an empty token,
+    /// [`ServeError::InvalidConfig`] for an empty token or a zero limit,
     /// [`ServeError::OpenStore`] and [`ServeError::Bind`] as named.
     pub async fn bind(config: CoordinatorConfig) -> Result<Self, ServeError> {
-        if config.token.as_deref() == Some("") {
-            return Err(ServeError::InvalidConfig(
-                "the token must not be empty".to_owned(),
-            ));
-        }
+        check(&config)?;
         let db_path = config.db_path.clone();
-        let store = tokio::task::spawn_blocking(move || Store::open(&db_path))
-            .await
-            .map_err(|_| ServeError::ThreadPanicked)?
-            .map_err(|source| ServeError::OpenStore {
-                path: config.db_path.clone(),
-                source,
-            })?;
+        let limits = config.limits;
+        let store = tokio::task::spawn_blocking(move || {
+            let mut store = Store::open(&db_path)?;
+            store.set_limits(StoreLimits {
+                max_nodes: limits.max_nodes,
+                max_ranges: limits.max_ranges,
+                max_ranges_per_node: limits.max_ranges_per_node,
+            });
+            Ok(store)
+        })
+        .await
+        .map_err(|_| ServeError::ThreadPanicked)?
+        .map_err(|source| ServeError::OpenStore {
+            path: config.db_path.clone(),
+            source,
+        })?;
         let listener =
             TcpListener::bind(config.listen)
                 .await
@@ -62,18 +69,28 @@ impl Server {
             addr: config.listen,
             source,
         })?;
-        let state = AppState::new(store, config.token, config.lease_ms);
+        let auth = Authenticator::new(config.cluster_key, config.token);
+        if !auth.is_keyed() {
+            tracing::warn!(
+                "no cluster key: insecure coordinator, anyone who can reach it reads every node \
+                 address and (without --token) can re-register any node and take its traffic"
+            );
+        }
+        let keyed = auth.is_keyed();
+        let state = AppState::new(store, auth, config.lease_ms, limits.body_timeout_ms);
         tracing::info!(
             %local_addr,
             db = %config.db_path.display(),
             lease_ms = config.lease_ms,
-            auth = state.token().is_some(),
+            keyed,
+            ?limits,
             "coordinator listening"
         );
         Ok(Self {
             listener,
             local_addr,
             router: router(state),
+            limits,
         })
     }
 
@@ -92,28 +109,35 @@ impl Server {
     where
         F: Future<Output = ()> + Send + 'static,
     {
-        let (stopping_tx, mut stopping_rx) = watch::channel(false);
-        let graceful = axum::serve(self.listener, self.router).with_graceful_shutdown(async move {
-            shutdown.await;
-            tracing::info!("coordinator shutting down");
-            // Nobody listening only means the grace timer below is gone too.
-            let _ = stopping_tx.send(true);
-        });
-        let grace_expired = async move {
-            if stopping_rx.wait_for(|stopping| *stopping).await.is_ok() {
-                tokio::time::sleep(SHUTDOWN_GRACE).await;
-            } else {
-                std::future::pending::<()>().await;
-            }
-        };
-        tokio::select! {
-            result = graceful => result.map_err(ServeError::Serve),
-            () = grace_expired => {
-                tracing::warn!("requests still open after the shutdown grace period; dropping them");
-                Ok(())
-            }
-        }
+        serve_connections(self.listener, self.router, self.limits, shutdown).await;
+        Ok(())
     }
+}
+
+fn check(config: &CoordinatorConfig) -> Result<(), ServeError> {
+    if config.token.as_deref() == Some("") {
+        return Err(ServeError::InvalidConfig(
+            "the token must not be empty".to_owned(),
+        ));
+    }
+    let l = &config.limits;
+    let zero = [
+        ("max_nodes", l.max_nodes as u64),
+        ("max_ranges", l.max_ranges as u64),
+        ("max_ranges_per_node", l.max_ranges_per_node as u64),
+        ("max_connections", l.max_connections as u64),
+        ("header_timeout_ms", l.header_timeout_ms),
+        ("body_timeout_ms", l.body_timeout_ms),
+    ];
+    if let Some((name, _)) = zero.iter().find(|(_, value)| *value == 0) {
+        return Err(ServeError::InvalidConfig(format!("{name} must be > 0")));
+    }
+    if u32::try_from(l.max_connections).is_err() {
+        return Err(ServeError::InvalidConfig(
+            "max_connections is too large".to_owned(),
+        ));
+    }
+    Ok(())
 }
 
 /// Opens, binds and serves `config` until `shutdown` completes.

@@ -1,9 +1,10 @@
-//! State shared by the handlers: the store, the token and the lease.
+//! State shared by the handlers: the store, the credentials and the lease.
 
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use crate::auth::Authenticator;
 use crate::clock::now_unix_ms;
 use crate::error::ApiError;
 use crate::store::{NodeRecord, Store, StoreError};
@@ -13,22 +14,29 @@ use rdma_transport::coordinator::api::NodeInfo;
 #[derive(Debug, Clone)]
 pub(crate) struct AppState {
     store: Arc<Mutex<Store>>,
-    token: Option<Arc<str>>,
+    auth: Arc<Authenticator>,
     lease_ms: u64,
+    body_timeout_ms: u64,
 }
 
 impl AppState {
-    pub fn new(store: Store, token: Option<String>, lease_ms: u64) -> Self {
+    pub fn new(store: Store, auth: Authenticator, lease_ms: u64, body_timeout_ms: u64) -> Self {
         Self {
             store: Arc::new(Mutex::new(store)),
-            token: token.map(Arc::from),
+            auth: Arc::new(auth),
             lease_ms,
+            body_timeout_ms,
         }
     }
 
-    /// The bearer token writes need, if any.
-    pub fn token(&self) -> Option<&str> {
-        self.token.as_deref()
+    /// Who may do what.
+    pub fn auth(&self) -> &Authenticator {
+        &self.auth
+    }
+
+    /// How long a request body may take to arrive.
+    pub fn body_timeout_ms(&self) -> u64 {
+        self.body_timeout_ms
     }
 
     /// Runs `op` on the store on a blocking thread, so that SQLite (which

@@ -101,3 +101,40 @@ fn every_route_in_the_table_is_served() {
         );
     }
 }
+
+#[test]
+fn security_matches_each_routes_access() {
+    let doc = document();
+    assert!(
+        doc["components"]["securitySchemes"]["bearerAuth"].is_mapping(),
+        "bearer scheme"
+    );
+    assert!(doc["security"].as_sequence().is_some_and(|s| !s.is_empty()));
+    for route in route_table() {
+        let operation = &doc["paths"][route.path][route.method.as_str().to_lowercase().as_str()];
+        let what = format!("{} {}", route.method.as_str(), route.path);
+        let responses = &operation["responses"];
+        let has = |code: &str| responses.get(code).is_some();
+        let opted_out = operation["security"]
+            .as_sequence()
+            .is_some_and(|s| s.is_empty());
+        if route.access.is_public() {
+            assert!(opted_out, "{what} is public: `security: []`");
+            assert!(!has("401"), "{what}");
+        } else {
+            assert!(!opted_out, "{what} needs a credential");
+            assert!(has("401"), "{what} documents 401");
+        }
+        let writes = route.method != coordinator::HttpMethod::Get;
+        assert_eq!(has("403"), writes, "{what} documents 403 iff it writes");
+        if operation.get("requestBody").is_some() {
+            assert!(has("408"), "{what} documents the body timeout");
+        }
+    }
+    for (method, path) in [("put", "/v1/nodes/{id}"), ("post", "/v1/map")] {
+        assert!(
+            doc["paths"][path][method]["responses"].get("429").is_some(),
+            "{method} {path} documents 429"
+        );
+    }
+}

@@ -8,8 +8,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::Instant;
 
 use common::{POLL_INTERVAL, REQUEST_TIMEOUT, WAIT_LIMIT};
+use rdma_transport::auth::ClusterKey;
 use rdma_transport::coordinator::api::{NodeRegistration, RangeRequest, RdmaEndpoint, RdmaRegion};
-use rdma_transport::coordinator::CoordinatorClient;
+use rdma_transport::coordinator::{CoordinatorClient, Credential};
 
 /// Kills and reaps the child when dropped, whatever the test did.
 struct ChildGuard(Child);
@@ -32,8 +33,8 @@ fn start_binary(db: &Path, ready_file: &Path) -> (ChildGuard, String) {
         .arg(db)
         .arg("--ready-file")
         .arg(ready_file)
-        .arg("--token")
-        .arg("t0ken")
+        .arg("--cluster-key-file")
+        .arg(key_file(db))
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -57,8 +58,22 @@ fn start_binary(db: &Path, ready_file: &Path) -> (ChildGuard, String) {
     (guard, format!("http://{}", addr.trim()))
 }
 
+/// The cluster key of these tests (fixed, so a restart uses the same).
+const KEY_HEX: &str = "5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a";
+
+/// Writes the key file next to `db` (mode 600) and returns its path.
+fn key_file(db: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = db.with_file_name("cluster.key");
+    std::fs::write(&path, KEY_HEX).expect("key file");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    path
+}
+
 fn client(url: &str) -> CoordinatorClient {
-    CoordinatorClient::new(url, Some("t0ken".to_owned()), REQUEST_TIMEOUT).expect("client")
+    let key = ClusterKey::from_hex(KEY_HEX).expect("key");
+    CoordinatorClient::with_credential(url, &Credential::Admin { key }, REQUEST_TIMEOUT)
+        .expect("client")
 }
 
 fn ready_path(dir: &Path, n: u32) -> PathBuf {
@@ -163,4 +178,41 @@ fn state_survives_sigkill_and_restart() {
         std::thread::sleep(POLL_INTERVAL);
     };
     assert!(exit.success(), "exit after SIGTERM: {exit}");
+}
+
+#[test]
+fn binary_refuses_to_run_without_key_or_insecure_and_derives_credentials() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(env!("CARGO_BIN_EXE_coordinator"))
+        .arg("--db")
+        .arg(dir.path().join("c.db"))
+        .arg("--listen")
+        .arg("127.0.0.1:0")
+        .env_remove("RT_CLUSTER_KEY_FILE")
+        .output()
+        .expect("runs");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--insecure"), "{stderr}");
+
+    let key_path = key_file(&dir.path().join("c.db"));
+    let key = ClusterKey::from_hex(KEY_HEX).expect("key");
+    for (args, expected) in [
+        (vec!["--admin"], key.admin_credential()),
+        (vec!["--client"], key.client_credential()),
+        (
+            vec!["--node", "n-1"],
+            format!("node:n-1:{}", key.node_credential("n-1")),
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_coordinator"))
+            .arg("credential")
+            .arg("--cluster-key-file")
+            .arg(&key_path)
+            .args(&args)
+            .output()
+            .expect("runs");
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), expected);
+    }
 }

@@ -22,11 +22,13 @@ pub struct ServerConfig {
     pub gpa_base: u64,
     /// Coordinator base URL; `None` runs without registering.
     pub coordinator_url: Option<String>,
-    /// Bearer token for the coordinator's write routes.
+    /// Bearer token for a coordinator without a cluster key (its `--token`);
+    /// unused when `cluster_key` is set.
     pub coordinator_token: Option<String>,
     /// The cluster key clients must prove (and this server proves to them)
-    /// before any page moves. `None`: insecure, any client is served and
-    /// clients that hold a key refuse this server.
+    /// before any page moves; the node also registers with the coordinator
+    /// with the node credential derived from it. `None`: insecure, any
+    /// client is served and clients that hold a key refuse this server.
     pub cluster_key: Option<ClusterKey>,
     /// Period of the heartbeat that keeps this node's lease alive.
     pub heartbeat_interval: Duration,

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 use rdma_transport::coordinator::api::{NodeRegistration, RangeRequest, RdmaEndpoint, RdmaRegion};
-use rdma_transport::coordinator::{CoordinatorClient, CoordinatorError};
+use rdma_transport::coordinator::{CoordinatorClient, CoordinatorError, Credential};
 
 use crate::config::ServerConfig;
 use crate::server::ServerError;
@@ -73,11 +73,20 @@ impl Registration {
             retry: config.register_retry,
         };
         let url = config.coordinator_url.clone().unwrap_or_default();
-        let token = config.coordinator_token.clone();
+        // With a cluster key the node speaks with its own node credential,
+        // which lets it change nothing but its own registration and ranges.
+        let credential = match (&config.cluster_key, &config.coordinator_token) {
+            (Some(key), _) => Credential::Node {
+                id: config.node_id.clone(),
+                key: key.clone(),
+            },
+            (None, Some(token)) => Credential::Token(token.clone()),
+            (None, None) => Credential::None,
+        };
         let thread_shared = Arc::clone(&shared);
         let handle = std::thread::Builder::new()
             .name("page-server-register".into())
-            .spawn(move || run(&thread_shared, &url, token, &plan))
+            .spawn(move || run(&thread_shared, &url, &credential, &plan))
             .map_err(|err| tracing::error!(%err, "cannot start the registration thread"))
             .ok();
         Self { shared, handle }
@@ -131,11 +140,11 @@ impl Shared {
     }
 }
 
-fn run(shared: &Shared, url: &str, token: Option<String>, plan: &Plan) {
-    let client = match CoordinatorClient::new(url, token, Duration::from_secs(2)) {
+fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
+    let client = match CoordinatorClient::with_credential(url, credential, Duration::from_secs(2)) {
         Ok(c) => c,
         Err(err) => {
-            tracing::error!(%err, "bad coordinator URL");
+            tracing::error!(%err, "bad coordinator URL or node id");
             shared.set(State::Refused(err.to_string()));
             return;
         }

@@ -169,3 +169,70 @@ fn coordinator_restart_on_same_database_keeps_nodes_and_map() {
     assert!(page == page_for(4096, 7));
     drop(coord);
 }
+
+/// With a cluster key on every piece, page-servers register with their node
+/// credentials and the manager reads the map with the client credential;
+/// one node's credential cannot move another node, and without a
+/// credential the coordinator shows nothing.
+#[test]
+fn keyed_cluster_uses_derived_coordinator_credentials() {
+    use rdma_transport::auth::ClusterKey;
+    use rdma_transport::coordinator::api::NodeRegistration;
+    use rdma_transport::coordinator::{CoordinatorClient, Credential};
+    use rdma_transport::{ManagerConfig, TransportManager};
+
+    let key = ClusterKey::generate().unwrap();
+    let db = tempfile::tempdir().unwrap();
+    let mut config = coordinator::CoordinatorConfig::new(
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        db.path().join("c.db"),
+    );
+    config.cluster_key = Some(key.clone());
+    let coord = coordinator::spawn(config).unwrap();
+    let servers: Vec<_> = ["a", "b"]
+        .iter()
+        .enumerate()
+        .map(|(i, node)| {
+            let mut cfg = page_server::ServerConfig::new(*node, NODE_BYTES);
+            cfg.gpa_base = (i * NODE_BYTES) as u64;
+            cfg.coordinator_url = Some(coord.url());
+            cfg.cluster_key = Some(key.clone());
+            let s = page_server::spawn(cfg).unwrap();
+            s.wait_registered(Duration::from_secs(10)).unwrap();
+            s
+        })
+        .collect();
+
+    let anonymous = CoordinatorClient::new(&coord.url(), None, Duration::from_secs(5)).unwrap();
+    assert!(anonymous.map().unwrap_err().is_unauthorized());
+    let as_b = Credential::Node {
+        id: "b".into(),
+        key: key.clone(),
+    };
+    let b =
+        CoordinatorClient::with_credential(&coord.url(), &as_b, Duration::from_secs(5)).unwrap();
+    let hijack = NodeRegistration {
+        tcp_addr: "127.0.0.1:1".into(),
+        rdma: None,
+    };
+    assert!(b
+        .register_node(&"a".to_owned(), &hijack)
+        .unwrap_err()
+        .is_forbidden());
+
+    let mgr = TransportManager::connect(ManagerConfig {
+        coordinator_url: coord.url(),
+        cluster_key: Some(key),
+        request_timeout_ms: 500,
+        connect_timeout_ms: 500,
+        poller_cpus: Some(vec![]),
+        ..ManagerConfig::default()
+    })
+    .unwrap();
+    assert_eq!(mgr.map().nodes().len(), 2);
+    round_trip_all_pages(&mgr, 2, 5, 2);
+    drop(mgr);
+    for s in servers {
+        s.shutdown();
+    }
+}

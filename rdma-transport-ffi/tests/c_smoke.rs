@@ -34,12 +34,10 @@ fn library_dir() -> PathBuf {
 #[test]
 fn c_program_drives_manager_and_guest_memory() {
     let db = tempfile::tempdir().unwrap();
-    let coord = coordinator::spawn(CoordinatorConfig {
-        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-        db_path: db.path().join("c.db"),
-        token: None,
-        lease_ms: 3000,
-    })
+    let coord = coordinator::spawn(CoordinatorConfig::new(
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        db.path().join("c.db"),
+    ))
     .unwrap();
     let key = rdma_transport::auth::ClusterKey::generate().unwrap();
     let key_file = db.path().join("cluster.key");

@@ -75,11 +75,14 @@ pub enum PollMode {
 pub struct ManagerConfig {
     /// Base URL of the coordinator, e.g. `http://127.0.0.1:7070`.
     pub coordinator_url: String,
-    /// Bearer token for the coordinator's write routes (not needed for reads).
+    /// Bearer token sent to a coordinator without a cluster key (its
+    /// `--token`); unused when `cluster_key` is set.
     pub coordinator_token: Option<String>,
     /// The cluster key every page-server proves and this client proves to
-    /// them in each connection's handshake. `None`: insecure, only servers
-    /// without a key are used (logged at WARN once).
+    /// them in each connection's handshake; the map is read from the
+    /// coordinator with the read-only client credential derived from it.
+    /// `None`: insecure, only servers without a key are used (logged at
+    /// WARN once).
     pub cluster_key: Option<ClusterKey>,
     /// Data path choice.
     pub transport: TransportKind,

@@ -15,7 +15,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::config::{DataPath, ManagerConfig, PollMode};
 use crate::coordinator::api::MapResponse;
-use crate::coordinator::CoordinatorClient;
+use crate::coordinator::{CoordinatorClient, Credential};
 use crate::error::TransportError;
 use crate::gpa_map::GpaMap;
 use crate::page::{is_page_aligned, Page};
@@ -80,9 +80,16 @@ impl TransportManager {
     /// [`TransportError::RdmaUnavailable`] for `TransportKind::Rdma` on a host
     /// without a usable device, pool and thread set-up failures.
     pub fn connect(config: ManagerConfig) -> Result<Self, TransportError> {
-        let client = CoordinatorClient::new(
+        // With a cluster key the manager reads the map as a client (read-only
+        // credential); without one, the coordinator token, if any.
+        let credential = match (&config.cluster_key, &config.coordinator_token) {
+            (Some(key), _) => Credential::Client { key: key.clone() },
+            (None, Some(token)) => Credential::Token(token.clone()),
+            (None, None) => Credential::None,
+        };
+        let client = CoordinatorClient::with_credential(
             &config.coordinator_url,
-            config.coordinator_token.clone(),
+            &credential,
             Duration::from_millis(config.request_timeout_ms.max(2000)),
         )?;
         let map = client.map()?;

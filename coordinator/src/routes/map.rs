@@ -6,6 +6,7 @@ use axum::Json;
 use rdma_transport::coordinator::api::{MapEntry, MapResponse, RangeRequest, ResolveResponse};
 use serde::Deserialize;
 
+use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::state::AppState;
@@ -26,8 +27,10 @@ pub(super) async fn get_map(State(state): State<AppState>) -> Result<Json<MapRes
 /// same node was refreshed.
 pub(super) async fn add_range(
     State(state): State<AppState>,
+    caller: Caller,
     ApiJson(request): ApiJson<RangeRequest>,
 ) -> Result<(StatusCode, Json<MapEntry>), ApiError> {
+    caller.check_may_change(&request.node_id)?;
     validate::range(&request)?;
     let (entry, outcome) = state.db(move |store| store.add_range(&request)).await?;
     tracing::info!(
@@ -44,15 +47,21 @@ pub(super) async fn add_range(
     Ok((status, Json(entry)))
 }
 
-/// `DELETE /v1/map/{gpa_start}` (decimal or `0x` hex).
+/// `DELETE /v1/map/{gpa_start}` (decimal or `0x` hex). A node may remove
+/// only its own ranges.
 pub(super) async fn remove_range(
     State(state): State<AppState>,
+    caller: Caller,
     ApiPath(text): ApiPath<String>,
 ) -> Result<StatusCode, ApiError> {
     let gpa_start = parse_u64(&text).ok_or_else(|| {
         ApiError::BadRequest(format!("gpa_start {text:?} is not a decimal or 0x-hex u64"))
     })?;
-    if state.db(move |store| store.remove_range(gpa_start)).await? {
+    let owner = caller.owner_scope().map(str::to_owned);
+    let removed = state
+        .db(move |store| store.remove_range(gpa_start, owner.as_deref()))
+        .await?;
+    if removed {
         tracing::info!(gpa_start, "range unmapped");
         Ok(StatusCode::NO_CONTENT)
     } else {

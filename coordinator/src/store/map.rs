@@ -5,7 +5,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 
 use super::codec::{enc, entry_from_row, ENTRY_COLUMNS};
 use super::schema::{bump_version, version};
-use super::{nodes, AddOutcome, NodeRecord, Store, StoreError};
+use super::{nodes, AddOutcome, NodeRecord, Store, StoreError, StoreLimits};
 
 impl Store {
     /// Adds a range; the request must already be validated (aligned, no
@@ -17,6 +17,7 @@ impl Store {
         &mut self,
         request: &RangeRequest,
     ) -> Result<(MapEntry, AddOutcome), StoreError> {
+        let limits = self.limits;
         let tx = self.conn.transaction()?;
         if nodes::get(&tx, &request.node_id)?.is_none() {
             return Err(StoreError::UnknownNode(request.node_id.clone()));
@@ -29,6 +30,10 @@ impl Store {
             rdma: request.rdma,
         };
         let before = at_or_before(&tx, request.gpa_start)?;
+        let is_new = !matches!(&before, Some(e) if e.gpa_start == request.gpa_start);
+        if is_new {
+            check_range_limits(&tx, limits, &request.node_id)?;
+        }
         let outcome = match before {
             Some(existing) if existing.gpa_start == request.gpa_start => {
                 if existing.length_bytes != request.length_bytes
@@ -61,8 +66,23 @@ impl Store {
     }
 
     /// Removes the entry that starts at `gpa_start`; false when there is none.
-    pub fn remove_range(&mut self, gpa_start: u64) -> Result<bool, StoreError> {
+    /// With `owner`, only an entry of that node is removed
+    /// ([`StoreError::NotOwner`] otherwise).
+    pub fn remove_range(
+        &mut self,
+        gpa_start: u64,
+        owner: Option<&str>,
+    ) -> Result<bool, StoreError> {
         let tx = self.conn.transaction()?;
+        if let Some(owner) = owner {
+            let found = at_or_before(&tx, gpa_start)?.filter(|e| e.gpa_start == gpa_start);
+            if let Some(entry) = found.filter(|e| e.node_id != owner) {
+                return Err(StoreError::NotOwner {
+                    gpa_start,
+                    owner: entry.node_id,
+                });
+            }
+        }
         let removed = tx.execute(
             "DELETE FROM map_entries WHERE gpa_start = ?1",
             [enc(gpa_start)],
@@ -88,6 +108,33 @@ impl Store {
         tx.commit()?;
         Ok(Some((version, entry, node)))
     }
+}
+
+/// Refuses one more entry (of `node_id`) past `limits`.
+fn check_range_limits(
+    conn: &Connection,
+    limits: StoreLimits,
+    node_id: &str,
+) -> Result<(), StoreError> {
+    let total: i64 = conn.query_row("SELECT COUNT(*) FROM map_entries", [], |r| r.get(0))?;
+    if usize::try_from(total).unwrap_or(usize::MAX) >= limits.max_ranges {
+        return Err(StoreError::LimitReached {
+            what: "range",
+            max: limits.max_ranges,
+        });
+    }
+    let owned: i64 = conn.query_row(
+        "SELECT COUNT(*) FROM map_entries WHERE node_id = ?1",
+        [node_id],
+        |r| r.get(0),
+    )?;
+    if usize::try_from(owned).unwrap_or(usize::MAX) >= limits.max_ranges_per_node {
+        return Err(StoreError::LimitReached {
+            what: "ranges per node",
+            max: limits.max_ranges_per_node,
+        });
+    }
+    Ok(())
 }
 
 /// Every entry, sorted by `gpa_start`.

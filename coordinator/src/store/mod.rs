@@ -28,6 +28,22 @@ pub enum StoreError {
     /// The node named by a request is not registered.
     #[error("node {0:?} is not registered")]
     UnknownNode(String),
+    /// Adding one more would pass a configured bound.
+    #[error("{what} limit reached ({max})")]
+    LimitReached {
+        /// What is counted, e.g. "node".
+        what: &'static str,
+        /// The bound.
+        max: usize,
+    },
+    /// A node asked to remove a range that another node owns.
+    #[error("the range at {gpa_start:#x} belongs to node {owner:?}")]
+    NotOwner {
+        /// Start of the range.
+        gpa_start: u64,
+        /// Its owner.
+        owner: String,
+    },
     /// A new range overlaps an existing entry.
     #[error("range overlaps the entry at gpa_start {:#x}", existing.gpa_start)]
     Overlap {
@@ -74,10 +90,30 @@ pub(crate) struct Snapshot {
     pub nodes: Vec<NodeRecord>,
 }
 
+/// Bounds on the rows a store accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StoreLimits {
+    pub max_nodes: usize,
+    pub max_ranges: usize,
+    pub max_ranges_per_node: usize,
+}
+
+impl Default for StoreLimits {
+    fn default() -> Self {
+        let limits = crate::config::Limits::default();
+        Self {
+            max_nodes: limits.max_nodes,
+            max_ranges: limits.max_ranges,
+            max_ranges_per_node: limits.max_ranges_per_node,
+        }
+    }
+}
+
 /// The open database. Not `Sync`: share it behind a mutex.
 #[derive(Debug)]
 pub(crate) struct Store {
     conn: Connection,
+    limits: StoreLimits,
 }
 
 impl Store {
@@ -86,7 +122,15 @@ impl Store {
     pub fn open(path: &Path) -> Result<Self, StoreError> {
         let mut conn = Connection::open(path)?;
         schema::prepare(&mut conn)?;
-        Ok(Self { conn })
+        Ok(Self {
+            conn,
+            limits: StoreLimits::default(),
+        })
+    }
+
+    /// Replaces the row bounds (rows already stored are kept).
+    pub fn set_limits(&mut self, limits: StoreLimits) {
+        self.limits = limits;
     }
 
     /// Current map version.

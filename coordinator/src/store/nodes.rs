@@ -19,6 +19,15 @@ impl Store {
     ) -> Result<NodeRecord, StoreError> {
         let tx = self.conn.transaction()?;
         let before = get(&tx, id)?;
+        if before.is_none() {
+            let count: i64 = tx.query_row("SELECT COUNT(*) FROM nodes", [], |r| r.get(0))?;
+            if usize::try_from(count).unwrap_or(usize::MAX) >= self.limits.max_nodes {
+                return Err(StoreError::LimitReached {
+                    what: "node",
+                    max: self.limits.max_nodes,
+                });
+            }
+        }
         let changed = match &before {
             None => true,
             Some(old) => old.tcp_addr != registration.tcp_addr || old.rdma != registration.rdma,

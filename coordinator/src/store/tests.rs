@@ -140,8 +140,8 @@ fn resolve_and_high_addresses() {
     assert_eq!(hit((1 << 63) + 5), Some(1 << 63));
     assert_eq!(hit((1 << 63) - 1), None);
     assert_eq!(hit(u64::MAX), Some(top));
-    assert!(store.remove_range(top).expect("rm"));
-    assert!(!store.remove_range(top).expect("rm again"));
+    assert!(store.remove_range(top, None).expect("rm"));
+    assert!(!store.remove_range(top, None).expect("rm again"));
     assert_eq!(store_resolve(&mut store, u64::MAX), None);
     assert!(store.delete_node("a").expect("del"));
     assert!(store.snapshot().expect("snap").entries.is_empty());
@@ -171,4 +171,49 @@ fn state_survives_reopen() {
     let snapshot = store.snapshot().expect("snapshot");
     assert_eq!(snapshot.nodes.len(), 1);
     assert_eq!(snapshot.entries.len(), 1);
+}
+
+#[test]
+fn limits_and_owners_are_enforced() {
+    let (_dir, mut store) = open();
+    store.set_limits(super::StoreLimits {
+        max_nodes: 2,
+        max_ranges: 3,
+        max_ranges_per_node: 2,
+    });
+    store.upsert_node("a", &registration("h:1"), 1).expect("a");
+    store.upsert_node("b", &registration("h:2"), 1).expect("b");
+    assert!(matches!(
+        store.upsert_node("c", &registration("h:3"), 1),
+        Err(StoreError::LimitReached {
+            what: "node",
+            max: 2
+        })
+    ));
+    // Re-registering a known node is not a new one.
+    store
+        .upsert_node("a", &registration("h:9"), 2)
+        .expect("a again");
+    store.add_range(&range(0, 4096, "a")).expect("a0");
+    store.add_range(&range(4096, 4096, "a")).expect("a1");
+    assert!(matches!(
+        store.add_range(&range(8192, 4096, "a")),
+        Err(StoreError::LimitReached { max: 2, .. })
+    ));
+    // Refreshing an existing entry is not a new one.
+    store.add_range(&range(0, 4096, "a")).expect("a0 again");
+    store.add_range(&range(8192, 4096, "b")).expect("b0");
+    assert!(matches!(
+        store.add_range(&range(12288, 4096, "b")),
+        Err(StoreError::LimitReached {
+            what: "range",
+            max: 3
+        })
+    ));
+    assert!(matches!(
+        store.remove_range(0, Some("b")),
+        Err(StoreError::NotOwner { gpa_start: 0, ref owner }) if owner == "a"
+    ));
+    assert!(store.remove_range(0, Some("a")).expect("own"));
+    assert!(!store.remove_range(0, Some("a")).expect("gone"));
 }

@@ -6,7 +6,8 @@
 
 use std::time::{Duration, Instant};
 
-use coordinator::{spawn, CoordinatorConfig, RunningCoordinator};
+use coordinator::{spawn, CoordinatorConfig, Limits, RunningCoordinator};
+use rdma_transport::auth::ClusterKey;
 use rdma_transport::coordinator::CoordinatorClient;
 use reqwest::blocking::Client;
 use reqwest::Method;
@@ -26,7 +27,11 @@ pub const POLL_INTERVAL: Duration = Duration::from_millis(20);
 pub struct Harness {
     pub coordinator: RunningCoordinator,
     pub http: Client,
+    /// The bearer `call`, `raw` and `client` send: the token, or the admin
+    /// credential of `key`.
     pub token: Option<String>,
+    /// The cluster key of a keyed harness.
+    pub key: Option<ClusterKey>,
     _dir: tempfile::TempDir,
 }
 
@@ -55,15 +60,36 @@ impl Answer {
     }
 }
 
-/// Starts a coordinator with `token` and `lease_ms`.
+/// Starts an insecure coordinator (no key) with `token` and `lease_ms`.
 pub fn start(token: Option<&str>, lease_ms: u64) -> Harness {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = CoordinatorConfig {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        db_path: dir.path().join("coordinator.db"),
-        token: token.map(str::to_owned),
-        lease_ms,
-    };
+    let mut config = CoordinatorConfig::new(
+        "127.0.0.1:0".parse().expect("addr"),
+        dir.path().join("coordinator.db"),
+    );
+    config.token = token.map(str::to_owned);
+    config.lease_ms = lease_ms;
+    harness(config, dir, token.map(str::to_owned))
+}
+
+/// Starts a coordinator with a fresh cluster key and `limits`; the harness
+/// calls with the admin credential.
+pub fn start_keyed(limits: Limits) -> Harness {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let key = ClusterKey::generate().expect("key");
+    let mut config = CoordinatorConfig::new(
+        "127.0.0.1:0".parse().expect("addr"),
+        dir.path().join("coordinator.db"),
+    );
+    config.cluster_key = Some(key.clone());
+    config.limits = limits;
+    let admin = key.admin_credential();
+    let mut h = harness(config, dir, Some(admin));
+    h.key = Some(key);
+    h
+}
+
+fn harness(config: CoordinatorConfig, dir: tempfile::TempDir, token: Option<String>) -> Harness {
     let coordinator = spawn(config).expect("coordinator starts");
     let http = Client::builder()
         .timeout(REQUEST_TIMEOUT)
@@ -72,7 +98,8 @@ pub fn start(token: Option<&str>, lease_ms: u64) -> Harness {
     Harness {
         coordinator,
         http,
-        token: token.map(str::to_owned),
+        token,
+        key: None,
         _dir: dir,
     }
 }
@@ -90,9 +117,20 @@ impl Harness {
 
     /// Sends `method path` with an optional JSON body and the harness token.
     pub fn call(&self, method: Method, path: &str, body: Option<Value>) -> Answer {
+        self.call_as(self.token.as_deref(), method, path, body)
+    }
+
+    /// As `call`, with `bearer` (or no `Authorization` header).
+    pub fn call_as(
+        &self,
+        bearer: Option<&str>,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Answer {
         let mut request = self.http.request(method, self.url(path));
-        if let Some(token) = &self.token {
-            request = request.bearer_auth(token);
+        if let Some(bearer) = bearer {
+            request = request.bearer_auth(bearer);
         }
         if let Some(body) = body {
             request = request

@@ -16,13 +16,7 @@ use rdma_transport::{ManagerConfig, Page, TransportManager, PAGE_SIZE};
 pub const NODE_BYTES: usize = 1 << 20;
 
 pub fn coordinator_on(db: &Path, listen: SocketAddr) -> RunningCoordinator {
-    coordinator::spawn(CoordinatorConfig {
-        listen,
-        db_path: db.to_path_buf(),
-        token: None,
-        lease_ms: 3000,
-    })
-    .expect("coordinator starts")
+    coordinator::spawn(CoordinatorConfig::new(listen, db)).expect("coordinator starts")
 }
 
 pub fn page_server(url: &str, node: &str, gpa_base: u64) -> RunningServer {

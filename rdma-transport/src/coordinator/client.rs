@@ -12,6 +12,7 @@ use super::api::{
     is_valid_node_id, ErrorBody, HealthResponse, MapEntry, MapResponse, NodeId, NodeInfo,
     NodeRegistration, RangeRequest, RdmaEndpoint, ResolveResponse,
 };
+use super::credential::{Bearer, Credential};
 use super::error::CoordinatorError;
 
 /// Longest piece of a non-JSON error body kept in [`CoordinatorError::Http`].
@@ -20,9 +21,10 @@ const MAX_ERROR_TEXT_BYTES: usize = 256;
 /// Blocking client of the coordinator's `/v1` HTTP API.
 ///
 /// Every call is one HTTP request bounded by the timeout given to
-/// [`new`](Self::new); nothing is retried here. When a token is set it is sent
-/// as `Authorization: Bearer <token>` on every request (the coordinator needs
-/// it on writes only).
+/// [`new`](Self::new); nothing is retried here. The [`Credential`] given to
+/// [`with_credential`](Self::with_credential) (or the token given to `new`)
+/// is sent as `Authorization: Bearer ...` on every request, reads included:
+/// a coordinator with a cluster key answers only `GET /v1/health` without one.
 ///
 /// # Panics
 ///
@@ -48,22 +50,41 @@ pub struct CoordinatorClient {
     http: Client,
     /// Base URL without a trailing `/`, e.g. `http://127.0.0.1:7070`.
     base_url: String,
-    token: Option<String>,
+    bearer: Option<Bearer>,
 }
 
 impl CoordinatorClient {
     /// Creates a client for the coordinator at `base_url` (e.g.
-    /// `http://127.0.0.1:7070`). `timeout` bounds each request, connecting
+    /// `http://127.0.0.1:7070`) that sends `token`, if any, as its bearer
+    /// ([`Credential::Token`]). `timeout` bounds each request, connecting
     /// included.
+    ///
+    /// # Errors
+    ///
+    /// As [`with_credential`](Self::with_credential).
+    pub fn new(
+        base_url: &str,
+        token: Option<String>,
+        timeout: Duration,
+    ) -> Result<Self, CoordinatorError> {
+        let credential = token.map_or(Credential::None, Credential::Token);
+        Self::with_credential(base_url, &credential, timeout)
+    }
+
+    /// Creates a client for the coordinator at `base_url` that presents
+    /// `credential` on every request. `timeout` bounds each request,
+    /// connecting included.
     ///
     /// # Errors
     ///
     /// [`CoordinatorError::InvalidUrl`] when `base_url` is not an absolute
     /// `http`/`https` URL without query or fragment;
+    /// [`CoordinatorError::InvalidNodeId`] for a node credential with an id
+    /// the coordinator would refuse;
     /// [`CoordinatorError::Client`] when the HTTP client cannot be built.
-    pub fn new(
+    pub fn with_credential(
         base_url: &str,
-        token: Option<String>,
+        credential: &Credential,
         timeout: Duration,
     ) -> Result<Self, CoordinatorError> {
         let invalid = |reason: &str| CoordinatorError::InvalidUrl {
@@ -88,7 +109,7 @@ impl CoordinatorClient {
         Ok(Self {
             http,
             base_url: url.as_str().trim_end_matches('/').to_owned(),
-            token,
+            bearer: credential.bearer()?.map(Bearer),
         })
     }
 
@@ -279,8 +300,8 @@ impl CoordinatorClient {
         if let Some(timeout) = timeout {
             request = request.timeout(timeout);
         }
-        if let Some(token) = &self.token {
-            request = request.bearer_auth(token);
+        if let Some(Bearer(bearer)) = &self.bearer {
+            request = request.bearer_auth(bearer);
         }
         if let Some(body) = json_body {
             request = request.header(CONTENT_TYPE, "application/json").body(body);

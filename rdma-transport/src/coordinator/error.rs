@@ -75,9 +75,21 @@ impl CoordinatorError {
         self.status() == Some(409)
     }
 
-    /// True for a 401 answer (missing or wrong token on a write).
+    /// True for a 401 answer (missing or wrong credential).
     pub fn is_unauthorized(&self) -> bool {
         self.status() == Some(401)
+    }
+
+    /// True for a 403 answer (a valid credential that may not do this, e.g.
+    /// a node changing another node, or a read-only client writing).
+    pub fn is_forbidden(&self) -> bool {
+        self.status() == Some(403)
+    }
+
+    /// True for a 429 answer (a coordinator limit such as the node or range
+    /// count is reached).
+    pub fn is_limited(&self) -> bool {
+        self.status() == Some(429)
     }
 
     /// True for a 400 answer (the request was refused as malformed).
