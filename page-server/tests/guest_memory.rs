@@ -141,6 +141,12 @@ fn fault_mode_decides_whether_kernel_mode_accesses_are_served() {
     assert!(ram.handles_kernel_faults(), "tests run as root");
     let bytes = kernel_mode_read(ram.host_addr(gpa).unwrap()).unwrap();
     assert!(bytes == page_for(gpa, 3), "kernel read the wrong bytes");
+    // The handler counts a fault once its copy has woken the faulting
+    // thread: the count may trail the syscall's return by a moment.
+    assert!(
+        wait_until(Duration::from_secs(5), || ram.stats().missing_faults >= 1),
+        "the handler never counted the kernel-mode fault"
+    );
     assert_eq!(ram.stats().missing_faults, 1);
 }
 

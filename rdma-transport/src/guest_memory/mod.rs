@@ -69,7 +69,8 @@ use shared::{Counters, Shared, Writeback, WRITEBACK_BATCH};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GuestMemoryStats {
     /// MISSING faults resolved by fetching the page.
-    pub missing_faults: u64,
+    /// MISSING faults resolved by fetching the page (counted right after
+    /// the copy that wakes the faulting thread, so it may trail it).
     /// First writes to clean pages.
     pub wp_faults: u64,
     /// Faults parked until another thread finished with the page.
