@@ -68,9 +68,9 @@ use shared::{Counters, Shared, Writeback, WRITEBACK_BATCH};
 /// Counters of one region since it was created.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GuestMemoryStats {
-    /// MISSING faults resolved by fetching the page.
     /// MISSING faults resolved by fetching the page (counted right after
     /// the copy that wakes the faulting thread, so it may trail it).
+    pub missing_faults: u64,
     /// First writes to clean pages.
     pub wp_faults: u64,
     /// Faults parked until another thread finished with the page.
