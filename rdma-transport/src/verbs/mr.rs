@@ -35,6 +35,12 @@ impl AccessFlags {
         self.0
     }
 
+    /// Both sets of flags (a `const` `|`).
+    #[must_use]
+    pub const fn union(self, other: Self) -> Self {
+        Self(self.0 | other.0)
+    }
+
     /// Whether every flag of `other` is set.
     pub const fn contains(self, other: Self) -> bool {
         self.0 & other.0 == other.0
