@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use rdma_transport::auth::ClusterKey;
 
+use crate::client_keys::ClientKeys;
 use crate::rdma::RdmaOptions;
 
 /// What to export and where to announce it.
@@ -87,6 +88,7 @@ impl ServerConfig {
                 device: None,
                 port: 1,
                 gid_index: None,
+                client_keys: ClientKeys::Auto,
             },
             huge_pages: false,
         }

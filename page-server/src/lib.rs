@@ -7,6 +7,7 @@
 
 mod acceptor;
 mod admission;
+mod client_keys;
 mod config;
 mod connection;
 mod conns;
@@ -19,7 +20,8 @@ mod registration;
 mod server;
 mod stats;
 
+pub use client_keys::{ClientKeyKind, ClientKeys};
 pub use config::ServerConfig;
-pub use rdma::RdmaOptions;
+pub use rdma::{ClientKeyInfo, RdmaOptions};
 pub use server::{spawn, RunningServer, ServerError};
 pub use stats::ServerStats;

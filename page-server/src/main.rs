@@ -80,6 +80,11 @@ struct Args {
     /// GID index (default: the IPv4-mapped RoCE v2 GID; 0 on InfiniBand).
     #[arg(long)]
     rdma_gid_index: Option<u8>,
+    /// How each client connection gets its own rkey: `mw` (type-2 memory
+    /// windows bound to the client's QP), `mr` (a memory region per
+    /// connection), or `auto` (windows where the device has them).
+    #[arg(long, default_value = "auto")]
+    rdma_client_keys: page_server::ClientKeys,
     /// Serve TCP only, even where an RDMA device exists.
     #[arg(long)]
     no_rdma: bool,
@@ -128,6 +133,7 @@ fn main() -> anyhow::Result<()> {
         device: args.rdma_device,
         port: args.rdma_port,
         gid_index: args.rdma_gid_index,
+        client_keys: args.rdma_client_keys,
     };
     let term = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {

@@ -1,15 +1,19 @@
-//! The page-server's RDMA side: the device, the exported region registered
-//! once for remote READ and WRITE, and one passive QP per client.
+//! The page-server's RDMA side: the device, the exported region, and one
+//! passive QP per client with a remote key of that client's own.
 //!
-//! A client offers its QP endpoint in HELLO; the HELLO handler creates a QP
-//! and CQ for it, brings the QP to RTR/RTS towards the client and answers
-//! with its own endpoint, the region's address and its rkey. The client then
-//! reads and writes the region directly; this side posts nothing and polls
-//! nothing. The QP lives as long as the control connection it was set up
-//! on: when that ends, the QP is destroyed, so a client can never go on
-//! using a QP of a connection (or a server) that is gone.
+//! A client offers its QP endpoint in AUTH; once its proof is checked the
+//! handshake creates a QP and CQ for it, brings the QP to RTR/RTS towards
+//! the client, gives the connection its own rkey over the region
+//! (`client_keys`: a type-2 memory window bound to that QP, or a per-client
+//! MR) and answers with its own endpoint, the region's address and that
+//! rkey. The client then reads and writes the region directly; this side
+//! posts nothing but the window's bind. The QP and the key live as long as
+//! the control connection they were set up on: when that ends, both are
+//! destroyed, so a client can never go on using a QP or a key of a
+//! connection (or a server) that is gone.
 
 use std::sync::{Arc, Weak};
+use std::time::Instant;
 
 use parking_lot::Mutex;
 use rdma_transport::coordinator::api::{RdmaEndpoint, RdmaRegion};
@@ -20,6 +24,8 @@ use rdma_transport::verbs::{
     QueuePair, Verbs, VerbsError,
 };
 use rdma_transport::wire::RdmaHello;
+
+use crate::client_keys::{bind_window, ClientKey, ClientKeyKind, ClientKeys, CLIENT_ACCESS};
 
 /// CQ entries of a server QP: it completes nothing of its own (the client
 /// initiates every transfer), so the minimum.
@@ -36,27 +42,39 @@ pub struct RdmaOptions {
     pub port: u8,
     /// GID index; the IPv4-mapped RoCE v2 GID (or 0 on IB) when `None`.
     pub gid_index: Option<u8>,
+    /// How each client connection gets its own rkey.
+    pub client_keys: ClientKeys,
 }
 
 /// The device with the exported region registered on it.
 ///
 /// Field order is drop order: the MR goes before the PD and the context.
-/// The region itself belongs to the caller and must outlive this value.
+/// The region itself belongs to the caller and must outlive this value and
+/// every [`ServerQp`] it made.
 #[derive(Debug)]
 pub(crate) struct RdmaExport {
+    /// The region, LOCAL_WRITE only (plus MW_BIND in window mode): it grants
+    /// no remote access itself.
     mr: MemoryRegion,
     pd: ProtectionDomain,
     ctx: Context,
     port: PortInfo,
-    /// The clients' QPs (for a test hook; the sessions own them).
+    /// How connections get their keys (probed at start).
+    keys: ClientKeyKind,
+    /// The clients' QPs (for test hooks; the sessions own them).
     qps: Mutex<Vec<Weak<ServerQp>>>,
 }
 
-/// A client's QP; destroyed (with its CQ) when dropped.
+/// A client's QP and key. Field order is drop order: the key is revoked
+/// first, then the QP and its CQ are destroyed.
 #[derive(Debug)]
 pub(crate) struct ServerQp {
+    key: ClientKey,
     qp: QueuePair,
     _cq: CompletionQueue,
+    /// How long creating the key took (allocation and bind, or
+    /// registration), microseconds.
+    key_setup_us: u64,
 }
 
 impl ServerQp {
@@ -64,11 +82,31 @@ impl ServerQp {
     pub(crate) fn qpn(&self) -> u32 {
         self.qp.qpn()
     }
+
+    /// The rkey this connection's client was given.
+    pub(crate) fn rkey(&self) -> u32 {
+        self.key.rkey()
+    }
+}
+
+/// One live client connection's key, as a test sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientKeyInfo {
+    /// The server QP's number.
+    pub qpn: u32,
+    /// The rkey the client was given.
+    pub rkey: u32,
+    /// Window or region.
+    pub kind: ClientKeyKind,
+    /// Time to create the key, microseconds.
+    pub setup_us: u64,
 }
 
 impl RdmaExport {
-    /// Opens the device and registers `region` with LOCAL_WRITE,
-    /// REMOTE_READ and REMOTE_WRITE.
+    /// Opens the device, chooses how clients get their keys (type-2 memory
+    /// windows when `options.client_keys` allows and the device has them,
+    /// else per-client MRs) and registers `region` with LOCAL_WRITE (and
+    /// MW_BIND for windows): no remote access but through a client's key.
     ///
     /// # Safety
     /// `region` must outlive the returned value (and so its MR): the device
@@ -76,7 +114,8 @@ impl RdmaExport {
     ///
     /// # Errors
     /// Why RDMA cannot be served: no library, no device, an inactive port,
-    /// no usable GID, or a failed registration (often `ulimit -l`).
+    /// no usable GID, a failed registration (often `ulimit -l`), or
+    /// [`ClientKeys::MemoryWindow`] on a device without type-2 windows.
     pub(crate) unsafe fn open(
         options: &RdmaOptions,
         region: &MappedRegion,
@@ -88,8 +127,11 @@ impl RdmaExport {
         let ctx = Context::open(&verbs, options.device.as_deref())?;
         let port = PortInfo::query(&ctx, options.port.max(1), options.gid_index)?;
         let pd = ctx.alloc_pd()?;
-        let access =
-            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
+        let keys = probe_keys(&ctx, &pd, options.client_keys)?;
+        let access = match keys {
+            ClientKeyKind::MemoryWindow => AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
+            ClientKeyKind::MemoryRegion => AccessFlags::LOCAL_WRITE,
+        };
         // SAFETY: the caller keeps `region` mapped for longer than this value
         // (this fn's contract), and MappedRegion never hands out references
         // to its bytes: every access (here, over TCP, or by DMA) goes through
@@ -101,8 +143,14 @@ impl RdmaExport {
             pd,
             ctx,
             port,
+            keys,
             qps: Mutex::new(Vec::new()),
         })
+    }
+
+    /// How client connections get their keys.
+    pub(crate) fn client_keys(&self) -> ClientKeyKind {
+        self.keys
     }
 
     /// The device port as the coordinator publishes it.
@@ -110,7 +158,9 @@ impl RdmaExport {
         self.port.endpoint()
     }
 
-    /// The exported region's address and rkey.
+    /// The exported region's address and its MR's rkey, as the coordinator
+    /// publishes it. That MR grants no remote access: clients use the key
+    /// of their own connection from HELLO_ACK.
     pub(crate) fn region(&self) -> RdmaRegion {
         RdmaRegion {
             addr: self.mr.addr() as u64,
@@ -118,8 +168,10 @@ impl RdmaExport {
         }
     }
 
-    /// Creates a QP for a client that offered `client`, connects it, and
-    /// returns it with the answer for HELLO_ACK.
+    /// Creates a QP and a key of its own for a client that offered
+    /// `client`, connects the QP, and returns both with the answer for
+    /// HELLO_ACK. When binding a window fails, the client gets a per-client
+    /// MR instead (logged).
     ///
     /// # Errors
     /// Verb failures (the caller answers without RDMA then).
@@ -127,6 +179,86 @@ impl RdmaExport {
         &self,
         client: &RdmaHello,
     ) -> Result<(Arc<ServerQp>, RdmaHello), VerbsError> {
+        let (qp, psn) = match self.keys {
+            ClientKeyKind::MemoryWindow => match self.accept_window(client) {
+                Ok(done) => done,
+                Err(err) => {
+                    tracing::warn!(%err, client_qpn = client.qpn, "binding a memory window failed; this connection gets a per-client MR");
+                    self.accept_region(client)?
+                }
+            },
+            ClientKeyKind::MemoryRegion => self.accept_region(client)?,
+        };
+        tracing::debug!(
+            qpn = qp.qpn(),
+            rkey = format_args!("{:#x}", qp.rkey()),
+            kind = %qp.key.kind(),
+            key_setup_us = qp.key_setup_us,
+            "client key ready"
+        );
+        let answer = RdmaHello {
+            region_addr: self.mr.addr() as u64,
+            rkey: qp.rkey(),
+            ..self.port.hello(&qp.qp, psn)
+        };
+        let qp = Arc::new(qp);
+        let mut qps = self.qps.lock();
+        qps.retain(|w| w.strong_count() > 0);
+        qps.push(Arc::downgrade(&qp));
+        Ok((qp, answer))
+    }
+
+    /// A QP in the shared PD, connected, with a window bound on it.
+    fn accept_window(&self, client: &RdmaHello) -> Result<(ServerQp, u32), VerbsError> {
+        let (qp, cq, psn) = self.connected_qp(&self.pd, client)?;
+        let started = Instant::now();
+        let mw = bind_window(&self.pd, &self.mr, &qp, &cq)?;
+        Ok((
+            ServerQp {
+                key: ClientKey::Window(mw),
+                qp,
+                _cq: cq,
+                key_setup_us: elapsed_us(started),
+            },
+            psn,
+        ))
+    }
+
+    /// A PD of the client's own with the region registered in it, and a QP
+    /// in that PD, connected.
+    fn accept_region(&self, client: &RdmaHello) -> Result<(ServerQp, u32), VerbsError> {
+        let pd = self.ctx.alloc_pd()?;
+        let started = Instant::now();
+        // SAFETY: the region outlives this export (`open`'s contract), and
+        // every ServerQp lives in a session that borrows the export, so it
+        // outlives this MR too; it is accessed only through raw pointers
+        // (see `open`).
+        let mr = unsafe {
+            pd.register_raw(
+                self.mr.addr(),
+                self.mr.len(),
+                AccessFlags::LOCAL_WRITE | CLIENT_ACCESS,
+            )
+        }?;
+        let key_setup_us = elapsed_us(started);
+        let (qp, cq, psn) = self.connected_qp(&pd, client)?;
+        Ok((
+            ServerQp {
+                key: ClientKey::Region(mr),
+                qp,
+                _cq: cq,
+                key_setup_us,
+            },
+            psn,
+        ))
+    }
+
+    /// A QP (and CQ) in `pd`, in RTS towards `client`.
+    fn connected_qp(
+        &self,
+        pd: &ProtectionDomain,
+        client: &RdmaHello,
+    ) -> Result<(QueuePair, CompletionQueue, u32), VerbsError> {
         let cq = self.ctx.create_cq(SERVER_CQ_DEPTH, None, 0)?;
         let caps = QpCaps {
             max_send_wr: 1,
@@ -136,25 +268,32 @@ impl RdmaExport {
             max_inline_data: 0,
             sq_sig_all: false,
         };
-        let qp = self.pd.create_rc_qp(&cq, &cq, &caps)?;
+        let qp = pd.create_rc_qp(&cq, &cq, &caps)?;
         qp.modify_to_init(
             self.port.port,
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE,
         )?;
         let psn = random_psn();
-        // The server's QP never sends a request: its timeouts do not matter.
+        // The server's QP sends no request (a bind is local): its timeouts
+        // do not matter.
         connect_qp(&qp, &self.port, psn, client, QpTimeouts::default())?;
-        let region = self.region();
-        let answer = RdmaHello {
-            region_addr: region.addr,
-            rkey: region.rkey,
-            ..self.port.hello(&qp, psn)
-        };
-        let qp = Arc::new(ServerQp { qp, _cq: cq });
-        let mut qps = self.qps.lock();
-        qps.retain(|w| w.strong_count() > 0);
-        qps.push(Arc::downgrade(&qp));
-        Ok((qp, answer))
+        Ok((qp, cq, psn))
+    }
+
+    /// Test hook: every live client connection's key.
+    #[cfg(feature = "test-hooks")]
+    pub(crate) fn client_keys_for_test(&self) -> Vec<ClientKeyInfo> {
+        self.qps
+            .lock()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|qp| ClientKeyInfo {
+                qpn: qp.qpn(),
+                rkey: qp.rkey(),
+                kind: qp.key.kind(),
+                setup_us: qp.key_setup_us,
+            })
+            .collect()
     }
 
     /// Test hook: moves every client's QP to the error state while their
@@ -169,5 +308,40 @@ impl RdmaExport {
             }
         }
         qps.len()
+    }
+}
+
+fn elapsed_us(started: Instant) -> u64 {
+    u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX)
+}
+
+/// Chooses how client connections get their keys: windows when allowed,
+/// the device announces type-2 windows and one can be allocated.
+fn probe_keys(
+    ctx: &Context,
+    pd: &ProtectionDomain,
+    wanted: ClientKeys,
+) -> Result<ClientKeyKind, VerbsError> {
+    if wanted == ClientKeys::MemoryRegion {
+        return Ok(ClientKeyKind::MemoryRegion);
+    }
+    let attr = ctx.query_device()?;
+    let probed = if attr.supports_type2_mw() {
+        pd.alloc_mw_type2().map(drop)
+    } else {
+        Err(VerbsError::InvalidArgument(format!(
+            "device {} has no type-2 memory windows (max_mw {}, device_cap_flags {:#x})",
+            ctx.name(),
+            attr.max_mw,
+            attr.device_cap_flags
+        )))
+    };
+    match (probed, wanted) {
+        (Ok(()), _) => Ok(ClientKeyKind::MemoryWindow),
+        (Err(err), ClientKeys::MemoryWindow) => Err(err),
+        (Err(err), _) => {
+            tracing::info!(device = ctx.name(), reason = %err, "no type-2 memory windows: each client connection gets its own MR");
+            Ok(ClientKeyKind::MemoryRegion)
+        }
     }
 }

@@ -12,6 +12,7 @@ use rdma_transport::region::{MapOptions, MappedRegion};
 use rdma_transport::PAGE_SIZE;
 
 use crate::admission::Admission;
+use crate::client_keys::ClientKeyKind;
 use crate::config::ServerConfig;
 use crate::connection::Exported;
 use crate::handshake::ServerAuth;
@@ -215,8 +216,8 @@ fn open_rdma(
                 gid = %endpoint.gid,
                 gid_index = endpoint.gid_index,
                 region_addr = format_args!("{:#x}", region.addr),
-                rkey = format_args!("{:#x}", region.rkey),
-                "RDMA enabled: exported region registered"
+                client_keys = %export.client_keys(),
+                "RDMA enabled: exported region registered; each client connection gets its own key"
             );
             Ok(Some(export))
         }
@@ -252,7 +253,29 @@ impl RunningServer {
             .map_or(0, RdmaExport::break_qps)
     }
 
-    /// The exported region's RDMA address and rkey, when RDMA is served.
+    /// How client connections get their rkeys, when RDMA is served.
+    pub fn rdma_client_keys(&self) -> Option<ClientKeyKind> {
+        self.shared
+            .exported
+            .rdma
+            .as_ref()
+            .map(RdmaExport::client_keys)
+    }
+
+    /// Test hook: the key of every live client connection.
+    #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
+    pub fn rdma_client_keys_for_test(&self) -> Vec<crate::ClientKeyInfo> {
+        self.shared
+            .exported
+            .rdma
+            .as_ref()
+            .map_or_else(Vec::new, RdmaExport::client_keys_for_test)
+    }
+
+    /// The exported region's RDMA address and its MR's rkey (as published
+    /// to the coordinator), when RDMA is served. That rkey grants no remote
+    /// access: each client connection gets its own in HELLO_ACK.
     pub fn rdma_region(&self) -> Option<RdmaRegion> {
         self.shared.exported.rdma.as_ref().map(|r| r.region())
     }

@@ -9,6 +9,8 @@
 //! When run, a missing device FAILS them.
 
 mod common;
+#[path = "rdma_cluster/keys.rs"]
+mod keys;
 
 use std::io::Write;
 use std::net::SocketAddr;

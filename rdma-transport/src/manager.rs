@@ -309,6 +309,32 @@ impl TransportManager {
         }
     }
 
+    /// Test hook: the rkey the node's live RDMA connection uses (the one
+    /// its HELLO_ACK carried, unless changed by a test hook).
+    #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
+    pub fn rdma_rkey_for_test(&self, node: &str) -> Option<u32> {
+        match self.inner.live_link(node) {
+            Some(Link::Rdma(conn)) => Some(conn.rkey()),
+            _ => None,
+        }
+    }
+
+    /// Test hook: makes the next RDMA requests to `node` use `rkey` (e.g.
+    /// another connection's). False when the node has no live RDMA
+    /// connection.
+    #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
+    pub fn set_rdma_rkey_for_test(&self, node: &str, rkey: u32) -> bool {
+        match self.inner.live_link(node) {
+            Some(Link::Rdma(conn)) => {
+                conn.set_rkey(rkey);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Test hook: CQ events the RDMA pollers took from their completion
     /// channels (event mode, or busy mode after an idle spell).
     #[doc(hidden)]

@@ -205,6 +205,19 @@ impl RdmaConnection {
         self.rkey.fetch_xor(0x00ff_ff00, Ordering::SeqCst);
     }
 
+    /// Test hook: the rkey the next batches use.
+    #[cfg(feature = "test-hooks")]
+    pub(crate) fn rkey(&self) -> u32 {
+        self.rkey.load(Ordering::SeqCst)
+    }
+
+    /// Test hook: the next batches use `rkey` (until the QP fails and is
+    /// rebuilt).
+    #[cfg(feature = "test-hooks")]
+    pub(crate) fn set_rkey(&self, rkey: u32) {
+        self.rkey.store(rkey, Ordering::SeqCst);
+    }
+
     /// Arms the CQ: its next completion raises an event on the poller's
     /// channel.
     pub(crate) fn arm(&self) {

@@ -4,10 +4,10 @@ use std::ffi::CStr;
 use std::sync::Arc;
 
 use super::device::DeviceList;
-use super::error::{check_ptr, check_rc, rc_to_io, VerbsError};
+use super::error::{check_ptr, check_rc, note_destroy_failure, rc_to_io, VerbsError};
 use super::generated::{
-    _compat_ibv_port_attr, ibv_context, ibv_device_attr, ibv_gid, ibv_port_attr, ibv_port_state,
-    IBV_LINK_LAYER_ETHERNET, IBV_LINK_LAYER_INFINIBAND,
+    _compat_ibv_port_attr, ibv_context, ibv_device_attr, ibv_device_cap_flags, ibv_gid,
+    ibv_port_attr, ibv_port_state, IBV_LINK_LAYER_ETHERNET, IBV_LINK_LAYER_INFINIBAND,
 };
 use super::gid::Gid;
 use super::loader::Verbs;
@@ -40,6 +40,7 @@ impl Drop for ContextInner {
         // an `Arc<ContextInner>`, so all of them are destroyed by now.
         let rc = unsafe { self.verbs.lib().ibv_close_device(self.ctx) };
         if rc != 0 {
+            note_destroy_failure();
             tracing::warn!(device = %self.name, error = %rc_to_io(rc), "ibv_close_device failed");
         }
     }
@@ -78,6 +79,21 @@ pub struct DeviceAttr {
     pub max_res_rd_atom: u32,
     /// Number of physical ports.
     pub phys_port_cnt: u8,
+    /// Most memory windows (0: none).
+    pub max_mw: u32,
+    /// `enum ibv_device_cap_flags` bits (e.g. `IBV_DEVICE_MEM_WINDOW_TYPE_2B`).
+    pub device_cap_flags: u32,
+}
+
+impl DeviceAttr {
+    /// Whether the device offers type-2 memory windows (`max_mw` > 0 and
+    /// the `MEM_WINDOW_TYPE_2A` or `_2B` capability): windows bound to one
+    /// QP by a work request posted on it.
+    pub fn supports_type2_mw(&self) -> bool {
+        let type2 = ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2A
+            | ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B;
+        self.max_mw > 0 && self.device_cap_flags & type2 != 0
+    }
 }
 
 /// Port state (`enum ibv_port_state`).
@@ -228,6 +244,8 @@ impl Context {
             max_qp_init_rd_atom: non_negative(attr.max_qp_init_rd_atom),
             max_res_rd_atom: non_negative(attr.max_res_rd_atom),
             phys_port_cnt: attr.phys_port_cnt,
+            max_mw: non_negative(attr.max_mw),
+            device_cap_flags: attr.device_cap_flags,
         })
     }
 

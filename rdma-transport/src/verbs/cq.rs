@@ -7,7 +7,7 @@ use std::ptr;
 use std::sync::Arc;
 
 use super::context::{Context, ContextInner};
-use super::error::{check_ptr, check_rc, last_errno, rc_to_io, VerbsError};
+use super::error::{check_ptr, check_rc, last_errno, note_destroy_failure, rc_to_io, VerbsError};
 use super::generated::{ibv_comp_channel, ibv_cq, ibv_wc, ibv_wc_opcode, ibv_wc_status};
 
 /// A completion channel: an fd that becomes readable when an armed CQ
@@ -34,6 +34,7 @@ impl Drop for ChannelInner {
         // it holds an `Arc<ChannelInner>`, so none is left.
         let rc = unsafe { self.ctx.verbs.lib().ibv_destroy_comp_channel(self.chan) };
         if rc != 0 {
+            note_destroy_failure();
             tracing::warn!(device = %self.ctx.name, error = %rc_to_io(rc), "ibv_destroy_comp_channel failed");
         }
     }
@@ -67,6 +68,7 @@ impl Drop for CqInner {
         // unacknowledged events.
         let rc = unsafe { self.ctx.verbs.lib().ibv_destroy_cq(self.cq) };
         if rc != 0 {
+            note_destroy_failure();
             tracing::warn!(device = %self.ctx.name, error = %rc_to_io(rc), "ibv_destroy_cq failed");
         }
     }

@@ -2,6 +2,7 @@
 //! C return convention into it (written once, like mio's `syscall!`).
 
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::cq::WcStatus;
 
@@ -138,4 +139,19 @@ pub(crate) fn rc_to_io(rc: i32) -> io::Error {
     } else {
         last_errno()
     }
+}
+
+/// Destroy verbs (`ibv_dereg_mr`, `ibv_dealloc_mw`, ...) that failed in a
+/// `Drop` since the process started.
+static DESTROY_FAILURES: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a failed destroy verb (its `Drop` logs it too).
+pub(crate) fn note_destroy_failure() {
+    DESTROY_FAILURES.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How many verbs objects failed to be destroyed in their `Drop` (each is
+/// logged as a warning): a leak a long-running server can report.
+pub fn destroy_failures() -> u64 {
+    DESTROY_FAILURES.load(Ordering::Relaxed)
 }

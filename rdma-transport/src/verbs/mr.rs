@@ -3,7 +3,7 @@
 use std::ops::BitOr;
 use std::sync::Arc;
 
-use super::error::{check_ptr, rc_to_io, VerbsError};
+use super::error::{check_ptr, note_destroy_failure, rc_to_io, VerbsError};
 use super::generated::{ibv_access_flags, ibv_mr};
 use super::pd::{PdInner, ProtectionDomain};
 use super::wr::Sge;
@@ -22,6 +22,8 @@ impl AccessFlags {
     pub const REMOTE_READ: Self = Self(ibv_access_flags::IBV_ACCESS_REMOTE_READ);
     /// Remote peers may run atomics on the memory.
     pub const REMOTE_ATOMIC: Self = Self(ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC);
+    /// Memory windows may be bound over the MR (`IBV_ACCESS_MW_BIND`).
+    pub const MW_BIND: Self = Self(ibv_access_flags::IBV_ACCESS_MW_BIND);
 
     /// No access beyond local reads.
     pub const fn empty() -> Self {
@@ -31,6 +33,12 @@ impl AccessFlags {
     /// The raw `ibv_access_flags` bits.
     pub const fn bits(self) -> u32 {
         self.0
+    }
+
+    /// Both sets of flags (a `const` `|`).
+    #[must_use]
+    pub const fn union(self, other: Self) -> Self {
+        Self(self.0 | other.0)
     }
 
     /// Whether every flag of `other` is set.
@@ -74,6 +82,7 @@ impl Drop for MrInner {
         // SAFETY: `mr` came from `ibv_reg_mr` and is deregistered once.
         let rc = unsafe { self.pd.ctx.verbs.lib().ibv_dereg_mr(self.mr) };
         if rc != 0 {
+            note_destroy_failure();
             tracing::warn!(device = %self.pd.ctx.name, error = %rc_to_io(rc), "ibv_dereg_mr failed");
         }
     }
@@ -133,6 +142,12 @@ impl ProtectionDomain {
 }
 
 impl MemoryRegion {
+    /// The library's MR, for work requests that name it (memory window
+    /// binds).
+    pub(crate) fn raw(&self) -> *mut ibv_mr {
+        self.inner.mr
+    }
+
     /// Local key, for scatter/gather entries.
     pub fn lkey(&self) -> u32 {
         self.inner.lkey

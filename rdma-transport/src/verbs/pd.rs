@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::context::{Context, ContextInner};
-use super::error::{check_ptr, rc_to_io, VerbsError};
+use super::error::{check_ptr, note_destroy_failure, rc_to_io, VerbsError};
 use super::generated::ibv_pd;
 
 /// A protection domain: MRs and QPs created in it may be used together.
@@ -29,6 +29,7 @@ impl Drop for PdInner {
         // `Arc<PdInner>`, so none is left.
         let rc = unsafe { self.ctx.verbs.lib().ibv_dealloc_pd(self.pd) };
         if rc != 0 {
+            note_destroy_failure();
             tracing::warn!(device = %self.ctx.name, error = %rc_to_io(rc), "ibv_dealloc_pd failed");
         }
     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::cq::{CompletionQueue, CqInner};
 use super::endpoint::QpEndpoint;
-use super::error::{check_ptr, check_rc, rc_to_io, VerbsError};
+use super::error::{check_ptr, check_rc, note_destroy_failure, rc_to_io, VerbsError};
 use super::generated::{
     ibv_mtu, ibv_qp, ibv_qp_attr, ibv_qp_attr_mask, ibv_qp_cap, ibv_qp_init_attr, ibv_qp_state,
     ibv_qp_type, ibv_recv_wr, ibv_send_wr,
@@ -228,6 +228,7 @@ impl Drop for QpInner {
         // SAFETY: `qp` came from `ibv_create_qp` and is destroyed once.
         let rc = unsafe { self.pd.ctx.verbs.lib().ibv_destroy_qp(self.qp) };
         if rc != 0 {
+            note_destroy_failure();
             tracing::warn!(device = %self.pd.ctx.name, qpn = self.qpn, error = %rc_to_io(rc), "ibv_destroy_qp failed");
         }
     }

@@ -4,7 +4,11 @@
 use std::marker::PhantomData;
 use std::ptr;
 
-use super::generated::{ibv_recv_wr, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wr_opcode};
+use super::generated::{
+    ibv_mw_bind_info, ibv_recv_wr, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wr_opcode,
+};
+use super::mr::{AccessFlags, MemoryRegion};
+use super::mw::MemoryWindow;
 
 /// A scatter/gather entry (`struct ibv_sge`): `length` bytes at `addr`
 /// inside the MR with local key `lkey`.
@@ -79,6 +83,53 @@ impl<'a> SendWr<'a> {
             remote_addr,
             rkey,
         )
+    }
+
+    /// Binds the type-2 window `mw` over `len` bytes at `offset` into `mr`
+    /// with remote access `access`, under the new rkey `rkey` (take
+    /// [`MemoryWindow::next_rkey`]). Post it on the QP that is to use the
+    /// window (in RTS, in the window's PD); once its completion is polled
+    /// with success, record the key with [`MemoryWindow::set_bound_rkey`].
+    /// Signaled. `None` when the range is not inside `mr` or is empty.
+    ///
+    /// The MR must have been registered with [`AccessFlags::MW_BIND`] (and
+    /// `LOCAL_WRITE` for `REMOTE_WRITE` access), else the bind completes
+    /// with [`super::WcStatus::MwBind`].
+    pub fn bind_mw(
+        wr_id: u64,
+        mw: &'a MemoryWindow,
+        rkey: u32,
+        mr: &'a MemoryRegion,
+        offset: usize,
+        len: usize,
+        access: AccessFlags,
+    ) -> Option<Self> {
+        let end = offset.checked_add(len)?;
+        if len == 0 || end > mr.len() {
+            return None;
+        }
+        let addr = (mr.addr() as usize).checked_add(offset)?;
+        let mut wr = ibv_send_wr {
+            wr_id,
+            next: ptr::null_mut(),
+            sg_list: ptr::null_mut(),
+            num_sge: 0,
+            opcode: ibv_wr_opcode::IBV_WR_BIND_MW,
+            send_flags: ibv_send_flags::IBV_SEND_SIGNALED,
+            ..ibv_send_wr::default()
+        };
+        wr.__bindgen_anon_2.bind_mw.mw = mw.raw();
+        wr.__bindgen_anon_2.bind_mw.rkey = rkey;
+        wr.__bindgen_anon_2.bind_mw.bind_info = ibv_mw_bind_info {
+            mr: mr.raw(),
+            addr: addr as u64,
+            length: len as u64,
+            mw_access_flags: access.bits(),
+        };
+        Some(Self {
+            wr,
+            _sges: PhantomData,
+        })
     }
 
     /// Requests a completion for this request (selective signaling: signal
