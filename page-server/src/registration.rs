@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
-use rdma_transport::coordinator::api::{NodeRegistration, RangeRequest, RdmaEndpoint, RdmaRegion};
+use rdma_transport::coordinator::api::{NodeRegistration, RangeRequest, RdmaEndpoint};
 use rdma_transport::coordinator::{CoordinatorClient, CoordinatorError, Credential};
 
 use crate::config::ServerConfig;
@@ -44,12 +44,13 @@ struct Plan {
 }
 
 impl Registration {
-    /// Starts registering `config`'s node at `bound`, publishing `rdma`
-    /// (the device endpoint and the region's address and rkey) when given.
+    /// Starts registering `config`'s node at `bound`, publishing its RDMA
+    /// device endpoint when given (never a region key: each client gets its
+    /// own in the handshake).
     pub(crate) fn start(
         config: &ServerConfig,
         bound: SocketAddr,
-        rdma: Option<(RdmaEndpoint, RdmaRegion)>,
+        rdma: Option<RdmaEndpoint>,
     ) -> Self {
         let shared = Arc::new(Shared::default());
         *shared.state.lock() = Some(State::Pending);
@@ -60,14 +61,14 @@ impl Registration {
                     .advertise
                     .clone()
                     .unwrap_or_else(|| bound.to_string()),
-                rdma: rdma.as_ref().map(|(endpoint, _)| endpoint.clone()),
+                rdma,
             },
             range: RangeRequest {
                 gpa_start: config.gpa_base,
                 length_bytes: config.memory_bytes as u64,
                 node_id: config.node_id.clone(),
                 remote_offset: 0,
-                rdma: rdma.map(|(_, region)| region),
+                rdma: None,
             },
             heartbeat: config.heartbeat_interval,
             retry: config.register_retry,

@@ -161,11 +161,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         backing = ?shared.exported.region.backing(),
         "page-server listening"
     );
-    let published = shared
-        .exported
-        .rdma
-        .as_ref()
-        .map(|r| (r.endpoint(), r.region()));
+    let published = shared.exported.rdma.as_ref().map(|r| r.endpoint());
     let registration = config
         .coordinator_url
         .is_some()

@@ -27,7 +27,9 @@ impl Store {
             length_bytes: request.length_bytes,
             node_id: request.node_id.clone(),
             remote_offset: request.remote_offset,
-            rdma: request.rdma,
+            // Never stored or published: each client gets a key of its own
+            // in the page-server's authenticated handshake.
+            rdma: None,
         };
         let before = at_or_before(&tx, request.gpa_start)?;
         let is_new = !matches!(&before, Some(e) if e.gpa_start == request.gpa_start);

@@ -82,7 +82,9 @@ pub struct RangeRequest {
     /// Offset inside the owner's exported region that backs `gpa_start`
     /// (4 KiB aligned).
     pub remote_offset: u64,
-    /// RDMA access to the owner's region, when it has one.
+    /// Ignored: the coordinator publishes no region address or key (each
+    /// client gets a key of its own in the page-server's authenticated
+    /// handshake). Kept so that older requests still parse.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdma: Option<RdmaRegion>,
 }
@@ -98,7 +100,8 @@ pub struct MapEntry {
     pub node_id: NodeId,
     /// Offset inside the owner's exported region that backs `gpa_start`.
     pub remote_offset: u64,
-    /// RDMA access to the owner's region, when it has one.
+    /// Always `None` from this coordinator (region keys are not published:
+    /// see [`RangeRequest::rdma`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdma: Option<RdmaRegion>,
 }
