@@ -6,6 +6,7 @@
 //! checked, prints a table, and tears the cluster down.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+mod auth_cost;
 mod baseline;
 mod cluster;
 mod fault;
@@ -71,6 +72,11 @@ struct Args {
     /// network could read and write the pages.
     #[arg(long)]
     insecure: bool,
+    /// Also run every read/write again, in this process, against a second
+    /// local cluster without a key, and print the cost of authentication
+    /// as keyed/insecure ratios.
+    #[arg(long, conflicts_with_all = ["insecure", "coordinator"])]
+    compare_insecure: bool,
     /// Write the results as a JSON array to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -137,22 +143,23 @@ fn run() -> anyhow::Result<()> {
         _ => rdma_transport::auth::key_from_flags(args.cluster_key_file.as_deref(), args.insecure)
             .map_err(anyhow::Error::msg)?,
     };
+    if args.compare_insecure && args.op == Some(Op::Fault) {
+        bail!("--compare-insecure applies to --op read and write");
+    }
+    // The fault op pins the local page-servers to the faulting thread's CPU
+    // (see fault.rs): there they must not spin.
+    let server_spin = match args.op {
+        Some(Op::Fault) => Duration::ZERO,
+        _ => ServerConfig::new("x", PAGE_SIZE).spin_before_block,
+    };
     let cluster = match &args.coordinator {
         Some(_) => None,
-        None => {
-            // The fault op pins the local page-servers to the faulting
-            // thread's CPU (see fault.rs): there they must not spin.
-            let server_spin = match args.op {
-                Some(Op::Fault) => Duration::ZERO,
-                _ => ServerConfig::new("x", PAGE_SIZE).spin_before_block,
-            };
-            Some(cluster::LocalCluster::start(
-                args.nodes,
-                args.memory,
-                server_spin,
-                cluster_key.clone(),
-            )?)
-        }
+        None => Some(cluster::LocalCluster::start(
+            args.nodes,
+            args.memory,
+            server_spin,
+            cluster_key.clone(),
+        )?),
     };
     let url = match (&cluster, &args.coordinator) {
         (Some(c), _) => c.url().to_owned(),
@@ -175,7 +182,7 @@ fn run() -> anyhow::Result<()> {
         ..ManagerConfig::default()
     };
     let mgr = std::sync::Arc::new(
-        TransportManager::connect(config)
+        TransportManager::connect(config.clone())
             .with_context(|| format!("connecting to the cluster at {url}"))?,
     );
     let map = mgr.map();
@@ -207,6 +214,7 @@ fn run() -> anyhow::Result<()> {
     let prefetch = matrix::prefetch(&ops, args.prefetch)?;
     let mut records = Vec::new();
     let mut lines = Vec::new();
+    let mut keyed_runs = Vec::new();
     let mut seed = 100;
     for &op in &ops {
         let patterns = matrix::patterns(op, args.pattern);
@@ -254,9 +262,24 @@ fn run() -> anyhow::Result<()> {
                 lines.push(report::ratio_line(&ours, base));
                 lines.push(report::layouts_line(base));
             }
+            keyed_runs.push((spec, seed, records.len()));
             records.push(ours);
             records.extend(base);
         }
+    }
+    if args.compare_insecure {
+        let keyed: Vec<_> = keyed_runs
+            .iter()
+            .map(|&(spec, seed, at)| auth_cost::Keyed {
+                spec,
+                seed,
+                record: &records[at],
+            })
+            .collect();
+        let (insecure, cost) =
+            auth_cost::run(&config, args.nodes, args.memory, server_spin, &keyed)?;
+        records.extend(insecure);
+        lines.extend(cost);
     }
     println!("{}", report::header());
     for r in &records {
@@ -292,7 +315,7 @@ fn run() -> anyhow::Result<()> {
 
 /// The data path the run really used: `tcp`, `rdma`, or `mixed` when
 /// nodes differ (`none` when no node is connected).
-fn data_path_name(mgr: &TransportManager) -> String {
+pub(crate) fn data_path_name(mgr: &TransportManager) -> String {
     let mut paths: Vec<&str> = mgr
         .node_transports()
         .iter()
