@@ -237,12 +237,17 @@ pub(crate) fn serve(
             start += total;
             requests += 1;
             guard.count_request();
-            if session.is_ready() && !guard.is_handshaken() && !guard.handshake_done() {
-                // Closed before its HELLO_ACK is sent: see `ConnGuard`.
-                return Err(io::Error::new(
-                    io::ErrorKind::ConnectionRefused,
-                    "connection limit reached",
-                ));
+            if session.is_ready() && !guard.is_handshaken() {
+                if !guard.handshake_done() {
+                    // Closed before its HELLO_ACK is sent: see `ConnGuard`.
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionRefused,
+                        "connection limit reached",
+                    ));
+                }
+                if session.qp.is_some() {
+                    guard.exempt_from_idle_timeout();
+                }
             }
             if outbox.is_full() {
                 outbox.flush(stream)?;

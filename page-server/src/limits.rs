@@ -160,6 +160,13 @@ impl ConnGuard {
 
     /// [`Watchdog::check`] at `now`; a broken limit is counted and becomes
     /// a `TimedOut` error that ends the connection.
+    /// The connection's pages move by RDMA, not over its socket, which then
+    /// carries no requests: the idle timeout does not apply to it (closing
+    /// it would tear down the client's QP).
+    pub(crate) fn exempt_from_idle_timeout(&mut self) {
+        self.watchdog.timeouts.idle = None;
+    }
+
     pub(crate) fn check(&mut self, now: Instant) -> io::Result<Option<Duration>> {
         self.watchdog.check(now).map_err(|expired| {
             let (reason, what) = match expired {

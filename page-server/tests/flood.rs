@@ -350,11 +350,10 @@ fn a_flood_over_the_pending_cap_evicts_its_oldest_and_a_good_client_is_served() 
 }
 
 /// A good client whose connection the server closed while it was idle is
-/// served on its next request. Fails today: the client writes the request
-/// on the closed connection and reports `NodeDown` (the request after
-/// reconnects), which is why `idle_timeout` is off by default.
+/// served on its next request: the request finds the connection dead,
+/// and the manager runs it once more on a new one (page reads and writes are
+/// idempotent).
 #[test]
-#[ignore = "TransportManager does not yet retry a request on a connection closed while idle (issue 8 follow-up)"]
 fn a_client_whose_idle_connection_was_closed_is_served_on_its_next_request() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let db = tempfile::tempdir().unwrap();

@@ -487,3 +487,42 @@ fn rdma_caller_unwinding_mid_request_event_mode() {
         PollMode::Event,
     );
 }
+
+/// A client whose pages move by RDMA sends nothing on its TCP connection:
+/// the page-server's idle timeout must not close it (that would tear down
+/// the client's QP). RDMA traffic for well past the idle timeout keeps the
+/// same QP and every page right.
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_sessions_are_not_closed_as_idle() {
+    let test = "rdma_sessions_are_not_closed_as_idle";
+    require_device(test);
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator(&db);
+    let mut cfg = ServerConfig::new("a", NODE_BYTES);
+    cfg.coordinator_url = Some(coord.url());
+    cfg.rdma.device = device_name();
+    cfg.idle_timeout = Duration::from_millis(300);
+    let a = page_server::spawn(cfg).expect("page-server starts");
+    a.wait_registered(Duration::from_secs(10)).unwrap();
+    let mgr = rdma_manager(&coord.url(), PollMode::Busy);
+    let gpa = 6 * PAGE_SIZE as u64;
+    mgr.write_page(gpa, &page_for(gpa, 8)).unwrap();
+    let qpn = mgr.rdma_qpn_for_test("a").expect("an RDMA connection");
+    let started = Instant::now();
+    let mut page = [0u8; PAGE_SIZE];
+    let mut reads = 0u32;
+    while started.elapsed() < Duration::from_millis(1500) {
+        mgr.read_page(gpa, &mut page).unwrap();
+        assert!(page == page_for(gpa, 8));
+        reads += 1;
+    }
+    say(&format!("{test}: {reads} RDMA reads over 1.5 s"));
+    assert_eq!(
+        a.stats().idle_timeouts,
+        0,
+        "an RDMA session was closed as idle"
+    );
+    assert_eq!(mgr.rdma_qpn_for_test("a"), Some(qpn), "the QP was rebuilt");
+    assert_all_rdma(&mgr);
+}

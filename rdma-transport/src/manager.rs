@@ -380,6 +380,12 @@ impl Drop for TransportManager {
     }
 }
 
+/// The request failed because its connection died before it was answered
+/// (EOF or a reset), not because the node refused it or timed out.
+fn connection_lost(err: &TransportError) -> bool {
+    matches!(err, TransportError::NodeDown { reason, .. } if reason == tcp_chunk::CONNECTION_LOST)
+}
+
 fn check_lengths(gpas: usize, pages: usize) -> Result<(), TransportError> {
     if gpas == pages {
         Ok(())
@@ -415,22 +421,50 @@ impl Inner {
         count: usize,
         mut frame: Option<&mut Option<PageFrame>>,
     ) -> Result<(), TransportError> {
+        let started = Instant::now();
+        // `read_frame` is not retried here: its caller (the fault handler)
+        // retries on its own terms.
+        let retry = frame.is_none();
         if count == 1 {
-            if let Some(result) = self.run_single_rdma(opcode, gpas[0], pages, &mut frame) {
-                return result;
+            match self.run_single_rdma(opcode, gpas[0], pages, &mut frame) {
+                Some(Err(e)) if retry && connection_lost(&e) => {
+                    // Served again below, on a new connection, within what
+                    // is left of the same deadline.
+                    let deadline = started + self.config.request_timeout();
+                    let pages = Pages {
+                        base: pages,
+                        frame: None,
+                    };
+                    return self.run_chunk(opcode, gpas, pages, deadline);
+                }
+                Some(result) => return result,
+                None => {}
             }
         }
         let mut first_error = None;
         for chunk_start in (0..count).step_by(MAX_CHUNK) {
             let chunk_end = (chunk_start + MAX_CHUNK).min(count);
+            let gpas = &gpas[chunk_start..chunk_end];
             // SAFETY: `pages` covers `count` pages (checked by the callers), so
             // chunk_start is in bounds.
             let chunk_pages = unsafe { pages.add(chunk_start * crate::page::PAGE_SIZE) };
+            let deadline = Instant::now() + self.config.request_timeout();
             let pages = Pages {
                 base: chunk_pages,
                 frame: frame.take(),
             };
-            if let Err(e) = self.run_chunk(opcode, &gpas[chunk_start..chunk_end], pages) {
+            let mut result = self.run_chunk(opcode, gpas, pages, deadline);
+            if matches!(&result, Err(e) if retry && connection_lost(e)) {
+                // A connection that died before answering (e.g. the server
+                // closed it while idle): page reads and writes are
+                // idempotent, so the chunk runs once more on a new one.
+                let pages = Pages {
+                    base: chunk_pages,
+                    frame: None,
+                };
+                result = self.run_chunk(opcode, gpas, pages, deadline);
+            }
+            if let Err(e) = result {
                 first_error.get_or_insert(e);
             }
         }
@@ -442,10 +476,10 @@ impl Inner {
         opcode: Opcode,
         gpas: &[u64],
         mut chunk_pages: Pages<'_>,
+        deadline: Instant,
     ) -> Result<(), TransportError> {
         let pages = chunk_pages.base;
         let n = gpas.len();
-        let deadline = Instant::now() + self.config.request_timeout();
         let mut state = self.state.load();
         // Resolve every address first; refresh the map once on a miss.
         let mut loc = [(0usize, 0u64); MAX_CHUNK];

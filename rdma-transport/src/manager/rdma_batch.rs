@@ -245,7 +245,7 @@ impl Inner {
                 },
                 None if code == CODE_CONN_LOST => TransportError::NodeDown {
                     node: node_name(),
-                    reason: "connection lost".into(),
+                    reason: super::tcp_chunk::CONNECTION_LOST.into(),
                 },
                 None => TransportError::Protocol {
                     node: node_name(),

@@ -9,6 +9,9 @@ use crate::error::TransportError;
 use crate::tcp::{TcpConnection, CODE_CONN_LOST, CODE_PROTOCOL, MAX_CHUNK};
 use crate::wire::Status;
 
+/// `NodeDown`'s reason when a connection died before answering.
+pub(super) const CONNECTION_LOST: &str = "connection lost";
+
 /// Where one request of a batch went.
 #[derive(Clone, Copy, Default)]
 pub(super) struct Sent {
@@ -66,7 +69,7 @@ impl Inner {
                 self.forget(node, &Link::Tcp(Arc::clone(conn)));
                 Some(TransportError::NodeDown {
                     node: node_name(),
-                    reason: "connection lost".into(),
+                    reason: CONNECTION_LOST.into(),
                 })
             }
             Some(CODE_PROTOCOL) => {
