@@ -82,6 +82,9 @@ impl From<StoreError> for ApiError {
             StoreError::LimitReached { what, max } => Self::LimitReached(format!(
                 "{what} limit reached: at most {max}; remove some first or raise the limit"
             )),
+            StoreError::NoRange(gpa_start) => {
+                Self::NotFound(format!("no range starts at {gpa_start:#x}"))
+            }
             StoreError::NotOwner { gpa_start, owner } => Self::Forbidden(format!(
                 "the range at {gpa_start:#x} belongs to node {owner:?}"
             )),

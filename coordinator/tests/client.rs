@@ -13,6 +13,7 @@ fn registration(tcp_addr: &str) -> NodeRegistration {
     NodeRegistration {
         tcp_addr: tcp_addr.to_owned(),
         rdma: None,
+        epoch: 0,
     }
 }
 

@@ -142,7 +142,8 @@ fn ranges_conflicts_and_idempotent_re_add() {
     assert_eq!(created.status, 201, "{created:?}");
     assert_eq!(
         created.body,
-        json!({ "gpa_start": 0x10_0000, "length_bytes": 0x4000, "node_id": "a", "remote_offset": 0x2000 })
+        json!({ "gpa_start": 0x10_0000, "length_bytes": 0x4000, "node_id": "a", "remote_offset": 0x2000,
+                "valid_epoch": 0, "state": "live" })
     );
 
     for (start, length, node) in [

@@ -100,6 +100,7 @@ fn state_survives_sigkill_and_restart() {
         &NodeRegistration {
             tcp_addr: "127.0.0.1:7001".to_owned(),
             rdma: Some(endpoint.clone()),
+            epoch: 0,
         },
     )
     .expect("register n1");
@@ -108,6 +109,7 @@ fn state_survives_sigkill_and_restart() {
         &NodeRegistration {
             tcp_addr: "127.0.0.1:7002".to_owned(),
             rdma: None,
+            epoch: 0,
         },
     )
     .expect("register n2");

@@ -46,11 +46,13 @@ struct Plan {
 impl Registration {
     /// Starts registering `config`'s node at `bound`, publishing its RDMA
     /// device endpoint when given (never a region key: each client gets its
-    /// own in the handshake).
+    /// own in the handshake) and `epoch`, the handshake's: the coordinator
+    /// tells from it whether this process holds its ranges' contents.
     pub(crate) fn start(
         config: &ServerConfig,
         bound: SocketAddr,
         rdma: Option<RdmaEndpoint>,
+        epoch: u64,
     ) -> Self {
         let shared = Arc::new(Shared::default());
         *shared.state.lock() = Some(State::Pending);
@@ -62,6 +64,7 @@ impl Registration {
                     .clone()
                     .unwrap_or_else(|| bound.to_string()),
                 rdma,
+                epoch,
             },
             range: RangeRequest {
                 gpa_start: config.gpa_base,

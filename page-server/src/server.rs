@@ -165,7 +165,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
     let registration = config
         .coordinator_url
         .is_some()
-        .then(|| Registration::start(&config, addr, published));
+        .then(|| Registration::start(&config, addr, published, shared.exported.epoch));
     Ok(RunningServer {
         addr,
         shared,

@@ -8,7 +8,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::coordinator::api::{MapEntry, MapResponse, NodeInfo};
+use crate::coordinator::api::{MapEntry, MapResponse, NodeInfo, RangeState};
 use crate::page::PAGE_SIZE;
 use crate::wire::{
     AuthRequest, Challenge, Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN,
@@ -31,6 +31,8 @@ pub(crate) fn map_of(version: u64, nodes: &[(&str, SocketAddr)]) -> MapResponse 
                 node_id: (*id).into(),
                 remote_offset: 0,
                 rdma: None,
+                valid_epoch: 0,
+                state: RangeState::Live,
             })
             .collect(),
         nodes: nodes
@@ -41,6 +43,7 @@ pub(crate) fn map_of(version: u64, nodes: &[(&str, SocketAddr)]) -> MapResponse 
                 rdma: None,
                 alive: true,
                 last_seen_ms_ago: 0,
+                epoch: 0,
             })
             .collect(),
     }

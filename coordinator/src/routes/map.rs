@@ -71,6 +71,28 @@ pub(super) async fn remove_range(
     }
 }
 
+/// `POST /v1/map/{gpa_start}/reinitialise` (admin only): the range's
+/// contents are its owner's memory as it is now (zeros after a restart), so
+/// clients serve it again. The operator's answer to a `lost` range.
+pub(super) async fn reinitialise_range(
+    State(state): State<AppState>,
+    ApiPath(text): ApiPath<String>,
+) -> Result<Json<MapEntry>, ApiError> {
+    let gpa_start = parse_u64(&text).ok_or_else(|| {
+        ApiError::BadRequest(format!("gpa_start {text:?} is not a decimal or 0x-hex u64"))
+    })?;
+    let entry = state
+        .db(move |store| store.reinitialise_range(gpa_start))
+        .await?;
+    tracing::warn!(
+        gpa_start,
+        node = %entry.node_id,
+        valid_epoch = entry.valid_epoch,
+        "range re-initialised: its contents are the owner's memory as it is now"
+    );
+    Ok(Json(entry))
+}
+
 /// Query of `GET /v1/resolve`.
 #[derive(Debug, Deserialize)]
 pub(super) struct ResolveQuery {

@@ -130,6 +130,12 @@ static ROUTES: &[Route] = &[
         Access::OwnRange,
         |m| on(m, map::remove_range),
     ),
+    route(
+        HttpMethod::Post,
+        "/v1/map/{gpa_start}/reinitialise",
+        Access::Admin,
+        |m| on(m, map::reinitialise_range),
+    ),
     route(HttpMethod::Get, "/v1/resolve", Access::Read, |m| {
         on(m, map::resolve)
     }),

@@ -1,6 +1,6 @@
 //! Mapping between Rust values and SQLite columns.
 
-use rdma_transport::coordinator::api::{MapEntry, RdmaEndpoint, RdmaRegion};
+use rdma_transport::coordinator::api::{MapEntry, RangeState, RdmaEndpoint, RdmaRegion};
 use rusqlite::Row;
 
 const SIGN_BIT: u64 = 1 << 63;
@@ -22,14 +22,30 @@ pub(super) fn ms_to_sql(ms: u64) -> i64 {
     i64::try_from(ms).unwrap_or(i64::MAX)
 }
 
-/// Columns selected by [`entry_from_row`], in order.
+/// An epoch as stored: its bit pattern (epochs are only compared for
+/// equality; 0 stays 0).
+pub(super) fn epoch_to_sql(epoch: u64) -> i64 {
+    i64::from_ne_bytes(epoch.to_ne_bytes())
+}
+
+/// Inverse of [`epoch_to_sql`].
+pub(super) fn epoch_from_sql(value: i64) -> u64 {
+    u64::from_ne_bytes(value.to_ne_bytes())
+}
+
+/// Columns selected by [`entry_from_row`], in order, from `map_entries`
+/// (the last one is the owner's current epoch, for the entry's state).
 pub(super) const ENTRY_COLUMNS: &str =
-    "gpa_start, length_bytes, node_id, remote_offset, rdma_addr, rdma_rkey";
+    "gpa_start, length_bytes, node_id, remote_offset, rdma_addr, rdma_rkey, valid_epoch,
+     (SELECT epoch FROM nodes WHERE nodes.id = map_entries.node_id)";
 
 /// Reads a map entry from a row of [`ENTRY_COLUMNS`].
 pub(super) fn entry_from_row(row: &Row<'_>) -> rusqlite::Result<MapEntry> {
     let rdma_addr: Option<i64> = row.get(4)?;
     let rdma_rkey: Option<u32> = row.get(5)?;
+    let valid_epoch = epoch_from_sql(row.get(6)?);
+    // No owner row cannot happen (foreign key); read as "unknown" (0).
+    let owner_epoch = epoch_from_sql(row.get::<_, Option<i64>>(7)?.unwrap_or(0));
     Ok(MapEntry {
         gpa_start: dec(row.get(0)?),
         length_bytes: dec(row.get(1)?),
@@ -42,12 +58,15 @@ pub(super) fn entry_from_row(row: &Row<'_>) -> rusqlite::Result<MapEntry> {
             }),
             _ => None,
         },
+        valid_epoch,
+        state: RangeState::of(valid_epoch, owner_epoch),
     })
 }
 
 /// Columns selected by [`node_from_row`], in order.
 pub(super) const NODE_COLUMNS: &str =
-    "id, tcp_addr, rdma_device, rdma_port, rdma_gid, rdma_gid_index, rdma_lid, last_seen_unix_ms";
+    "id, tcp_addr, rdma_device, rdma_port, rdma_gid, rdma_gid_index, rdma_lid,
+     last_seen_unix_ms, epoch";
 
 /// A node row before its RDMA columns are checked for completeness.
 pub(super) struct NodeRow {
@@ -59,6 +78,7 @@ pub(super) struct NodeRow {
     pub rdma_gid_index: Option<u8>,
     pub rdma_lid: Option<u16>,
     pub last_seen_unix_ms: i64,
+    pub epoch: i64,
 }
 
 /// Reads a node row of [`NODE_COLUMNS`].
@@ -72,6 +92,7 @@ pub(super) fn node_row(row: &Row<'_>) -> rusqlite::Result<NodeRow> {
         rdma_gid_index: row.get(5)?,
         rdma_lid: row.get(6)?,
         last_seen_unix_ms: row.get(7)?,
+        epoch: row.get(8)?,
     })
 }
 

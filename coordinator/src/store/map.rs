@@ -1,9 +1,9 @@
 //! Map entries: add (with overlap check), remove, resolve.
 
-use rdma_transport::coordinator::api::{MapEntry, RangeRequest};
+use rdma_transport::coordinator::api::{MapEntry, RangeRequest, RangeState};
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::codec::{enc, entry_from_row, ENTRY_COLUMNS};
+use super::codec::{enc, entry_from_row, epoch_to_sql, ENTRY_COLUMNS};
 use super::schema::{bump_version, version};
 use super::{nodes, AddOutcome, NodeRecord, Store, StoreError, StoreLimits};
 
@@ -12,6 +12,12 @@ impl Store {
     /// overflow). An entry with the same `gpa_start`, `length_bytes` and
     /// `node_id` is refreshed instead ([`AddOutcome::Updated`]).
     ///
+    /// A new range is valid in its owner's current epoch. A refreshed one
+    /// keeps its `valid_epoch` (an owner that restarted re-claims its range
+    /// with empty memory: the range stays `lost`), unless that is 0
+    /// (unknown: a revision-1 database or an owner that sent no epoch), which
+    /// the owner's current epoch replaces.
+    ///
     /// Bumps the version when something changed.
     pub fn add_range(
         &mut self,
@@ -19,9 +25,14 @@ impl Store {
     ) -> Result<(MapEntry, AddOutcome), StoreError> {
         let limits = self.limits;
         let tx = self.conn.transaction()?;
-        if nodes::get(&tx, &request.node_id)?.is_none() {
+        let Some(owner) = nodes::get(&tx, &request.node_id)? else {
             return Err(StoreError::UnknownNode(request.node_id.clone()));
-        }
+        };
+        let before = at_or_before(&tx, request.gpa_start)?;
+        let valid_epoch = match &before {
+            Some(e) if e.gpa_start == request.gpa_start && e.valid_epoch != 0 => e.valid_epoch,
+            _ => owner.epoch,
+        };
         let wanted = MapEntry {
             gpa_start: request.gpa_start,
             length_bytes: request.length_bytes,
@@ -30,8 +41,9 @@ impl Store {
             // Never stored or published: each client gets a key of its own
             // in the page-server's authenticated handshake.
             rdma: None,
+            valid_epoch,
+            state: RangeState::of(valid_epoch, owner.epoch),
         };
-        let before = at_or_before(&tx, request.gpa_start)?;
         let is_new = !matches!(&before, Some(e) if e.gpa_start == request.gpa_start);
         if is_new {
             check_range_limits(&tx, limits, &request.node_id)?;
@@ -95,6 +107,33 @@ impl Store {
         bump_version(&tx)?;
         tx.commit()?;
         Ok(true)
+    }
+
+    /// Marks the range that starts at `gpa_start` re-initialised: valid in
+    /// its owner's current epoch (the owner's memory, zeros after a restart,
+    /// is its contents from now on). Bumps the version when that changed.
+    ///
+    /// # Errors
+    /// [`StoreError::NoRange`] when no range starts there.
+    pub fn reinitialise_range(&mut self, gpa_start: u64) -> Result<MapEntry, StoreError> {
+        let tx = self.conn.transaction()?;
+        let mut entry = at_or_before(&tx, gpa_start)?
+            .filter(|e| e.gpa_start == gpa_start)
+            .ok_or(StoreError::NoRange(gpa_start))?;
+        let owner = nodes::get(&tx, &entry.node_id)?.ok_or_else(|| {
+            StoreError::Corrupt(format!("entry owner {:?} is not a node", entry.node_id))
+        })?;
+        if entry.valid_epoch != owner.epoch {
+            tx.execute(
+                "UPDATE map_entries SET valid_epoch = ?2 WHERE gpa_start = ?1",
+                params![enc(gpa_start), epoch_to_sql(owner.epoch)],
+            )?;
+            bump_version(&tx)?;
+        }
+        tx.commit()?;
+        entry.valid_epoch = owner.epoch;
+        entry.state = RangeState::Live;
+        Ok(entry)
     }
 
     /// The entry containing `gpa`, its owner and the version, read together.
@@ -178,8 +217,8 @@ fn after(conn: &Connection, gpa: u64) -> Result<Option<MapEntry>, StoreError> {
 fn write(conn: &Connection, entry: &MapEntry) -> Result<(), StoreError> {
     conn.execute(
         "INSERT OR REPLACE INTO map_entries
-            (gpa_start, length_bytes, node_id, remote_offset, rdma_addr, rdma_rkey)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            (gpa_start, length_bytes, node_id, remote_offset, rdma_addr, rdma_rkey, valid_epoch)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         params![
             enc(entry.gpa_start),
             enc(entry.length_bytes),
@@ -187,6 +226,7 @@ fn write(conn: &Connection, entry: &MapEntry) -> Result<(), StoreError> {
             enc(entry.remote_offset),
             entry.rdma.map(|r| enc(r.addr)),
             entry.rdma.map(|r| r.rkey),
+            epoch_to_sql(entry.valid_epoch),
         ],
     )?;
     Ok(())

@@ -36,6 +36,9 @@ pub enum StoreError {
         /// The bound.
         max: usize,
     },
+    /// No range starts at the address.
+    #[error("no range starts at {0:#x}")]
+    NoRange(u64),
     /// A node asked to remove a range that another node owns.
     #[error("the range at {gpa_start:#x} belongs to node {owner:?}")]
     NotOwner {
@@ -59,6 +62,8 @@ pub(crate) struct NodeRecord {
     pub tcp_addr: String,
     pub rdma: Option<RdmaEndpoint>,
     pub last_seen_unix_ms: u64,
+    /// Epoch of the node's last registration (0: unknown).
+    pub epoch: u64,
 }
 
 impl NodeRecord {
@@ -71,6 +76,7 @@ impl NodeRecord {
             rdma: self.rdma.clone(),
             alive: ago_ms < lease_ms,
             last_seen_ms_ago: ago_ms,
+            epoch: self.epoch,
         }
     }
 }

@@ -3,14 +3,15 @@
 use rdma_transport::coordinator::api::{NodeRegistration, RdmaEndpoint};
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::codec::{ms_to_sql, node_row, NODE_COLUMNS};
+use super::codec::{epoch_from_sql, epoch_to_sql, ms_to_sql, node_row, NODE_COLUMNS};
 use super::schema::bump_version;
 use super::{NodeRecord, Store, StoreError};
 
 impl Store {
-    /// Registers `id` or replaces its registration (the RDMA endpoint
-    /// included), and sets its `last_seen`. Bumps the version when the node
-    /// is new or its TCP address or RDMA endpoint changed.
+    /// Registers `id` or replaces its registration (the RDMA endpoint and
+    /// epoch included), and sets its `last_seen`. Bumps the version when the
+    /// node is new or its TCP address, RDMA endpoint or epoch changed (a new
+    /// epoch turns its ranges `lost`; their `valid_epoch` is kept).
     pub fn upsert_node(
         &mut self,
         id: &str,
@@ -30,18 +31,22 @@ impl Store {
         }
         let changed = match &before {
             None => true,
-            Some(old) => old.tcp_addr != registration.tcp_addr || old.rdma != registration.rdma,
+            Some(old) => {
+                old.tcp_addr != registration.tcp_addr
+                    || old.rdma != registration.rdma
+                    || old.epoch != registration.epoch
+            }
         };
         let rdma = registration.rdma.as_ref();
         tx.execute(
             "INSERT INTO nodes (id, tcp_addr, rdma_device, rdma_port, rdma_gid, rdma_gid_index,
-                                rdma_lid, last_seen_unix_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
+                                rdma_lid, last_seen_unix_ms, epoch)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
              ON CONFLICT(id) DO UPDATE SET
                 tcp_addr = excluded.tcp_addr, rdma_device = excluded.rdma_device,
                 rdma_port = excluded.rdma_port, rdma_gid = excluded.rdma_gid,
                 rdma_gid_index = excluded.rdma_gid_index, rdma_lid = excluded.rdma_lid,
-                last_seen_unix_ms = excluded.last_seen_unix_ms",
+                last_seen_unix_ms = excluded.last_seen_unix_ms, epoch = excluded.epoch",
             params![
                 id,
                 registration.tcp_addr,
@@ -51,6 +56,7 @@ impl Store {
                 rdma.map(|r| r.gid_index),
                 rdma.map(|r| r.lid),
                 ms_to_sql(now_unix_ms),
+                epoch_to_sql(registration.epoch),
             ],
         )?;
         if changed {
@@ -165,5 +171,6 @@ fn record(row: super::codec::NodeRow) -> Result<NodeRecord, StoreError> {
         tcp_addr: row.tcp_addr,
         rdma,
         last_seen_unix_ms,
+        epoch: epoch_from_sql(row.epoch),
     })
 }

@@ -5,12 +5,12 @@ use rusqlite::{Connection, OptionalExtension};
 use super::StoreError;
 
 /// Schema revision kept in `PRAGMA user_version`.
-const SCHEMA_REVISION: i64 = 1;
+const SCHEMA_REVISION: i64 = 2;
 
-/// Tables. Every `u64` column holds the value in the order-preserving
-/// encoding of `codec.rs` (`value XOR 2^63` as a signed INTEGER), so SQLite's
-/// signed comparison orders them as `u64`.
-const SCHEMA_SQL: &str = "
+/// Tables of revision 1. Every `u64` column holds the value in the
+/// order-preserving encoding of `codec.rs` (`value XOR 2^63` as a signed
+/// INTEGER), so SQLite's signed comparison orders them as `u64`.
+const SCHEMA_V1_SQL: &str = "
 CREATE TABLE IF NOT EXISTS nodes (
     id                TEXT PRIMARY KEY NOT NULL,
     tcp_addr          TEXT NOT NULL,
@@ -37,8 +37,18 @@ CREATE TABLE IF NOT EXISTS meta (
 INSERT OR IGNORE INTO meta (key, value) VALUES ('version', 0);
 ";
 
-/// Sets the connection up (WAL, full sync, foreign keys) and creates the
-/// schema in one transaction.
+/// Revision 1 to 2: epochs. `nodes.epoch` is the epoch of the node's last
+/// registration, `map_entries.valid_epoch` the owner epoch whose memory
+/// holds the range's valid contents. Epochs are only compared for equality,
+/// so they are stored as their plain bit pattern (see `codec::epoch_to_sql`);
+/// 0 is "unknown" (rows from revision 1, nodes that send no epoch).
+const MIGRATE_V2_SQL: &str = "
+ALTER TABLE nodes ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE map_entries ADD COLUMN valid_epoch INTEGER NOT NULL DEFAULT 0;
+";
+
+/// Sets the connection up (WAL, full sync, foreign keys), and creates the
+/// schema or migrates an older revision's, in one transaction.
 pub(super) fn prepare(conn: &mut Connection) -> Result<(), StoreError> {
     // journal_mode answers with the mode in force; anything but "wal" (e.g. an
     // in-memory database) would lose the crash-safety this service promises.
@@ -58,7 +68,12 @@ pub(super) fn prepare(conn: &mut Connection) -> Result<(), StoreError> {
         )));
     }
     let tx = conn.transaction()?;
-    tx.execute_batch(SCHEMA_SQL)?;
+    // A new database is revision 0 and takes every step; an existing one
+    // only the steps past its revision.
+    tx.execute_batch(SCHEMA_V1_SQL)?;
+    if revision < 2 {
+        tx.execute_batch(MIGRATE_V2_SQL)?;
+    }
     tx.pragma_update(None, "user_version", SCHEMA_REVISION)?;
     tx.commit()?;
     Ok(())

@@ -14,6 +14,7 @@ fn registration(tcp_addr: &str) -> NodeRegistration {
     NodeRegistration {
         tcp_addr: tcp_addr.to_owned(),
         rdma: None,
+        epoch: 0,
     }
 }
 
@@ -219,4 +220,144 @@ fn limits_and_owners_are_enforced() {
     ));
     assert!(store.remove_range(0, Some("a")).expect("own"));
     assert!(!store.remove_range(0, Some("a")).expect("gone"));
+}
+
+fn registration_in(tcp_addr: &str, epoch: u64) -> NodeRegistration {
+    NodeRegistration {
+        epoch,
+        ..registration(tcp_addr)
+    }
+}
+
+#[test]
+fn a_range_stays_valid_in_the_epoch_it_was_claimed_in() {
+    use rdma_transport::coordinator::api::RangeState;
+    let (_dir, mut store) = open();
+    // Epochs with the top bit set survive the round trip through SQLite.
+    let first = 0x8000_0000_0000_0001;
+    store
+        .upsert_node("a", &registration_in("h:1", first), 10)
+        .expect("put");
+    let (entry, _) = store.add_range(&range(0, 0x2000, "a")).expect("add");
+    assert_eq!((entry.valid_epoch, entry.state), (first, RangeState::Live));
+
+    // The owner restarts (new epoch) and claims the same range again: its
+    // memory is empty, so the range keeps its valid epoch and is lost.
+    let v = store.version().expect("v");
+    store
+        .upsert_node("a", &registration_in("h:1", 7), 20)
+        .expect("put");
+    assert_eq!(
+        store.version().expect("v"),
+        v + 1,
+        "a new epoch is a change"
+    );
+    assert_eq!(store.node("a").expect("node").map(|n| n.epoch), Some(7));
+    let (entry, outcome) = store.add_range(&range(0, 0x2000, "a")).expect("again");
+    assert_eq!(outcome, AddOutcome::Updated);
+    assert_eq!((entry.valid_epoch, entry.state), (first, RangeState::Lost));
+    let snapshot = store.snapshot().expect("snapshot");
+    assert_eq!(snapshot.entries[0].state, RangeState::Lost);
+    assert_eq!(snapshot.entries[0].valid_epoch, first);
+
+    // The operator re-initialises it: valid in the current epoch.
+    let v = store.version().expect("v");
+    let entry = store.reinitialise_range(0).expect("reinit");
+    assert_eq!((entry.valid_epoch, entry.state), (7, RangeState::Live));
+    assert_eq!(store.version().expect("v"), v + 1);
+    assert_eq!(
+        store.snapshot().expect("s").entries[0].state,
+        RangeState::Live
+    );
+    store.reinitialise_range(0).expect("again");
+    assert_eq!(store.version().expect("v"), v + 1, "already live");
+    assert!(matches!(
+        store.reinitialise_range(0x1000),
+        Err(StoreError::NoRange(0x1000))
+    ));
+}
+
+#[test]
+fn an_unknown_valid_epoch_takes_the_owners_first_known_one() {
+    use rdma_transport::coordinator::api::RangeState;
+    let (_dir, mut store) = open();
+    // An owner that sends no epoch (older page-server): nothing to check.
+    store
+        .upsert_node("a", &registration("h:1"), 10)
+        .expect("put");
+    let (entry, _) = store.add_range(&range(0, 0x1000, "a")).expect("add");
+    assert_eq!((entry.valid_epoch, entry.state), (0, RangeState::Live));
+    store
+        .upsert_node("a", &registration_in("h:1", 5), 20)
+        .expect("put");
+    let (entry, _) = store.add_range(&range(0, 0x1000, "a")).expect("again");
+    assert_eq!((entry.valid_epoch, entry.state), (5, RangeState::Live));
+}
+
+/// The revision-1 schema, as the previous coordinator created it.
+const V1_SCHEMA: &str = "
+CREATE TABLE nodes (
+    id                TEXT PRIMARY KEY NOT NULL,
+    tcp_addr          TEXT NOT NULL,
+    rdma_device       TEXT,
+    rdma_port         INTEGER,
+    rdma_gid          TEXT,
+    rdma_gid_index    INTEGER,
+    rdma_lid          INTEGER,
+    last_seen_unix_ms INTEGER NOT NULL
+);
+CREATE TABLE map_entries (
+    gpa_start     INTEGER PRIMARY KEY NOT NULL,
+    length_bytes  INTEGER NOT NULL,
+    node_id       TEXT NOT NULL REFERENCES nodes(id) ON DELETE CASCADE,
+    remote_offset INTEGER NOT NULL,
+    rdma_addr     INTEGER,
+    rdma_rkey     INTEGER
+);
+CREATE INDEX map_entries_node ON map_entries(node_id);
+CREATE TABLE meta (
+    key   TEXT PRIMARY KEY NOT NULL,
+    value INTEGER NOT NULL
+);
+INSERT INTO meta (key, value) VALUES ('version', 5);
+-- gpa_start 0x1000, length 0x2000, offset 0 in the order-preserving encoding.
+INSERT INTO nodes (id, tcp_addr, last_seen_unix_ms) VALUES ('a', 'h:1', 10);
+INSERT INTO map_entries (gpa_start, length_bytes, node_id, remote_offset)
+    VALUES (-9223372036854771712, -9223372036854767616, 'a', -9223372036854775807 - 1);
+PRAGMA user_version = 1;
+";
+
+#[test]
+fn a_revision_1_database_is_migrated() {
+    use rdma_transport::coordinator::api::RangeState;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("c.db");
+    {
+        let conn = rusqlite::Connection::open(&path).expect("create v1");
+        conn.execute_batch(V1_SCHEMA).expect("v1 schema");
+    }
+    let mut store = Store::open(&path).expect("opens and migrates");
+    let revision: i64 = store
+        .conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .expect("revision");
+    assert_eq!(revision, 2);
+    assert_eq!(store.version().expect("v"), 5, "version kept");
+    let snapshot = store.snapshot().expect("snapshot");
+    assert_eq!(snapshot.nodes.len(), 1);
+    assert_eq!(snapshot.nodes[0].epoch, 0, "unknown epoch");
+    assert_eq!(snapshot.entries.len(), 1);
+    let entry = &snapshot.entries[0];
+    assert_eq!(
+        (entry.gpa_start, entry.length_bytes, entry.node_id.as_str()),
+        (0x1000, 0x2000, "a")
+    );
+    assert_eq!((entry.valid_epoch, entry.state), (0, RangeState::Live));
+    // The migrated database takes epochs, and opens again unchanged.
+    store
+        .upsert_node("a", &registration_in("h:1", 9), 20)
+        .expect("put");
+    drop(store);
+    let mut store = Store::open(&path).expect("reopens");
+    assert_eq!(store.snapshot().expect("s").nodes[0].epoch, 9);
 }

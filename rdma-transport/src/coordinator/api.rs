@@ -42,6 +42,10 @@ pub struct NodeRegistration {
     /// RDMA endpoint, when the node has a usable device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdma: Option<RdmaEndpoint>,
+    /// The page-server's epoch: random at every start, the one its handshake
+    /// sends. Its memory belongs to this epoch. 0 (older senders): unknown.
+    #[serde(default)]
+    pub epoch: u64,
 }
 
 /// A node as the coordinator reports it.
@@ -58,6 +62,9 @@ pub struct NodeInfo {
     pub alive: bool,
     /// Milliseconds since the last heartbeat or registration.
     pub last_seen_ms_ago: u64,
+    /// The epoch of the node's last registration (0: unknown).
+    #[serde(default)]
+    pub epoch: u64,
 }
 
 /// RDMA access to a mapped range: remote virtual address and rkey of the
@@ -104,6 +111,40 @@ pub struct MapEntry {
     /// see [`RangeRequest::rdma`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdma: Option<RdmaRegion>,
+    /// The owner epoch whose memory holds this range's valid contents: the
+    /// owner's epoch when the range was claimed, or when an operator last
+    /// re-initialised it. A client serves the range only from a connection
+    /// whose handshake epoch equals it. 0 (older coordinators): not checked.
+    #[serde(default)]
+    pub valid_epoch: u64,
+    /// Whether the owner still holds the valid contents (its current epoch
+    /// is `valid_epoch`).
+    #[serde(default)]
+    pub state: RangeState,
+}
+
+/// Whether a range's contents are still where the map says.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RangeState {
+    /// The owner's current epoch is the range's `valid_epoch`.
+    #[default]
+    Live,
+    /// The owner restarted since (its memory is empty): reads and writes
+    /// fail with `DataLost` until an operator re-initialises the range.
+    Lost,
+}
+
+impl RangeState {
+    /// The state of a range valid in `valid_epoch` whose owner is now in
+    /// `owner_epoch`.
+    pub fn of(valid_epoch: u64, owner_epoch: u64) -> Self {
+        if valid_epoch == owner_epoch {
+            Self::Live
+        } else {
+            Self::Lost
+        }
+    }
 }
 
 /// Body of `GET /v1/map`: the whole map, its version, and every node it names.

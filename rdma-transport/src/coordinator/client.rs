@@ -203,6 +203,20 @@ impl CoordinatorClient {
         self.call_no_content(Method::DELETE, &format!("/v1/map/{gpa_start}"))
     }
 
+    /// `POST /v1/map/{gpa_start}/reinitialise` (admin credential only): the
+    /// range's contents become its owner's memory as it is now (zeros after
+    /// a restart), so clients serve it again instead of failing with
+    /// `DataLost`. Returns the entry, now `live`.
+    ///
+    /// # Errors
+    ///
+    /// Not found when no range starts there; forbidden for a node or client
+    /// credential; see [`CoordinatorError`].
+    pub fn reinitialise_range(&self, gpa_start: u64) -> Result<MapEntry, CoordinatorError> {
+        let path = format!("/v1/map/{gpa_start}/reinitialise");
+        self.call(Method::POST, &path, None)
+    }
+
     /// `GET /v1/map`: the whole map, its version and every node.
     ///
     /// # Errors
