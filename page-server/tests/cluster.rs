@@ -108,7 +108,7 @@ fn killed_page_server_gives_typed_error_within_deadline_and_other_node_keeps_ser
 }
 
 #[test]
-fn restarted_page_server_is_reconnected_with_a_new_epoch() {
+fn restarted_page_server_refuses_writes_until_its_range_is_reinitialised() {
     let db = tempfile::tempdir().unwrap();
     let coord = coordinator_on(
         &db.path().join("c.db"),
@@ -124,14 +124,41 @@ fn restarted_page_server_is_reconnected_with_a_new_epoch() {
     b.kill();
     let mut page = [0u8; PAGE_SIZE];
     assert!(mgr.read_page(0, &mut page).is_err());
-    // Same node id and range, new process on a new port: the coordinator
-    // takes the re-registration, and the manager follows the new address.
+    // Same node id and range, new process (new epoch, empty memory) on a
+    // new port: the manager follows the new address, but the range's
+    // contents are gone, so a write (which would mix new pages with lost
+    // ones) is refused, never taken.
     let _b2 = ChildServer::start(&coord.url(), "b", 0);
     assert!(
-        wait_until(Duration::from_secs(10), || mgr
-            .write_page(0, &page_for(0, 6))
-            .is_ok()),
+        wait_until(Duration::from_secs(10), || {
+            match mgr.write_page(0, &page_for(0, 6)) {
+                Ok(()) => panic!("a write to a lost range was taken"),
+                Err(TransportError::DataLost { gpa, node }) => {
+                    assert_eq!((gpa, node.as_str()), (0, "b"));
+                    true
+                }
+                Err(_) => false,
+            }
+        }),
         "manager never reached the restarted node"
+    );
+    // Once the operator re-initialises the range, it is served again.
+    let admin = rdma_transport::coordinator::CoordinatorClient::new(
+        &coord.url(),
+        None,
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    admin.reinitialise_range(0).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            match mgr.write_page(0, &page_for(0, 6)) {
+                Ok(()) => true,
+                Err(TransportError::DataLost { .. }) => false,
+                Err(other) => panic!("unexpected error: {other}"),
+            }
+        }),
+        "writes still refused after the range was re-initialised"
     );
     mgr.read_page(0, &mut page).unwrap();
     assert!(
@@ -214,11 +241,32 @@ fn keyed_cluster_uses_derived_coordinator_credentials() {
     let hijack = NodeRegistration {
         tcp_addr: "127.0.0.1:1".into(),
         rdma: None,
+        epoch: 0,
     };
     assert!(b
         .register_node(&"a".to_owned(), &hijack)
         .unwrap_err()
         .is_forbidden());
+    // Re-initialising a range (accepting the loss of its contents) is the
+    // admin's alone: not even its owner node may do it.
+    assert!(b
+        .reinitialise_range(NODE_BYTES as u64)
+        .unwrap_err()
+        .is_forbidden());
+    let as_client = Credential::Client { key: key.clone() };
+    let reader =
+        CoordinatorClient::with_credential(&coord.url(), &as_client, Duration::from_secs(5))
+            .unwrap();
+    assert!(reader.reinitialise_range(0).unwrap_err().is_forbidden());
+    let as_admin = Credential::Admin { key: key.clone() };
+    let admin = CoordinatorClient::with_credential(&coord.url(), &as_admin, Duration::from_secs(5))
+        .unwrap();
+    let entry = admin.reinitialise_range(NODE_BYTES as u64).unwrap();
+    assert_eq!(entry.node_id, "b");
+    assert!(admin
+        .reinitialise_range(12345 * 4096)
+        .unwrap_err()
+        .is_not_found());
 
     let mgr = TransportManager::connect(ManagerConfig {
         coordinator_url: coord.url(),

@@ -290,22 +290,55 @@ fn rdma_page_server_restart_is_served_from_a_new_qp() {
     assert!(mgr.read_page(g0, &mut page).is_err());
     assert!(started.elapsed() < Duration::from_millis(REQUEST_TIMEOUT_MS + 500));
 
-    // Same node id and range, a new process-equivalent on a new port.
+    // Same node id and range, a new process-equivalent on a new port (new
+    // epoch, empty memory): once the manager reaches it, the range's pages
+    // are DataLost over the new QP, never served as zeros, and writes are
+    // refused.
     let _a2 = server(&coord.url(), "a", 0, true);
+    let lost = |result: Result<(), TransportError>| match result {
+        Ok(()) => panic!("a page of the restarted node's lost range was served"),
+        Err(TransportError::DataLost { node, .. }) => {
+            assert_eq!(node, "a");
+            true
+        }
+        Err(_) => false,
+    };
     assert!(
-        wait_until(Duration::from_secs(20), || mgr
-            .write_page(g0, &page_for(g0, 6))
-            .is_ok()),
+        wait_until(Duration::from_secs(20), || lost(
+            mgr.read_page(g1, &mut page)
+        )),
         "manager never reached the restarted node"
     );
+    assert!(lost(mgr.read_page(g0, &mut page)));
+    assert!(lost(mgr.write_page(g0, &page_for(g0, 6))));
+    // The operator re-initialises the range: zeros are its contents now.
+    let admin = rdma_transport::coordinator::CoordinatorClient::new(
+        &coord.url(),
+        None,
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    admin.reinitialise_range(0).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            match mgr.read_page(g1, &mut page) {
+                Ok(()) => true,
+                Err(TransportError::DataLost { .. }) => false,
+                Err(other) => panic!("unexpected error after re-initialise: {other}"),
+            }
+        }),
+        "reads still refused after the range was re-initialised"
+    );
+    assert!(
+        page == [0u8; PAGE_SIZE],
+        "a re-initialised page reads as zeros"
+    );
+    mgr.write_page(g0, &page_for(g0, 6)).unwrap();
     mgr.read_page(g0, &mut page).unwrap();
     assert!(
         page == page_for(g0, 6),
         "the new server serves the new page"
     );
-    // Fresh memory: what the old server held is gone, not served stale.
-    mgr.read_page(g1, &mut page).unwrap();
-    assert!(page == [0u8; PAGE_SIZE], "stale page served after restart");
     let new_qpn = mgr.rdma_qpn_for_test("a").expect("RDMA connection");
     assert_ne!(new_qpn, qpn);
     assert_all_rdma(&mgr);

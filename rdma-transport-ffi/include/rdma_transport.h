@@ -52,6 +52,10 @@ typedef enum RtStatus {
   // A page-server could not prove the cluster key (a squatter, another
   // cluster, a server without a key) or refused this client's proof.
   RT_STATUS_AUTH_FAILED = 17,
+  // The range's contents were lost: its page-server restarted (empty
+  // memory) since they were written. No page was read or written; an
+  // operator must re-initialise the range before it is served again.
+  RT_STATUS_DATA_LOST = 18,
 } RtStatus;
 
 // What to do with a fault that cannot be served (callback return value).

@@ -53,10 +53,14 @@ pub enum RtStatus {
     /// A page-server could not prove the cluster key (a squatter, another
     /// cluster, a server without a key) or refused this client's proof.
     AuthFailed = 17,
+    /// The range's contents were lost: its page-server restarted (empty
+    /// memory) since they were written. No page was read or written; an
+    /// operator must re-initialise the range before it is served again.
+    DataLost = 18,
 }
 
 impl RtStatus {
-    const ALL: [Self; 18] = [
+    const ALL: [Self; 19] = [
         Self::Ok,
         Self::InvalidArgument,
         Self::UnknownGpa,
@@ -75,6 +79,7 @@ impl RtStatus {
         Self::Permission,
         Self::StructSize,
         Self::AuthFailed,
+        Self::DataLost,
     ];
 
     fn from_i32(value: i32) -> Option<Self> {
@@ -113,6 +118,7 @@ pub(crate) fn transport_status(err: &TransportError) -> RtStatus {
         TransportError::Config(_) => RtStatus::InvalidArgument,
         TransportError::RdmaUnavailable(_) => RtStatus::Unsupported,
         TransportError::AuthFailed { .. } => RtStatus::AuthFailed,
+        TransportError::DataLost { .. } => RtStatus::DataLost,
         _ => RtStatus::System,
     }
 }
@@ -163,6 +169,9 @@ pub extern "C" fn rt_status_str(status: i32) -> *const c_char {
         Some(RtStatus::Permission) => b"not permitted\0",
         Some(RtStatus::StructSize) => b"config struct_size not known to this library\0",
         Some(RtStatus::AuthFailed) => b"peer failed cluster-key authentication\0",
+        Some(RtStatus::DataLost) => {
+            b"range contents lost: its page-server restarted; re-initialise it\0"
+        }
     };
     s.as_ptr().cast()
 }
@@ -191,5 +200,16 @@ mod tests {
         let name = unsafe { CStr::from_ptr(rt_status_str(RtStatus::Permission as i32)) };
         assert_eq!(name.to_str().unwrap(), "not permitted");
         assert!(chain(&err).contains("/dev/userfaultfd"));
+    }
+
+    #[test]
+    fn lost_data_has_its_own_status() {
+        let err = TransportError::DataLost {
+            gpa: 0x1000,
+            node: "b".into(),
+        };
+        assert_eq!(transport_status(&err), RtStatus::DataLost);
+        assert_eq!(RtStatus::DataLost as i32, 18);
+        assert_eq!(RtStatus::from_i32(18), Some(RtStatus::DataLost));
     }
 }

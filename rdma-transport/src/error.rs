@@ -47,6 +47,19 @@ pub enum TransportError {
         /// What failed.
         detail: String,
     },
+    /// The owner of `gpa` no longer holds the range's contents: it restarted
+    /// (new epoch, empty memory) since the range was last valid. No page is
+    /// read or written; an operator must re-initialise the range (which
+    /// makes zeros its valid contents) before it is served again.
+    #[error(
+        "the contents of GPA {gpa:#x} were lost: node {node} restarted since they were written"
+    )]
+    DataLost {
+        /// The address asked for.
+        gpa: u64,
+        /// Owner node id.
+        node: String,
+    },
     /// The node answered something that breaks the wire protocol.
     #[error("protocol error with node {node}: {detail}")]
     Protocol {

@@ -15,6 +15,9 @@ pub struct Location {
     pub remote_offset: u64,
     /// RDMA access to the owner's region, when published.
     pub rdma: Option<RdmaRegion>,
+    /// The owner epoch that holds the range's valid contents (0: not
+    /// checked); see [`MapEntry::valid_epoch`].
+    pub valid_epoch: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -24,6 +27,7 @@ struct Range {
     node_index: usize,
     remote_offset: u64,
     rdma: Option<RdmaRegion>,
+    valid_epoch: u64,
 }
 
 /// An immutable snapshot of the map at one version.
@@ -52,6 +56,8 @@ impl GpaMap {
             node_id,
             remote_offset,
             rdma,
+            valid_epoch,
+            state: _,
         } in entries
         {
             let Some(node_index) = nodes.iter().position(|n| n.id == node_id) else {
@@ -102,6 +108,7 @@ impl GpaMap {
                 node_index,
                 remote_offset,
                 rdma,
+                valid_epoch,
             });
         }
         Self {
@@ -158,6 +165,7 @@ impl GpaMap {
             node_index: r.node_index,
             remote_offset,
             rdma: r.rdma,
+            valid_epoch: r.valid_epoch,
         })
     }
 }
@@ -173,6 +181,7 @@ mod tests {
             rdma: None,
             alive: true,
             last_seen_ms_ago: 0,
+            epoch: 0,
         }
     }
 
@@ -183,6 +192,8 @@ mod tests {
             node_id: node.into(),
             remote_offset: off,
             rdma: None,
+            valid_epoch: 0,
+            state: crate::coordinator::api::RangeState::Live,
         }
     }
 
@@ -218,6 +229,18 @@ mod tests {
             Some((1, 0xbfff))
         );
         assert_eq!(m.mapped_bytes(), 20 * 0x1000);
+    }
+
+    #[test]
+    fn lookup_carries_the_valid_epoch() {
+        let mut entry = entry(0, 0x2000, "a", 0);
+        entry.valid_epoch = 0x77;
+        let m = GpaMap::from_response(MapResponse {
+            version: 1,
+            entries: vec![entry],
+            nodes: vec![node("a")],
+        });
+        assert_eq!(m.lookup(0x1000).map(|l| l.valid_epoch), Some(0x77));
     }
 
     #[test]

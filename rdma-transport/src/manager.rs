@@ -23,6 +23,7 @@ use crate::pool::{PageFrame, PagePool};
 use crate::tcp::{Pollers, Request, Waiter, MAX_CHUNK};
 use crate::wire::Opcode;
 
+mod epoch;
 mod link;
 mod map_state;
 mod rdma_batch;
@@ -33,6 +34,7 @@ mod tests;
 #[cfg(any(test, feature = "test-hooks"))]
 mod unwind_hook;
 
+use epoch::Fenced;
 use link::{Link, RdmaSide};
 use map_state::{Install, MapState, Node};
 use rdma_batch::{Pages, RdmaChunk};
@@ -483,6 +485,7 @@ impl Inner {
         let mut state = self.state.load();
         // Resolve every address first; refresh the map once on a miss.
         let mut loc = [(0usize, 0u64); MAX_CHUNK];
+        let mut valid_epochs = [0u64; MAX_CHUNK];
         for (i, &gpa) in gpas.iter().enumerate() {
             if !is_page_aligned(gpa) {
                 return Err(TransportError::Unaligned { gpa });
@@ -499,6 +502,7 @@ impl Inner {
                 }
             };
             loc[i] = (found.node_index, found.remote_offset);
+            valid_epochs[i] = found.valid_epoch;
         }
         // Group by node, submit each group with one writev, wait for all.
         let rdma_deadline = crate::rdma::Deadline::at(deadline);
@@ -536,7 +540,25 @@ impl Inner {
                     m += 1;
                 }
             }
-            let conn = match self.connection(node, deadline) {
+            let mut fenced = [Fenced {
+                gpa: 0,
+                remote_offset: 0,
+                valid_epoch: 0,
+            }; MAX_CHUNK];
+            for (f, &j) in fenced.iter_mut().zip(&members[..m]) {
+                *f = Fenced {
+                    gpa: gpas[j],
+                    remote_offset: loc[j].1,
+                    valid_epoch: valid_epochs[j],
+                };
+            }
+            // Nothing goes to a server that is not in the epoch the
+            // group's ranges are valid in (see `epoch.rs`).
+            let link = self.connection(node, deadline).and_then(|link| {
+                self.check_epochs(node, link.epoch(), &fenced[..m], deadline)
+                    .map(|()| link)
+            });
+            let conn = match link {
                 Ok(Link::Tcp(c)) => c,
                 Ok(Link::Rdma(c)) => {
                     let group = group_count;

@@ -100,5 +100,8 @@ pub(crate) fn is_transient(err: &TransportError) -> bool {
             | TransportError::PoolExhausted { .. }
             | TransportError::Protocol { .. }
             | TransportError::Coordinator(_)
+            // An operator may re-initialise the range meanwhile; each retry
+            // refreshes the map before it fails again.
+            | TransportError::DataLost { .. }
     )
 }

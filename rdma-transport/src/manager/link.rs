@@ -43,7 +43,8 @@ impl Link {
         }
     }
 
-    fn epoch(&self) -> u64 {
+    /// The server's epoch (its HELLO_ACK's).
+    pub(super) fn epoch(&self) -> u64 {
         match self {
             Self::Tcp(c) => c.ack.epoch,
             Self::Rdma(c) => c.ack.epoch,

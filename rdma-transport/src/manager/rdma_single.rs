@@ -21,7 +21,8 @@ use crate::wire::{Opcode, Status};
 impl Inner {
     /// Runs one page over the node's live RDMA connection. `None` (and
     /// `frame` untouched) when the general path must do it: no RDMA
-    /// connection yet, a map miss, a bad address.
+    /// connection yet, a map miss, a bad address, a server in another epoch
+    /// than the range's.
     pub(super) fn run_single_rdma(
         &self,
         opcode: Opcode,
@@ -40,7 +41,9 @@ impl Inner {
         let Link::Rdma(conn) = &*link else {
             return None;
         };
-        if conn.is_broken() {
+        // A server in another epoch than the range's: the general path
+        // refreshes the map and fails with `DataLost` if it still is.
+        if conn.is_broken() || !super::epoch::serves(loc.valid_epoch, conn.ack.epoch) {
             return None;
         }
         let in_range = loc
