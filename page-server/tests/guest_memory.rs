@@ -435,11 +435,12 @@ fn dead_node_faults_raise_sigbus_within_deadline() {
 fn retried_fault_completes_when_the_node_returns() {
     let (_db, coord) = cluster_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
-    let b = ChildServer::start(&coord.url(), "b", NODE);
+    let mut b = ChildServer::start(&coord.url(), "b", NODE);
     let mgr = Arc::new(manager(&coord.url()));
-    wait_until(Duration::from_secs(10), || {
+    assert!(wait_until(Duration::from_secs(10), || {
         mgr.refresh_map().is_ok() && mgr.map().lookup(NODE).is_some()
-    });
+    }));
+    let epoch = node_epoch(&coord.url(), "b");
     let reports = Arc::new(AtomicU64::new(0));
     let counted = Arc::clone(&reports);
     let ram = Arc::new(
@@ -458,10 +459,7 @@ fn retried_fault_completes_when_the_node_returns() {
         )
         .unwrap(),
     );
-    // Stopped, not killed: a restarted page-server has lost the range's
-    // contents (its faults fail with DataLost until an operator
-    // re-initialises the range); a stopped one still holds them.
-    b.pause();
+    b.kill();
 
     // The embedder asks to retry: the thread waits while the node is down...
     let toucher = {
@@ -476,8 +474,10 @@ fn retried_fault_completes_when_the_node_returns() {
         .load(Ordering::SeqCst)
         >= 2));
     assert!(!toucher.is_finished(), "the fault must wait, not fail");
-    // ...and completes once it is back (the page was never written).
-    b.resume();
+    // ...and completes once it is back: a restarted page-server has lost
+    // the range (its faults fail with DataLost, retried) until the operator
+    // re-initialises it; then the page is served as zeros.
+    let _b = restart_and_reinitialise(&coord.url(), "b", NODE, epoch);
     assert!(
         wait_until(Duration::from_secs(20), || toucher.is_finished()),
         "fault not served after the node came back"
@@ -489,11 +489,12 @@ fn retried_fault_completes_when_the_node_returns() {
 #[test]
 fn poisoned_page_is_fetched_again_after_evict() {
     let (_db, coord) = cluster_coordinator();
-    let b = ChildServer::start(&coord.url(), "b", NODE);
+    let mut b = ChildServer::start(&coord.url(), "b", NODE);
     let mgr = Arc::new(manager(&coord.url()));
-    wait_until(Duration::from_secs(10), || {
+    assert!(wait_until(Duration::from_secs(10), || {
         mgr.refresh_map().is_ok() && mgr.map().lookup(NODE).is_some()
-    });
+    }));
+    let epoch = node_epoch(&coord.url(), "b");
     let ram = GuestMemory::new(
         Arc::clone(&mgr),
         GuestMemoryConfig {
@@ -504,9 +505,7 @@ fn poisoned_page_is_fetched_again_after_evict() {
     )
     .unwrap();
     assert!(ram.handles_kernel_faults(), "tests run as root");
-    // Stopped, not killed: it comes back with its memory (a restart would
-    // lose the range's contents: see tests/epoch.rs).
-    b.pause();
+    b.kill();
 
     // A kernel-mode access (write(2) from guest memory into a pipe) to a
     // page of the dead node: the page is poisoned, and the kernel's access
@@ -523,9 +522,9 @@ fn poisoned_page_is_fetched_again_after_evict() {
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
     assert_eq!(ram.stats().sigbus_raised, 1);
 
-    // The node comes back; evict drops the poisoned page and the next
-    // touch fetches it.
-    b.resume();
+    // The node comes back (restarted, its range re-initialised by the
+    // operator); evict drops the poisoned page and the next touch fetches it.
+    let _b = restart_and_reinitialise(&coord.url(), "b", NODE, epoch);
     let mut probe = [0u8; PAGE_SIZE];
     assert!(wait_until(Duration::from_secs(20), || mgr
         .read_page(NODE, &mut probe)

@@ -121,6 +121,43 @@ impl ChildServer {
     }
 }
 
+/// The operator's steps after page-server `node`, owner of the range at
+/// `gpa_start`, was killed: start it again, wait until the coordinator
+/// knows its new epoch (the range is then `lost`), and re-initialise the
+/// range (zeros are valid again). Needs an insecure coordinator (no
+/// credential). Returns the new process.
+pub fn restart_and_reinitialise(
+    url: &str,
+    node: &str,
+    gpa_start: u64,
+    old_epoch: u64,
+) -> ChildServer {
+    let server = ChildServer::start(url, node, gpa_start);
+    let client =
+        rdma_transport::coordinator::CoordinatorClient::new(url, None, Duration::from_secs(5))
+            .expect("coordinator client");
+    let id = node.to_owned();
+    assert!(
+        wait_until(Duration::from_secs(20), || client
+            .node(&id)
+            .is_ok_and(|n| n.epoch != old_epoch && n.epoch != 0)),
+        "the restarted page-server never registered its new epoch"
+    );
+    client
+        .reinitialise_range(gpa_start)
+        .expect("re-initialise the range");
+    server
+}
+
+/// The epoch the coordinator has for `node` now.
+pub fn node_epoch(url: &str, node: &str) -> u64 {
+    rdma_transport::coordinator::CoordinatorClient::new(url, None, Duration::from_secs(5))
+        .expect("coordinator client")
+        .node(&node.to_owned())
+        .expect("node registered")
+        .epoch
+}
+
 impl Drop for ChildServer {
     fn drop(&mut self) {
         self.kill();
