@@ -62,6 +62,10 @@ pub struct ServerConfig {
     /// Back the exported memory with 2 MiB huge pages when the host has
     /// them reserved (registering it for RDMA is then much faster).
     pub huge_pages: bool,
+    /// Agree to page checksums when a client asks for them (default on:
+    /// CRC-32C of a page costs well under a microsecond; see
+    /// docs/wire-protocol.md). Off: clients that ask get pages without.
+    pub page_checksums: bool,
 }
 
 impl ServerConfig {
@@ -91,6 +95,7 @@ impl ServerConfig {
                 client_keys: ClientKeys::Auto,
             },
             huge_pages: false,
+            page_checksums: true,
         }
     }
 }

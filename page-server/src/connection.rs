@@ -8,7 +8,7 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use rdma_transport::region::MappedRegion;
-use rdma_transport::wire::{DecodeError, Header, Opcode, Status, HEADER_LEN};
+use rdma_transport::wire::{page_checksum, DecodeError, Header, Opcode, Status, HEADER_LEN};
 use rdma_transport::PAGE_SIZE;
 
 use crate::handshake::{self, Refusal, ServerAuth, Session};
@@ -29,6 +29,8 @@ pub(crate) struct Exported {
     pub(crate) region: MappedRegion,
     pub(crate) epoch: u64,
     pub(crate) auth: ServerAuth,
+    /// Agree to page checksums when a client asks.
+    pub(crate) page_checksums: bool,
 }
 
 impl Exported {
@@ -60,6 +62,8 @@ enum Payload {
     Region(*mut u8),
     /// An encoded handshake message (CHALLENGE, HELLO_ACK).
     Hello(Vec<u8>),
+    /// A copy of a page (`Outbox::copies[i]`): the bytes its checksum covers.
+    Copy(usize),
 }
 
 /// Answers gathered from one read, sent with `writev`.
@@ -67,6 +71,10 @@ struct Outbox {
     headers: Vec<[u8; HEADER_LEN]>,
     payloads: Vec<Payload>,
     iovecs: Vec<libc::iovec>,
+    /// Page copies for checksummed READ answers, reused; the first
+    /// `copies_used` belong to answers not yet sent.
+    copies: Vec<Box<[u8]>>,
+    copies_used: usize,
 }
 
 impl Outbox {
@@ -75,7 +83,25 @@ impl Outbox {
             headers: Vec::with_capacity(MAX_PENDING_ANSWERS),
             payloads: Vec::with_capacity(MAX_PENDING_ANSWERS),
             iovecs: Vec::with_capacity(2 * MAX_PENDING_ANSWERS),
+            copies: Vec::new(),
+            copies_used: 0,
         }
+    }
+
+    /// Copies the region's page at `off` (bounds already checked) and
+    /// returns the copy with its checksum. A checksummed answer is sent from
+    /// a copy, not the region: a WRITE on another connection between now
+    /// and the `writev` would otherwise send bytes the checksum does not
+    /// cover.
+    fn copy_page(&mut self, region: &MappedRegion, off: usize) -> Option<(Payload, u32)> {
+        if self.copies_used == self.copies.len() {
+            self.copies.push(vec![0u8; PAGE_SIZE].into_boxed_slice());
+        }
+        let index = self.copies_used;
+        let copy = &mut self.copies[index];
+        region.read_at(off, copy).ok()?;
+        self.copies_used += 1;
+        Some((Payload::Copy(index), page_checksum(copy)))
     }
 
     fn push(&mut self, header: Header, payload: Payload) {
@@ -115,11 +141,18 @@ impl Outbox {
                         iov_len: bytes.len(),
                     });
                 }
+                Payload::Copy(index) => {
+                    self.iovecs.push(libc::iovec {
+                        iov_base: self.copies[*index].as_ptr().cast_mut().cast(),
+                        iov_len: PAGE_SIZE,
+                    });
+                }
             }
         }
         let result = writev_all(stream, &mut self.iovecs);
         self.headers.clear();
         self.payloads.clear();
+        self.copies_used = 0;
         result
     }
 }
@@ -205,12 +238,10 @@ pub(crate) fn serve(
                     let request_id = u64::from_le_bytes(
                         buf[start + 8..start + 16].try_into().unwrap_or_default(),
                     );
+                    let answer = Header::request(Opcode::Error, request_id, 0, 0);
                     let answer = Header {
-                        opcode: Opcode::Error,
                         status: err.status(),
-                        request_id,
-                        offset: 0,
-                        length: 0,
+                        ..answer
                     };
                     outbox.push(answer, Payload::None);
                     close = Some(err);
@@ -397,6 +428,7 @@ fn handle(
         request_id: header.request_id,
         offset: header.offset,
         length: header.length,
+        checksum: 0,
     };
     let handshake_answer = |bytes: Vec<u8>, outbox: &mut Outbox| {
         let mut h = answer(Status::Ok);
@@ -423,6 +455,7 @@ fn handle(
                 exported.epoch,
                 exported.region.len_bytes() as u64,
                 exported.rdma.as_ref(),
+                exported.page_checksums,
                 session,
             )?;
             handshake_answer(ack, outbox);
@@ -430,6 +463,13 @@ fn handle(
         Opcode::Read | Opcode::Write if !session.is_ready() => {
             return Err(Refusal::BeforeHandshake)
         }
+        Opcode::Read if session.checksums => match exported.check(header) {
+            Ok(off) => match outbox.copy_page(&exported.region, off) {
+                Some((copy, sum)) => outbox.push(answer(Status::Ok).with_checksum(sum), copy),
+                None => outbox.push(answer(Status::OutOfRange), Payload::None),
+            },
+            Err(status) => outbox.push(answer(status), Payload::None),
+        },
         Opcode::Read => match exported.check(header) {
             Ok(off) => match exported.region.ptr_at(off, PAGE_SIZE) {
                 Some(page) => outbox.push(answer(Status::Ok), Payload::Region(page)),
@@ -438,6 +478,12 @@ fn handle(
             Err(status) => outbox.push(answer(status), Payload::None),
         },
         Opcode::Write => match exported.check(header) {
+            // A page that does not match its checksum is refused, not
+            // applied; the framing held, so the connection stays.
+            Ok(_) if session.checksums && page_checksum(payload) != header.checksum => {
+                tracing::debug!(offset = header.offset, "WRITE fails its page checksum");
+                outbox.push(answer(Status::BadChecksum), Payload::None);
+            }
             Ok(off) => {
                 let status = match exported.region.write_at(off, payload) {
                     Ok(()) => Status::Ok,

@@ -95,6 +95,9 @@ pub(crate) struct Session {
     pub(crate) stage: Stage,
     pub(crate) qp: Option<Arc<ServerQp>>,
     pub(crate) peer: Option<IpAddr>,
+    /// Page checksums agreed in the HELLO_ACK: WRITEs are checked, READ
+    /// answers carry one.
+    pub(crate) checksums: bool,
 }
 
 impl Session {
@@ -160,13 +163,15 @@ pub(crate) fn on_hello(
 }
 
 /// AUTH: checks the client's proof, sets up the client's QP if it asked
-/// for RDMA, and answers with a HELLO_ACK payload.
+/// for RDMA, agrees to page checksums if it asked and `offer_checksums`,
+/// and answers with a HELLO_ACK payload.
 pub(crate) fn on_auth(
     payload: &[u8],
     auth: &ServerAuth,
     epoch: u64,
     region_size_bytes: u64,
     rdma: Option<&RdmaExport>,
+    offer_checksums: bool,
     session: &mut Session,
 ) -> Result<Vec<u8>, Refusal> {
     let Stage::Challenged {
@@ -203,6 +208,7 @@ pub(crate) fn on_auth(
         }
     }
     session.stage = Stage::Ready;
+    session.checksums = request.checksums && offer_checksums;
     let rdma = match (&request.rdma, rdma) {
         (Some(client), Some(export)) => match export.accept(client) {
             Ok((qp, answer)) => {
@@ -227,6 +233,7 @@ pub(crate) fn on_auth(
         epoch,
         page_size: PAGE_SIZE as u32,
         rdma,
+        checksums: session.checksums,
     }
     .encode())
 }

@@ -137,6 +137,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             // Odd, so never 0 (0 means "no epoch seen yet" to clients).
             epoch: rdma_transport::ids::random_u64() | 1,
             auth: ServerAuth::new(config.node_id.clone(), config.cluster_key.clone()),
+            page_checksums: config.page_checksums,
         },
         stop: AtomicBool::new(false),
         admission: Arc::new(Admission::new(

@@ -197,6 +197,7 @@ fn a_refused_hello_keeps_the_framing() {
             &rdma_transport::wire::AuthRequest {
                 proof: None,
                 rdma: None,
+                checksums: false,
             }
             .encode(),
         );

@@ -112,7 +112,9 @@ pub(crate) fn transport_status(err: &TransportError) -> RtStatus {
         TransportError::NodeDown { .. } => RtStatus::NodeDown,
         TransportError::Timeout { .. } => RtStatus::Timeout,
         TransportError::Refused { .. } => RtStatus::Refused,
-        TransportError::Protocol { .. } => RtStatus::Protocol,
+        // A page that failed its checksum: a corrupted answer, reported as
+        // a protocol error until the C API has a status of its own for it.
+        TransportError::Protocol { .. } | TransportError::Checksum { .. } => RtStatus::Protocol,
         TransportError::Coordinator(_) => RtStatus::Coordinator,
         TransportError::Pool(_) | TransportError::PoolExhausted { .. } => RtStatus::Pool,
         TransportError::Config(_) => RtStatus::InvalidArgument,

@@ -122,6 +122,13 @@ pub struct ManagerConfig {
     pub rdma_ack_timeout: u8,
     /// Transport retries before an RDMA request fails (0..=7). Default 3.
     pub rdma_retry_count: u8,
+    /// Ask every page-server for end-to-end page checksums (CRC-32C in the
+    /// header of each page payload, checked before the page is used; see
+    /// docs/wire-protocol.md). TCP data path only: pages moved by RDMA are
+    /// not checksummed. A corrupted page is [`crate::TransportError::Checksum`],
+    /// never data. Default on: its cost is within the noise of the
+    /// benchmark (docs/benchmarking.md).
+    pub page_checksums: bool,
 }
 
 impl Default for ManagerConfig {
@@ -145,6 +152,7 @@ impl Default for ManagerConfig {
             rdma_gid_index: None,
             rdma_ack_timeout: crate::rdma::QP_TIMEOUT,
             rdma_retry_count: crate::rdma::QP_RETRY_CNT,
+            page_checksums: true,
         }
     }
 }

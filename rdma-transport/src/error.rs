@@ -68,6 +68,20 @@ pub enum TransportError {
         /// What was wrong.
         detail: String,
     },
+    /// A page failed its end-to-end checksum (on a TCP connection that
+    /// negotiated checksums, see [`crate::ManagerConfig::page_checksums`]):
+    /// a READ's page arrived corrupted and was not copied into the caller's
+    /// buffer, or the node found a WRITE's page corrupted and did not apply
+    /// it. Asking again may succeed.
+    #[error("page at GPA {gpa:#x} failed its checksum on the way {direction} node {node}")]
+    Checksum {
+        /// Owner node id.
+        node: String,
+        /// The address of the page.
+        gpa: u64,
+        /// `"from"` (a READ) or `"to"` (a WRITE).
+        direction: &'static str,
+    },
     /// The node refused the request (e.g. offset out of its exported range).
     #[error("node {node} refused the request: {status}")]
     Refused {

@@ -23,6 +23,8 @@ use crate::pool::{PageFrame, PagePool};
 use crate::tcp::{Pollers, Request, Waiter, MAX_CHUNK};
 use crate::wire::Opcode;
 
+#[cfg(test)]
+mod checksum_tests;
 mod epoch;
 mod link;
 mod map_state;
@@ -595,8 +597,12 @@ impl Inner {
                 Ok(()) => m,
                 Err((armed, _)) => *armed,
             };
-            for &id in &ids[..armed] {
-                tcp.sent[tcp.sent_count] = Sent { group, id };
+            for (&id, &j) in ids[..armed].iter().zip(&members[..m]) {
+                tcp.sent[tcp.sent_count] = Sent {
+                    group,
+                    id,
+                    gpa: gpas[j],
+                };
                 tcp.sent_count += 1;
             }
             if let Err((_, err)) = result {
@@ -637,7 +643,9 @@ impl Inner {
             } else {
                 conn.inflight.cancel(s.id)
             };
-            if let Some(e) = self.code_to_error(code, conn, &state.nodes[group_nodes[s.group]]) {
+            let node = &state.nodes[group_nodes[s.group]];
+            let write = opcode == Opcode::Write;
+            if let Some(e) = self.code_to_error(code, conn, node, *s, write) {
                 first_error.get_or_insert(e);
             }
         }

@@ -109,6 +109,22 @@ impl MappedRegion {
         (end <= self.len_bytes).then(|| unsafe { self.base.as_ptr().add(offset) })
     }
 
+    /// Copies `dst.len()` bytes of the region at `offset` into `dst`, raw
+    /// (never through a Rust reference), like [`Self::write_at`]: a page
+    /// being written meanwhile may be copied torn.
+    ///
+    /// # Errors
+    /// `InvalidInput` when the bytes are not all inside the region.
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> io::Result<()> {
+        let src = self.ptr_at(offset, dst.len()).ok_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidInput, "read outside the region")
+        })?;
+        // SAFETY: `src..src+len` is inside the live mapping (checked above),
+        // and `dst` is a Rust slice, which cannot alias this raw mapping.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
     /// Copies `src` into the region at `offset`. Other threads (or a NIC) may
     /// access the same bytes concurrently: the copy is raw, never through a
     /// Rust reference, and a page read while it is being written may be torn,

@@ -11,7 +11,8 @@ use std::time::Duration;
 use crate::coordinator::api::{MapEntry, MapResponse, NodeInfo, RangeState};
 use crate::page::PAGE_SIZE;
 use crate::wire::{
-    AuthRequest, Challenge, Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN,
+    page_checksum, AuthRequest, Challenge, Header, HelloAck, HelloRequest, Opcode, Status,
+    HEADER_LEN,
 };
 
 /// Bytes each fake node exports, and the GPA stride between nodes.
@@ -49,9 +50,25 @@ pub(crate) fn map_of(version: u64, nodes: &[(&str, SocketAddr)]) -> MapResponse 
     }
 }
 
-/// A page-server that accepts one connection, answers its HELLO, and hands
-/// the stream to `script`.
+/// A page-server that accepts one connection, answers its HELLO (declining
+/// page checksums, as a server that does not offer them), and hands the
+/// stream to `script`.
 pub(crate) fn fake_node<T: Send + 'static>(
+    script: impl FnOnce(TcpStream) -> T + Send + 'static,
+) -> (SocketAddr, JoinHandle<T>) {
+    fake_node_with(false, script)
+}
+
+/// As [`fake_node`], but the handshake agrees to page checksums, and fails
+/// (the node thread panics) if the client does not ask for them.
+pub(crate) fn fake_checksum_node<T: Send + 'static>(
+    script: impl FnOnce(TcpStream) -> T + Send + 'static,
+) -> (SocketAddr, JoinHandle<T>) {
+    fake_node_with(true, script)
+}
+
+fn fake_node_with<T: Send + 'static>(
+    checksums: bool,
     script: impl FnOnce(TcpStream) -> T + Send + 'static,
 ) -> (SocketAddr, JoinHandle<T>) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -61,14 +78,15 @@ pub(crate) fn fake_node<T: Send + 'static>(
         stream
             .set_read_timeout(Some(Duration::from_secs(20)))
             .expect("timeout");
-        serve_hello(&mut stream);
+        serve_hello(&mut stream, checksums);
         script(stream)
     });
     (addr, handle)
 }
 
-/// The server side of the handshake, without a cluster key (insecure).
-fn serve_hello(stream: &mut TcpStream) {
+/// The server side of the handshake, without a cluster key (insecure);
+/// `checksums`: agree to page checksums (the client must have asked).
+fn serve_hello(stream: &mut TcpStream, checksums: bool) {
     let header = read_header(stream);
     assert_eq!(header.opcode, Opcode::Hello);
     let mut payload = vec![0u8; header.payload_len()];
@@ -85,25 +103,24 @@ fn serve_hello(stream: &mut TcpStream) {
     assert_eq!(header.opcode, Opcode::Auth);
     let mut payload = vec![0u8; header.payload_len()];
     stream.read_exact(&mut payload).expect("auth payload");
-    AuthRequest::decode(&payload).expect("a valid AUTH");
+    let auth = AuthRequest::decode(&payload).expect("a valid AUTH");
+    assert!(
+        auth.checksums || !checksums,
+        "the client did not ask for checksums"
+    );
     let ack = HelloAck {
         region_size_bytes: NODE_BYTES,
         epoch: 7,
         page_size: PAGE_SIZE as u32,
         rdma: None,
+        checksums,
     }
     .encode();
     send(stream, Opcode::HelloAck, &ack);
 }
 
 fn send(stream: &mut TcpStream, opcode: Opcode, payload: &[u8]) {
-    let head = Header {
-        opcode,
-        status: Status::Ok,
-        request_id: 0,
-        offset: 0,
-        length: payload.len() as u32,
-    };
+    let head = Header::request(opcode, 0, 0, payload.len() as u32);
     stream.write_all(&head.encode()).expect("header");
     stream.write_all(payload).expect("payload");
 }
@@ -121,17 +138,40 @@ pub(crate) fn answer_read(stream: &mut TcpStream, request: &Header, byte: u8) {
 }
 
 /// Answers READ `request` with a page of `byte`, claiming it is the page at
-/// `offset` (a broken or lying server when that is not the request's).
+/// `offset` (a broken or lying server when that is not the request's). The
+/// header carries the page's checksum (ignored unless negotiated).
 pub(crate) fn answer_read_at(stream: &mut TcpStream, request: &Header, offset: u64, byte: u8) {
+    let page = [byte; PAGE_SIZE];
+    send_read_answer(stream, request, offset, page_checksum(&page), &page);
+}
+
+/// Answers READ `request` with a valid-looking header whose checksum is
+/// that of a page of `byte`, followed by that page with one bit flipped (a
+/// page corrupted on the way).
+pub(crate) fn answer_read_corrupted(stream: &mut TcpStream, request: &Header, byte: u8) {
+    let mut page = [byte; PAGE_SIZE];
+    let checksum = page_checksum(&page);
+    page[PAGE_SIZE / 2] ^= 0x10;
+    send_read_answer(stream, request, request.offset, checksum, &page);
+}
+
+fn send_read_answer(
+    stream: &mut TcpStream,
+    request: &Header,
+    offset: u64,
+    checksum: u32,
+    page: &[u8; PAGE_SIZE],
+) {
     let head = Header {
         opcode: Opcode::ReadResp,
         status: Status::Ok,
         request_id: request.request_id,
         offset,
         length: PAGE_SIZE as u32,
+        checksum,
     };
     stream.write_all(&head.encode()).expect("answer header");
-    stream.write_all(&[byte; PAGE_SIZE]).expect("answer page");
+    stream.write_all(page).expect("answer page");
 }
 
 /// A coordinator that answers its first `answers.len()` `GET /v1/map`

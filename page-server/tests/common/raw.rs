@@ -63,6 +63,17 @@ pub fn handshake(
     node_id: &str,
     key: Option<&ClusterKey>,
 ) -> Option<HelloAck> {
+    handshake_asking(s, client_id, node_id, key, false)
+}
+
+/// As [`handshake`]; `checksums`: ask for page checksums in the AUTH.
+pub fn handshake_asking(
+    s: &mut TcpStream,
+    client_id: u64,
+    node_id: &str,
+    key: Option<&ClusterKey>,
+    checksums: bool,
+) -> Option<HelloAck> {
     let challenge = hello(s, client_id);
     let proof = key.map(|key| {
         Transcript {
@@ -79,7 +90,12 @@ pub fn handshake(
         s,
         Opcode::Auth,
         2,
-        &AuthRequest { proof, rdma: None }.encode(),
+        &AuthRequest {
+            proof,
+            rdma: None,
+            checksums,
+        }
+        .encode(),
     );
     let mut b = [0u8; HEADER_LEN];
     if s.read_exact(&mut b).is_err() {

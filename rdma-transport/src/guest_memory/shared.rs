@@ -99,6 +99,8 @@ pub(crate) fn is_transient(err: &TransportError) -> bool {
             | TransportError::Timeout { .. }
             | TransportError::PoolExhausted { .. }
             | TransportError::Protocol { .. }
+            // Corrupted on the way: the next attempt may arrive intact.
+            | TransportError::Checksum { .. }
             | TransportError::Coordinator(_)
             // An operator may re-initialise the range meanwhile; each retry
             // refreshes the map before it fails again.

@@ -253,6 +253,7 @@ impl Inner {
             client_id: self.client_id,
             node_id: &node.id,
             key: self.config.cluster_key.as_ref(),
+            checksums: self.config.page_checksums,
         }
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::link::Link;
 use super::{Inner, Node};
 use crate::error::TransportError;
-use crate::tcp::{TcpConnection, CODE_CONN_LOST, CODE_PROTOCOL, MAX_CHUNK};
+use crate::tcp::{TcpConnection, CODE_CHECKSUM, CODE_CONN_LOST, CODE_PROTOCOL, MAX_CHUNK};
 use crate::wire::Status;
 
 /// `NodeDown`'s reason when a connection died before answering.
@@ -17,6 +17,8 @@ pub(super) const CONNECTION_LOST: &str = "connection lost";
 pub(super) struct Sent {
     pub(super) group: usize,
     pub(super) id: u64,
+    /// The page's guest-physical address (for errors about it).
+    pub(super) gpa: u64,
 }
 
 /// The TCP side of one chunk: per node group its connection, and every
@@ -52,12 +54,20 @@ impl Drop for TcpChunk {
 }
 
 impl Inner {
+    /// What request `sent`'s completion `code` means; `write`: it was a WRITE.
     pub(super) fn code_to_error(
         &self,
         code: Option<u32>,
         conn: &Arc<TcpConnection>,
         node: &Node,
+        sent: Sent,
+        write: bool,
     ) -> Option<TransportError> {
+        let checksum = || TransportError::Checksum {
+            node: conn.node_id.clone(),
+            gpa: sent.gpa,
+            direction: if write { "to" } else { "from" },
+        };
         let node_name = || conn.node_id.clone();
         match code {
             Some(0) => None,
@@ -72,6 +82,9 @@ impl Inner {
                     reason: CONNECTION_LOST.into(),
                 })
             }
+            // The connection's framing held: it stays in use.
+            Some(CODE_CHECKSUM) => Some(checksum()),
+            Some(code) if code == u32::from(Status::BadChecksum as u16) => Some(checksum()),
             Some(CODE_PROTOCOL) => {
                 self.forget(node, &Link::Tcp(Arc::clone(conn)));
                 Some(TransportError::Protocol {

@@ -213,6 +213,7 @@ fn a_submit_on_a_connection_that_broke_first_fails_at_once() {
         client_id: 1,
         node_id: "a",
         key: None,
+        checksums: false,
     };
     let conn =
         TcpConnection::connect(&addr.to_string(), &auth, Duration::from_secs(5)).expect("connect");

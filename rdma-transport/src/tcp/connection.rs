@@ -19,8 +19,8 @@ use crate::page::{Page, PAGE_SIZE};
 use crate::parking::Parking;
 use crate::sys::cvt;
 use crate::wire::{
-    AuthRequest, Challenge, Header, HelloAck, HelloRequest, Opcode, RdmaHello, Status, HEADER_LEN,
-    HELLO_ACK_LEN, VERSION,
+    page_checksum, AuthRequest, Challenge, Header, HelloAck, HelloRequest, Opcode, RdmaHello,
+    Status, HEADER_LEN, HELLO_ACK_LEN, VERSION,
 };
 
 /// Requests one call writes with one `writev` at most.
@@ -45,6 +45,8 @@ pub(crate) struct ClientAuth<'a> {
     pub(crate) node_id: &'a str,
     /// `None`: insecure (no proof sent; only a server without a key accepts).
     pub(crate) key: Option<&'a ClusterKey>,
+    /// Ask for page checksums (used on the TCP data path only).
+    pub(crate) checksums: bool,
 }
 
 /// A connected, handshaken page-server connection.
@@ -160,7 +162,14 @@ impl TcpConnection {
                 std::thread::yield_now();
             };
             ids[i] = id;
-            headers[i] = Header::request(opcode, id, req.offset, PAGE_SIZE as u32).encode();
+            let mut header = Header::request(opcode, id, req.offset, PAGE_SIZE as u32);
+            if opcode == Opcode::Write && self.ack.checksums {
+                // SAFETY: for WRITE, `page` points at a caller-owned page that
+                // stays borrowed for the whole call.
+                let page: &Page = unsafe { &*req.page.cast::<Page>() };
+                header = header.with_checksum(page_checksum(page));
+            }
+            headers[i] = header.encode();
         }
         // The poller sets `broken` before failing pending slots; checking it
         // after arming closes the window where a slot armed after that sweep
@@ -244,7 +253,9 @@ pub(crate) fn dial(addr: &str, timeout: Duration) -> Result<TcpStream, ConnectEr
 /// The handshake, client side (docs/wire-protocol.md): HELLO with a fresh
 /// nonce; CHALLENGE, whose server proof is checked before anything else is
 /// sent; AUTH with the client's proof and, for RDMA, its QP endpoint; then
-/// the HELLO_ACK. Bounded by the stream's timeouts.
+/// the HELLO_ACK. Bounded by the stream's timeouts. Page checksums are on
+/// for the connection when the client asked and the HELLO_ACK agrees
+/// (`HelloAck::checksums`).
 ///
 /// A server that cannot prove the key, or that hangs up after the client's
 /// proof, is `ConnectError::AuthFailed`: never used.
@@ -296,7 +307,12 @@ pub(crate) fn handshake(
         (Some(_), None) => return Err(refused("it runs without a cluster key (--insecure)")),
         (None, _) => None,
     };
-    send(stream, Opcode::Auth, &AuthRequest { proof, rdma }.encode()).map_err(io_err)?;
+    let request = AuthRequest {
+        proof,
+        rdma,
+        checksums: auth.checksums,
+    };
+    send(stream, Opcode::Auth, &request.encode()).map_err(io_err)?;
     let payload = match receive(stream, Opcode::HelloAck, addr) {
         Ok(p) => p,
         // The server hangs up on a proof it does not accept.
@@ -316,6 +332,11 @@ pub(crate) fn handshake(
                 payload.len()
             ))
         })?;
+    if ack.checksums && !auth.checksums {
+        return Err(bad(
+            "HELLO_ACK agrees to page checksums this client did not ask for".into(),
+        ));
+    }
     if ack.epoch != challenge.epoch {
         return Err(bad(format!(
             "HELLO_ACK epoch {:#x} differs from CHALLENGE epoch {:#x}",

@@ -32,6 +32,9 @@ const CANCELLED: u64 = FREE;
 pub(crate) const CODE_CONN_LOST: u32 = 0x100;
 /// Completion code for "the answer broke the protocol".
 pub(crate) const CODE_PROTOCOL: u32 = 0x101;
+/// Completion code for "the page did not match its checksum" (nothing was
+/// copied into the caller's page).
+pub(crate) const CODE_CHECKSUM: u32 = 0x102;
 
 /// Counts outstanding completions of one call and wakes its thread.
 #[derive(Debug)]

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::connection::TcpConnection;
-use super::inflight::{Claim, Waiter, CODE_CONN_LOST, CODE_PROTOCOL};
+use super::inflight::{Claim, Waiter, CODE_CHECKSUM, CODE_CONN_LOST, CODE_PROTOCOL};
 use crate::page::PAGE_SIZE;
-use crate::wire::{Header, Opcode, Status, HEADER_LEN, MAX_PAYLOAD_BYTES};
+use crate::wire::{page_checksum, Header, Opcode, Status, HEADER_LEN, MAX_PAYLOAD_BYTES};
 
 const RECV_BUF_BYTES: usize = 256 * 1024;
 const MAX_MESSAGE_BYTES: usize = HEADER_LEN + MAX_PAYLOAD_BYTES as usize;
@@ -118,6 +118,18 @@ impl TcpConnection {
         }
         let code = match (expected, header.status) {
             (_, Status::Ok) if !echoes => CODE_PROTOCOL,
+            (Opcode::ReadResp, Status::Ok)
+                if payload.len() == PAGE_SIZE
+                    && !dst.is_null()
+                    && self.ack.checksums
+                    && page_checksum(payload) != header.checksum =>
+            {
+                // The bytes in the receive buffer are checked before any of
+                // them reach the caller's page: a page that fails is never
+                // handed out. The framing is intact, so the connection stays.
+                tracing::warn!(node = %self.node_id, request_id = header.request_id, offset = header.offset, "READ answer fails its page checksum");
+                CODE_CHECKSUM
+            }
             (Opcode::ReadResp, Status::Ok) if payload.len() == PAGE_SIZE && !dst.is_null() => {
                 // SAFETY: the slot is claimed, so its caller is blocked until
                 // we complete it and `dst` points at its live, exclusive

@@ -10,6 +10,10 @@ use crate::auth::{Nonce, Proof, PROOF_LEN};
 const FLAG_RDMA: u32 = 1;
 /// Flag bit (CHALLENGE, AUTH): the sender holds no cluster key (insecure).
 const FLAG_NO_KEY: u32 = 2;
+/// Flag bit (AUTH): the client asks for page checksums.
+const FLAG_AUTH_CHECKSUMS: u32 = 4;
+/// Flag bit (HELLO_ACK): the server agrees to page checksums.
+const FLAG_ACK_CHECKSUMS: u32 = 2;
 const ACK_FIXED_LEN: usize = 24;
 const AUTH_FIXED_LEN: usize = 40;
 const RDMA_LEN: usize = 48;
@@ -159,15 +163,19 @@ impl Challenge {
     }
 }
 
-/// AUTH payload: fixed 40 bytes (flags u32, reserved u32, client proof
-/// [32], zero without a key), then the optional RDMA section (the client's
-/// QP endpoint).
+/// AUTH payload: fixed 40 bytes (flags u32: bit 0 RDMA section follows,
+/// bit 1 no key, bit 2 checksums asked; reserved u32; client proof [32],
+/// zero without a key), then the optional RDMA section (the client's QP
+/// endpoint).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct AuthRequest {
     /// The client's proof of the key; `None` from a client without one.
     pub proof: Option<Proof>,
     /// The client's QP endpoint when it wants the RDMA data path.
     pub rdma: Option<RdmaHello>,
+    /// The client asks for page checksums on this connection (TCP data
+    /// path only; see [`crate::wire::Header::checksum`]).
+    pub checksums: bool,
 }
 
 impl AuthRequest {
@@ -177,6 +185,9 @@ impl AuthRequest {
         let mut flags = if self.rdma.is_some() { FLAG_RDMA } else { 0 };
         if self.proof.is_none() {
             flags |= FLAG_NO_KEY;
+        }
+        if self.checksums {
+            flags |= FLAG_AUTH_CHECKSUMS;
         }
         out.extend_from_slice(&flags.to_le_bytes());
         out.extend_from_slice(&0u32.to_le_bytes());
@@ -191,7 +202,7 @@ impl AuthRequest {
     pub fn decode(b: &[u8]) -> Option<Self> {
         let fixed = b.get(..AUTH_FIXED_LEN)?;
         let flags = u32_at(fixed, 0);
-        if flags & !(FLAG_RDMA | FLAG_NO_KEY) != 0 {
+        if flags & !(FLAG_RDMA | FLAG_NO_KEY | FLAG_AUTH_CHECKSUMS) != 0 {
             return None;
         }
         let rest = &b[AUTH_FIXED_LEN..];
@@ -203,12 +214,14 @@ impl AuthRequest {
         Some(Self {
             proof: (flags & FLAG_NO_KEY == 0).then(|| array_at(fixed, 8)),
             rdma,
+            checksums: flags & FLAG_AUTH_CHECKSUMS != 0,
         })
     }
 }
 
 /// HELLO_ACK payload: fixed 24 bytes (region size u64, server epoch u64,
-/// page size u32, flags u32), then the optional RDMA section.
+/// page size u32, flags u32: bit 0 RDMA section follows, bit 1 checksums
+/// agreed), then the optional RDMA section.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct HelloAck {
     /// Size of the exported region in bytes.
@@ -220,6 +233,9 @@ pub struct HelloAck {
     pub page_size: u32,
     /// The server's QP endpoint and region key when it accepted RDMA.
     pub rdma: Option<RdmaHello>,
+    /// The server agrees to page checksums (only ever set when the
+    /// client's AUTH asked for them).
+    pub checksums: bool,
 }
 
 impl HelloAck {
@@ -229,7 +245,10 @@ impl HelloAck {
         out.extend_from_slice(&self.region_size_bytes.to_le_bytes());
         out.extend_from_slice(&self.epoch.to_le_bytes());
         out.extend_from_slice(&self.page_size.to_le_bytes());
-        let flags = if self.rdma.is_some() { FLAG_RDMA } else { 0 };
+        let mut flags = if self.rdma.is_some() { FLAG_RDMA } else { 0 };
+        if self.checksums {
+            flags |= FLAG_ACK_CHECKSUMS;
+        }
         out.extend_from_slice(&flags.to_le_bytes());
         if let Some(r) = &self.rdma {
             r.encode_into(&mut out);
@@ -252,6 +271,7 @@ impl HelloAck {
             epoch: u64_at(fixed, 8),
             page_size: u32_at(fixed, 16),
             rdma,
+            checksums: flags & FLAG_ACK_CHECKSUMS != 0,
         })
     }
 }
@@ -306,19 +326,31 @@ mod tests {
             };
             assert_eq!(c.encode().len(), CHALLENGE_LEN);
             assert_eq!(Challenge::decode(&c.encode()), Some(c));
-            for r in [None, Some(rdma())] {
-                let a = AuthRequest { proof, rdma: r };
+            for (r, checksums) in [None, Some(rdma())].into_iter().zip([false, true]) {
+                let a = AuthRequest {
+                    proof,
+                    rdma: r,
+                    checksums,
+                };
+                assert_eq!(AuthRequest::decode(&a.encode()), Some(a));
+                let a = AuthRequest {
+                    checksums: !checksums,
+                    ..a
+                };
                 assert_eq!(AuthRequest::decode(&a.encode()), Some(a));
             }
         }
         for r in [None, Some(rdma())] {
-            let a = HelloAck {
-                region_size_bytes: 1 << 30,
-                epoch: 9,
-                page_size: 4096,
-                rdma: r,
-            };
-            assert_eq!(HelloAck::decode(&a.encode()), Some(a));
+            for checksums in [false, true] {
+                let a = HelloAck {
+                    region_size_bytes: 1 << 30,
+                    epoch: 9,
+                    page_size: 4096,
+                    rdma: r,
+                    checksums,
+                };
+                assert_eq!(HelloAck::decode(&a.encode()), Some(a));
+            }
         }
     }
 
@@ -338,6 +370,7 @@ mod tests {
         let auth = AuthRequest {
             proof: Some([4; 32]),
             rdma: Some(rdma()),
+            checksums: true,
         }
         .encode();
         for cut in 0..hello.len() {
@@ -357,6 +390,7 @@ mod tests {
         let mut lying = AuthRequest {
             proof: Some([4; 32]),
             rdma: None,
+            checksums: false,
         }
         .encode();
         lying[0] |= FLAG_RDMA as u8;
@@ -366,9 +400,38 @@ mod tests {
             epoch: 2,
             page_size: 4096,
             rdma: None,
+            checksums: true,
         }
         .encode();
         assert_eq!(HelloAck::decode(&ack[..ACK_FIXED_LEN - 1]), None);
+        // An AUTH flag bit beyond the checksums bit is still refused.
+        let mut unknown = AuthRequest::default().encode();
+        unknown[0] |= 8;
+        assert_eq!(AuthRequest::decode(&unknown), None);
+    }
+
+    #[test]
+    fn checksum_flags_sit_at_their_bits() {
+        let plain = AuthRequest::default().encode();
+        let asked = AuthRequest {
+            checksums: true,
+            ..AuthRequest::default()
+        }
+        .encode();
+        assert_eq!(u32_at(&asked, 0), u32_at(&plain, 0) | 4, "AUTH bit 2");
+        assert_eq!(&asked[4..], &plain[4..]);
+        let ack = |checksums| HelloAck {
+            region_size_bytes: 1 << 20,
+            epoch: 3,
+            page_size: 4096,
+            rdma: None,
+            checksums,
+        };
+        let (off, on) = (ack(false).encode(), ack(true).encode());
+        assert_eq!(u32_at(&off, 20), 0);
+        assert_eq!(u32_at(&on, 20), 2, "HELLO_ACK bit 1");
+        assert_eq!(&on[..20], &off[..20]);
+        assert_eq!(on.len(), HELLO_ACK_LEN);
     }
 
     #[test]
@@ -376,6 +439,7 @@ mod tests {
         let bytes = AuthRequest {
             proof: None,
             rdma: Some(rdma()),
+            checksums: false,
         }
         .encode();
         let section = &bytes[AUTH_FIXED_LEN..];
@@ -397,6 +461,7 @@ mod tests {
             let mut bytes = AuthRequest {
                 proof: None,
                 rdma: Some(rdma()),
+                checksums: false,
             }
             .encode();
             bytes[AUTH_FIXED_LEN + at] = 0;
@@ -406,6 +471,7 @@ mod tests {
                 epoch: 2,
                 page_size: 4096,
                 rdma: Some(rdma()),
+                checksums: false,
             }
             .encode();
             ack[ACK_FIXED_LEN + at] = 0;

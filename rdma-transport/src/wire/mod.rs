@@ -9,7 +9,9 @@ mod header;
 mod hello;
 mod status;
 
-pub use header::{DecodeError, Header, Opcode, HEADER_LEN, MAGIC, MAX_PAYLOAD_BYTES, VERSION};
+pub use header::{
+    page_checksum, DecodeError, Header, Opcode, HEADER_LEN, MAGIC, MAX_PAYLOAD_BYTES, VERSION,
+};
 pub use hello::{
     AuthRequest, Challenge, HelloAck, HelloRequest, RdmaHello, AUTH_MAX_LEN, CHALLENGE_LEN,
     HELLO_ACK_LEN, HELLO_LEN,

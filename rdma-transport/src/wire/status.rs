@@ -22,6 +22,10 @@ pub enum Status {
     NoHello = 7,
     /// The server failed for a reason of its own.
     Internal = 8,
+    /// A WRITE's page does not match the checksum in its header (only on a
+    /// connection that negotiated checksums); nothing was written. The
+    /// connection stays open.
+    BadChecksum = 9,
 }
 
 impl Status {
@@ -37,6 +41,7 @@ impl Status {
             6 => Self::Unaligned,
             7 => Self::NoHello,
             8 => Self::Internal,
+            9 => Self::BadChecksum,
             _ => return None,
         })
     }
@@ -53,6 +58,7 @@ impl Status {
             Self::Unaligned => "offset not page aligned",
             Self::NoHello => "request before HELLO",
             Self::Internal => "internal server error",
+            Self::BadChecksum => "page checksum mismatch",
         }
     }
 }

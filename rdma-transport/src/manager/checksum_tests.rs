@@ -1,0 +1,107 @@
+//! Page checksums against a scripted peer: a READ answer whose page does
+//! not match its checksum is a typed error and never reaches the caller's
+//! buffer; a WRITE carries its page's checksum only when it was negotiated.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+
+use super::TransportManager;
+use crate::config::{ManagerConfig, PollMode, TransportKind};
+use crate::error::TransportError;
+use crate::page::PAGE_SIZE;
+use crate::testing::{
+    answer_read, answer_read_corrupted, fake_checksum_node, fake_node, map_of, read_header,
+};
+use crate::wire::{page_checksum, Header, Opcode};
+
+fn config(page_checksums: bool) -> ManagerConfig {
+    ManagerConfig {
+        transport: TransportKind::Tcp,
+        pool_size_bytes: 1 << 20,
+        poller_cpus: Some(vec![]),
+        poll_mode: PollMode::Event,
+        request_timeout_ms: 5000,
+        connect_timeout_ms: 10_000,
+        map_refresh_ms: 0,
+        page_checksums,
+        ..ManagerConfig::default()
+    }
+}
+
+/// Reads the client's next WRITE and answers it OK; its header and page.
+fn take_write(stream: &mut TcpStream) -> (Header, Vec<u8>) {
+    let request = read_header(stream);
+    assert_eq!(request.opcode, Opcode::Write);
+    let mut page = vec![0u8; PAGE_SIZE];
+    stream.read_exact(&mut page).expect("write payload");
+    let answer = Header::request(Opcode::WriteResp, request.request_id, request.offset, 4096);
+    stream.write_all(&answer.encode()).expect("write answer");
+    (request, page)
+}
+
+#[test]
+fn a_corrupted_read_answer_is_a_checksum_error_and_leaves_the_page_alone() {
+    let (addr, node) = fake_checksum_node(|mut stream| {
+        let first = read_header(&mut stream);
+        answer_read_corrupted(&mut stream, &first, 0xab);
+        // The connection stays usable: the next answer is delivered.
+        let second = read_header(&mut stream);
+        answer_read(&mut stream, &second, 0xcd);
+    });
+    let mgr = TransportManager::from_map(config(true), map_of(1, &[("a", addr)])).expect("manager");
+    let mut page = [0x11u8; PAGE_SIZE];
+    let result = mgr.read_page(0, &mut page);
+    assert!(
+        matches!(
+            &result,
+            Err(TransportError::Checksum { node, gpa: 0, direction: "from" }) if node == "a"
+        ),
+        "{result:?}"
+    );
+    assert!(
+        page.iter().all(|&b| b == 0x11),
+        "a page that failed its checksum was copied into the caller's buffer"
+    );
+    mgr.read_page(PAGE_SIZE as u64, &mut page)
+        .expect("the next read on the same connection");
+    assert!(page.iter().all(|&b| b == 0xcd));
+    drop(mgr);
+    node.join().expect("node");
+}
+
+#[test]
+fn a_write_carries_its_pages_checksum_only_when_negotiated() {
+    let page = [0x5au8; PAGE_SIZE];
+    for (agreed, asked) in [(true, true), (false, true), (false, false)] {
+        let script = |mut stream: TcpStream| take_write(&mut stream);
+        let (addr, node) = if agreed {
+            fake_checksum_node(script)
+        } else {
+            fake_node(script)
+        };
+        let mgr =
+            TransportManager::from_map(config(asked), map_of(1, &[("a", addr)])).expect("manager");
+        mgr.write_page(PAGE_SIZE as u64, &page).expect("write");
+        let (header, sent) = node.join().expect("node");
+        assert_eq!(sent, page);
+        let expected = if agreed { page_checksum(&page) } else { 0 };
+        assert_eq!(header.checksum, expected, "agreed {agreed}, asked {asked}");
+        drop(mgr);
+    }
+}
+
+#[test]
+fn without_an_agreement_a_read_answer_is_not_checked() {
+    // The server declined: bytes 28..32 mean nothing, so a page whose
+    // "checksum" does not match is still the page.
+    let (addr, node) = fake_node(|mut stream| {
+        let request = read_header(&mut stream);
+        answer_read_corrupted(&mut stream, &request, 0xab);
+    });
+    let mgr = TransportManager::from_map(config(true), map_of(1, &[("a", addr)])).expect("manager");
+    let mut page = [0u8; PAGE_SIZE];
+    mgr.read_page(0, &mut page).expect("read");
+    assert_eq!(page[0], 0xab);
+    drop(mgr);
+    node.join().expect("node");
+}
