@@ -100,6 +100,19 @@ struct Args {
     /// then, and each retransmission waits this long.
     #[arg(long, value_name = "CODE")]
     rdma_ack_timeout: Option<u8>,
+    /// End-to-end page checksums (CRC-32C, TCP data path): on or off
+    /// (default: the library's, `ManagerConfig::page_checksums`). The
+    /// page-servers always offer them; this decides whether the client asks.
+    #[arg(long, value_name = "on|off", value_parser = parse_on_off)]
+    checksums: Option<bool>,
+}
+
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("expected on or off, got {other:?}")),
+    }
 }
 
 fn parse_poll_mode(s: &str) -> Result<PollMode, String> {
@@ -179,6 +192,9 @@ fn run() -> anyhow::Result<()> {
         rdma_ack_timeout: args
             .rdma_ack_timeout
             .unwrap_or(ManagerConfig::default().rdma_ack_timeout),
+        page_checksums: args
+            .checksums
+            .unwrap_or(ManagerConfig::default().page_checksums),
         ..ManagerConfig::default()
     };
     let mgr = std::sync::Arc::new(
