@@ -126,8 +126,8 @@ pub struct ManagerConfig {
     /// header of each page payload, checked before the page is used; see
     /// docs/wire-protocol.md). TCP data path only: pages moved by RDMA are
     /// not checksummed. A corrupted page is [`crate::TransportError::Checksum`],
-    /// never data. Default on: its cost is within the noise of the
-    /// benchmark (docs/benchmarking.md).
+    /// never data. Default on: one page in flight pays nothing measurable,
+    /// 32 in flight about 7 % of throughput (docs/benchmarking.md).
     pub page_checksums: bool,
 }
 
