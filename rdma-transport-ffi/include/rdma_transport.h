@@ -56,6 +56,9 @@ typedef enum RtStatus {
   // memory) since they were written. No page was read or written; an
   // operator must re-initialise the range before it is served again.
   RT_STATUS_DATA_LOST = 18,
+  // A page failed its end-to-end checksum (CRC-32C) on its way to or from
+  // the node: it was not delivered (READ) or not applied (WRITE).
+  RT_STATUS_CHECKSUM = 19,
 } RtStatus;
 
 // What to do with a fault that cannot be served (callback return value).

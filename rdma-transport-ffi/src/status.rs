@@ -57,10 +57,13 @@ pub enum RtStatus {
     /// memory) since they were written. No page was read or written; an
     /// operator must re-initialise the range before it is served again.
     DataLost = 18,
+    /// A page failed its end-to-end checksum (CRC-32C) on its way to or from
+    /// the node: it was not delivered (READ) or not applied (WRITE).
+    Checksum = 19,
 }
 
 impl RtStatus {
-    const ALL: [Self; 19] = [
+    const ALL: [Self; 20] = [
         Self::Ok,
         Self::InvalidArgument,
         Self::UnknownGpa,
@@ -80,6 +83,7 @@ impl RtStatus {
         Self::StructSize,
         Self::AuthFailed,
         Self::DataLost,
+        Self::Checksum,
     ];
 
     fn from_i32(value: i32) -> Option<Self> {
@@ -114,13 +118,14 @@ pub(crate) fn transport_status(err: &TransportError) -> RtStatus {
         TransportError::Refused { .. } => RtStatus::Refused,
         // A page that failed its checksum: a corrupted answer, reported as
         // a protocol error until the C API has a status of its own for it.
-        TransportError::Protocol { .. } | TransportError::Checksum { .. } => RtStatus::Protocol,
+        TransportError::Protocol { .. } => RtStatus::Protocol,
         TransportError::Coordinator(_) => RtStatus::Coordinator,
         TransportError::Pool(_) | TransportError::PoolExhausted { .. } => RtStatus::Pool,
         TransportError::Config(_) => RtStatus::InvalidArgument,
         TransportError::RdmaUnavailable(_) => RtStatus::Unsupported,
         TransportError::AuthFailed { .. } => RtStatus::AuthFailed,
         TransportError::DataLost { .. } => RtStatus::DataLost,
+        TransportError::Checksum { .. } => RtStatus::Checksum,
         _ => RtStatus::System,
     }
 }
@@ -174,6 +179,7 @@ pub extern "C" fn rt_status_str(status: i32) -> *const c_char {
         Some(RtStatus::DataLost) => {
             b"range contents lost: its page-server restarted; re-initialise it\0"
         }
+        Some(RtStatus::Checksum) => b"page failed its end-to-end checksum\0",
     };
     s.as_ptr().cast()
 }
@@ -213,5 +219,22 @@ mod tests {
         assert_eq!(transport_status(&err), RtStatus::DataLost);
         assert_eq!(RtStatus::DataLost as i32, 18);
         assert_eq!(RtStatus::from_i32(18), Some(RtStatus::DataLost));
+    }
+
+    #[test]
+    fn a_failed_checksum_has_its_own_status() {
+        let err = TransportError::Checksum {
+            node: "b".into(),
+            gpa: 0x2000,
+            direction: "from",
+        };
+        assert_eq!(transport_status(&err), RtStatus::Checksum);
+        assert_eq!(RtStatus::from_i32(19), Some(RtStatus::Checksum));
+        // SAFETY: rt_status_str returns a static NUL-terminated string.
+        let name = unsafe { CStr::from_ptr(rt_status_str(RtStatus::Checksum as i32)) };
+        assert_eq!(
+            name.to_str().unwrap(),
+            "page failed its end-to-end checksum"
+        );
     }
 }
