@@ -143,12 +143,7 @@ fn restarted_page_server_refuses_writes_until_its_range_is_reinitialised() {
         "manager never reached the restarted node"
     );
     // Once the operator re-initialises the range, it is served again.
-    let admin = rdma_transport::coordinator::CoordinatorClient::new(
-        &coord.url(),
-        None,
-        Duration::from_secs(5),
-    )
-    .unwrap();
+    let admin = coordinator_client(&coord.url());
     admin.reinitialise_range(0).unwrap();
     assert!(
         wait_until(Duration::from_secs(10), || {

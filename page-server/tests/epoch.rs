@@ -48,7 +48,7 @@ fn restarted_page_server_gives_data_lost_until_reinitialised() {
         SocketAddr::from(([127, 0, 0, 1], 0)),
     );
     // Insecure coordinator: the caller may do what the admin may.
-    let admin = CoordinatorClient::new(&coord.url(), None, Duration::from_secs(5)).unwrap();
+    let admin = coordinator_client(&coord.url());
     let mut b = ChildServer::start(&coord.url(), "b", 0);
     let mgr = manager(&coord.url());
     assert!(wait_until(Duration::from_secs(10), || mgr

@@ -293,12 +293,7 @@ fn coordinator_survives_garbage_and_keeps_serving() {
         let mut sink = Vec::new();
         let _ = s.read_to_end(&mut sink);
     }
-    let client = rdma_transport::coordinator::CoordinatorClient::new(
-        &coord.url(),
-        None,
-        Duration::from_secs(5),
-    )
-    .unwrap();
+    let client = coordinator_client(&coord.url());
     client.health().expect("coordinator still answers");
     let _a = page_server(&coord.url(), "a", 0);
     assert_eq!(client.map().unwrap().entries.len(), 1);

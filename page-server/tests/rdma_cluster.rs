@@ -107,14 +107,7 @@ fn pages_round_trip(test: &str, mode: PollMode) {
 
     // The coordinator publishes each node's device endpoint, never a region
     // key (each client gets its own in the handshake).
-    let map = rdma_transport::coordinator::CoordinatorClient::new(
-        &coord.url(),
-        None,
-        Duration::from_secs(5),
-    )
-    .unwrap()
-    .map()
-    .unwrap();
+    let map = coordinator_client(&coord.url()).map().unwrap();
     let entry_a = map.entries.iter().find(|e| e.node_id == "a").unwrap();
     assert_eq!(entry_a.rdma, None);
     for node in &map.nodes {
@@ -312,12 +305,7 @@ fn rdma_page_server_restart_is_served_from_a_new_qp() {
     assert!(lost(mgr.read_page(g0, &mut page)));
     assert!(lost(mgr.write_page(g0, &page_for(g0, 6))));
     // The operator re-initialises the range: zeros are its contents now.
-    let admin = rdma_transport::coordinator::CoordinatorClient::new(
-        &coord.url(),
-        None,
-        Duration::from_secs(5),
-    )
-    .unwrap();
+    let admin = coordinator_client(&coord.url());
     admin.reinitialise_range(0).unwrap();
     assert!(
         wait_until(Duration::from_secs(20), || {

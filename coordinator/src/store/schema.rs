@@ -10,7 +10,7 @@ const SCHEMA_REVISION: i64 = 2;
 /// Tables of revision 1. Every `u64` column holds the value in the
 /// order-preserving encoding of `codec.rs` (`value XOR 2^63` as a signed
 /// INTEGER), so SQLite's signed comparison orders them as `u64`.
-const SCHEMA_V1_SQL: &str = "
+pub(super) const SCHEMA_V1_SQL: &str = "
 CREATE TABLE IF NOT EXISTS nodes (
     id                TEXT PRIMARY KEY NOT NULL,
     tcp_addr          TEXT NOT NULL,

@@ -294,32 +294,10 @@ fn an_unknown_valid_epoch_takes_the_owners_first_known_one() {
     assert_eq!((entry.valid_epoch, entry.state), (5, RangeState::Live));
 }
 
-/// The revision-1 schema, as the previous coordinator created it.
-const V1_SCHEMA: &str = "
-CREATE TABLE nodes (
-    id                TEXT PRIMARY KEY NOT NULL,
-    tcp_addr          TEXT NOT NULL,
-    rdma_device       TEXT,
-    rdma_port         INTEGER,
-    rdma_gid          TEXT,
-    rdma_gid_index    INTEGER,
-    rdma_lid          INTEGER,
-    last_seen_unix_ms INTEGER NOT NULL
-);
-CREATE TABLE map_entries (
-    gpa_start     INTEGER PRIMARY KEY NOT NULL,
-    length_bytes  INTEGER NOT NULL,
-    node_id       TEXT NOT NULL REFERENCES nodes(id) ON DELETE CASCADE,
-    remote_offset INTEGER NOT NULL,
-    rdma_addr     INTEGER,
-    rdma_rkey     INTEGER
-);
-CREATE INDEX map_entries_node ON map_entries(node_id);
-CREATE TABLE meta (
-    key   TEXT PRIMARY KEY NOT NULL,
-    value INTEGER NOT NULL
-);
-INSERT INTO meta (key, value) VALUES ('version', 5);
+/// A revision-1 database's contents (its tables are `SCHEMA_V1_SQL`, as
+/// the previous coordinator created them).
+const V1_CONTENTS: &str = "
+UPDATE meta SET value = 5 WHERE key = 'version';
 -- gpa_start 0x1000, length 0x2000, offset 0 in the order-preserving encoding.
 INSERT INTO nodes (id, tcp_addr, last_seen_unix_ms) VALUES ('a', 'h:1', 10);
 INSERT INTO map_entries (gpa_start, length_bytes, node_id, remote_offset)
@@ -334,7 +312,9 @@ fn a_revision_1_database_is_migrated() {
     let path = dir.path().join("c.db");
     {
         let conn = rusqlite::Connection::open(&path).expect("create v1");
-        conn.execute_batch(V1_SCHEMA).expect("v1 schema");
+        conn.execute_batch(super::schema::SCHEMA_V1_SQL)
+            .expect("v1 schema");
+        conn.execute_batch(V1_CONTENTS).expect("v1 contents");
     }
     let mut store = Store::open(&path).expect("opens and migrates");
     let revision: i64 = store

@@ -149,10 +149,15 @@ pub fn restart_and_reinitialise(
     server
 }
 
-/// The epoch the coordinator has for `node` now.
-pub fn node_epoch(url: &str, node: &str) -> u64 {
+/// A client of a coordinator without a key: it may do what an admin may.
+pub fn coordinator_client(url: &str) -> rdma_transport::coordinator::CoordinatorClient {
     rdma_transport::coordinator::CoordinatorClient::new(url, None, Duration::from_secs(5))
         .expect("coordinator client")
+}
+
+/// The epoch the coordinator has for `node` now.
+pub fn node_epoch(url: &str, node: &str) -> u64 {
+    coordinator_client(url)
         .node(&node.to_owned())
         .expect("node registered")
         .epoch
