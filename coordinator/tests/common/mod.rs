@@ -91,8 +91,13 @@ pub fn start_keyed(limits: Limits) -> Harness {
 
 fn harness(config: CoordinatorConfig, dir: tempfile::TempDir, token: Option<String>) -> Harness {
     let coordinator = spawn(config).expect("coordinator starts");
+    // No idle connection is kept: the limits tests run the coordinator
+    // with header timeouts of a few hundred ms, which also close idle
+    // keep-alive connections, and reusing one as it closes fails the
+    // request (IncompleteMessage).
     let http = Client::builder()
         .timeout(REQUEST_TIMEOUT)
+        .pool_max_idle_per_host(0)
         .build()
         .expect("http client");
     Harness {

@@ -18,6 +18,12 @@ use super::error::CoordinatorError;
 /// Longest piece of a non-JSON error body kept in [`CoordinatorError::Http`].
 const MAX_ERROR_TEXT_BYTES: usize = 256;
 
+/// How long an idle keep-alive connection to the coordinator is kept for
+/// reuse: well under the coordinator's header timeout (10 s by default),
+/// which also closes idle connections; a connection reused just as the
+/// server closes it fails its request.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+
 /// Blocking client of the coordinator's `/v1` HTTP API.
 ///
 /// Every call is one HTTP request bounded by the timeout given to
@@ -104,6 +110,7 @@ impl CoordinatorClient {
         let http = Client::builder()
             .timeout(timeout)
             .connect_timeout(timeout)
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .build()
             .map_err(CoordinatorError::Client)?;
         Ok(Self {
