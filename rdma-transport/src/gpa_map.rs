@@ -58,6 +58,7 @@ impl GpaMap {
             rdma,
             valid_epoch,
             state: _,
+            replicas: _,
         } in entries
         {
             let Some(node_index) = nodes.iter().position(|n| n.id == node_id) else {
@@ -193,6 +194,7 @@ mod tests {
             remote_offset: off,
             rdma: None,
             valid_epoch: 0,
+            replicas: Vec::new(),
             state: crate::coordinator::api::RangeState::Live,
         }
     }

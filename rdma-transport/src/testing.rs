@@ -34,6 +34,7 @@ pub(crate) fn map_of(version: u64, nodes: &[(&str, SocketAddr)]) -> MapResponse 
                 rdma: None,
                 valid_epoch: 0,
                 state: RangeState::Live,
+                replicas: Vec::new(),
             })
             .collect(),
         nodes: nodes

@@ -60,6 +60,7 @@ pub(super) fn entry_from_row(row: &Row<'_>) -> rusqlite::Result<MapEntry> {
         },
         valid_epoch,
         state: RangeState::of(valid_epoch, owner_epoch),
+        replicas: Vec::new(),
     })
 }
 

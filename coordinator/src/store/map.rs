@@ -43,6 +43,7 @@ impl Store {
             rdma: None,
             valid_epoch,
             state: RangeState::of(valid_epoch, owner.epoch),
+            replicas: Vec::new(),
         };
         let is_new = !matches!(&before, Some(e) if e.gpa_start == request.gpa_start);
         if is_new {

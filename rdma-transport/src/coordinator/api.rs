@@ -117,10 +117,87 @@ pub struct MapEntry {
     /// whose handshake epoch equals it. 0 (older coordinators): not checked.
     #[serde(default)]
     pub valid_epoch: u64,
-    /// Whether the owner still holds the valid contents (its current epoch
-    /// is `valid_epoch`).
+    /// Whether the range's valid contents are still held somewhere: `live`
+    /// while at least one replica is live, `lost` otherwise.
     #[serde(default)]
     pub state: RangeState,
+    /// Every holder of the range (1 to the coordinator's replica limit), in
+    /// registration order; the primary (the first live one) is also named
+    /// by `node_id`, `remote_offset` and `valid_epoch` above. Empty from
+    /// older coordinators: the range then has the one holder named above.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<Replica>,
+}
+
+/// One holder of a replicated range.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Replica {
+    /// The holder.
+    pub node_id: NodeId,
+    /// Offset inside the holder's exported region that backs `gpa_start`.
+    pub remote_offset: u64,
+    /// The holder epoch whose memory holds this replica's contents (for a
+    /// `recovering` replica: the epoch that is copying them in).
+    #[serde(default)]
+    pub valid_epoch: u64,
+    /// What this replica may do now.
+    #[serde(default)]
+    pub state: ReplicaState,
+    /// Increases each time the holder starts a recovery of this replica;
+    /// finishing a recovery names it, so a recovery that was overtaken (the
+    /// replica went stale again meanwhile) cannot mark it live.
+    #[serde(default)]
+    pub recovery_seq: u64,
+}
+
+/// What one replica of a range may do.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReplicaState {
+    /// Holds the latest contents: serves reads, takes writes.
+    #[default]
+    Live,
+    /// Copying the range from a live replica: takes writes (so that it
+    /// misses none), serves no reads.
+    Recovering,
+    /// Missed writes (a write to it failed, or its holder restarted) while
+    /// another replica is live: serves nothing until it has recovered.
+    Stale,
+    /// Missed writes and no replica of the range is live: the range's
+    /// contents are gone until an operator re-initialises it.
+    Lost,
+}
+
+impl ReplicaState {
+    /// Whether a replica in this state serves reads.
+    pub fn serves_reads(self) -> bool {
+        self == Self::Live
+    }
+
+    /// Whether writes must go to a replica in this state.
+    pub fn takes_writes(self) -> bool {
+        matches!(self, Self::Live | Self::Recovering)
+    }
+}
+
+/// Answer of the replica state changes (`POST
+/// /v1/map/{gpa_start}/replicas/{node_id}/stale`, `.../recovering`,
+/// `.../live`): the map version that holds the change, and the entry as it
+/// is now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaChange {
+    /// The map version after the change.
+    pub version: u64,
+    /// The range, with every replica's state.
+    pub entry: MapEntry,
+}
+
+/// Body of `POST /v1/map/{gpa_start}/replicas/{node_id}/live`: the recovery
+/// that completed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecoveryDone {
+    /// The `recovery_seq` that `.../recovering` returned for this replica.
+    pub recovery_seq: u64,
 }
 
 /// Whether a range's contents are still where the map says.

@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use super::api::{
     is_valid_node_id, ErrorBody, HealthResponse, MapEntry, MapResponse, NodeId, NodeInfo,
-    NodeRegistration, RangeRequest, RdmaEndpoint, ResolveResponse,
+    NodeRegistration, RangeRequest, RdmaEndpoint, RecoveryDone, ReplicaChange, ResolveResponse,
 };
 use super::credential::{Bearer, Credential};
 use super::error::CoordinatorError;
@@ -222,6 +222,67 @@ impl CoordinatorClient {
     pub fn reinitialise_range(&self, gpa_start: u64) -> Result<MapEntry, CoordinatorError> {
         let path = format!("/v1/map/{gpa_start}/reinitialise");
         self.call(Method::POST, &path, None)
+    }
+
+    /// `POST /v1/map/{gpa_start}/replicas/{node_id}/stale` (client or admin
+    /// credential): `node_id`'s replica of the range missed a write and must
+    /// serve nothing until it has recovered, within `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// Conflict when it is the range's last live replica (the coordinator
+    /// never marks the last one stale); not found for an unknown range or
+    /// replica; see [`CoordinatorError`].
+    pub fn mark_replica_stale(
+        &self,
+        gpa_start: u64,
+        node_id: &str,
+        timeout: Duration,
+    ) -> Result<ReplicaChange, CoordinatorError> {
+        let id = checked_id(node_id)?;
+        let url = format!("{}/v1/map/{gpa_start}/replicas/{id}/stale", self.base_url);
+        let body = self.send_within(Method::POST, &url, None, Some(timeout))?;
+        serde_json::from_slice(&body).map_err(|source| CoordinatorError::Decode { url, source })
+    }
+
+    /// `POST /v1/map/{gpa_start}/replicas/{node_id}/recovering` (that
+    /// node's or the admin credential): the node starts copying the range
+    /// into its memory from a live replica. The answer's replica carries the
+    /// `recovery_seq` to finish with.
+    ///
+    /// # Errors
+    ///
+    /// Conflict when no replica of the range is live (nothing to copy
+    /// from); see [`CoordinatorError`].
+    pub fn begin_recovery(
+        &self,
+        gpa_start: u64,
+        node_id: &str,
+    ) -> Result<ReplicaChange, CoordinatorError> {
+        let id = checked_id(node_id)?;
+        let path = format!("/v1/map/{gpa_start}/replicas/{id}/recovering");
+        self.call(Method::POST, &path, None)
+    }
+
+    /// `POST /v1/map/{gpa_start}/replicas/{node_id}/live` (that node's or the
+    /// admin credential): the recovery numbered `recovery_seq` has copied
+    /// the whole range; the replica serves reads again.
+    ///
+    /// # Errors
+    ///
+    /// Conflict when the replica is no longer recovering under that number
+    /// (it went stale meanwhile, or its node restarted); see
+    /// [`CoordinatorError`].
+    pub fn finish_recovery(
+        &self,
+        gpa_start: u64,
+        node_id: &str,
+        recovery_seq: u64,
+    ) -> Result<ReplicaChange, CoordinatorError> {
+        let id = checked_id(node_id)?;
+        let path = format!("/v1/map/{gpa_start}/replicas/{id}/live");
+        let body = encode(&RecoveryDone { recovery_seq })?;
+        self.call(Method::POST, &path, Some(body))
     }
 
     /// `GET /v1/map`: the whole map, its version and every node.
