@@ -53,12 +53,17 @@ typedef enum RtStatus {
   // cluster, a server without a key) or refused this client's proof.
   RT_STATUS_AUTH_FAILED = 17,
   // The range's contents were lost: its page-server restarted (empty
-  // memory) since they were written. No page was read or written; an
-  // operator must re-initialise the range before it is served again.
+  // memory) since they were written, and no live replica holds them. No
+  // page was read or written; an operator must re-initialise the range
+  // before it is served again.
   RT_STATUS_DATA_LOST = 18,
   // A page failed its end-to-end checksum (CRC-32C) on its way to or from
   // the node: it was not delivered (READ) or not applied (WRITE).
   RT_STATUS_CHECKSUM = 19,
+  // A write reached a live replica of its range, but another replica
+  // missed it and could not be marked stale (coordinator unreachable):
+  // not reported done. Writing the page again is safe.
+  RT_STATUS_REPLICA_MISSED_WRITE = 20,
 } RtStatus;
 
 // What to do with a fault that cannot be served (callback return value).

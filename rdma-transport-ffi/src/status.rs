@@ -54,16 +54,21 @@ pub enum RtStatus {
     /// cluster, a server without a key) or refused this client's proof.
     AuthFailed = 17,
     /// The range's contents were lost: its page-server restarted (empty
-    /// memory) since they were written. No page was read or written; an
-    /// operator must re-initialise the range before it is served again.
+    /// memory) since they were written, and no live replica holds them. No
+    /// page was read or written; an operator must re-initialise the range
+    /// before it is served again.
     DataLost = 18,
     /// A page failed its end-to-end checksum (CRC-32C) on its way to or from
     /// the node: it was not delivered (READ) or not applied (WRITE).
     Checksum = 19,
+    /// A write reached a live replica of its range, but another replica
+    /// missed it and could not be marked stale (coordinator unreachable):
+    /// not reported done. Writing the page again is safe.
+    ReplicaMissedWrite = 20,
 }
 
 impl RtStatus {
-    const ALL: [Self; 20] = [
+    const ALL: [Self; 21] = [
         Self::Ok,
         Self::InvalidArgument,
         Self::UnknownGpa,
@@ -84,6 +89,7 @@ impl RtStatus {
         Self::AuthFailed,
         Self::DataLost,
         Self::Checksum,
+        Self::ReplicaMissedWrite,
     ];
 
     fn from_i32(value: i32) -> Option<Self> {
@@ -126,6 +132,7 @@ pub(crate) fn transport_status(err: &TransportError) -> RtStatus {
         TransportError::AuthFailed { .. } => RtStatus::AuthFailed,
         TransportError::DataLost { .. } => RtStatus::DataLost,
         TransportError::Checksum { .. } => RtStatus::Checksum,
+        TransportError::ReplicaMissedWrite { .. } => RtStatus::ReplicaMissedWrite,
         _ => RtStatus::System,
     }
 }
@@ -180,6 +187,9 @@ pub extern "C" fn rt_status_str(status: i32) -> *const c_char {
             b"range contents lost: its page-server restarted; re-initialise it\0"
         }
         Some(RtStatus::Checksum) => b"page failed its end-to-end checksum\0",
+        Some(RtStatus::ReplicaMissedWrite) => {
+            b"a replica missed the write and could not be marked stale; write again\0"
+        }
     };
     s.as_ptr().cast()
 }

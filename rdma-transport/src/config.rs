@@ -129,6 +129,11 @@ pub struct ManagerConfig {
     /// never data. Default on: one page in flight pays nothing measurable,
     /// 32 in flight about 7 % of throughput (docs/benchmarking.md).
     pub page_checksums: bool,
+    /// Replicated ranges: how long a read waits for a replica before it
+    /// goes to the next live one (the slow request is abandoned). 0
+    /// (default): four times the recent p99 of such reads, at least 1 ms.
+    /// Never more than half of `request_timeout_ms`.
+    pub read_hedge_delay_us: u64,
 }
 
 impl Default for ManagerConfig {
@@ -153,6 +158,7 @@ impl Default for ManagerConfig {
             rdma_ack_timeout: crate::rdma::QP_TIMEOUT,
             rdma_retry_count: crate::rdma::QP_RETRY_CNT,
             page_checksums: true,
+            read_hedge_delay_us: 0,
         }
     }
 }

@@ -52,13 +52,26 @@ pub enum TransportError {
     /// read or written; an operator must re-initialise the range (which
     /// makes zeros its valid contents) before it is served again.
     #[error(
-        "the contents of GPA {gpa:#x} were lost: node {node} restarted since they were written"
+        "the contents of GPA {gpa:#x} were lost: node {node} restarted since they were written, and no live replica holds them"
     )]
     DataLost {
         /// The address asked for.
         gpa: u64,
         /// Owner node id.
         node: String,
+    },
+    /// A write reached a live replica of its range, but another replica
+    /// missed it and could not be marked stale (the coordinator was not
+    /// reachable, or refused): that replica may serve the older page, so
+    /// the write is not reported done. Writing the page again is safe.
+    #[error("replica {node} of the range at {gpa:#x} missed a write and could not be marked stale: {reason}")]
+    ReplicaMissedWrite {
+        /// First address of the range.
+        gpa: u64,
+        /// The replica's node.
+        node: String,
+        /// Why it could not be marked stale.
+        reason: String,
     },
     /// The node answered something that breaks the wire protocol.
     #[error("protocol error with node {node}: {detail}")]

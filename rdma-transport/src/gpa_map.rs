@@ -3,31 +3,66 @@
 //! Built from the coordinator's `GET /v1/map` answer once, then looked up in
 //! O(log n) by binary search on every page, with no HTTP call and no lock.
 
-use crate::coordinator::api::{MapEntry, MapResponse, NodeInfo, RdmaRegion};
+use crate::coordinator::api::{MapEntry, MapResponse, NodeInfo, RdmaRegion, ReplicaState};
 use crate::page::is_page_aligned;
 
-/// Where one GPA lives.
+/// Where one GPA lives: one holder (replica) of its range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Location {
-    /// Index of the owner in [`GpaMap::nodes`].
+    /// Index of the holder in [`GpaMap::nodes`].
     pub node_index: usize,
-    /// Byte offset inside the owner's exported region.
+    /// Byte offset inside the holder's exported region.
     pub remote_offset: u64,
-    /// RDMA access to the owner's region, when published.
+    /// RDMA access to the holder's region, when published.
     pub rdma: Option<RdmaRegion>,
-    /// The owner epoch that holds the range's valid contents (0: not
+    /// The holder epoch that holds the range's valid contents (0: not
     /// checked); see [`MapEntry::valid_epoch`].
     pub valid_epoch: u64,
+    /// First address of the range (names it in replica state changes).
+    pub range_start: u64,
+    /// Index of this holder among the range's replicas.
+    pub replica: usize,
+    /// The replica's state.
+    pub state: ReplicaState,
+    /// The range has more than one holder.
+    pub replicated: bool,
+}
+
+#[derive(Debug, Clone)]
+struct Holder {
+    node_index: usize,
+    remote_offset: u64,
+    valid_epoch: u64,
+    state: ReplicaState,
 }
 
 #[derive(Debug, Clone)]
 struct Range {
     gpa_start: u64,
     gpa_end: u64,
-    node_index: usize,
-    remote_offset: u64,
     rdma: Option<RdmaRegion>,
-    valid_epoch: u64,
+    /// Every replica, in the coordinator's order (the primary is the first
+    /// that serves reads). Never empty.
+    holders: Vec<Holder>,
+}
+
+impl Range {
+    fn location(&self, gpa: u64, replica: usize) -> Option<Location> {
+        let h = self.holders.get(replica)?;
+        // `from_response` keeps only ranges whose remote end fits in a u64,
+        // so this cannot overflow; checked anyway rather than trusted.
+        let remote_offset = h.remote_offset.checked_add(gpa - self.gpa_start)?;
+        Some(Location {
+            node_index: h.node_index,
+            remote_offset,
+            rdma: self.rdma,
+            valid_epoch: h.valid_epoch,
+            range_start: self.gpa_start,
+            replica,
+            state: h.state,
+            replicated: self.holders.len() > 1,
+        })
+    }
 }
 
 /// An immutable snapshot of the map at one version.
@@ -58,12 +93,21 @@ impl GpaMap {
             rdma,
             valid_epoch,
             state: _,
-            replicas: _,
+            replicas,
         } in entries
         {
-            let Some(node_index) = nodes.iter().position(|n| n.id == node_id) else {
-                tracing::warn!(gpa_start, %node_id, "map entry names an unknown node; ignored");
-                continue;
+            // An older coordinator names one holder, at the top level; its
+            // state is left to the epoch check.
+            let replicas = if replicas.is_empty() {
+                vec![crate::coordinator::api::Replica {
+                    node_id,
+                    remote_offset,
+                    valid_epoch,
+                    state: ReplicaState::Live,
+                    recovery_seq: 0,
+                }]
+            } else {
+                replicas
             };
             let Some(gpa_end) = gpa_start
                 .checked_add(length_bytes)
@@ -76,40 +120,53 @@ impl GpaMap {
                 );
                 continue;
             };
-            // Every page of the range must have a representable remote
-            // offset: `lookup` then adds without overflow.
-            if remote_offset.checked_add(length_bytes).is_none() {
-                tracing::warn!(
-                    gpa_start,
-                    remote_offset,
-                    length_bytes,
-                    "map entry's remote offset + length overflows; ignored"
-                );
-                continue;
-            }
-            if ![gpa_start, length_bytes, remote_offset]
-                .into_iter()
-                .all(is_page_aligned)
-            {
-                tracing::warn!(
-                    gpa_start,
-                    remote_offset,
-                    length_bytes,
-                    "map entry is not 4 KiB aligned; ignored"
-                );
+            if !is_page_aligned(gpa_start) || !is_page_aligned(length_bytes) {
+                tracing::warn!(gpa_start, length_bytes, "map entry is not 4 KiB aligned; ignored");
                 continue;
             }
             if ranges.last().is_some_and(|prev| prev.gpa_end > gpa_start) {
                 tracing::warn!(gpa_start, "map entry overlaps the previous one; ignored");
                 continue;
             }
+            let mut holders = Vec::with_capacity(replicas.len());
+            for replica in replicas {
+                let Some(node_index) = nodes.iter().position(|n| n.id == replica.node_id) else {
+                    tracing::warn!(gpa_start, node_id = %replica.node_id, "map entry names an unknown node; replica ignored");
+                    continue;
+                };
+                // Every page of the range must have a representable remote
+                // offset: `lookup` then adds without overflow.
+                if replica.remote_offset.checked_add(length_bytes).is_none()
+                    || !is_page_aligned(replica.remote_offset)
+                {
+                    tracing::warn!(
+                        gpa_start,
+                        remote_offset = replica.remote_offset,
+                        length_bytes,
+                        "replica's remote offset is unaligned or overflows; replica ignored"
+                    );
+                    continue;
+                }
+                if holders.iter().any(|h: &Holder| h.node_index == node_index) {
+                    tracing::warn!(gpa_start, node_id = %replica.node_id, "node named twice in one range; ignored");
+                    continue;
+                }
+                holders.push(Holder {
+                    node_index,
+                    remote_offset: replica.remote_offset,
+                    valid_epoch: replica.valid_epoch,
+                    state: replica.state,
+                });
+            }
+            if holders.is_empty() {
+                tracing::warn!(gpa_start, "map entry has no usable holder; ignored");
+                continue;
+            }
             ranges.push(Range {
                 gpa_start,
                 gpa_end,
-                node_index,
-                remote_offset,
                 rdma,
-                valid_epoch,
+                holders,
             });
         }
         Self {
@@ -144,30 +201,79 @@ impl GpaMap {
         self.ranges.iter().map(|r| r.gpa_end - r.gpa_start).sum()
     }
 
-    /// Mapped ranges as `(gpa_start, length_bytes, node_id)`, sorted.
+    /// Mapped ranges as `(gpa_start, length_bytes, primary node_id)`, sorted.
     pub fn ranges(&self) -> impl Iterator<Item = (u64, u64, &str)> + '_ {
         self.ranges.iter().map(|r| {
+            let primary = r.primary().unwrap_or(0);
             (
                 r.gpa_start,
                 r.gpa_end - r.gpa_start,
-                self.nodes[r.node_index].id.as_str(),
+                self.nodes[r.holders[primary].node_index].id.as_str(),
             )
         })
     }
 
-    /// Finds the owner of `gpa` in O(log n).
-    pub fn lookup(&self, gpa: u64) -> Option<Location> {
+    fn range_of(&self, gpa: u64) -> Option<&Range> {
         let idx = self.ranges.partition_point(|r| r.gpa_end <= gpa);
-        let r = self.ranges.get(idx).filter(|r| r.gpa_start <= gpa)?;
-        // `from_response` keeps only ranges whose remote end fits in a u64,
-        // so this cannot overflow; checked anyway rather than trusted.
-        let remote_offset = r.remote_offset.checked_add(gpa - r.gpa_start)?;
-        Some(Location {
-            node_index: r.node_index,
-            remote_offset,
-            rdma: r.rdma,
-            valid_epoch: r.valid_epoch,
-        })
+        self.ranges.get(idx).filter(|r| r.gpa_start <= gpa)
+    }
+
+    /// Where to read `gpa` from, in O(log n): the range's primary (its first
+    /// replica that serves reads), or, when none does, its first replica
+    /// (whose state then says why it cannot serve).
+    pub fn lookup(&self, gpa: u64) -> Option<Location> {
+        let r = self.range_of(gpa)?;
+        r.location(gpa, r.primary().unwrap_or(0))
+    }
+
+    /// The `replica`-th holder of `gpa`'s range (0 to [`replica_count`](Self::replica_count) - 1).
+    pub fn replica(&self, gpa: u64, replica: usize) -> Option<Location> {
+        self.range_of(gpa)?.location(gpa, replica)
+    }
+
+    /// How many holders `gpa`'s range has (0: unmapped).
+    pub fn replica_count(&self, gpa: u64) -> usize {
+        self.range_of(gpa).map_or(0, |r| r.holders.len())
+    }
+
+    /// The holder of `gpa`'s range on the node named `node_id`.
+    pub fn replica_on(&self, gpa: u64, node_id: &str) -> Option<Location> {
+        let r = self.range_of(gpa)?;
+        let i = r
+            .holders
+            .iter()
+            .position(|h| self.nodes.get(h.node_index).is_some_and(|n| n.id == node_id))?;
+        r.location(gpa, i)
+    }
+
+    /// A copy of this map at `version` in which `node_id`'s replica of the
+    /// range starting at `range_start` is in `state` (a change the
+    /// coordinator confirmed at `version`, applied before the next refresh).
+    pub fn with_replica_state(
+        &self,
+        range_start: u64,
+        node_id: &str,
+        state: ReplicaState,
+        version: u64,
+    ) -> Self {
+        let mut map = self.clone();
+        map.version = map.version.max(version);
+        let node_index = map.nodes.iter().position(|n| n.id == node_id);
+        if let Some(r) = map.ranges.iter_mut().find(|r| r.gpa_start == range_start) {
+            for h in &mut r.holders {
+                if Some(h.node_index) == node_index {
+                    h.state = state;
+                }
+            }
+        }
+        map
+    }
+}
+
+impl Range {
+    /// Index of the first holder that serves reads.
+    fn primary(&self) -> Option<usize> {
+        self.holders.iter().position(|h| h.state.serves_reads())
     }
 }
 

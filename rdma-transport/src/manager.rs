@@ -26,10 +26,12 @@ use crate::wire::Opcode;
 #[cfg(test)]
 mod checksum_tests;
 mod epoch;
+mod latency;
 mod link;
 mod map_state;
 mod rdma_batch;
 mod rdma_single;
+mod replicas;
 mod request;
 mod tcp_chunk;
 #[cfg(test)]
@@ -65,6 +67,10 @@ struct Inner {
     state: ArcSwap<MapState>,
     last_refresh: Mutex<Option<Instant>>,
     client_id: u64,
+    /// When the manager started (the time base of `Node::avoid_until_ms`).
+    clock: Instant,
+    /// Round trips of replicated reads (the automatic hedging delay).
+    latency: latency::RecentLatency,
 }
 
 #[derive(Debug, Default)]
@@ -140,6 +146,8 @@ impl TransportManager {
             rdma,
             last_refresh: Mutex::new(None),
             client_id,
+            clock: Instant::now(),
+            latency: latency::RecentLatency::default(),
         });
         inner.install_map(map, Install::Always);
         // Every node at once: one that is down costs one connect timeout in

@@ -52,19 +52,14 @@ impl Inner {
             if serves(request.valid_epoch, server_epoch) {
                 continue;
             }
-            // Trusted only when the refreshed map still sends the address
-            // to the same node and offset: anything else is not the range
-            // this request was resolved to.
+            // Trusted only when the refreshed map still has a replica of
+            // the address on the same node and offset: anything else is not
+            // the range this request was resolved to.
             let now_valid = state
                 .map
-                .lookup(request.gpa)
+                .replica_on(request.gpa, &node.id)
                 .filter(|l| l.remote_offset == request.remote_offset)
-                .filter(|l| {
-                    state
-                        .nodes
-                        .get(l.node_index)
-                        .is_some_and(|n| n.id == node.id)
-                })
+                .filter(|l| l.state.serves_reads() || l.state.takes_writes())
                 .map(|l| l.valid_epoch);
             if !now_valid.is_some_and(|valid| serves(valid, server_epoch)) {
                 tracing::debug!(

@@ -37,6 +37,9 @@ pub(super) struct Node {
     /// each until its own deadline).
     pub(super) dial_done: Condvar,
     pub(super) epoch: AtomicU64,
+    /// Until when (ms of `Inner::clock`) reads of replicated ranges prefer
+    /// other replicas: a request to this node failed.
+    pub(super) avoid_until_ms: AtomicU64,
     /// The data path last logged for this node (logged once per change).
     pub(super) logged_path: Mutex<Option<DataPath>>,
     /// Why the last attempt was refused, when that is more than "down"
@@ -90,6 +93,7 @@ impl Node {
             dial: Mutex::new(DialState::default()),
             dial_done: Condvar::new(),
             epoch: AtomicU64::new(0),
+            avoid_until_ms: AtomicU64::new(0),
             logged_path: Mutex::new(None),
             refusal: Mutex::new(None),
         }

@@ -21,6 +21,8 @@ const _: () = assert!(
 /// connection and batch id.
 pub(super) struct RdmaChunk {
     frames: [Option<PageFrame>; MAX_CHUNK],
+    /// Per request, the caller's page a READ is copied to.
+    dst: [*mut u8; MAX_CHUNK],
     group_of: [usize; MAX_CHUNK],
     pub(super) conns: [Option<Arc<RdmaConnection>>; MAX_CHUNK],
     ids: [Option<u64>; MAX_CHUNK],
@@ -31,6 +33,7 @@ impl RdmaChunk {
     pub(super) fn new() -> Self {
         Self {
             frames: [const { None }; MAX_CHUNK],
+            dst: [std::ptr::null_mut(); MAX_CHUNK],
             group_of: [usize::MAX; MAX_CHUNK],
             conns: [const { None }; MAX_CHUNK],
             ids: [None; MAX_CHUNK],
@@ -74,19 +77,17 @@ impl Drop for RdmaChunk {
     }
 }
 
-/// Where the pages of a chunk live.
+/// `read_frame`'s pool frame, which RDMA reads into directly: the chunk's
+/// one page. Taken while in flight; put back on success.
 pub(super) struct Pages<'a> {
-    /// Page i of the chunk is at `base + i * 4096` (the caller's buffers).
-    pub(super) base: *mut u8,
-    /// `read_frame`: the chunk's one page is this pool frame, which RDMA
-    /// reads into directly. Taken while in flight; put back on success.
     pub(super) frame: Option<&'a mut Option<PageFrame>>,
 }
 
 impl Inner {
     /// Posts `reqs` (request `members[i]` of the chunk is `reqs[i]`) to
     /// `conn` as group `group` of the chunk, each page through a pool frame.
-    /// Returns the first error; requests not posted get no frame.
+    /// Returns the first error; requests not posted get no frame and their
+    /// bit in `failed`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn submit_rdma(
         &self,
@@ -99,6 +100,7 @@ impl Inner {
         pages: &mut Pages<'_>,
         waiter: &Waiter,
         deadline: &Deadline,
+        failed: &mut u64,
     ) -> Option<TransportError> {
         let mut first_error = None;
         let mut ops = [PageOp {
@@ -112,6 +114,7 @@ impl Inner {
                 .checked_add(PAGE_SIZE as u64)
                 .is_some_and(|end| end <= conn.region_size_bytes());
             if !in_range {
+                *failed |= 1 << j;
                 first_error.get_or_insert(TransportError::Refused {
                     node: conn.node_id.clone(),
                     status: Status::OutOfRange,
@@ -123,6 +126,7 @@ impl Inner {
                 None => match self.alloc_frame(deadline) {
                     Some(frame) => frame,
                     None => {
+                        *failed |= 1 << j;
                         first_error.get_or_insert(TransportError::PoolExhausted {
                             capacity: self.pool.capacity(),
                         });
@@ -142,6 +146,7 @@ impl Inner {
             };
             k += 1;
             chunk.frames[j] = Some(frame);
+            chunk.dst[j] = req.page;
             chunk.group_of[j] = group;
         }
         if k > 0 {
@@ -164,7 +169,10 @@ impl Inner {
 
     /// After the wait: collects every batch's outcome, copies READ pages to
     /// the caller (or hands the frame back), and quarantines the frames of
-    /// failed batches. A timed-out or failed batch tears its QP down.
+    /// failed batches. A timed-out or failed batch tears its QP down. Sets
+    /// the bit in `failed` of every request that did not complete, and in
+    /// `lost` of those whose connection died first.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn settle_rdma(
         &self,
         chunk: &mut RdmaChunk,
@@ -172,6 +180,8 @@ impl Inner {
         answered: bool,
         write: bool,
         pages: &mut Pages<'_>,
+        failed: &mut u64,
+        lost: &mut u64,
     ) -> Option<TransportError> {
         let mut first_error = None;
         // Per group: None = nothing posted; Some(None) = timed out.
@@ -196,14 +206,22 @@ impl Inner {
             };
             let g = chunk.group_of[j];
             match outcome[g] {
+                Some(Some(0)) => {}
+                Some(Some(CODE_CONN_LOST)) => {
+                    *failed |= 1 << j;
+                    *lost |= 1 << j;
+                }
+                _ => *failed |= 1 << j,
+            }
+            match outcome[g] {
                 Some(Some(0)) if !write => match pages.frame.as_mut() {
                     Some(direct) => **direct = Some(frame),
                     None => {
-                        let dst = pages.base.wrapping_add(j * PAGE_SIZE);
+                        let dst = chunk.dst[j];
                         // SAFETY: the batch completed, so the device is done
-                        // with the frame; request j's page (`dst`) lies
-                        // inside the caller's buffer of the chunk's pages,
-                        // which this call borrows exclusively.
+                        // with the frame; request j's page (`dst`) is one
+                        // of the caller's pages, which this call borrows
+                        // exclusively.
                         unsafe { std::ptr::copy_nonoverlapping(frame.as_ptr(), dst, PAGE_SIZE) };
                     }
                 },

@@ -36,6 +36,11 @@ impl Inner {
         }
         let state = self.state.load();
         let loc = state.map.lookup(gpa)?;
+        // Replicated ranges (failover, writes to every replica) and ranges
+        // whose holder does not serve take the general path.
+        if loc.replicated || !loc.state.serves_reads() {
+            return None;
+        }
         let node = state.nodes.get(loc.node_index)?;
         let link = node.conn.load_full()?;
         let Link::Rdma(conn) = &*link else {

@@ -1,20 +1,71 @@
-//! One call's requests, end to end: resolve every address, group by node,
-//! submit each group (TCP or RDMA), wait, and settle; a chunk whose
-//! connection died before answering runs once more on a new one.
+//! One call's requests, end to end: resolve every address to the replicas
+//! it goes to, submit them grouped by node (TCP or RDMA), wait, and settle.
+//! A read that fails, or is not answered within the hedging delay, goes to
+//! the range's next live replica; a write goes to every replica that takes
+//! writes, and one that fails is marked stale (see `replicas.rs`). A
+//! request whose connection died before answering runs once more on a new
+//! one.
 
 use std::time::{Duration, Instant};
 
 use super::epoch::Fenced;
 use super::link::Link;
+use super::map_state::MapState;
 use super::rdma_batch::{Pages, RdmaChunk};
 use super::tcp_chunk::{self, Sent, TcpChunk};
 use super::{link, Inner, Node};
 use crate::config::PollMode;
 use crate::error::TransportError;
-use crate::page::is_page_aligned;
+use crate::gpa_map::Location;
+use crate::page::{is_page_aligned, PAGE_SIZE};
 use crate::pool::PageFrame;
 use crate::tcp::{Request, Waiter, MAX_CHUNK};
 use crate::wire::Opcode;
+
+/// One request of a window: a page of the caller's and the replica it goes
+/// to.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Target {
+    pub(super) gpa: u64,
+    /// The caller's page (READ: written on success; WRITE: sent).
+    pub(super) page: *mut u8,
+    pub(super) loc: Location,
+}
+
+impl Target {
+    const EMPTY: Self = Self {
+        gpa: 0,
+        page: std::ptr::null_mut(),
+        loc: Location {
+            node_index: 0,
+            remote_offset: 0,
+            rdma: None,
+            valid_epoch: 0,
+            range_start: 0,
+            replica: 0,
+            state: crate::coordinator::api::ReplicaState::Live,
+            replicated: false,
+        },
+    };
+}
+
+/// What one round of a window's requests came to.
+#[derive(Debug, Default)]
+pub(super) struct Outcome {
+    /// Bit k: target k did not complete.
+    pub(super) failed: u64,
+    /// Bit k: target k's connection died before it was answered.
+    pub(super) lost: u64,
+    /// The first error.
+    pub(super) error: Option<TransportError>,
+}
+
+impl Outcome {
+    fn fail(&mut self, k: usize, err: TransportError) {
+        self.failed |= 1 << k;
+        self.error.get_or_insert(err);
+    }
+}
 
 impl Inner {
     /// Runs `count` requests of one kind; page i is at `pages + i * 4096`.
@@ -28,87 +79,291 @@ impl Inner {
         mut frame: Option<&mut Option<PageFrame>>,
     ) -> Result<(), TransportError> {
         let started = Instant::now();
-        // `read_frame` is not retried here: its caller (the fault handler)
-        // retries on its own terms.
-        let retry = frame.is_none();
         if count == 1 {
             match self.run_single_rdma(opcode, gpas[0], pages, &mut frame) {
-                Some(Err(e)) if retry && connection_lost(&e) => {
-                    // Served again below, on a new connection, within what
-                    // is left of the same deadline.
+                // Served again below, on a new connection, within what is
+                // left of the same deadline. (`read_frame` is not: its
+                // caller, the fault handler, retries on its own terms.)
+                Some(Err(e)) if frame.is_none() && connection_lost(&e) => {
                     let deadline = started + self.config.request_timeout();
-                    let pages = Pages {
-                        base: pages,
-                        frame: None,
-                    };
-                    return self.run_chunk(opcode, gpas, pages, deadline);
+                    return self.run_window(opcode, gpas, pages, 0, None, deadline).1;
                 }
                 Some(result) => return result,
                 None => {}
             }
         }
         let mut first_error = None;
-        for chunk_start in (0..count).step_by(MAX_CHUNK) {
-            let chunk_end = (chunk_start + MAX_CHUNK).min(count);
-            let gpas = &gpas[chunk_start..chunk_end];
-            // SAFETY: `pages` covers `count` pages (checked by the callers), so
-            // chunk_start is in bounds.
-            let chunk_pages = unsafe { pages.add(chunk_start * crate::page::PAGE_SIZE) };
+        let mut next = 0;
+        while next < count {
             let deadline = Instant::now() + self.config.request_timeout();
-            let pages = Pages {
-                base: chunk_pages,
-                frame: frame.take(),
-            };
-            let mut result = self.run_chunk(opcode, gpas, pages, deadline);
-            if matches!(&result, Err(e) if retry && connection_lost(e)) {
-                // A connection that died before answering (e.g. the server
-                // closed it while idle): page reads and writes are
-                // idempotent, so the chunk runs once more on a new one.
-                let pages = Pages {
-                    base: chunk_pages,
-                    frame: None,
-                };
-                result = self.run_chunk(opcode, gpas, pages, deadline);
-            }
+            let (done, result) =
+                self.run_window(opcode, &gpas[..count], pages, next, frame.take(), deadline);
             if let Err(e) = result {
                 first_error.get_or_insert(e);
             }
+            next = done;
         }
         first_error.map_or(Ok(()), Err)
     }
 
-    fn run_chunk(
+    /// Runs the requests of `gpas[from..]` that fit in one window (up to
+    /// `MAX_CHUNK` targets, a write counting once per replica); returns
+    /// where the next window starts, and the window's first error.
+    fn run_window(
         &self,
         opcode: Opcode,
         gpas: &[u64],
-        mut chunk_pages: Pages<'_>,
+        pages: *mut u8,
+        from: usize,
+        mut frame: Option<&mut Option<PageFrame>>,
+        deadline: Instant,
+    ) -> (usize, Result<(), TransportError>) {
+        let write = opcode == Opcode::Write;
+        let mut targets = [Target::EMPTY; MAX_CHUNK];
+        let (state, n, end) = match self.resolve(write, gpas, pages, from, &mut targets, deadline)
+        {
+            Ok(resolved) => resolved,
+            // The address that failed is skipped; the next window starts
+            // after it.
+            Err((at, e)) => return (at + 1, Err(e)),
+        };
+        let result = if write {
+            self.write_replicas(&state, &mut targets[..n], frame.is_none(), deadline)
+        } else {
+            self.read_failover(&state, &mut targets[..n], &mut frame, deadline)
+        };
+        (end, result)
+    }
+
+    /// Resolves `gpas[from..]` into `targets` (reads: the replica to try
+    /// first; writes: every replica that takes writes) until the window is
+    /// full. Returns the map state the targets refer to, how many there
+    /// are, and where the window ends; or the index of the address that
+    /// cannot be served and why.
+    #[allow(clippy::type_complexity)]
+    fn resolve(
+        &self,
+        write: bool,
+        gpas: &[u64],
+        pages: *mut u8,
+        from: usize,
+        targets: &mut [Target; MAX_CHUNK],
+        deadline: Instant,
+    ) -> Result<(arc_swap::Guard<std::sync::Arc<MapState>>, usize, usize), (usize, TransportError)>
+    {
+        // A refresh (on a miss, or an address whose range has no replica
+        // to serve it) restarts the window on the new map: every target
+        // must index the same map's nodes.
+        let mut refreshed = false;
+        'again: loop {
+            let state = self.state.load();
+            let mut n = 0;
+            let mut i = from;
+            while i < gpas.len() {
+                let gpa = gpas[i];
+                if !is_page_aligned(gpa) {
+                    return Err((i, TransportError::Unaligned { gpa }));
+                }
+                // SAFETY: i < count and the caller's buffer holds count pages.
+                let page = unsafe { pages.add(i * PAGE_SIZE) };
+                let Some(primary) = state.map.lookup(gpa) else {
+                    if !refreshed {
+                        refreshed = true;
+                        self.refresh_on_miss(deadline);
+                        continue 'again;
+                    }
+                    return Err((i, TransportError::UnknownGpa { gpa }));
+                };
+                let lost = |this: &Self| TransportError::DataLost {
+                    gpa,
+                    node: this.node_name(&state, primary.node_index),
+                };
+                if write {
+                    let takers = (0..state.map.replica_count(gpa))
+                        .filter_map(|r| state.map.replica(gpa, r))
+                        .filter(|l| l.state.takes_writes());
+                    let count = takers.clone().count();
+                    if count == 0 {
+                        if !refreshed {
+                            refreshed = true;
+                            self.refresh_on_miss(deadline);
+                            continue 'again;
+                        }
+                        return Err((i, lost(self)));
+                    }
+                    if n + count > MAX_CHUNK {
+                        break;
+                    }
+                    for loc in takers {
+                        targets[n] = Target { gpa, page, loc };
+                        n += 1;
+                    }
+                } else {
+                    let Some(loc) = self.read_choice(&state, gpa, primary) else {
+                        if !refreshed {
+                            refreshed = true;
+                            self.refresh_on_miss(deadline);
+                            continue 'again;
+                        }
+                        return Err((i, lost(self)));
+                    };
+                    if n == MAX_CHUNK {
+                        break;
+                    }
+                    targets[n] = Target { gpa, page, loc };
+                    n += 1;
+                }
+                i += 1;
+            }
+            return Ok((state, n, i));
+        }
+    }
+
+    /// Reads `targets`; each one that fails, or is not answered within the
+    /// hedging delay while its range has another live replica, is read
+    /// from that replica, within `deadline`.
+    fn read_failover(
+        &self,
+        state: &MapState,
+        targets: &mut [Target],
+        frame: &mut Option<&mut Option<PageFrame>>,
         deadline: Instant,
     ) -> Result<(), TransportError> {
-        let pages = chunk_pages.base;
-        let n = gpas.len();
-        let mut state = self.state.load();
-        // Resolve every address first; refresh the map once on a miss.
-        let mut loc = [(0usize, 0u64); MAX_CHUNK];
-        let mut valid_epochs = [0u64; MAX_CHUNK];
-        for (i, &gpa) in gpas.iter().enumerate() {
-            if !is_page_aligned(gpa) {
-                return Err(TransportError::Unaligned { gpa });
-            }
-            let found = match state.map.lookup(gpa) {
-                Some(l) => l,
-                None => {
-                    self.refresh_on_miss(deadline);
-                    state = self.state.load();
-                    state
-                        .map
-                        .lookup(gpa)
-                        .ok_or(TransportError::UnknownGpa { gpa })?
-                }
-            };
-            loc[i] = (found.node_index, found.remote_offset);
-            valid_epochs[i] = found.valid_epoch;
+        let mut n = targets.len();
+        // Bit r of tried[k]: target k's replica r was tried.
+        let mut tried = [0u32; MAX_CHUNK];
+        for (t, tried) in targets.iter().zip(tried.iter_mut()) {
+            *tried = 1 << t.loc.replica;
         }
-        // Group by node, submit each group with one writev, wait for all.
+        // Target k already went again to the same replica.
+        let mut retried_same = [false; MAX_CHUNK];
+        loop {
+            let hedged = targets[..n].iter().any(|t| t.loc.replicated)
+                && targets[..n].iter().all(|t| self.other_reader(state, t, 0).is_some());
+            let round_deadline = if hedged {
+                deadline.min(Instant::now() + self.hedge_delay())
+            } else {
+                deadline
+            };
+            let started = Instant::now();
+            let pages = Pages {
+                frame: frame.as_deref_mut(),
+            };
+            let outcome = self.run_targets(Opcode::Read, state, &targets[..n], pages, round_deadline);
+            if outcome.failed == 0 {
+                if hedged {
+                    self.latency.record(started.elapsed());
+                }
+                return Ok(());
+            }
+            // Next round: every failed target on another live replica of
+            // its range; one whose connection died, on a new connection to
+            // the same one when there is no other (once).
+            let mut m = 0;
+            for k in 0..n {
+                if outcome.failed & (1 << k) == 0 {
+                    continue;
+                }
+                let t = targets[k];
+                self.avoid(state, t.loc.node_index);
+                let (next, same) = match self.other_reader(state, &t, tried[k]) {
+                    Some(loc) => (Some(loc), retried_same[k]),
+                    None if outcome.lost & (1 << k) != 0 && !retried_same[k] && frame.is_none() => {
+                        (Some(t.loc), true)
+                    }
+                    None => (None, false),
+                };
+                let Some(loc) = next else {
+                    return Err(outcome.error.unwrap_or_else(|| self.no_answer(state, &t)));
+                };
+                tracing::debug!(gpa = t.gpa, from = %self.node_name(state, t.loc.node_index), to = %self.node_name(state, loc.node_index), "read goes to another replica");
+                targets[m] = Target { loc, ..t };
+                tried[m] = tried[k] | 1 << loc.replica;
+                retried_same[m] = same;
+                m += 1;
+            }
+            n = m;
+            if Instant::now() >= deadline {
+                return Err(outcome.error.unwrap_or_else(|| self.no_answer(state, &targets[0])));
+            }
+            if let Some(slot) = frame.as_deref_mut() {
+                // A failed RDMA read quarantined `read_frame`'s frame: the
+                // next round reads into a new one.
+                if slot.is_none() {
+                    let new = self.pool.alloc().ok_or(TransportError::PoolExhausted {
+                        capacity: self.pool.capacity(),
+                    })?;
+                    targets[0].page = new.as_ptr();
+                    *slot = Some(new);
+                }
+            }
+        }
+    }
+
+    /// Writes `targets` (every replica of each page that takes writes);
+    /// a replica that fails is retried once on a new connection if its
+    /// connection died, then marked stale. A page's write succeeds when a
+    /// live replica took it and every replica that did not is stale.
+    fn write_replicas(
+        &self,
+        state: &MapState,
+        targets: &mut [Target],
+        may_retry: bool,
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
+        let n = targets.len();
+        let mut outcome = self.run_targets(
+            Opcode::Write,
+            state,
+            targets,
+            Pages { frame: None },
+            deadline,
+        );
+        if outcome.lost != 0 && may_retry {
+            // Page writes are idempotent: the ones whose connection died
+            // before answering go once more, on new connections.
+            let mut again = [Target::EMPTY; MAX_CHUNK];
+            let mut index = [0usize; MAX_CHUNK];
+            let mut m = 0;
+            for k in (0..n).filter(|k| outcome.lost & (1 << k) != 0) {
+                again[m] = targets[k];
+                index[m] = k;
+                m += 1;
+            }
+            let retry = self.run_targets(
+                Opcode::Write,
+                state,
+                &again[..m],
+                Pages { frame: None },
+                deadline,
+            );
+            for (j, &k) in index[..m].iter().enumerate() {
+                if retry.failed & (1 << j) == 0 {
+                    outcome.failed &= !(1 << k);
+                }
+            }
+            if outcome.failed & outcome.lost == outcome.lost {
+                outcome.error = retry.error.or(outcome.error);
+            }
+        }
+        if outcome.failed == 0 {
+            return Ok(());
+        }
+        self.settle_failed_writes(state, targets, outcome, deadline)
+    }
+
+    /// Submits `targets` grouped by node, waits until `deadline`, and
+    /// settles every request.
+    pub(super) fn run_targets(
+        &self,
+        opcode: Opcode,
+        state: &MapState,
+        targets: &[Target],
+        mut chunk_pages: Pages<'_>,
+        deadline: Instant,
+    ) -> Outcome {
+        let n = targets.len();
+        let mut outcome = Outcome::default();
         let rdma_deadline = crate::rdma::Deadline::at(deadline);
         // Declared before the chunks: their guards cancel every request
         // that refers to it before it goes, even when unwinding.
@@ -116,45 +371,41 @@ impl Inner {
         let mut tcp = TcpChunk::new();
         let mut rdma = RdmaChunk::new();
         let mut group_nodes = [usize::MAX; MAX_CHUNK];
-        let mut first_error: Option<TransportError> = None;
         let mut done = [false; MAX_CHUNK];
         let mut group_count = 0;
         for i in 0..n {
             if done[i] {
                 continue;
             }
-            let node_index = loc[i].0;
+            let node_index = targets[i].loc.node_index;
             let node = &state.nodes[node_index];
             let mut reqs = [Request {
                 offset: 0,
                 page: std::ptr::null_mut(),
             }; MAX_CHUNK];
             let mut members = [0usize; MAX_CHUNK];
-            let mut m = 0;
-            for j in i..n {
-                if !done[j] && loc[j].0 == node_index {
-                    done[j] = true;
-                    // SAFETY: j < n and the caller's buffer holds n pages.
-                    let page = unsafe { pages.add(j * crate::page::PAGE_SIZE) };
-                    reqs[m] = Request {
-                        offset: loc[j].1,
-                        page,
-                    };
-                    members[m] = j;
-                    m += 1;
-                }
-            }
             let mut fenced = [Fenced {
                 gpa: 0,
                 remote_offset: 0,
                 valid_epoch: 0,
             }; MAX_CHUNK];
-            for (f, &j) in fenced.iter_mut().zip(&members[..m]) {
-                *f = Fenced {
-                    gpa: gpas[j],
-                    remote_offset: loc[j].1,
-                    valid_epoch: valid_epochs[j],
-                };
+            let mut m = 0;
+            for j in i..n {
+                let t = &targets[j];
+                if !done[j] && t.loc.node_index == node_index {
+                    done[j] = true;
+                    reqs[m] = Request {
+                        offset: t.loc.remote_offset,
+                        page: t.page,
+                    };
+                    members[m] = j;
+                    fenced[m] = Fenced {
+                        gpa: t.gpa,
+                        remote_offset: t.loc.remote_offset,
+                        valid_epoch: t.loc.valid_epoch,
+                    };
+                    m += 1;
+                }
             }
             // Nothing goes to a server that is not in the epoch the
             // group's ranges are valid in (see `epoch.rs`).
@@ -180,13 +431,17 @@ impl Inner {
                         &mut chunk_pages,
                         &waiter,
                         &rdma_deadline,
+                        &mut outcome.failed,
                     ) {
-                        first_error.get_or_insert(e);
+                        outcome.error.get_or_insert(e);
                     }
                     continue;
                 }
                 Err(e) => {
-                    first_error.get_or_insert(e);
+                    for &j in &members[..m] {
+                        outcome.failed |= 1 << j;
+                    }
+                    outcome.error.get_or_insert(e);
                     continue;
                 }
             };
@@ -203,16 +458,22 @@ impl Inner {
                 tcp.sent[tcp.sent_count] = Sent {
                     group,
                     id,
-                    gpa: gpas[j],
+                    gpa: targets[j].gpa,
+                    target: j,
                 };
                 tcp.sent_count += 1;
             }
             if let Err((_, err)) = result {
                 tracing::debug!(node = %node.id, %err, "submitting to node failed");
-                first_error.get_or_insert(TransportError::NodeDown {
-                    node: node.id.clone(),
-                    reason: err.to_string(),
-                });
+                for &j in &members[armed..m] {
+                    outcome.fail(
+                        j,
+                        TransportError::NodeDown {
+                            node: node.id.clone(),
+                            reason: err.to_string(),
+                        },
+                    );
+                }
             }
             tcp.groups[group] = Some(conn);
         }
@@ -236,6 +497,7 @@ impl Inner {
             )
         };
         let sent_count = std::mem::take(&mut tcp.sent_count);
+        let write = opcode == Opcode::Write;
         for s in &tcp.sent[..sent_count] {
             let Some(conn) = tcp.groups[s.group].as_ref() else {
                 continue;
@@ -246,9 +508,11 @@ impl Inner {
                 conn.inflight.cancel(s.id)
             };
             let node = &state.nodes[group_nodes[s.group]];
-            let write = opcode == Opcode::Write;
             if let Some(e) = self.code_to_error(code, conn, node, *s, write) {
-                first_error.get_or_insert(e);
+                if connection_lost(&e) {
+                    outcome.lost |= 1 << s.target;
+                }
+                outcome.fail(s.target, e);
             }
         }
         if rdma.groups > 0 {
@@ -258,19 +522,41 @@ impl Inner {
                     nodes[g] = node;
                 }
             }
-            let write = opcode == Opcode::Write;
-            if let Some(e) =
-                self.settle_rdma(&mut rdma, &nodes, all_answered, write, &mut chunk_pages)
-            {
-                first_error.get_or_insert(e);
+            if let Some(e) = self.settle_rdma(
+                &mut rdma,
+                &nodes,
+                all_answered,
+                write,
+                &mut chunk_pages,
+                &mut outcome.failed,
+                &mut outcome.lost,
+            ) {
+                outcome.error.get_or_insert(e);
             }
         }
-        first_error.map_or(Ok(()), Err)
+        outcome
+    }
+
+    /// The id of the node at `node_index` of `state`.
+    pub(super) fn node_name(&self, state: &MapState, node_index: usize) -> String {
+        state
+            .nodes
+            .get(node_index)
+            .map_or_else(String::new, |n| n.id.clone())
+    }
+
+    /// The error of a request that failed without one (cannot happen: each
+    /// failure records its error; kept so that no path returns Ok).
+    fn no_answer(&self, state: &MapState, t: &Target) -> TransportError {
+        TransportError::Timeout {
+            node: self.node_name(state, t.loc.node_index),
+            timeout_ms: self.config.request_timeout_ms,
+        }
     }
 }
 
 /// The request failed because its connection died before it was answered
 /// (EOF or a reset), not because the node refused it or timed out.
-fn connection_lost(err: &TransportError) -> bool {
+pub(super) fn connection_lost(err: &TransportError) -> bool {
     matches!(err, TransportError::NodeDown { reason, .. } if reason == tcp_chunk::CONNECTION_LOST)
 }

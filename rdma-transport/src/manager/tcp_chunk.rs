@@ -19,6 +19,8 @@ pub(super) struct Sent {
     pub(super) id: u64,
     /// The page's guest-physical address (for errors about it).
     pub(super) gpa: u64,
+    /// Index of the request among the round's targets.
+    pub(super) target: usize,
 }
 
 /// The TCP side of one chunk: per node group its connection, and every

@@ -1,0 +1,205 @@
+//! Replicated ranges, client side: which replica a read goes to first and
+//! next, how long a read waits before it goes to another one (the hedging
+//! delay), and what becomes of a write that some replicas missed.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::map_state::MapState;
+use super::request::{Outcome, Target};
+use super::{Inner, RETRY_INTERVAL};
+use crate::coordinator::api::ReplicaState;
+use crate::error::TransportError;
+use crate::gpa_map::Location;
+
+/// Shortest automatic hedging delay: below it, the scheduling noise of a
+/// busy host would send reads to a second replica for nothing.
+const MIN_HEDGE_DELAY: Duration = Duration::from_millis(1);
+
+/// The automatic hedging delay is this many times the recent p99.
+const HEDGE_P99_FACTOR: u32 = 4;
+
+impl Inner {
+    /// The replica a read of `gpa` (whose primary is `primary`) goes to
+    /// first: the primary, unless its node failed a request in the last
+    /// `RETRY_INTERVAL` and another live replica's did not. `None` when no
+    /// replica of the range serves reads.
+    pub(super) fn read_choice(
+        &self,
+        state: &MapState,
+        gpa: u64,
+        primary: Location,
+    ) -> Option<Location> {
+        if !primary.state.serves_reads() {
+            return None;
+        }
+        if !primary.replicated || !self.avoided(state, primary.node_index) {
+            return Some(primary);
+        }
+        let readers = (0..state.map.replica_count(gpa))
+            .filter_map(|r| state.map.replica(gpa, r))
+            .filter(|l| l.state.serves_reads());
+        readers
+            .clone()
+            .find(|l| !self.avoided(state, l.node_index))
+            .or(Some(primary))
+    }
+
+    /// Another replica that serves reads of `t`'s page and is not in
+    /// `tried` (bit r: replica r), preferring one whose node did not fail
+    /// lately.
+    pub(super) fn other_reader(&self, state: &MapState, t: &Target, tried: u32) -> Option<Location> {
+        if !t.loc.replicated {
+            return None;
+        }
+        let tried = tried | 1 << t.loc.replica;
+        let mut readers = (0..state.map.replica_count(t.gpa))
+            .filter(|&r| r >= 32 || tried & (1 << r) == 0)
+            .filter_map(|r| state.map.replica(t.gpa, r))
+            .filter(|l| l.state.serves_reads());
+        readers
+            .clone()
+            .find(|l| !self.avoided(state, l.node_index))
+            .or_else(|| readers.next())
+    }
+
+    /// Remembers that a request to the node at `node_index` failed: reads
+    /// of replicated ranges prefer other replicas for `RETRY_INTERVAL`.
+    pub(super) fn avoid(&self, state: &MapState, node_index: usize) {
+        if let Some(node) = state.nodes.get(node_index) {
+            let until = self.clock_ms() + RETRY_INTERVAL.as_millis() as u64;
+            node.avoid_until_ms.store(until, Ordering::Relaxed);
+        }
+    }
+
+    fn avoided(&self, state: &MapState, node_index: usize) -> bool {
+        state
+            .nodes
+            .get(node_index)
+            .is_some_and(|n| n.avoid_until_ms.load(Ordering::Relaxed) > self.clock_ms())
+    }
+
+    /// Milliseconds since the manager started (never 0 after the first).
+    fn clock_ms(&self) -> u64 {
+        self.clock.elapsed().as_millis() as u64 + 1
+    }
+
+    /// How long a read of a replicated range waits for its replica before
+    /// it goes to another: `read_hedge_delay_us` when set, else
+    /// `HEDGE_P99_FACTOR` times the recent p99 of such reads, at least
+    /// `MIN_HEDGE_DELAY`; never more than half the request timeout.
+    pub(super) fn hedge_delay(&self) -> Duration {
+        let ceiling = self.config.request_timeout() / 2;
+        if self.config.read_hedge_delay_us > 0 {
+            return Duration::from_micros(self.config.read_hedge_delay_us).min(ceiling);
+        }
+        let auto = self
+            .latency
+            .p99()
+            .map_or(MIN_HEDGE_DELAY, |p99| (p99 * HEDGE_P99_FACTOR).max(MIN_HEDGE_DELAY));
+        auto.min(ceiling)
+    }
+
+    /// After a write round in which some targets failed: each page whose
+    /// write a live replica took has its other replicas that missed it
+    /// marked stale (at the coordinator, then in the map in use) before
+    /// the write counts as done. A page no live replica took failed.
+    pub(super) fn settle_failed_writes(
+        &self,
+        state: &MapState,
+        targets: &[Target],
+        outcome: Outcome,
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
+        let failed = |k: usize| outcome.failed & (1 << k) != 0;
+        // The first page no live replica took.
+        let mut untaken = None;
+        let mut stale = [(0u64, 0usize); crate::tcp::MAX_CHUNK];
+        let mut stale_count = 0;
+        let mut k = 0;
+        while k < targets.len() {
+            // A page's targets are adjacent (see `resolve`).
+            let (gpa, page) = (targets[k].gpa, targets[k].page);
+            let mut end = k;
+            while end < targets.len() && targets[end].gpa == gpa && targets[end].page == page {
+                end += 1;
+            }
+            let page_failed = (k..end).any(failed);
+            let live_took_it = (k..end)
+                .any(|j| !failed(j) && targets[j].loc.state == ReplicaState::Live);
+            if page_failed && !live_took_it {
+                untaken.get_or_insert(k);
+            } else if page_failed {
+                for j in (k..end).filter(|&j| failed(j)) {
+                    let key = (targets[j].loc.range_start, targets[j].loc.node_index);
+                    if !stale[..stale_count].contains(&key) {
+                        stale[stale_count] = key;
+                        stale_count += 1;
+                    }
+                }
+            }
+            k = end;
+        }
+        let mut first_error = None;
+        for &(range_start, node_index) in &stale[..stale_count] {
+            if let Err(e) = self.mark_stale(state, range_start, node_index, deadline) {
+                first_error.get_or_insert(e);
+            }
+        }
+        // A page no live replica took fails with the round's first error.
+        if let Some(k) = untaken {
+            return Err(outcome.error.unwrap_or_else(|| TransportError::NodeDown {
+                node: self.node_name(state, targets[k].loc.node_index),
+                reason: format!("no live replica took the write of {:#x}", targets[k].gpa),
+            }));
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Marks `node_index`'s replica of the range at `range_start` stale at
+    /// the coordinator, then in the map in use, so that no read goes to it.
+    fn mark_stale(
+        &self,
+        state: &MapState,
+        range_start: u64,
+        node_index: usize,
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
+        let node = self.node_name(state, node_index);
+        tracing::warn!(range_start, %node, "a replica missed a write: marking it stale");
+        let missed = |reason: String| TransportError::ReplicaMissedWrite {
+            gpa: range_start,
+            node: node.clone(),
+            reason,
+        };
+        let Some(client) = &self.coordinator else {
+            return Err(missed("no coordinator to mark it stale".into()));
+        };
+        let remaining = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(100));
+        let change = client
+            .mark_replica_stale(range_start, &node, remaining)
+            .map_err(|e| missed(e.to_string()))?;
+        // The coordinator's map at `change.version` has it stale: until a
+        // refresh brings that (or newer), the map in use says so too.
+        loop {
+            let old = self.state.load_full();
+            if old.map.version() >= change.version {
+                break;
+            }
+            let map = old
+                .map
+                .with_replica_state(range_start, &node, ReplicaState::Stale, change.version);
+            let new = std::sync::Arc::new(MapState {
+                map,
+                nodes: old.nodes.clone(),
+            });
+            let prev = self.state.compare_and_swap(&old, new);
+            if std::sync::Arc::ptr_eq(&prev, &old) {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
