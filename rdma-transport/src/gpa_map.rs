@@ -352,6 +352,47 @@ mod tests {
     }
 
     #[test]
+    fn reads_go_to_the_first_live_replica_writes_to_live_and_recovering() {
+        use crate::coordinator::api::Replica;
+        let replica = |node: &str, off: u64, state| Replica {
+            node_id: node.into(),
+            remote_offset: off,
+            valid_epoch: 1,
+            state,
+            recovery_seq: 0,
+        };
+        let mut e = entry(0, 0x4000, "a", 0);
+        e.replicas = vec![
+            replica("a", 0, ReplicaState::Stale),
+            replica("b", 0x10_000, ReplicaState::Live),
+            replica("c", 0x20_000, ReplicaState::Recovering),
+        ];
+        let m = GpaMap::from_response(MapResponse {
+            version: 5,
+            entries: vec![e],
+            nodes: vec![node("a"), node("b"), node("c")],
+        });
+        let primary = m.lookup(0x1000).unwrap();
+        assert_eq!((primary.node_index, primary.remote_offset), (1, 0x11_000));
+        assert!(primary.replicated && primary.state.serves_reads());
+        assert_eq!(m.replica_count(0x1000), 3);
+        let takers: Vec<usize> = (0..3)
+            .filter_map(|r| m.replica(0x1000, r))
+            .filter(|l| l.state.takes_writes())
+            .map(|l| l.node_index)
+            .collect();
+        assert_eq!(takers, vec![1, 2]);
+        assert_eq!(m.replica_on(0x2000, "c").map(|l| l.remote_offset), Some(0x22_000));
+        assert_eq!(m.ranges().next().map(|r| r.2), Some("b"));
+        // b marked stale: no replica serves reads; the first is reported.
+        let m = m.with_replica_state(0, "b", ReplicaState::Stale, 9);
+        assert_eq!(m.version(), 9);
+        let first = m.lookup(0).unwrap();
+        assert_eq!(first.node_index, 0);
+        assert!(!first.state.serves_reads());
+    }
+
+    #[test]
     fn holes_and_ends_miss() {
         let m = map();
         for gpa in [0x1_0000, 0x5_0000, 0xf_ffff, 0x10_4000, u64::MAX] {
