@@ -79,12 +79,14 @@ impl Inner {
         mut frame: Option<&mut Option<PageFrame>>,
     ) -> Result<(), TransportError> {
         let started = Instant::now();
+        // `read_frame` is not retried on a lost connection here: its
+        // caller, the fault handler, retries on its own terms.
+        let retry = frame.is_none();
         if count == 1 {
             match self.run_single_rdma(opcode, gpas[0], pages, &mut frame) {
                 // Served again below, on a new connection, within what is
-                // left of the same deadline. (`read_frame` is not: its
-                // caller, the fault handler, retries on its own terms.)
-                Some(Err(e)) if frame.is_none() && connection_lost(&e) => {
+                // left of the same deadline.
+                Some(Err(e)) if retry && connection_lost(&e) => {
                     let deadline = started + self.config.request_timeout();
                     return self.run_window(opcode, gpas, pages, 0, None, deadline).1;
                 }
@@ -342,9 +344,7 @@ impl Inner {
                     outcome.failed &= !(1 << k);
                 }
             }
-            if outcome.failed & outcome.lost == outcome.lost {
-                outcome.error = retry.error.or(outcome.error);
-            }
+            outcome.error = retry.error.or(outcome.error);
         }
         if outcome.failed == 0 {
             return Ok(());
