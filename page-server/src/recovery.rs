@@ -3,11 +3,11 @@
 //! copies the range from a live replica, by itself.
 //!
 //! Once registered, and then every heartbeat period, the thread reads the
-//! map. When this node's replica is stale it: asks the coordinator to mark
-//! it `recovering` (clients then send it every write, and it serves no
-//! reads); turns the write guard on (`recovery_guard.rs`); waits the grace
-//! period, so that every client has seen the change and writes here too;
-//! copies the range from the first live replica, 64 pages at a time at a
+//! map. When this node's replica is stale it: turns the write guard on
+//! (`recovery_guard.rs`); asks the coordinator to mark the replica
+//! `recovering` (clients then send it every write, and it serves no
+//! reads); waits the grace period, so that every client has seen the
+//! change and writes here too; copies the range from the first live replica, 64 pages at a time at a
 //! bounded rate, each page applied only if no client wrote it meanwhile;
 //! and asks the coordinator to mark it `live` under the recovery's number.
 //! A refusal (the replica went stale again meanwhile) or any failure turns
@@ -46,6 +46,8 @@ enum RecoveryError {
     Coordinator(#[from] CoordinatorError),
     #[error("the replica is no longer recovering under recovery {seq} (it went stale again, or this node restarted)")]
     Overtaken { seq: u64 },
+    #[error("the coordinator's answer names no replica of this node")]
+    NotAReplica,
     #[error("no live replica to copy from")]
     NoSource,
     #[error("copy from node {node}: {source}")]
@@ -251,13 +253,15 @@ impl Worker {
     /// copied in.
     fn recover(&self) -> Result<(u64, u64), RecoveryError> {
         let (gpa_start, me) = (self.plan.gpa_start, self.plan.node_id.as_str());
+        // Guard first: clients may write here as soon as the coordinator
+        // says `recovering`, before its answer reaches this thread. The
+        // caller turns it off whatever the outcome.
+        self.server.exported.guard.begin();
         let change = self.client.begin_recovery(gpa_start, me)?;
         let seq = self
             .own_replica(&change.entry)
             .map(|r| r.recovery_seq)
-            .ok_or(RecoveryError::Overtaken { seq: 0 })?;
-        let guard = &self.server.exported.guard;
-        guard.begin();
+            .ok_or(RecoveryError::NotAReplica)?;
         tracing::info!(
             node = %me,
             gpa_start = format_args!("{gpa_start:#x}"),

@@ -63,6 +63,11 @@ pub struct ChildServer {
 
 impl ChildServer {
     pub fn start(url: &str, node: &str, gpa_base: u64) -> Self {
+        Self::start_with(url, node, gpa_base, &[])
+    }
+
+    /// As [`ChildServer::start`], with more command-line flags.
+    pub fn start_with(url: &str, node: &str, gpa_base: u64, extra_args: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let ready = dir.path().join("ready");
         let child = Command::new(env!("CARGO_BIN_EXE_page-server"))
@@ -83,6 +88,7 @@ impl ChildServer {
                 "200",
                 "--insecure",
             ])
+            .args(extra_args)
             .arg("--ready-file")
             .arg(&ready)
             .stdout(Stdio::null())
