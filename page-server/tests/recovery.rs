@@ -13,25 +13,13 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::*;
-use rdma_transport::coordinator::api::{
-    MapEntry, MapResponse, NodeInfo, RangeState, Replica, ReplicaState,
-};
+use rdma_transport::coordinator::api::{MapEntry, MapResponse, Replica, ReplicaState};
 use rdma_transport::coordinator::CoordinatorClient;
-use rdma_transport::{ManagerConfig, Page, TransportKind, TransportManager, PAGE_SIZE};
+use rdma_transport::{Page, TransportManager, PAGE_SIZE};
 
 const PAGES: u64 = (NODE_BYTES / PAGE_SIZE) as u64;
 /// Long enough for several polls of the coordinator.
 const RECOVERY_LIMIT: Duration = Duration::from_secs(30);
-
-/// A page whose every u64 names its page index, `seed` and its own index.
-fn page_of(index: u64, seed: u64) -> Page {
-    let mut page = [0u8; PAGE_SIZE];
-    for (w, word) in page.chunks_exact_mut(8).enumerate() {
-        let value = (index << 40) | (seed << 20) | w as u64;
-        word.copy_from_slice(&value.to_le_bytes());
-    }
-    page
-}
 
 fn gpa(index: u64) -> u64 {
     index * PAGE_SIZE as u64
@@ -60,46 +48,9 @@ fn wait_for_state(admin: &CoordinatorClient, node: &str, state: ReplicaState) {
     );
 }
 
-/// A manager that sees the range on `node` alone, valid in that replica's
-/// epoch (so it reads and writes that one process, whatever its state).
+/// A manager on `node`'s replica alone (see `common::replica_manager`).
 fn manager_on(admin: &CoordinatorClient, node: &str) -> TransportManager {
-    let (entry, map) = only_entry(admin).expect("the range is mapped");
-    let r = entry
-        .replicas
-        .iter()
-        .find(|r| r.node_id == node)
-        .expect("node holds a replica")
-        .clone();
-    let info: NodeInfo = map
-        .nodes
-        .iter()
-        .find(|n| n.id == node)
-        .expect("node registered")
-        .clone();
-    let map = MapResponse {
-        version: 1,
-        entries: vec![MapEntry {
-            node_id: r.node_id,
-            remote_offset: r.remote_offset,
-            valid_epoch: r.valid_epoch,
-            state: RangeState::Live,
-            replicas: Vec::new(),
-            ..entry
-        }],
-        nodes: vec![info],
-    };
-    TransportManager::from_map(
-        ManagerConfig {
-            transport: TransportKind::Tcp,
-            request_timeout_ms: 2000,
-            connect_timeout_ms: 2000,
-            poller_cpus: Some(vec![]),
-            map_refresh_ms: 0,
-            ..ManagerConfig::default()
-        },
-        map,
-    )
-    .expect("manager over a fixed map")
+    replica_manager(&admin.map().expect("map"), node)
 }
 
 /// Coordinator and page-server `a` holding the range at GPA 0, with every
@@ -121,7 +72,7 @@ fn cluster_with_written_range() -> (
         .is_ok()
         && mgr.map().len() == 1));
     let gpas: Vec<u64> = (0..PAGES).map(gpa).collect();
-    let pages: Vec<Page> = (0..PAGES).map(|i| page_of(i, 1)).collect();
+    let pages: Vec<Page> = (0..PAGES).map(|i| page_indexed(i, 1)).collect();
     mgr.write_pages(&gpas, &pages).unwrap();
     (coord, a, db)
 }
@@ -156,7 +107,7 @@ fn a_new_replica_copies_the_range_and_turns_live() {
     assert_eq!(b.valid_epoch, node_epoch(&coord.url(), "b"));
     assert!(b.recovery_seq >= 1, "b went live through a recovery");
 
-    check_every_page(&admin, "b", |i| page_of(i, 1));
+    check_every_page(&admin, "b", |i| page_indexed(i, 1));
 }
 
 #[test]
@@ -173,7 +124,7 @@ fn writes_during_the_recovery_are_not_overwritten_by_the_copy() {
     // Pages 4k+1: new contents written to both replicas, as a client
     // writes to every live and recovering one.
     let both: Vec<u64> = (0..PAGES).filter(|i| i % 4 == 1).collect();
-    let new_both: Vec<Page> = both.iter().map(|&i| page_of(i, 2)).collect();
+    let new_both: Vec<Page> = both.iter().map(|&i| page_indexed(i, 2)).collect();
     let both_gpas: Vec<u64> = both.iter().map(|&i| gpa(i)).collect();
     to_b.write_pages(&both_gpas, &new_both).unwrap();
     to_a.write_pages(&both_gpas, &new_both).unwrap();
@@ -181,7 +132,7 @@ fn writes_during_the_recovery_are_not_overwritten_by_the_copy() {
     // whose copy on a the recovery read before it landed there: the copy
     // (seed 1, still on a) must not overwrite them.
     let b_only: Vec<u64> = (0..PAGES).filter(|i| i % 4 == 2).collect();
-    let new_b_only: Vec<Page> = b_only.iter().map(|&i| page_of(i, 3)).collect();
+    let new_b_only: Vec<Page> = b_only.iter().map(|&i| page_indexed(i, 3)).collect();
     let b_only_gpas: Vec<u64> = b_only.iter().map(|&i| gpa(i)).collect();
     to_b.write_pages(&b_only_gpas, &new_b_only).unwrap();
     assert_eq!(
@@ -193,8 +144,8 @@ fn writes_during_the_recovery_are_not_overwritten_by_the_copy() {
 
     wait_for_state(&admin, "b", ReplicaState::Live);
     check_every_page(&admin, "b", |i| match i % 4 {
-        1 => page_of(i, 2),
-        2 => page_of(i, 3),
-        _ => page_of(i, 1),
+        1 => page_indexed(i, 2),
+        2 => page_indexed(i, 3),
+        _ => page_indexed(i, 1),
     });
 }
