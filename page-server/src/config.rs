@@ -31,7 +31,8 @@ pub struct ServerConfig {
     /// with the node credential derived from it. `None`: insecure, any
     /// client is served and clients that hold a key refuse this server.
     pub cluster_key: Option<ClusterKey>,
-    /// Period of the heartbeat that keeps this node's lease alive.
+    /// Period of the heartbeat that keeps this node's lease alive, and of
+    /// the replica recovery's look at the map.
     pub heartbeat_interval: Duration,
     /// Wait between registration attempts while the coordinator is not up.
     pub register_retry: Duration,

@@ -44,7 +44,8 @@ struct Args {
     /// write the exported memory.
     #[arg(long)]
     insecure: bool,
-    /// Heartbeat period in milliseconds.
+    /// Heartbeat period in milliseconds (also how often the node checks
+    /// whether its replica needs recovering).
     #[arg(long, default_value_t = 1000)]
     heartbeat_ms: u64,
     /// Microseconds a connection thread keeps polling its socket after a
