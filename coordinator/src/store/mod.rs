@@ -186,4 +186,6 @@ impl Store {
 }
 
 #[cfg(test)]
+mod replica_tests;
+#[cfg(test)]
 mod tests;
