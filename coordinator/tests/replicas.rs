@@ -218,9 +218,10 @@ fn who_may_change_a_replica() {
 
 #[test]
 fn the_replica_limit_answers_429() {
-    let mut limits = Limits::default();
-    limits.max_replicas = 2;
-    let h = start_keyed(limits);
+    let h = start_keyed(Limits {
+        max_replicas: 2,
+        ..Limits::default()
+    });
     for (id, epoch) in [("a", 1), ("b", 2), ("c", 3)] {
         register(&h, id, epoch);
     }

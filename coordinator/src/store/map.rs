@@ -46,7 +46,7 @@ impl Store {
             Some(existing) if existing.row.gpa_start == request.gpa_start => {
                 if existing.row.length_bytes != request.length_bytes {
                     return Err(StoreError::Overlap {
-                        existing: existing.to_entry()?,
+                        existing: Box::new(existing.to_entry()?),
                     });
                 }
                 add_to_existing(&tx, limits, &existing, request, &node)?
@@ -54,7 +54,7 @@ impl Store {
             before => {
                 if let Some(existing) = before.filter(|e| e.end() > u128::from(request.gpa_start)) {
                     return Err(StoreError::Overlap {
-                        existing: existing.to_entry()?,
+                        existing: Box::new(existing.to_entry()?),
                     });
                 }
                 let request_end = u128::from(request.gpa_start) + u128::from(request.length_bytes);
@@ -62,7 +62,7 @@ impl Store {
                     .filter(|e| request_end > u128::from(e.row.gpa_start))
                 {
                     return Err(StoreError::Overlap {
-                        existing: existing.to_entry()?,
+                        existing: Box::new(existing.to_entry()?),
                     });
                 }
                 check_range_limits(&tx, limits, &request.node_id)?;

@@ -73,8 +73,9 @@ pub enum StoreError {
     /// A new range overlaps an existing entry.
     #[error("range overlaps the entry at gpa_start {:#x}", existing.gpa_start)]
     Overlap {
-        /// The entry in the way.
-        existing: MapEntry,
+        /// The entry in the way (boxed: it is much larger than the other
+        /// variants).
+        existing: Box<MapEntry>,
     },
 }
 
