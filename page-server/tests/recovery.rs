@@ -92,7 +92,6 @@ fn check_every_page(admin: &CoordinatorClient, node: &str, expected: impl Fn(u64
 }
 
 #[test]
-#[ignore = "needs the coordinator's replica routes (coord-replicas branch)"]
 fn a_new_replica_copies_the_range_and_turns_live() {
     let (coord, _a, _db) = cluster_with_written_range();
     let admin = coordinator_client(&coord.url());
@@ -111,7 +110,6 @@ fn a_new_replica_copies_the_range_and_turns_live() {
 }
 
 #[test]
-#[ignore = "needs the coordinator's replica routes (coord-replicas branch)"]
 fn writes_during_the_recovery_are_not_overwritten_by_the_copy() {
     let (coord, _a, _db) = cluster_with_written_range();
     let admin = coordinator_client(&coord.url());
