@@ -167,7 +167,8 @@ impl Load {
     fn wait_ops(&self, more: u64) {
         let target = self.ops.load(Ordering::Relaxed) + more;
         assert!(
-            wait_until(Duration::from_secs(60), || self.ops.load(Ordering::Relaxed) >= target),
+            wait_until(Duration::from_secs(60), || self.ops.load(Ordering::Relaxed)
+                >= target),
             "the load stalled at {} operations",
             self.ops.load(Ordering::Relaxed)
         );
@@ -185,7 +186,10 @@ fn verify_all(mgr: &TransportManager, expected: &Expected) -> usize {
         }
         mgr.read_page(gpa(p), &mut page)
             .unwrap_or_else(|e| panic!("page {p} unreadable: {e}"));
-        assert!(page == expected_page(p, *seed), "page {p} lost its last acknowledged write");
+        assert!(
+            page == expected_page(p, *seed),
+            "page {p} lost its last acknowledged write"
+        );
         checked += 1;
     }
     checked
@@ -206,7 +210,8 @@ fn replicated_range_survives_kill_restart_and_kill_of_the_other_replica() {
     a.kill();
     load.wait_ops(3000);
     assert!(
-        wait_until(Duration::from_secs(10), || state_of(&admin, "a") == Some(ReplicaState::Stale)),
+        wait_until(Duration::from_secs(10), || state_of(&admin, "a")
+            == Some(ReplicaState::Stale)),
         "the killed replica was not marked stale: {:?}",
         replica_states(&admin)
     );
@@ -225,8 +230,17 @@ fn replicated_range_survives_kill_restart_and_kill_of_the_other_replica() {
     load.stop.store(true, Ordering::Relaxed);
     let expected = handle.join().expect("load thread");
     let errors = load.errors.lock().clone();
-    assert!(errors.is_empty(), "{} errors reached the caller: {:?}", errors.len(), &errors[..errors.len().min(5)]);
-    assert_eq!(load.wrong.load(Ordering::Relaxed), 0, "wrong pages were read");
+    assert!(
+        errors.is_empty(),
+        "{} errors reached the caller: {:?}",
+        errors.len(),
+        &errors[..errors.len().min(5)]
+    );
+    assert_eq!(
+        load.wrong.load(Ordering::Relaxed),
+        0,
+        "wrong pages were read"
+    );
     let checked = verify_all(&mgr, &expected);
     assert!(checked > 50, "only {checked} pages were written");
     drop(a);
@@ -244,7 +258,11 @@ fn stopped_primary_reads_are_hedged_to_the_replica() {
         mgr.write_page(gpa(p), &page_for(gpa(p), 3)).expect("write");
     }
     // The primary is the replica registered first.
-    let primary = mgr.map().ranges().next().map(|(_, _, node)| node.to_owned());
+    let primary = mgr
+        .map()
+        .ranges()
+        .next()
+        .map(|(_, _, node)| node.to_owned());
     let (primary, name) = match primary.as_deref() {
         Some("a") => (&a, "a"),
         Some("b") => (&b, "b"),
@@ -269,12 +287,16 @@ fn stopped_primary_reads_are_hedged_to_the_replica() {
     assert!(reads > 100, "only {reads} reads in 5 s");
     // Served by the replica after the hedging delay, far from the 1 s
     // request deadline (the bound is loose: this host's timings are noisy).
-    assert!(slowest < Duration::from_millis(500), "slowest read took {slowest:?}");
+    assert!(
+        slowest < Duration::from_millis(500),
+        "slowest read took {slowest:?}"
+    );
     // Nothing was written while it was stopped: it is still live, and
     // everything reads back right from both after new writes.
     assert_eq!(state_of(&admin, name), Some(ReplicaState::Live));
     for p in 0..PAGES {
-        mgr.write_page(gpa(p), &page_for(gpa(p), 4)).expect("write after resume");
+        mgr.write_page(gpa(p), &page_for(gpa(p), 4))
+            .expect("write after resume");
     }
     let expected: Expected = vec![Some(4); PAGES as usize];
     assert_eq!(verify_all(&mgr, &expected), PAGES as usize);
@@ -313,7 +335,8 @@ fn guest_memory_faults_are_served_while_a_replica_is_killed() {
     }
     // And dirty pages go back to the survivor.
     for p in 0..PAGES {
-        ram.write(gpa(p), &page_for(gpa(p), 6)).expect("guest write");
+        ram.write(gpa(p), &page_for(gpa(p), 6))
+            .expect("guest write");
     }
     ram.flush().expect("flush to the survivor");
     let expected: Expected = vec![Some(6); PAGES as usize];

@@ -121,7 +121,11 @@ impl GpaMap {
                 continue;
             };
             if !is_page_aligned(gpa_start) || !is_page_aligned(length_bytes) {
-                tracing::warn!(gpa_start, length_bytes, "map entry is not 4 KiB aligned; ignored");
+                tracing::warn!(
+                    gpa_start,
+                    length_bytes,
+                    "map entry is not 4 KiB aligned; ignored"
+                );
                 continue;
             }
             if ranges.last().is_some_and(|prev| prev.gpa_end > gpa_start) {
@@ -239,10 +243,11 @@ impl GpaMap {
     /// The holder of `gpa`'s range on the node named `node_id`.
     pub fn replica_on(&self, gpa: u64, node_id: &str) -> Option<Location> {
         let r = self.range_of(gpa)?;
-        let i = r
-            .holders
-            .iter()
-            .position(|h| self.nodes.get(h.node_index).is_some_and(|n| n.id == node_id))?;
+        let i = r.holders.iter().position(|h| {
+            self.nodes
+                .get(h.node_index)
+                .is_some_and(|n| n.id == node_id)
+        })?;
         r.location(gpa, i)
     }
 
@@ -382,7 +387,10 @@ mod tests {
             .map(|l| l.node_index)
             .collect();
         assert_eq!(takers, vec![1, 2]);
-        assert_eq!(m.replica_on(0x2000, "c").map(|l| l.remote_offset), Some(0x22_000));
+        assert_eq!(
+            m.replica_on(0x2000, "c").map(|l| l.remote_offset),
+            Some(0x22_000)
+        );
         assert_eq!(m.ranges().next().map(|r| r.2), Some("b"));
         // b marked stale: no replica serves reads; the first is reported.
         let m = m.with_replica_state(0, "b", ReplicaState::Stale, 9);

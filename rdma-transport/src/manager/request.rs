@@ -122,8 +122,7 @@ impl Inner {
     ) -> (usize, Result<(), TransportError>) {
         let write = opcode == Opcode::Write;
         let mut targets = [Target::EMPTY; MAX_CHUNK];
-        let (state, n, end) = match self.resolve(write, gpas, pages, from, &mut targets, deadline)
-        {
+        let (state, n, end) = match self.resolve(write, gpas, pages, from, &mut targets, deadline) {
             Ok(resolved) => resolved,
             // The address that failed is skipped; the next window starts
             // after it.
@@ -241,7 +240,9 @@ impl Inner {
         let mut retried_same = [false; MAX_CHUNK];
         loop {
             let hedged = targets[..n].iter().any(|t| t.loc.replicated)
-                && targets[..n].iter().all(|t| self.other_reader(state, t, 0).is_some());
+                && targets[..n]
+                    .iter()
+                    .all(|t| self.other_reader(state, t, 0).is_some());
             let round_deadline = if hedged {
                 deadline.min(Instant::now() + self.hedge_delay())
             } else {
@@ -251,7 +252,8 @@ impl Inner {
             let pages = Pages {
                 frame: frame.as_deref_mut(),
             };
-            let outcome = self.run_targets(Opcode::Read, state, &targets[..n], pages, round_deadline);
+            let outcome =
+                self.run_targets(Opcode::Read, state, &targets[..n], pages, round_deadline);
             if outcome.failed == 0 {
                 if hedged {
                     self.latency.record(started.elapsed());
@@ -286,7 +288,9 @@ impl Inner {
             }
             n = m;
             if Instant::now() >= deadline {
-                return Err(outcome.error.unwrap_or_else(|| self.no_answer(state, &targets[0])));
+                return Err(outcome
+                    .error
+                    .unwrap_or_else(|| self.no_answer(state, &targets[0])));
             }
             if let Some(slot) = frame.as_deref_mut() {
                 // A failed RDMA read quarantined `read_frame`'s frame: the
