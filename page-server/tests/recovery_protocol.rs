@@ -75,6 +75,15 @@ fn a_stale_replica_copies_the_range_and_turns_live() {
     let b = server(&fake, "b", 100, 0);
     wait_for(&fake, "b", ReplicaState::Live);
     check_every_page(&fake, "b", |i| page_indexed(i, 1));
+    // Counted once `live` was answered: after the coordinator shows it.
+    assert!(
+        wait_until(LIMIT, || {
+            let s = b.stats();
+            s.recoveries == 1 && !s.recovery_running
+        }),
+        "{:?}",
+        b.stats()
+    );
     let stats = b.stats();
     assert_eq!(
         (
@@ -138,6 +147,13 @@ fn an_overtaken_recovery_is_refused_and_done_again() {
         fake.state.lock().finish_requests,
         [("b".to_owned(), 1), ("b".to_owned(), 2)],
         "the first recovery's `live` was refused, the second's accepted"
+    );
+    // The server counts a recovery once `live` was answered: after the
+    // coordinator shows it.
+    assert!(
+        wait_until(LIMIT, || b.stats().recoveries == 1),
+        "{:?}",
+        b.stats()
     );
     let stats = b.stats();
     assert_eq!((stats.recoveries, stats.recovery_failures), (1, 1));
