@@ -33,8 +33,11 @@ pub struct Limits {
     pub max_nodes: usize,
     /// Map entries at most; claiming one more answers 429.
     pub max_ranges: usize,
-    /// Map entries one node may own at most; claiming one more answers 429.
+    /// Replicas one node may hold at most (a range it alone holds counts
+    /// one); claiming one more answers 429.
     pub max_ranges_per_node: usize,
+    /// Replicas of one range at most (its holders); one more answers 429.
+    pub max_replicas: usize,
     /// Connections served at once; more wait in the listen backlog.
     pub max_connections: usize,
     /// A connection that has not sent a whole request head this long after
@@ -51,6 +54,7 @@ impl Default for Limits {
             max_nodes: 4096,
             max_ranges: 65536,
             max_ranges_per_node: 4096,
+            max_replicas: 3,
             max_connections: 256,
             header_timeout_ms: 10_000,
             body_timeout_ms: 10_000,

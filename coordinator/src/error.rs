@@ -88,6 +88,10 @@ impl From<StoreError> for ApiError {
             StoreError::NotOwner { gpa_start, owner } => Self::Forbidden(format!(
                 "the range at {gpa_start:#x} belongs to node {owner:?}"
             )),
+            StoreError::NoReplica { gpa_start, node_id } => Self::NotFound(format!(
+                "node {node_id:?} holds no replica of the range at {gpa_start:#x}"
+            )),
+            error @ StoreError::ReplicaRefused { .. } => Self::Conflict(error.to_string()),
             other => Self::Internal(format!("database: {other}")),
         }
     }

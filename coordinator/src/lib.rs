@@ -30,4 +30,4 @@ pub use error::ServeError;
 pub use routes::{route_table, HttpMethod, Route};
 pub use server::{serve, Server};
 pub use spawn::{spawn, RunningCoordinator};
-pub use store::StoreError;
+pub use store::{ReplicaRefusal, StoreError};

@@ -80,9 +80,12 @@ struct ServeArgs {
     /// Map entries at most.
     #[arg(long, default_value_t = Limits::default().max_ranges)]
     max_ranges: usize,
-    /// Map entries one node may own at most.
+    /// Replicas one node may hold at most (its ranges).
     #[arg(long, default_value_t = Limits::default().max_ranges_per_node)]
     max_ranges_per_node: usize,
+    /// Replicas (holders) of one range at most.
+    #[arg(long, default_value_t = Limits::default().max_replicas)]
+    max_replicas: usize,
     /// Connections served at once.
     #[arg(long, default_value_t = Limits::default().max_connections)]
     max_connections: usize,
@@ -125,6 +128,7 @@ async fn main() -> anyhow::Result<()> {
             max_nodes: args.max_nodes,
             max_ranges: args.max_ranges,
             max_ranges_per_node: args.max_ranges_per_node,
+            max_replicas: args.max_replicas,
             max_connections: args.max_connections,
             header_timeout_ms: args.header_timeout_ms,
             body_timeout_ms: args.body_timeout_ms,

@@ -49,6 +49,7 @@ impl Server {
                 max_nodes: limits.max_nodes,
                 max_ranges: limits.max_ranges,
                 max_ranges_per_node: limits.max_ranges_per_node,
+                max_replicas: limits.max_replicas,
             });
             Ok(store)
         })
@@ -125,6 +126,7 @@ fn check(config: &CoordinatorConfig) -> Result<(), ServeError> {
         ("max_nodes", l.max_nodes as u64),
         ("max_ranges", l.max_ranges as u64),
         ("max_ranges_per_node", l.max_ranges_per_node as u64),
+        ("max_replicas", l.max_replicas as u64),
         ("max_connections", l.max_connections as u64),
         ("header_timeout_ms", l.header_timeout_ms),
         ("body_timeout_ms", l.body_timeout_ms),

@@ -62,6 +62,7 @@ fn every_route_but_health_needs_a_credential() {
         let path = route
             .path
             .replace("{id}", "n1")
+            .replace("{node_id}", "n1")
             .replace("{gpa_start}", "0")
             .replace("/v1/resolve", "/v1/resolve?gpa=0");
         let method = Method::from_bytes(route.method.as_str().as_bytes()).expect("method");

@@ -143,11 +143,15 @@ fn ranges_conflicts_and_idempotent_re_add() {
     assert_eq!(
         created.body,
         json!({ "gpa_start": 0x10_0000, "length_bytes": 0x4000, "node_id": "a", "remote_offset": 0x2000,
-                "valid_epoch": 0, "state": "live" })
+                "valid_epoch": 0, "state": "live",
+                "replicas": [{ "node_id": "a", "remote_offset": 0x2000, "valid_epoch": 0,
+                               "state": "live", "recovery_seq": 0 }] })
     );
 
+    // (The same start and length by "b" is a replica of the range: see
+    // replicas.rs.)
     for (start, length, node) in [
-        (0x10_0000, 0x4000, "b"),
+        (0x10_0000, 0x1000, "b"),
         (0x10_1000, 0x1000, "b"),
         (0x0f_f000, 0x2000, "b"),
         (0x10_0000, 0x1000, "a"),

@@ -89,7 +89,11 @@ fn collect_refs(value: &Value, out: &mut Vec<String>) {
 fn every_route_in_the_table_is_served() {
     let h = common::start(None, 3000);
     for route in route_table() {
-        let path = route.path.replace("{id}", "n1").replace("{gpa_start}", "0");
+        let path = route
+            .path
+            .replace("{id}", "n1")
+            .replace("{node_id}", "n1")
+            .replace("{gpa_start}", "0");
         let method = reqwest::Method::from_bytes(route.method.as_str().as_bytes()).expect("method");
         let answer = h.call(method, &path, None);
         let message = answer.body["message"].as_str().unwrap_or("");

@@ -22,6 +22,12 @@ pub enum Access {
     OwnNode,
     /// Admin or any node; the handler lets a node touch only its own ranges.
     OwnRange,
+    /// Admin or the client credential, not nodes (a client reports a
+    /// replica that missed its write).
+    Writer,
+    /// Admin, or the node named by the path's `{node_id}` of
+    /// `.../replicas/{node_id}/...`.
+    OwnReplica,
     /// Admin only.
     Admin,
 }
@@ -75,6 +81,10 @@ fn permit(access: Access, caller: &Caller, path: &str) -> Result<(), ApiError> {
         (_, Caller::Anonymous) => Err(ApiError::Unauthorized),
         (Access::OwnNode, caller) => caller.check_may_change(path_node_id(path).unwrap_or("")),
         (Access::OwnRange, Caller::Node(_)) => Ok(()),
+        (Access::OwnReplica, caller) => {
+            caller.check_may_change(path_replica_node_id(path).unwrap_or(""))
+        }
+        (Access::Writer, Caller::Client) => Ok(()),
         (_, Caller::Node(own)) => Err(ApiError::Forbidden(format!(
             "only the admin credential may do this, not node {own:?}'s"
         ))),
@@ -88,6 +98,12 @@ fn permit(access: Access, caller: &Caller, path: &str) -> Result<(), ApiError> {
 /// caller's id: a percent-encoded spelling of it is refused, never let in.
 fn path_node_id(path: &str) -> Option<&str> {
     path.split('/').skip_while(|s| *s != "nodes").nth(1)
+}
+
+/// The raw `{node_id}` of `.../replicas/{node_id}/...`, compared like
+/// [`path_node_id`]'s.
+fn path_replica_node_id(path: &str) -> Option<&str> {
+    path.split('/').skip_while(|s| *s != "replicas").nth(1)
 }
 
 #[cfg(test)]
@@ -114,5 +130,19 @@ mod tests {
         ));
         assert!(permit(Access::Admin, &Caller::Admin, "/v1/nodes/a").is_ok());
         assert!(permit(Access::Admin, &Caller::Unchecked, "/v1/nodes/a").is_ok());
+        let stale = "/v1/map/0/replicas/b/stale";
+        assert!(permit(Access::Writer, &Caller::Client, stale).is_ok());
+        assert!(permit(Access::Writer, &Caller::Admin, stale).is_ok());
+        assert!(permit(Access::Writer, &a, "/v1/map/0/replicas/a/stale").is_err());
+        assert!(matches!(
+            permit(Access::Writer, &Caller::Anonymous, stale),
+            Err(ApiError::Unauthorized)
+        ));
+        let own = "/v1/map/0/replicas/a/recovering";
+        assert!(permit(Access::OwnReplica, &a, own).is_ok());
+        assert!(permit(Access::OwnReplica, &a, "/v1/map/0/replicas/b/live").is_err());
+        assert!(permit(Access::OwnReplica, &a, "/v1/map/0/replicas/%61/live").is_err());
+        assert!(permit(Access::OwnReplica, &Caller::Client, own).is_err());
+        assert!(permit(Access::OwnReplica, &Caller::Admin, own).is_ok());
     }
 }

@@ -23,8 +23,8 @@ pub(super) async fn get_map(State(state): State<AppState>) -> Result<Json<MapRes
     }))
 }
 
-/// `POST /v1/map`: 201 for a new entry, 200 when an identical range of the
-/// same node was refreshed.
+/// `POST /v1/map`: 201 for a new range or a new replica of one, 200 when
+/// the node's replica of the range was refreshed.
 pub(super) async fn add_range(
     State(state): State<AppState>,
     caller: Caller,
@@ -47,22 +47,20 @@ pub(super) async fn add_range(
     Ok((status, Json(entry)))
 }
 
-/// `DELETE /v1/map/{gpa_start}` (decimal or `0x` hex). A node may remove
-/// only its own ranges.
+/// `DELETE /v1/map/{gpa_start}` (decimal or `0x` hex). A node removes only
+/// its replica (the range goes with its last one); admin the whole range.
 pub(super) async fn remove_range(
     State(state): State<AppState>,
     caller: Caller,
     ApiPath(text): ApiPath<String>,
 ) -> Result<StatusCode, ApiError> {
-    let gpa_start = parse_u64(&text).ok_or_else(|| {
-        ApiError::BadRequest(format!("gpa_start {text:?} is not a decimal or 0x-hex u64"))
-    })?;
+    let gpa_start = validate::gpa_start(&text)?;
     let owner = caller.owner_scope().map(str::to_owned);
     let removed = state
         .db(move |store| store.remove_range(gpa_start, owner.as_deref()))
         .await?;
     if removed {
-        tracing::info!(gpa_start, "range unmapped");
+        tracing::info!(gpa_start, "range or replica unmapped");
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::NotFound(format!(
@@ -71,16 +69,15 @@ pub(super) async fn remove_range(
     }
 }
 
-/// `POST /v1/map/{gpa_start}/reinitialise` (admin only): the range's
-/// contents are its owner's memory as it is now (zeros after a restart), so
-/// clients serve it again. The operator's answer to a `lost` range.
+/// `POST /v1/map/{gpa_start}/reinitialise` (admin only): a `lost` range's
+/// contents are its holders' memory as it is now (zeros after a restart),
+/// so clients serve it again. The operator's answer to a `lost` range; a
+/// range with a live replica is returned unchanged.
 pub(super) async fn reinitialise_range(
     State(state): State<AppState>,
     ApiPath(text): ApiPath<String>,
 ) -> Result<Json<MapEntry>, ApiError> {
-    let gpa_start = parse_u64(&text).ok_or_else(|| {
-        ApiError::BadRequest(format!("gpa_start {text:?} is not a decimal or 0x-hex u64"))
-    })?;
+    let gpa_start = validate::gpa_start(&text)?;
     let entry = state
         .db(move |store| store.reinitialise_range(gpa_start))
         .await?;
@@ -88,7 +85,7 @@ pub(super) async fn reinitialise_range(
         gpa_start,
         node = %entry.node_id,
         valid_epoch = entry.valid_epoch,
-        "range re-initialised: its contents are the owner's memory as it is now"
+        "range re-initialised unless live: its contents are the holders' memory as it is now"
     );
     Ok(Json(entry))
 }

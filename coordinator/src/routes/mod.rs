@@ -8,6 +8,7 @@ mod health;
 mod map;
 mod nodes;
 mod rdma;
+mod replicas;
 
 use axum::extract::DefaultBodyLimit;
 use axum::middleware;
@@ -135,6 +136,24 @@ static ROUTES: &[Route] = &[
         "/v1/map/{gpa_start}/reinitialise",
         Access::Admin,
         |m| on(m, map::reinitialise_range),
+    ),
+    route(
+        HttpMethod::Post,
+        "/v1/map/{gpa_start}/replicas/{node_id}/stale",
+        Access::Writer,
+        |m| on(m, replicas::mark_stale),
+    ),
+    route(
+        HttpMethod::Post,
+        "/v1/map/{gpa_start}/replicas/{node_id}/recovering",
+        Access::OwnReplica,
+        |m| on(m, replicas::begin_recovery),
+    ),
+    route(
+        HttpMethod::Post,
+        "/v1/map/{gpa_start}/replicas/{node_id}/live",
+        Access::OwnReplica,
+        |m| on(m, replicas::finish_recovery),
     ),
     route(HttpMethod::Get, "/v1/resolve", Access::Read, |m| {
         on(m, map::resolve)

@@ -1,7 +1,9 @@
 //! Mapping between Rust values and SQLite columns.
 
-use rdma_transport::coordinator::api::{MapEntry, RangeState, RdmaEndpoint, RdmaRegion};
+use rdma_transport::coordinator::api::{RdmaEndpoint, RdmaRegion};
 use rusqlite::Row;
+
+use super::effective::{RangeRow, StoredReplica};
 
 const SIGN_BIT: u64 = 1 << 63;
 
@@ -33,24 +35,16 @@ pub(super) fn epoch_from_sql(value: i64) -> u64 {
     u64::from_ne_bytes(value.to_ne_bytes())
 }
 
-/// Columns selected by [`entry_from_row`], in order, from `map_entries`
-/// (the last one is the owner's current epoch, for the entry's state).
-pub(super) const ENTRY_COLUMNS: &str =
-    "gpa_start, length_bytes, node_id, remote_offset, rdma_addr, rdma_rkey, valid_epoch,
-     (SELECT epoch FROM nodes WHERE nodes.id = map_entries.node_id)";
+/// Columns selected by [`range_row`], in order, from `map_entries`.
+pub(super) const RANGE_COLUMNS: &str = "gpa_start, length_bytes, rdma_addr, rdma_rkey";
 
-/// Reads a map entry from a row of [`ENTRY_COLUMNS`].
-pub(super) fn entry_from_row(row: &Row<'_>) -> rusqlite::Result<MapEntry> {
-    let rdma_addr: Option<i64> = row.get(4)?;
-    let rdma_rkey: Option<u32> = row.get(5)?;
-    let valid_epoch = epoch_from_sql(row.get(6)?);
-    // No owner row cannot happen (foreign key); read as "unknown" (0).
-    let owner_epoch = epoch_from_sql(row.get::<_, Option<i64>>(7)?.unwrap_or(0));
-    Ok(MapEntry {
+/// Reads a range row of [`RANGE_COLUMNS`].
+pub(super) fn range_row(row: &Row<'_>) -> rusqlite::Result<RangeRow> {
+    let rdma_addr: Option<i64> = row.get(2)?;
+    let rdma_rkey: Option<u32> = row.get(3)?;
+    Ok(RangeRow {
         gpa_start: dec(row.get(0)?),
         length_bytes: dec(row.get(1)?),
-        node_id: row.get(2)?,
-        remote_offset: dec(row.get(3)?),
         rdma: match (rdma_addr, rdma_rkey) {
             (Some(addr), Some(rkey)) => Some(RdmaRegion {
                 addr: dec(addr),
@@ -58,10 +52,36 @@ pub(super) fn entry_from_row(row: &Row<'_>) -> rusqlite::Result<MapEntry> {
             }),
             _ => None,
         },
-        valid_epoch,
-        state: RangeState::of(valid_epoch, owner_epoch),
-        replicas: Vec::new(),
     })
+}
+
+/// Columns selected by [`replica_row`], in order, from `map_replicas AS r`
+/// (the last one is the holder's current epoch, for the replica's
+/// effective state); select `FROM` [`REPLICA_FROM`].
+pub(super) const REPLICA_COLUMNS: &str =
+    "r.gpa_start, r.node_id, r.rank, r.remote_offset, r.valid_epoch, r.state, r.recovery_seq,
+     (SELECT epoch FROM nodes WHERE nodes.id = r.node_id)";
+
+/// The table [`REPLICA_COLUMNS`] reads.
+pub(super) const REPLICA_FROM: &str = "map_replicas AS r";
+
+/// Reads a replica row of [`REPLICA_COLUMNS`]: its range's `gpa_start` and
+/// the replica.
+pub(super) fn replica_row(row: &Row<'_>) -> rusqlite::Result<(u64, StoredReplica)> {
+    // No holder row cannot happen (foreign key); read as "unknown" (0).
+    let node_epoch = epoch_from_sql(row.get::<_, Option<i64>>(7)?.unwrap_or(0));
+    Ok((
+        dec(row.get(0)?),
+        StoredReplica {
+            node_id: row.get(1)?,
+            rank: row.get(2)?,
+            remote_offset: dec(row.get(3)?),
+            valid_epoch: epoch_from_sql(row.get(4)?),
+            state: row.get(5)?,
+            recovery_seq: dec(row.get(6)?),
+            node_epoch,
+        },
+    ))
 }
 
 /// Columns selected by [`node_from_row`], in order.

@@ -1,150 +1,162 @@
-//! Map entries: add (with overlap check), remove, resolve.
+//! Map entries: add a range or a replica of one (with the overlap check),
+//! remove, re-initialise, resolve.
 
-use rdma_transport::coordinator::api::{MapEntry, RangeRequest, RangeState};
-use rusqlite::{params, Connection, OptionalExtension};
+use rdma_transport::coordinator::api::{MapEntry, RangeRequest};
+use rusqlite::{params, Connection};
 
-use super::codec::{enc, entry_from_row, epoch_to_sql, ENTRY_COLUMNS};
+use super::codec::{enc, epoch_to_sql};
+use super::effective::{StoredRange, StoredState};
 use super::schema::{bump_version, version};
-use super::{nodes, AddOutcome, NodeRecord, Store, StoreError, StoreLimits};
+use super::{load, nodes, replicas, AddOutcome, NodeRecord, Store, StoreError, StoreLimits};
 
 impl Store {
-    /// Adds a range; the request must already be validated (aligned, no
-    /// overflow). An entry with the same `gpa_start`, `length_bytes` and
-    /// `node_id` is refreshed instead ([`AddOutcome::Updated`]).
+    /// Adds a range, or a replica of one; the request must already be
+    /// validated (aligned, no overflow).
     ///
-    /// A new range is valid in its owner's current epoch. A refreshed one
-    /// keeps its `valid_epoch` (an owner that restarted re-claims its range
-    /// with empty memory: the range stays `lost`), unless that is 0
-    /// (unknown: a revision-1 database or an owner that sent no epoch), which
-    /// the owner's current epoch replaces.
+    /// - A new range (overlapping none) gets one replica, `live` in the
+    ///   node's current epoch ([`AddOutcome::Created`]).
+    /// - The same `gpa_start` and `length_bytes` as a range the node holds
+    ///   no replica of: a new replica of higher rank, stored `stale` in the
+    ///   node's current epoch (it must copy the contents in before it
+    ///   serves; see [`Store::begin_recovery`]), refused past
+    ///   `max_replicas` ([`AddOutcome::Created`]).
+    /// - A range the node already holds: its `remote_offset` is refreshed;
+    ///   its state and `valid_epoch` are kept (a holder that restarted
+    ///   re-claims its range with empty memory: its replica stays stale or
+    ///   lost), unless that is 0 (unknown: an older database or a node that
+    ///   sent no epoch), which the node's current epoch replaces
+    ///   ([`AddOutcome::Updated`]).
     ///
     /// Bumps the version when something changed.
+    ///
+    /// # Errors
+    /// [`StoreError::Overlap`] for a partial overlap or another length at
+    /// the same start, [`StoreError::LimitReached`], [`StoreError::UnknownNode`].
     pub fn add_range(
         &mut self,
         request: &RangeRequest,
     ) -> Result<(MapEntry, AddOutcome), StoreError> {
         let limits = self.limits;
         let tx = self.conn.transaction()?;
-        let Some(owner) = nodes::get(&tx, &request.node_id)? else {
+        let Some(node) = nodes::get(&tx, &request.node_id)? else {
             return Err(StoreError::UnknownNode(request.node_id.clone()));
         };
-        let before = at_or_before(&tx, request.gpa_start)?;
-        let valid_epoch = match &before {
-            Some(e) if e.gpa_start == request.gpa_start && e.valid_epoch != 0 => e.valid_epoch,
-            _ => owner.epoch,
-        };
-        let wanted = MapEntry {
-            gpa_start: request.gpa_start,
-            length_bytes: request.length_bytes,
-            node_id: request.node_id.clone(),
-            remote_offset: request.remote_offset,
-            // Never stored or published: each client gets a key of its own
-            // in the page-server's authenticated handshake.
-            rdma: None,
-            valid_epoch,
-            state: RangeState::of(valid_epoch, owner.epoch),
-            replicas: Vec::new(),
-        };
-        let is_new = !matches!(&before, Some(e) if e.gpa_start == request.gpa_start);
-        if is_new {
-            check_range_limits(&tx, limits, &request.node_id)?;
-        }
+        let before = load::at_or_before(&tx, request.gpa_start)?;
         let outcome = match before {
-            Some(existing) if existing.gpa_start == request.gpa_start => {
-                if existing.length_bytes != request.length_bytes
-                    || existing.node_id != request.node_id
-                {
-                    return Err(StoreError::Overlap { existing });
+            Some(existing) if existing.row.gpa_start == request.gpa_start => {
+                if existing.row.length_bytes != request.length_bytes {
+                    return Err(StoreError::Overlap {
+                        existing: Box::new(existing.to_entry()?),
+                    });
                 }
-                if existing != wanted {
-                    write(&tx, &wanted)?;
-                    bump_version(&tx)?;
-                }
-                AddOutcome::Updated
+                add_to_existing(&tx, limits, &existing, request, &node)?
             }
-            _ => {
-                if let Some(existing) = before.filter(|e| end(e) > u128::from(request.gpa_start)) {
-                    return Err(StoreError::Overlap { existing });
+            before => {
+                if let Some(existing) = before.filter(|e| e.end() > u128::from(request.gpa_start)) {
+                    return Err(StoreError::Overlap {
+                        existing: Box::new(existing.to_entry()?),
+                    });
                 }
-                if let Some(existing) = after(&tx, request.gpa_start)?
-                    .filter(|e| end(&wanted) > u128::from(e.gpa_start))
+                let request_end = u128::from(request.gpa_start) + u128::from(request.length_bytes);
+                if let Some(existing) = load::after(&tx, request.gpa_start)?
+                    .filter(|e| request_end > u128::from(e.row.gpa_start))
                 {
-                    return Err(StoreError::Overlap { existing });
+                    return Err(StoreError::Overlap {
+                        existing: Box::new(existing.to_entry()?),
+                    });
                 }
-                write(&tx, &wanted)?;
+                check_range_limits(&tx, limits, &request.node_id)?;
+                tx.execute(
+                    "INSERT INTO map_entries (gpa_start, length_bytes) VALUES (?1, ?2)",
+                    params![enc(request.gpa_start), enc(request.length_bytes)],
+                )?;
+                replicas::insert(&tx, request, 0, StoredState::Live, node.epoch)?;
                 bump_version(&tx)?;
                 AddOutcome::Created
             }
         };
+        let entry = load::required(&tx, request.gpa_start)?.to_entry()?;
         tx.commit()?;
-        Ok((wanted, outcome))
+        Ok((entry, outcome))
     }
 
-    /// Removes the entry that starts at `gpa_start`; false when there is none.
-    /// With `owner`, only an entry of that node is removed
-    /// ([`StoreError::NotOwner`] otherwise).
+    /// Removes the range that starts at `gpa_start`; false when there is
+    /// none. With `holder`, only that node's replica is removed (the range
+    /// goes with its last replica; [`StoreError::NotOwner`] when the node
+    /// holds none). Bumps the version when something was removed.
     pub fn remove_range(
         &mut self,
         gpa_start: u64,
-        owner: Option<&str>,
+        holder: Option<&str>,
     ) -> Result<bool, StoreError> {
         let tx = self.conn.transaction()?;
-        if let Some(owner) = owner {
-            let found = at_or_before(&tx, gpa_start)?.filter(|e| e.gpa_start == gpa_start);
-            if let Some(entry) = found.filter(|e| e.node_id != owner) {
+        let Some(range) = load::at(&tx, gpa_start)? else {
+            return Ok(false);
+        };
+        if let Some(holder) = holder {
+            if range.replica(holder).is_none() {
                 return Err(StoreError::NotOwner {
                     gpa_start,
-                    owner: entry.node_id,
+                    owner: range.to_entry()?.node_id,
                 });
             }
-        }
-        let removed = tx.execute(
-            "DELETE FROM map_entries WHERE gpa_start = ?1",
-            [enc(gpa_start)],
-        )?;
-        if removed == 0 {
-            return Ok(false);
+            tx.execute(
+                "DELETE FROM map_replicas WHERE gpa_start = ?1 AND node_id = ?2",
+                params![enc(gpa_start), holder],
+            )?;
+            remove_ranges_without_replicas(&tx)?;
+        } else {
+            // The replicas go with it (ON DELETE CASCADE).
+            tx.execute(
+                "DELETE FROM map_entries WHERE gpa_start = ?1",
+                [enc(gpa_start)],
+            )?;
         }
         bump_version(&tx)?;
         tx.commit()?;
         Ok(true)
     }
 
-    /// Marks the range that starts at `gpa_start` re-initialised: valid in
-    /// its owner's current epoch (the owner's memory, zeros after a restart,
-    /// is its contents from now on). Bumps the version when that changed.
+    /// Re-initialises the range that starts at `gpa_start` when it is lost:
+    /// every replica becomes `live` in its holder's current epoch (the
+    /// holders' memory, zeros after a restart, is its contents from now
+    /// on). A range with a live replica is left as it is. Bumps the version
+    /// when something changed.
     ///
     /// # Errors
     /// [`StoreError::NoRange`] when no range starts there.
     pub fn reinitialise_range(&mut self, gpa_start: u64) -> Result<MapEntry, StoreError> {
         let tx = self.conn.transaction()?;
-        let mut entry = at_or_before(&tx, gpa_start)?
-            .filter(|e| e.gpa_start == gpa_start)
-            .ok_or(StoreError::NoRange(gpa_start))?;
-        let owner = nodes::get(&tx, &entry.node_id)?.ok_or_else(|| {
-            StoreError::Corrupt(format!("entry owner {:?} is not a node", entry.node_id))
-        })?;
-        if entry.valid_epoch != owner.epoch {
-            tx.execute(
-                "UPDATE map_entries SET valid_epoch = ?2 WHERE gpa_start = ?1",
-                params![enc(gpa_start), epoch_to_sql(owner.epoch)],
-            )?;
+        let range = load::required(&tx, gpa_start)?;
+        if range.replicas.iter().any(|r| r.is_live()) {
+            return range.to_entry();
+        }
+        let changed = tx.execute(
+            "UPDATE map_replicas
+             SET state = 'live',
+                 valid_epoch = (SELECT epoch FROM nodes WHERE nodes.id = map_replicas.node_id)
+             WHERE gpa_start = ?1",
+            [enc(gpa_start)],
+        )?;
+        if changed > 0 {
             bump_version(&tx)?;
         }
+        let entry = load::required(&tx, gpa_start)?.to_entry()?;
         tx.commit()?;
-        entry.valid_epoch = owner.epoch;
-        entry.state = RangeState::Live;
         Ok(entry)
     }
 
-    /// The entry containing `gpa`, its owner and the version, read together.
+    /// The entry containing `gpa`, its primary's node and the version,
+    /// read together.
     pub fn resolve(&mut self, gpa: u64) -> Result<Option<(u64, MapEntry, NodeRecord)>, StoreError> {
         let tx = self.conn.transaction()?;
-        let Some(entry) = at_or_before(&tx, gpa)?.filter(|e| end(e) > u128::from(gpa)) else {
+        let Some(range) = load::at_or_before(&tx, gpa)?.filter(|e| e.end() > u128::from(gpa))
+        else {
             return Ok(None);
         };
+        let entry = range.to_entry()?;
         let node = nodes::get(&tx, &entry.node_id)?.ok_or_else(|| {
-            StoreError::Corrupt(format!("entry owner {:?} is not a node", entry.node_id))
+            StoreError::Corrupt(format!("replica holder {:?} is not a node", entry.node_id))
         })?;
         let version = version(&tx)?;
         tx.commit()?;
@@ -152,7 +164,61 @@ impl Store {
     }
 }
 
-/// Refuses one more entry (of `node_id`) past `limits`.
+/// [`Store::add_range`] for a range that exists with the requested length:
+/// refreshes `node`'s replica or adds one.
+fn add_to_existing(
+    conn: &Connection,
+    limits: StoreLimits,
+    existing: &StoredRange,
+    request: &RangeRequest,
+    node: &NodeRecord,
+) -> Result<AddOutcome, StoreError> {
+    let gpa_start = request.gpa_start;
+    if let Some(mine) = existing.replica(&request.node_id) {
+        let valid_epoch = if mine.valid_epoch == 0 {
+            node.epoch
+        } else {
+            mine.valid_epoch
+        };
+        if mine.remote_offset != request.remote_offset || mine.valid_epoch != valid_epoch {
+            conn.execute(
+                "UPDATE map_replicas SET remote_offset = ?3, valid_epoch = ?4
+                 WHERE gpa_start = ?1 AND node_id = ?2",
+                params![
+                    enc(gpa_start),
+                    request.node_id,
+                    enc(request.remote_offset),
+                    epoch_to_sql(valid_epoch)
+                ],
+            )?;
+            bump_version(conn)?;
+        }
+        return Ok(AddOutcome::Updated);
+    }
+    if existing.replicas.len() >= limits.max_replicas {
+        return Err(StoreError::LimitReached {
+            what: "replicas per range",
+            max: limits.max_replicas,
+        });
+    }
+    check_per_node_limit(conn, limits, &request.node_id)?;
+    let rank = existing.replicas.iter().map(|r| r.rank).max().unwrap_or(-1) + 1;
+    replicas::insert(conn, request, rank, StoredState::Stale, node.epoch)?;
+    bump_version(conn)?;
+    Ok(AddOutcome::Created)
+}
+
+/// Removes the ranges whose last replica went (with a node, or one by one).
+pub(super) fn remove_ranges_without_replicas(conn: &Connection) -> Result<(), StoreError> {
+    conn.execute(
+        "DELETE FROM map_entries WHERE NOT EXISTS
+            (SELECT 1 FROM map_replicas WHERE map_replicas.gpa_start = map_entries.gpa_start)",
+        [],
+    )?;
+    Ok(())
+}
+
+/// Refuses one more range (with a replica of `node_id`) past `limits`.
 fn check_range_limits(
     conn: &Connection,
     limits: StoreLimits,
@@ -165,12 +231,22 @@ fn check_range_limits(
             max: limits.max_ranges,
         });
     }
-    let owned: i64 = conn.query_row(
-        "SELECT COUNT(*) FROM map_entries WHERE node_id = ?1",
+    check_per_node_limit(conn, limits, node_id)
+}
+
+/// Refuses one more replica held by `node_id` past `limits` (a node's
+/// ranges are the replicas it holds).
+fn check_per_node_limit(
+    conn: &Connection,
+    limits: StoreLimits,
+    node_id: &str,
+) -> Result<(), StoreError> {
+    let held: i64 = conn.query_row(
+        "SELECT COUNT(*) FROM map_replicas WHERE node_id = ?1",
         [node_id],
         |r| r.get(0),
     )?;
-    if usize::try_from(owned).unwrap_or(usize::MAX) >= limits.max_ranges_per_node {
+    if usize::try_from(held).unwrap_or(usize::MAX) >= limits.max_ranges_per_node {
         return Err(StoreError::LimitReached {
             what: "ranges per node",
             max: limits.max_ranges_per_node,
@@ -181,54 +257,5 @@ fn check_range_limits(
 
 /// Every entry, sorted by `gpa_start`.
 pub(super) fn all(conn: &Connection) -> Result<Vec<MapEntry>, StoreError> {
-    let sql = format!("SELECT {ENTRY_COLUMNS} FROM map_entries ORDER BY gpa_start");
-    let mut statement = conn.prepare(&sql)?;
-    let rows = statement.query_map([], entry_from_row)?;
-    Ok(rows.collect::<Result<_, _>>()?)
-}
-
-/// One past the last byte of `entry`; u128 so that it cannot overflow.
-fn end(entry: &MapEntry) -> u128 {
-    u128::from(entry.gpa_start) + u128::from(entry.length_bytes)
-}
-
-/// The entry with the greatest `gpa_start <= gpa`.
-fn at_or_before(conn: &Connection, gpa: u64) -> Result<Option<MapEntry>, StoreError> {
-    let sql = format!(
-        "SELECT {ENTRY_COLUMNS} FROM map_entries WHERE gpa_start <= ?1
-         ORDER BY gpa_start DESC LIMIT 1"
-    );
-    Ok(conn
-        .query_row(&sql, [enc(gpa)], entry_from_row)
-        .optional()?)
-}
-
-/// The entry with the smallest `gpa_start > gpa`.
-fn after(conn: &Connection, gpa: u64) -> Result<Option<MapEntry>, StoreError> {
-    let sql = format!(
-        "SELECT {ENTRY_COLUMNS} FROM map_entries WHERE gpa_start > ?1
-         ORDER BY gpa_start ASC LIMIT 1"
-    );
-    Ok(conn
-        .query_row(&sql, [enc(gpa)], entry_from_row)
-        .optional()?)
-}
-
-/// Inserts or replaces `entry`.
-fn write(conn: &Connection, entry: &MapEntry) -> Result<(), StoreError> {
-    conn.execute(
-        "INSERT OR REPLACE INTO map_entries
-            (gpa_start, length_bytes, node_id, remote_offset, rdma_addr, rdma_rkey, valid_epoch)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-        params![
-            enc(entry.gpa_start),
-            enc(entry.length_bytes),
-            entry.node_id,
-            enc(entry.remote_offset),
-            entry.rdma.map(|r| enc(r.addr)),
-            entry.rdma.map(|r| r.rkey),
-            epoch_to_sql(entry.valid_epoch),
-        ],
-    )?;
-    Ok(())
+    load::all(conn)?.iter().map(StoredRange::to_entry).collect()
 }

@@ -6,9 +6,14 @@
 //! power loss.
 
 mod codec;
+mod effective;
+mod load;
 mod map;
 mod nodes;
+mod replicas;
 mod schema;
+
+pub use replicas::ReplicaRefusal;
 
 use std::path::Path;
 
@@ -39,19 +44,38 @@ pub enum StoreError {
     /// No range starts at the address.
     #[error("no range starts at {0:#x}")]
     NoRange(u64),
-    /// A node asked to remove a range that another node owns.
+    /// A node asked to remove its replica of a range it holds none of.
     #[error("the range at {gpa_start:#x} belongs to node {owner:?}")]
     NotOwner {
         /// Start of the range.
         gpa_start: u64,
-        /// Its owner.
+        /// Its primary's holder.
         owner: String,
+    },
+    /// The node holds no replica of the range.
+    #[error("node {node_id:?} holds no replica of the range at {gpa_start:#x}")]
+    NoReplica {
+        /// Start of the range.
+        gpa_start: u64,
+        /// The node.
+        node_id: String,
+    },
+    /// A replica state change conflicts with the range's state.
+    #[error("replica of node {node_id:?} at {gpa_start:#x}: {refusal}")]
+    ReplicaRefused {
+        /// Start of the range.
+        gpa_start: u64,
+        /// The replica's holder.
+        node_id: String,
+        /// Why.
+        refusal: ReplicaRefusal,
     },
     /// A new range overlaps an existing entry.
     #[error("range overlaps the entry at gpa_start {:#x}", existing.gpa_start)]
     Overlap {
-        /// The entry in the way.
-        existing: MapEntry,
+        /// The entry in the way (boxed: it is much larger than the other
+        /// variants).
+        existing: Box<MapEntry>,
     },
 }
 
@@ -101,7 +125,10 @@ pub(crate) struct Snapshot {
 pub(crate) struct StoreLimits {
     pub max_nodes: usize,
     pub max_ranges: usize,
+    /// Replicas a node holds (its ranges) at most.
     pub max_ranges_per_node: usize,
+    /// Replicas of one range at most.
+    pub max_replicas: usize,
 }
 
 impl Default for StoreLimits {
@@ -111,6 +138,7 @@ impl Default for StoreLimits {
             max_nodes: limits.max_nodes,
             max_ranges: limits.max_ranges,
             max_ranges_per_node: limits.max_ranges_per_node,
+            max_replicas: limits.max_replicas,
         }
     }
 }
@@ -158,5 +186,7 @@ impl Store {
     }
 }
 
+#[cfg(test)]
+mod replica_tests;
 #[cfg(test)]
 mod tests;

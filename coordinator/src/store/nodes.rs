@@ -11,7 +11,7 @@ impl Store {
     /// Registers `id` or replaces its registration (the RDMA endpoint and
     /// epoch included), and sets its `last_seen`. Bumps the version when the
     /// node is new or its TCP address, RDMA endpoint or epoch changed (a new
-    /// epoch turns its ranges `lost`; their `valid_epoch` is kept).
+    /// epoch turns its replicas stale or lost; their `valid_epoch` is kept).
     pub fn upsert_node(
         &mut self,
         id: &str,
@@ -128,15 +128,16 @@ impl Store {
         all(&self.conn)
     }
 
-    /// Removes a node and every map entry it owns; bumps the version.
-    /// False when the node is unknown.
+    /// Removes a node and every replica it holds (and the ranges left
+    /// without one); bumps the version. False when the node is unknown.
     pub fn delete_node(&mut self, id: &str) -> Result<bool, StoreError> {
         let tx = self.conn.transaction()?;
-        tx.execute("DELETE FROM map_entries WHERE node_id = ?1", [id])?;
+        tx.execute("DELETE FROM map_replicas WHERE node_id = ?1", [id])?;
         let removed = tx.execute("DELETE FROM nodes WHERE id = ?1", [id])?;
         if removed == 0 {
             return Ok(false);
         }
+        super::map::remove_ranges_without_replicas(&tx)?;
         bump_version(&tx)?;
         tx.commit()?;
         Ok(true)

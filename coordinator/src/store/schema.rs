@@ -5,7 +5,7 @@ use rusqlite::{Connection, OptionalExtension};
 use super::StoreError;
 
 /// Schema revision kept in `PRAGMA user_version`.
-const SCHEMA_REVISION: i64 = 2;
+const SCHEMA_REVISION: i64 = 3;
 
 /// Tables of revision 1. Every `u64` column holds the value in the
 /// order-preserving encoding of `codec.rs` (`value XOR 2^63` as a signed
@@ -42,9 +42,54 @@ INSERT OR IGNORE INTO meta (key, value) VALUES ('version', 0);
 /// holds the range's valid contents. Epochs are only compared for equality,
 /// so they are stored as their plain bit pattern (see `codec::epoch_to_sql`);
 /// 0 is "unknown" (rows from revision 1, nodes that send no epoch).
-const MIGRATE_V2_SQL: &str = "
+pub(super) const MIGRATE_V2_SQL: &str = "
 ALTER TABLE nodes ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE map_entries ADD COLUMN valid_epoch INTEGER NOT NULL DEFAULT 0;
+";
+
+/// Revision 2 to 3: replicas. A range (`map_entries`, now without an
+/// owner) has one or more holders in `map_replicas`, each with its own
+/// offset, valid epoch and stored state; `rank` is the order the holders
+/// claimed the range in (the first is 0; a plain INTEGER, it never leaves
+/// the store). `remote_offset` and `recovery_seq` are `u64`s in the
+/// order-preserving encoding (so recovery_seq 0 is `-2^63`), `valid_epoch`
+/// an epoch's bit pattern, `state` the stored state (`effective.rs` derives
+/// the reported one). Each existing range becomes its rank-0 replica,
+/// `live`, with its valid epoch.
+///
+/// SQLite cannot drop the old `node_id ... ON DELETE CASCADE` (deleting a
+/// node must now remove only its replicas), so `map_entries` is rebuilt:
+/// the old table is renamed away (nothing references it), the new one is
+/// created and filled, the replicas are copied from the old one, and the
+/// old one (with its index) is dropped. Runs inside `prepare`'s
+/// transaction, so a failure leaves revision 2 as it was.
+const MIGRATE_V3_SQL: &str = "
+ALTER TABLE map_entries RENAME TO map_entries_v2;
+CREATE TABLE map_entries (
+    gpa_start     INTEGER PRIMARY KEY NOT NULL,
+    length_bytes  INTEGER NOT NULL,
+    rdma_addr     INTEGER,
+    rdma_rkey     INTEGER
+);
+INSERT INTO map_entries (gpa_start, length_bytes, rdma_addr, rdma_rkey)
+    SELECT gpa_start, length_bytes, rdma_addr, rdma_rkey FROM map_entries_v2;
+CREATE TABLE map_replicas (
+    gpa_start     INTEGER NOT NULL REFERENCES map_entries(gpa_start) ON DELETE CASCADE,
+    node_id       TEXT NOT NULL REFERENCES nodes(id) ON DELETE CASCADE,
+    rank          INTEGER NOT NULL CHECK (rank >= 0),
+    remote_offset INTEGER NOT NULL,
+    valid_epoch   INTEGER NOT NULL,
+    state         TEXT NOT NULL CHECK (state IN ('live', 'recovering', 'stale')),
+    recovery_seq  INTEGER NOT NULL,
+    PRIMARY KEY (gpa_start, node_id),
+    UNIQUE (gpa_start, rank)
+);
+CREATE INDEX map_replicas_node ON map_replicas(node_id);
+INSERT INTO map_replicas
+    (gpa_start, node_id, rank, remote_offset, valid_epoch, state, recovery_seq)
+    SELECT gpa_start, node_id, 0, remote_offset, valid_epoch, 'live', -9223372036854775807 - 1
+    FROM map_entries_v2;
+DROP TABLE map_entries_v2;
 ";
 
 /// Sets the connection up (WAL, full sync, foreign keys), and creates the
@@ -70,9 +115,16 @@ pub(super) fn prepare(conn: &mut Connection) -> Result<(), StoreError> {
     let tx = conn.transaction()?;
     // A new database is revision 0 and takes every step; an existing one
     // only the steps past its revision.
-    tx.execute_batch(SCHEMA_V1_SQL)?;
+    // (`SCHEMA_V1_SQL` only creates what is missing, but its index names a
+    // column that revision 3 no longer has: run it for new databases only.)
+    if revision < 1 {
+        tx.execute_batch(SCHEMA_V1_SQL)?;
+    }
     if revision < 2 {
         tx.execute_batch(MIGRATE_V2_SQL)?;
+    }
+    if revision < 3 {
+        tx.execute_batch(MIGRATE_V3_SQL)?;
     }
     tx.pragma_update(None, "user_version", SCHEMA_REVISION)?;
     tx.commit()?;

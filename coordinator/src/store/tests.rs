@@ -79,7 +79,8 @@ fn overlaps_and_idempotent_re_add() {
     assert_eq!(outcome, AddOutcome::Created);
     for overlapping in [
         range(0x10000, 0x1000, "a"),
-        range(0x10000, 0x4000, "b"),
+        // (The same range by "b" is a replica of it: see replica_tests.rs.)
+        range(0x10000, 0x1000, "b"),
         range(0xf000, 0x2000, "b"),
         range(0x13000, 0x1000, "b"),
         range(0x8000, 0x10000, "b"),
@@ -184,6 +185,7 @@ fn limits_and_owners_are_enforced() {
         max_nodes: 2,
         max_ranges: 3,
         max_ranges_per_node: 2,
+        max_replicas: 3,
     });
     store.upsert_node("a", &registration("h:1"), 1).expect("a");
     store.upsert_node("b", &registration("h:2"), 1).expect("b");
@@ -321,7 +323,7 @@ fn a_revision_1_database_is_migrated() {
         .conn
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .expect("revision");
-    assert_eq!(revision, 2);
+    assert_eq!(revision, 3);
     assert_eq!(store.version().expect("v"), 5, "version kept");
     let snapshot = store.snapshot().expect("snapshot");
     assert_eq!(snapshot.nodes.len(), 1);
@@ -340,4 +342,134 @@ fn a_revision_1_database_is_migrated() {
     drop(store);
     let mut store = Store::open(&path).expect("reopens");
     assert_eq!(store.snapshot().expect("s").nodes[0].epoch, 9);
+}
+
+/// Fills a revision-2 database (tables from `SCHEMA_V1_SQL` and
+/// `MIGRATE_V2_SQL`, as the previous coordinator created them): a range of
+/// node a valid in its current epoch, one of node b valid in an older one.
+fn fill_revision_2(conn: &rusqlite::Connection) {
+    use super::codec::{enc, epoch_to_sql};
+    use rusqlite::params;
+    conn.execute_batch(super::schema::SCHEMA_V1_SQL)
+        .expect("v1 schema");
+    conn.execute_batch(super::schema::MIGRATE_V2_SQL)
+        .expect("v2 schema");
+    conn.execute_batch("UPDATE meta SET value = 9 WHERE key = 'version'")
+        .expect("version");
+    for (id, epoch) in [("a", 7u64), ("b", 0x8000_0000_0000_0008)] {
+        conn.execute(
+            "INSERT INTO nodes (id, tcp_addr, last_seen_unix_ms, epoch) VALUES (?1, 'h:1', 10, ?2)",
+            params![id, epoch_to_sql(epoch)],
+        )
+        .expect("node");
+    }
+    for (gpa_start, length_bytes, node, offset, valid_epoch) in [
+        (0x1000u64, 0x2000u64, "a", 0u64, 7u64),
+        (0x4000, 0x1000, "b", 0x3000, 3),
+    ] {
+        conn.execute(
+            "INSERT INTO map_entries (gpa_start, length_bytes, node_id, remote_offset, valid_epoch)
+             VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![
+                enc(gpa_start),
+                enc(length_bytes),
+                node,
+                enc(offset),
+                epoch_to_sql(valid_epoch)
+            ],
+        )
+        .expect("entry");
+    }
+    conn.execute_batch("PRAGMA user_version = 2;")
+        .expect("revision");
+}
+
+#[test]
+fn a_revision_2_database_is_migrated_to_replicas() {
+    use rdma_transport::coordinator::api::{RangeState, ReplicaState};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("c.db");
+    {
+        let conn = rusqlite::Connection::open(&path).expect("create v2");
+        fill_revision_2(&conn);
+    }
+    let mut store = Store::open(&path).expect("opens and migrates");
+    let revision: i64 = store
+        .conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .expect("revision");
+    assert_eq!(revision, 3);
+    assert_eq!(store.version().expect("v"), 9, "version kept");
+    let entries = store.snapshot().expect("snapshot").entries;
+    assert_eq!(entries.len(), 2);
+    let shape: Vec<_> = entries
+        .iter()
+        .map(|e| {
+            let r = &e.replicas[..];
+            assert_eq!(r.len(), 1, "{e:?}");
+            (
+                e.gpa_start,
+                e.length_bytes,
+                r[0].node_id.as_str(),
+                r[0].remote_offset,
+                r[0].valid_epoch,
+                r[0].state,
+                r[0].recovery_seq,
+                e.state,
+            )
+        })
+        .collect();
+    assert_eq!(
+        shape,
+        [
+            (
+                0x1000,
+                0x2000,
+                "a",
+                0,
+                7,
+                ReplicaState::Live,
+                0,
+                RangeState::Live
+            ),
+            (
+                0x4000,
+                0x1000,
+                "b",
+                0x3000,
+                3,
+                ReplicaState::Lost,
+                0,
+                RangeState::Lost
+            ),
+        ]
+    );
+    // The old cascade is gone: deleting a node removes only its replicas.
+    store
+        .add_range(&RangeRequest {
+            gpa_start: 0x1000,
+            length_bytes: 0x2000,
+            node_id: "b".to_owned(),
+            remote_offset: 0,
+            rdma: None,
+        })
+        .expect("b's replica");
+    assert!(store.delete_node("a").expect("delete a"));
+    let entries = store.snapshot().expect("snapshot").entries;
+    let holders: Vec<_> = entries
+        .iter()
+        .map(|e| (e.gpa_start, e.node_id.as_str()))
+        .collect();
+    assert_eq!(holders, [(0x1000, "b"), (0x4000, "b")]);
+    let violations: i64 = store
+        .conn
+        .query_row("SELECT COUNT(*) FROM pragma_foreign_key_check", [], |r| {
+            r.get(0)
+        })
+        .expect("fk check");
+    assert_eq!(violations, 0);
+    // The migrated database opens again unchanged.
+    drop(store);
+    let mut store = Store::open(&path).expect("reopens");
+    assert_eq!(store.snapshot().expect("s").entries.len(), 2);
 }

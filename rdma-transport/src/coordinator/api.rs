@@ -103,17 +103,19 @@ pub struct MapEntry {
     pub gpa_start: u64,
     /// Length of the range in bytes.
     pub length_bytes: u64,
-    /// Owner node.
+    /// Owner node: the primary replica's holder (the first live replica
+    /// in `replicas`, the first replica when none is live).
     pub node_id: NodeId,
-    /// Offset inside the owner's exported region that backs `gpa_start`.
+    /// Offset inside the owner's (primary's) exported region that backs
+    /// `gpa_start`.
     pub remote_offset: u64,
     /// Always `None` from this coordinator (region keys are not published:
     /// see [`RangeRequest::rdma`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdma: Option<RdmaRegion>,
-    /// The owner epoch whose memory holds this range's valid contents: the
-    /// owner's epoch when the range was claimed, or when an operator last
-    /// re-initialised it. A client serves the range only from a connection
+    /// The owner (primary) epoch whose memory holds this range's valid
+    /// contents: the owner's epoch when it claimed the range, or when an
+    /// operator last re-initialised it. A client serves the range only from a connection
     /// whose handshake epoch equals it. 0 (older coordinators): not checked.
     #[serde(default)]
     pub valid_epoch: u64,
@@ -204,17 +206,20 @@ pub struct RecoveryDone {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RangeState {
-    /// The owner's current epoch is the range's `valid_epoch`.
+    /// At least one replica is live (for a range with one holder: the
+    /// owner's current epoch is the range's `valid_epoch`).
     #[default]
     Live,
-    /// The owner restarted since (its memory is empty): reads and writes
-    /// fail with `DataLost` until an operator re-initialises the range.
+    /// No replica is live (every holder restarted since, or missed
+    /// writes): reads and writes fail with `DataLost` until an operator
+    /// re-initialises the range.
     Lost,
 }
 
 impl RangeState {
-    /// The state of a range valid in `valid_epoch` whose owner is now in
-    /// `owner_epoch`.
+    /// The state of a range with one holder, valid in `valid_epoch`, whose
+    /// owner is now in `owner_epoch`. (The coordinator derives a replicated
+    /// range's state from all its replicas.)
     pub fn of(valid_epoch: u64, owner_epoch: u64) -> Self {
         if valid_epoch == owner_epoch {
             Self::Live

@@ -1,0 +1,76 @@
+//! `/v1/map/{gpa_start}/replicas/{node_id}/...`: a replica goes stale when
+//! it missed a write, recovers (copies the range from a live replica) and
+//! is live again.
+
+use axum::extract::State;
+use axum::Json;
+use rdma_transport::coordinator::api::{RecoveryDone, ReplicaChange};
+
+use crate::error::ApiError;
+use crate::extract::{ApiJson, ApiPath};
+use crate::state::AppState;
+use crate::validate;
+
+/// `POST /v1/map/{gpa_start}/replicas/{node_id}/stale` (admin or client
+/// credential): the replica missed a write. 409 when it is the range's
+/// only live replica.
+pub(super) async fn mark_stale(
+    State(state): State<AppState>,
+    ApiPath((gpa_text, node_id)): ApiPath<(String, String)>,
+) -> Result<Json<ReplicaChange>, ApiError> {
+    let gpa_start = validate::gpa_start(&gpa_text)?;
+    validate::node_id(&node_id)?;
+    let (version, entry) = state
+        .db({
+            let node_id = node_id.clone();
+            move |store| store.mark_replica_stale(gpa_start, &node_id)
+        })
+        .await?;
+    tracing::warn!(gpa_start, node = %node_id, version, "replica marked stale");
+    Ok(Json(ReplicaChange { version, entry }))
+}
+
+/// `POST /v1/map/{gpa_start}/replicas/{node_id}/recovering` (admin or that
+/// node): the node starts copying the range from a live replica. 409 when
+/// the replica is live or no other one is.
+pub(super) async fn begin_recovery(
+    State(state): State<AppState>,
+    ApiPath((gpa_text, node_id)): ApiPath<(String, String)>,
+) -> Result<Json<ReplicaChange>, ApiError> {
+    let gpa_start = validate::gpa_start(&gpa_text)?;
+    validate::node_id(&node_id)?;
+    let (version, entry) = state
+        .db({
+            let node_id = node_id.clone();
+            move |store| store.begin_recovery(gpa_start, &node_id)
+        })
+        .await?;
+    tracing::info!(gpa_start, node = %node_id, version, "replica recovery begun");
+    Ok(Json(ReplicaChange { version, entry }))
+}
+
+/// `POST /v1/map/{gpa_start}/replicas/{node_id}/live` with a
+/// [`RecoveryDone`] (admin or that node): the recovery finished. 409 when
+/// it is not the recovery under way.
+pub(super) async fn finish_recovery(
+    State(state): State<AppState>,
+    ApiPath((gpa_text, node_id)): ApiPath<(String, String)>,
+    ApiJson(done): ApiJson<RecoveryDone>,
+) -> Result<Json<ReplicaChange>, ApiError> {
+    let gpa_start = validate::gpa_start(&gpa_text)?;
+    validate::node_id(&node_id)?;
+    let (version, entry) = state
+        .db({
+            let node_id = node_id.clone();
+            move |store| store.finish_recovery(gpa_start, &node_id, done.recovery_seq)
+        })
+        .await?;
+    tracing::info!(
+        gpa_start,
+        node = %node_id,
+        recovery_seq = done.recovery_seq,
+        version,
+        "replica recovered: live again"
+    );
+    Ok(Json(ReplicaChange { version, entry }))
+}
