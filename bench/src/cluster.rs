@@ -1,5 +1,7 @@
 //! A throw-away local cluster on loopback: a coordinator on a temporary
 //! database and K page-servers on ephemeral ports, torn down on drop.
+//! With replicas, the page-servers form groups that hold the same range
+//! (see `replicas::layout`); one can be stopped abruptly and started again.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -8,12 +10,17 @@ use anyhow::Context;
 use coordinator::{CoordinatorConfig, RunningCoordinator};
 use page_server::{RunningServer, ServerConfig};
 use rdma_transport::auth::ClusterKey;
+use rdma_transport::coordinator::{CoordinatorClient, Credential};
+
+use crate::replicas::Placement;
 
 /// The running pieces; dropping this stops them all.
 pub struct LocalCluster {
-    servers: Vec<RunningServer>,
+    /// Each page-server's configuration and, unless stopped, the server.
+    servers: Vec<(ServerConfig, Option<RunningServer>)>,
     coordinator: Option<RunningCoordinator>,
     url: String,
+    key: Option<ClusterKey>,
     _db_dir: tempfile::TempDir,
 }
 
@@ -28,6 +35,19 @@ impl LocalCluster {
         server_spin: Duration,
         key: Option<ClusterKey>,
     ) -> anyhow::Result<Self> {
+        let placements =
+            crate::replicas::layout(nodes, 1, memory_bytes).map_err(anyhow::Error::msg)?;
+        Self::start_placed(&placements, server_spin, key)
+    }
+
+    /// Starts a coordinator and one page-server per placement, each
+    /// registering its range once the one before it has registered (so the
+    /// first of a replica group is its primary).
+    pub fn start_placed(
+        placements: &[Placement],
+        server_spin: Duration,
+        key: Option<ClusterKey>,
+    ) -> anyhow::Result<Self> {
         let db_dir =
             tempfile::tempdir().context("temporary directory for the coordinator database")?;
         let mut config = CoordinatorConfig::new(
@@ -39,42 +59,82 @@ impl LocalCluster {
         config.cluster_key = key.clone();
         let coordinator = coordinator::spawn(config).context("starting the coordinator")?;
         let url = coordinator.url();
-        let per_node =
-            (memory_bytes / nodes).div_ceil(rdma_transport::PAGE_SIZE) * rdma_transport::PAGE_SIZE;
-        let mut servers = Vec::with_capacity(nodes);
-        for i in 0..nodes {
-            let mut cfg = ServerConfig::new(format!("node-{i}"), per_node);
-            cfg.gpa_base = (i * per_node) as u64;
-            cfg.coordinator_url = Some(url.clone());
-            cfg.spin_before_block = server_spin;
-            cfg.cluster_key = key.clone();
-            servers.push(
-                page_server::spawn(cfg)
-                    .with_context(|| format!("starting page-server node-{i}"))?,
-            );
-        }
-        for s in &servers {
-            s.wait_registered(Duration::from_secs(10))
-                .context("page-server registration")?;
-        }
-        Ok(Self {
-            servers,
+        let mut cluster = Self {
+            servers: Vec::with_capacity(placements.len()),
             coordinator: Some(coordinator),
             url,
+            key,
             _db_dir: db_dir,
-        })
+        };
+        for p in placements {
+            let mut cfg = ServerConfig::new(p.node_id.clone(), p.length_bytes);
+            cfg.gpa_base = p.gpa_base;
+            cfg.coordinator_url = Some(cluster.url.clone());
+            cfg.spin_before_block = server_spin;
+            cfg.cluster_key = cluster.key.clone();
+            let server = start_server(cfg.clone())?;
+            cluster.servers.push((cfg, Some(server)));
+        }
+        Ok(cluster)
     }
 
     /// The coordinator's base URL.
     pub fn url(&self) -> &str {
         &self.url
     }
+
+    /// A read-only client of the coordinator (to watch the map).
+    pub fn coordinator_client(&self) -> anyhow::Result<CoordinatorClient> {
+        let credential = match &self.key {
+            Some(key) => Credential::Client { key: key.clone() },
+            None => Credential::None,
+        };
+        CoordinatorClient::with_credential(&self.url, &credential, Duration::from_secs(5))
+            .context("a client of the local coordinator")
+    }
+
+    /// Takes page-server `node_id` out of the cluster, still running, for
+    /// the caller to stop (`RunningServer::abort`). `None` when there is no
+    /// such node or it is stopped already.
+    pub fn take_server(&mut self, node_id: &str) -> Option<RunningServer> {
+        self.servers
+            .iter_mut()
+            .find(|(cfg, _)| cfg.node_id == node_id)
+            .and_then(|(_, server)| server.take())
+    }
+
+    /// Starts again every page-server taken out: same id, range and key,
+    /// new memory (so the coordinator sees a new epoch) and a new port.
+    /// Returns how many were started.
+    pub fn restart_stopped(&mut self) -> anyhow::Result<usize> {
+        let mut started = 0;
+        for (cfg, server) in &mut self.servers {
+            if server.is_none() {
+                *server = Some(start_server(cfg.clone())?);
+                started += 1;
+            }
+        }
+        Ok(started)
+    }
+}
+
+/// Starts one page-server and waits for its registration.
+fn start_server(cfg: ServerConfig) -> anyhow::Result<RunningServer> {
+    let node = cfg.node_id.clone();
+    let server =
+        page_server::spawn(cfg).with_context(|| format!("starting page-server {node}"))?;
+    server
+        .wait_registered(Duration::from_secs(10))
+        .with_context(|| format!("page-server {node} registration"))?;
+    Ok(server)
 }
 
 impl Drop for LocalCluster {
     fn drop(&mut self) {
-        for s in self.servers.drain(..) {
-            s.shutdown();
+        for (_, s) in self.servers.drain(..) {
+            if let Some(s) = s {
+                s.shutdown();
+            }
         }
         if let Some(c) = self.coordinator.take() {
             if let Err(err) = c.shutdown() {

@@ -9,14 +9,16 @@
 mod auth_cost;
 mod baseline;
 mod cluster;
+mod failure;
 mod fault;
 mod matrix;
 mod pattern;
+mod replicas;
 mod report;
 mod workload;
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Parser;
@@ -61,6 +63,22 @@ struct Args {
     /// Page-servers in the local cluster.
     #[arg(long, default_value_t = 2)]
     nodes: usize,
+    /// Holders of each range in the local cluster (1 to 3): the page-servers
+    /// form groups of this many that register the same range; --nodes must
+    /// be a multiple of it. Runs start once every replica is live.
+    #[arg(long, default_value_t = 1, conflicts_with = "coordinator")]
+    replicas: usize,
+    /// This many ms into each read and write run, stop the primary of the
+    /// first range abruptly (sockets closed without goodbye, heartbeats
+    /// stopped), and report errors, verified pages and the latency of the
+    /// requests around it. The node is started again, and recovered, before
+    /// the next run. Needs --replicas 2 or more, or --accept-errors.
+    #[arg(long, value_name = "T")]
+    fail_node_after_ms: Option<u64>,
+    /// With --fail-node-after-ms: failed operations are counted, not a
+    /// failed run (wrong pages and lost acknowledged writes still are).
+    #[arg(long, requires = "fail_node_after_ms")]
+    accept_errors: bool,
     /// Use an existing cluster at this coordinator URL instead of starting one.
     #[arg(long)]
     coordinator: Option<String>,
@@ -148,6 +166,19 @@ fn run() -> anyhow::Result<()> {
     if args.memory < PAGE_SIZE * args.nodes {
         bail!("--memory must hold at least one page per node");
     }
+    let placements =
+        replicas::layout(args.nodes, args.replicas, args.memory).map_err(anyhow::Error::msg)?;
+    replicas::check_failure_flags(
+        args.fail_node_after_ms,
+        args.replicas,
+        args.accept_errors,
+        args.coordinator.is_none(),
+        args.op == Some(Op::Fault),
+    )
+    .map_err(anyhow::Error::msg)?;
+    if args.compare_insecure && (args.replicas > 1 || args.fail_node_after_ms.is_some()) {
+        bail!("--compare-insecure runs without replicas or failures");
+    }
     let cluster_key = match (&args.coordinator, args.insecure) {
         (None, false) => Some(
             rdma_transport::auth::ClusterKey::generate()
@@ -165,15 +196,26 @@ fn run() -> anyhow::Result<()> {
         Some(Op::Fault) => Duration::ZERO,
         _ => ServerConfig::new("x", PAGE_SIZE).spin_before_block,
     };
-    let cluster = match &args.coordinator {
+    let mut cluster = match &args.coordinator {
         Some(_) => None,
-        None => Some(cluster::LocalCluster::start(
-            args.nodes,
-            args.memory,
+        None => Some(cluster::LocalCluster::start_placed(
+            &placements,
             server_spin,
             cluster_key.clone(),
         )?),
     };
+    let groups = args.nodes / args.replicas;
+    if let Some(c) = &cluster {
+        if args.replicas > 1 {
+            eprintln!("waiting for every replica to be live...");
+        }
+        replicas::wait_all_live(
+            &c.coordinator_client()?,
+            groups,
+            args.replicas,
+            replicas::LIVE_TIMEOUT,
+        )?;
+    }
     let url = match (&cluster, &args.coordinator) {
         (Some(c), _) => c.url().to_owned(),
         (None, Some(u)) => u.clone(),
@@ -216,8 +258,9 @@ fn run() -> anyhow::Result<()> {
     }
     let set = WorkingSet::new(gpas);
     eprintln!(
-        "cluster: {url}, {} nodes, {} MiB under test ({} pages); filling it...",
+        "cluster: {url}, {} nodes, {} replica(s) per range, {} MiB under test ({} pages); filling it...",
         nodes,
+        args.replicas,
         (set.len() * PAGE_SIZE) >> 20,
         set.len()
     );
@@ -232,6 +275,7 @@ fn run() -> anyhow::Result<()> {
     let mut lines = Vec::new();
     let mut keyed_runs = Vec::new();
     let mut seed = 100;
+    let mut failed_before = false;
     for &op in &ops {
         let patterns = matrix::patterns(op, args.pattern);
         if op == Op::Fault {
@@ -259,13 +303,34 @@ fn run() -> anyhow::Result<()> {
             };
             seed += 1;
             let progress = progress_bar(args.ops, &format!("{op:?}"));
-            let mut outcome = workload::run(&mgr, &set, spec, seed, &progress);
+            let ours = match (args.fail_node_after_ms, cluster.as_mut()) {
+                (Some(after_ms), Some(c)) => {
+                    let failed = FailedRun {
+                        cluster: c,
+                        mgr: &mgr,
+                        set: &set,
+                        after_ms,
+                        replicas: args.replicas,
+                        groups,
+                        accept_errors: args.accept_errors,
+                        restart_first: failed_before,
+                    };
+                    failed_before = true;
+                    failed.run(spec, seed, nodes, &progress)?
+                }
+                _ => {
+                    let mut outcome = workload::run(&mgr, &set, spec, seed, &progress);
+                    if op == Op::Write {
+                        outcome.bad_pages +=
+                            set.verify_all(&mgr).context("reading back written pages")?;
+                        outcome.pages_checked = outcome.ops_done;
+                    }
+                    let mut r = Record::new(&data_path_name(&mgr), spec, nodes, &outcome);
+                    r.replicas = args.replicas;
+                    r
+                }
+            };
             progress.finish_and_clear();
-            if op == Op::Write {
-                outcome.bad_pages += set.verify_all(&mgr).context("reading back written pages")?;
-                outcome.pages_checked = outcome.ops_done;
-            }
-            let ours = Record::new(&data_path_name(&mgr), spec, nodes, &outcome);
             let base = if args.baseline {
                 // One client thread, in the best layout this machine offers.
                 let base_spec = Spec { threads: 1, ..spec };
@@ -297,10 +362,21 @@ fn run() -> anyhow::Result<()> {
         records.extend(insecure);
         lines.extend(cost);
     }
+    if args.coordinator.is_none() {
+        println!(
+            "local cluster: {} page-servers, {} replica(s) per range{}",
+            args.nodes,
+            args.replicas,
+            args.fail_node_after_ms
+                .map(|t| format!(", primary of the first range stopped {t} ms into each run"))
+                .unwrap_or_default()
+        );
+    }
     println!("{}", report::header());
     for r in &records {
         println!("{}", report::line(r));
     }
+    lines.extend(records.iter().filter_map(report::failure_line));
     for l in &lines {
         println!("{l}");
     }
@@ -327,6 +403,88 @@ fn run() -> anyhow::Result<()> {
         bail!("{} run(s) failed verification", failed.len());
     }
     Ok(())
+}
+
+/// One read or write run with a page-server stopped `after_ms` into it.
+struct FailedRun<'a> {
+    cluster: &'a mut cluster::LocalCluster,
+    mgr: &'a TransportManager,
+    set: &'a WorkingSet,
+    after_ms: u64,
+    replicas: usize,
+    groups: usize,
+    accept_errors: bool,
+    /// A node stopped in an earlier run: start it again first.
+    restart_first: bool,
+}
+
+impl FailedRun<'_> {
+    /// Restores the cluster if need be, waits until every replica is live,
+    /// stops the first range's primary `after_ms` into the run, and, for a
+    /// write run, reads every page back. Operations that fail are counted,
+    /// never a reason to stop.
+    fn run(
+        self,
+        spec: Spec,
+        seed: u64,
+        nodes: usize,
+        progress: &ProgressBar,
+    ) -> anyhow::Result<Record> {
+        let client = self.cluster.coordinator_client()?;
+        if self.restart_first && self.cluster.restart_stopped()? > 0 {
+            eprintln!("restarted the stopped page-server; waiting for it to recover...");
+        }
+        let map =
+            replicas::wait_all_live(&client, self.groups, self.replicas, replicas::LIVE_TIMEOUT)
+                .context("before a run with a failure")?;
+        let victim = replicas::first_primary(&map).context("the map is empty")?;
+        let server = self
+            .cluster
+            .take_server(&victim)
+            .with_context(|| format!("{victim} is not a page-server of the local cluster"))?;
+        let start = Instant::now();
+        let fail_at = start + Duration::from_millis(self.after_ms);
+        let injector = failure::Injector::schedule(fail_at, move || server.abort())?;
+        let (mut outcome, disruption) = workload::run_observed(
+            self.mgr,
+            self.set,
+            spec,
+            seed,
+            progress,
+            Some(failure::Window::around(fail_at)),
+        );
+        let stopped_at = injector.join()?;
+        let readback = (spec.op == Op::Write).then(|| self.set.readback(self.mgr, seed));
+        let verified_pages = match &readback {
+            Some(rb) => {
+                // Every acknowledged page must hold its write.
+                outcome.bad_pages += rb.wrong + rb.lost_acked;
+                outcome.pages_checked = outcome.ops_done - outcome.errors;
+                rb.pages_checked - rb.wrong
+            }
+            None => outcome.pages_checked - outcome.bad_pages,
+        };
+        let mut r = Record::new(&data_path_name(self.mgr), spec, nodes, &outcome);
+        r.replicas = self.replicas;
+        if self.accept_errors {
+            r.verified = outcome.verified_despite_errors();
+        }
+        r.failure = Some(failure::FailureReport {
+            node: victim,
+            after_ms: self.after_ms,
+            at_ms: stopped_at.duration_since(start).as_secs_f64() * 1000.0,
+            during_run: stopped_at.duration_since(start) < outcome.elapsed,
+            errors_by_kind: disruption
+                .errors_by_kind
+                .iter()
+                .map(|(k, n)| ((*k).to_owned(), *n))
+                .collect(),
+            verified_pages,
+            spanned: failure::Spanned::of(&disruption),
+            readback,
+        });
+        Ok(r)
+    }
 }
 
 /// The data path the run really used: `tcp`, `rdma`, or `mixed` when

@@ -33,6 +33,8 @@ pub struct Record {
     pub threads: usize,
     pub depth: usize,
     pub nodes: usize,
+    /// Holders of each range (`--replicas`; 1 for an existing cluster).
+    pub replicas: usize,
     pub errors: u64,
     pub verified: bool,
     pub latency_us: LatencyUs,
@@ -46,6 +48,9 @@ pub struct Record {
     /// Baselines only: every layout tried in this run, the chosen one included.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub layouts: Vec<LayoutResult>,
+    /// `--fail-node-after-ms` only: the failure and what the run saw of it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failure: Option<crate::failure::FailureReport>,
 }
 
 /// One layout of the bare ping-pong, as tried for the baseline.
@@ -89,6 +94,7 @@ impl Record {
             threads: spec.threads,
             depth: spec.depth,
             nodes,
+            replicas: 1,
             errors: outcome.errors,
             verified: outcome.verified(),
             latency_us: LatencyUs {
@@ -106,6 +112,7 @@ impl Record {
             first_error: outcome.first_error.clone(),
             layout: None,
             layouts: Vec::new(),
+            failure: None,
         }
     }
 
@@ -171,6 +178,44 @@ pub fn line(r: &Record) -> String {
         r.throughput.gb_per_s,
         if r.verified { "yes" } else { "NO" }
     )
+}
+
+/// The failure a run saw, on one line (nothing without one).
+pub fn failure_line(r: &Record) -> Option<String> {
+    let f = r.failure.as_ref()?;
+    let kinds: Vec<String> = f
+        .errors_by_kind
+        .iter()
+        .map(|(k, n)| format!("{k} {n}"))
+        .collect();
+    let s = &f.spanned;
+    let mut line = format!(
+        "failure ({:?} {:?}, {} replicas): {} stopped at {:.1} ms{}; errors {} ({}); verified pages {}; \
+         {} pages started in [{}, +{}] ms around it: {} failed, p50 {} us, p99 {} us, max {} us",
+        r.op,
+        r.pattern,
+        r.replicas,
+        f.node,
+        f.at_ms,
+        if f.during_run { "" } else { " (after the run ended)" },
+        r.errors,
+        if kinds.is_empty() { "none".into() } else { kinds.join(", ") },
+        f.verified_pages,
+        s.pages,
+        s.window_ms[0],
+        s.window_ms[1],
+        s.errors,
+        fmt_us(s.p50_us),
+        fmt_us(s.p99_us),
+        fmt_us(s.max_us),
+    );
+    if let Some(rb) = &f.readback {
+        line.push_str(&format!(
+            "; read back {} pages: {} lost acknowledged writes, {} wrong, {} unreadable",
+            rb.pages_checked, rb.lost_acked, rb.wrong, rb.unreadable
+        ));
+    }
+    Some(line)
 }
 
 /// Our figures against the baseline's, as ratios (>1 means we are slower).

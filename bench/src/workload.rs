@@ -10,6 +10,7 @@ use indicatif::ProgressBar;
 use rand::{Rng, SeedableRng};
 use rdma_transport::{Page, TransportManager, PAGE_SIZE};
 
+use crate::failure::{Disruption, Window};
 use crate::pattern;
 
 /// Which operation a run measures.
@@ -63,18 +64,102 @@ impl Outcome {
             && self.pages_checked == self.ops_done
             && self.ops_done > 0
     }
+
+    /// As [`Outcome::verified`], with failed operations allowed (counted
+    /// and reported elsewhere): every page that did move was checked and
+    /// right.
+    pub fn verified_despite_errors(&self) -> bool {
+        self.bad_pages == 0
+            && self.pages_checked == self.ops_done.saturating_sub(self.errors)
+            && self.ops_done > self.errors
+    }
 }
 
 /// The pages under test and the seed each one holds now.
 pub struct WorkingSet {
     pub gpas: Vec<u64>,
     seeds: Vec<AtomicU64>,
+    /// The seed of a write that failed (0: none since the last
+    /// acknowledged one): the page may hold it instead, since a write can
+    /// land on some replica and still fail.
+    maybe_seeds: Vec<AtomicU64>,
+}
+
+/// What reading back the working set after a write run found.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Readback {
+    /// Pages read and checked.
+    pub pages_checked: u64,
+    /// Pages that could not be read.
+    pub unreadable: u64,
+    /// Pages that hold neither their last acknowledged write nor a failed
+    /// later one.
+    pub wrong: u64,
+    /// Pages acknowledged by the run (`run_seed`) that do not hold it now,
+    /// or cannot be read: lost acknowledged writes.
+    pub lost_acked: u64,
 }
 
 impl WorkingSet {
     pub fn new(gpas: Vec<u64>) -> Self {
         let seeds = gpas.iter().map(|_| AtomicU64::new(0)).collect();
-        Self { gpas, seeds }
+        let maybe_seeds = gpas.iter().map(|_| AtomicU64::new(0)).collect();
+        Self {
+            gpas,
+            seeds,
+            maybe_seeds,
+        }
+    }
+
+    /// Whether `page` holds what page `idx` may hold now.
+    fn holds(&self, idx: usize, page: &Page) -> bool {
+        let gpa = self.gpas[idx];
+        let maybe = self.maybe_seeds[idx].load(Ordering::Relaxed);
+        pattern::check(page, gpa, self.seeds[idx].load(Ordering::Relaxed))
+            || (maybe != 0 && pattern::check(page, gpa, maybe))
+    }
+
+    /// Reads every page back, never stopping at an error, and checks it
+    /// (see [`Readback`]). A page that holds a failed write's seed takes it
+    /// as its seed from now on.
+    pub fn readback(&self, mgr: &TransportManager, run_seed: u64) -> Readback {
+        let mut found = Readback::default();
+        let mut pages = vec![[0u8; PAGE_SIZE]; 64];
+        for (chunk_index, chunk) in self.gpas.chunks(64).enumerate() {
+            let first = chunk_index * 64;
+            let read: Vec<bool> = match mgr.read_pages(chunk, &mut pages[..chunk.len()]) {
+                Ok(()) => vec![true; chunk.len()],
+                // Page by page, to tell which ones cannot be read.
+                Err(_) => chunk
+                    .iter()
+                    .zip(pages.iter_mut())
+                    .map(|(&gpa, page)| mgr.read_pages(&[gpa], std::slice::from_mut(page)).is_ok())
+                    .collect(),
+            };
+            for (i, ok) in read.into_iter().enumerate() {
+                let idx = first + i;
+                let acked = self.seeds[idx].load(Ordering::Relaxed) == run_seed;
+                if !ok {
+                    found.unreadable += 1;
+                    found.lost_acked += u64::from(acked);
+                    continue;
+                }
+                found.pages_checked += 1;
+                let page = &pages[i];
+                if acked && !pattern::check(page, self.gpas[idx], run_seed) {
+                    found.lost_acked += 1;
+                }
+                if !self.holds(idx, page) {
+                    found.wrong += 1;
+                    continue;
+                }
+                let maybe = self.maybe_seeds[idx].swap(0, Ordering::Relaxed);
+                if maybe != 0 && pattern::check(page, self.gpas[idx], maybe) {
+                    self.seeds[idx].store(maybe, Ordering::Relaxed);
+                }
+            }
+        }
+        found
     }
 
     pub fn len(&self) -> usize {
@@ -103,12 +188,8 @@ impl WorkingSet {
         let mut bad = 0;
         for (chunk_index, chunk) in self.gpas.chunks(64).enumerate() {
             mgr.read_pages(chunk, &mut pages[..chunk.len()])?;
-            for (i, (page, &gpa)) in pages.iter().zip(chunk).enumerate() {
-                if !pattern::check(
-                    page,
-                    gpa,
-                    self.seeds[chunk_index * 64 + i].load(Ordering::Relaxed),
-                ) {
+            for (i, page) in pages[..chunk.len()].iter().enumerate() {
+                if !self.holds(chunk_index * 64 + i, page) {
                     bad += 1;
                 }
             }
@@ -125,16 +206,33 @@ pub fn run(
     seed: u64,
     progress: &ProgressBar,
 ) -> Outcome {
+    run_observed(mgr, set, spec, seed, progress, None).0
+}
+
+/// As [`run`], and also counts failed pages by kind and, with `window`
+/// (a failure injected meanwhile), times the requests that started in it.
+/// With a window, the run never stops early on errors: it counts them.
+pub fn run_observed(
+    mgr: &TransportManager,
+    set: &WorkingSet,
+    spec: Spec,
+    seed: u64,
+    progress: &ProgressBar,
+    window: Option<Window>,
+) -> (Outcome, Disruption) {
     let start = Instant::now();
     let stop = AtomicBool::new(false);
     let per_thread = spec.ops / spec.threads as u64;
     let extra = spec.ops % spec.threads as u64;
-    let results: Vec<Outcome> = std::thread::scope(|s| {
+    let results: Vec<(Outcome, Disruption)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..spec.threads)
             .map(|t| {
                 let ops = per_thread + u64::from((t as u64) < extra);
                 let stop = &stop;
-                s.spawn(move || thread_loop(mgr, set, spec, ops, t, seed, progress, stop))
+                let window = window.as_ref();
+                s.spawn(move || {
+                    thread_loop(mgr, set, spec, ops, t, seed, progress, stop, window)
+                })
             })
             .collect();
         handles.into_iter().filter_map(|h| h.join().ok()).collect()
@@ -149,7 +247,9 @@ pub fn run(
         pages_checked: 0,
         first_error: None,
     };
-    for r in results {
+    let mut disruption = Disruption::new();
+    for (r, d) in results {
+        disruption.merge(&d);
         let _ = total.latency_ns.add(&r.latency_ns);
         total.ops_done += r.ops_done;
         total.errors += r.errors;
@@ -159,7 +259,7 @@ pub fn run(
             total.first_error = r.first_error;
         }
     }
-    total
+    (total, disruption)
 }
 
 pub fn new_histogram() -> Histogram<u64> {
@@ -177,7 +277,9 @@ fn thread_loop(
     seed: u64,
     progress: &ProgressBar,
     stop: &AtomicBool,
-) -> Outcome {
+    window: Option<&Window>,
+) -> (Outcome, Disruption) {
+    let mut disruption = Disruption::new();
     let mut rng =
         rand::rngs::SmallRng::seed_from_u64(seed ^ (thread as u64).wrapping_mul(0x9e37_79b9));
     let n = set.len();
@@ -213,19 +315,22 @@ fn thread_loop(
         };
         let latency_ns = t0.elapsed().as_nanos() as u64;
         done += batch as u64;
+        disruption.record(window, t0, latency_ns, batch as u64, result.as_ref().err());
         match result {
             Ok(()) => {
                 let _ = hist.record_n(latency_ns.max(1), batch as u64);
                 for i in 0..batch {
                     match spec.op {
                         Op::Read | Op::Fault => {
-                            let expected = set.seeds[idx[i]].load(Ordering::Relaxed);
-                            if !pattern::check(&pages[i], gpas[i], expected) {
+                            if !set.holds(idx[i], &pages[i]) {
                                 bad += 1;
                             }
                         }
                         // Checked by reading back after the run.
-                        Op::Write => set.seeds[idx[i]].store(seed, Ordering::Relaxed),
+                        Op::Write => {
+                            set.seeds[idx[i]].store(seed, Ordering::Relaxed);
+                            set.maybe_seeds[idx[i]].store(0, Ordering::Relaxed);
+                        }
                     }
                 }
                 if spec.op != Op::Write {
@@ -235,7 +340,13 @@ fn thread_loop(
             Err(e) => {
                 errors += batch as u64;
                 first_error.get_or_insert_with(|| e.to_string());
-                if errors > 1000 {
+                if spec.op == Op::Write {
+                    for &i in &idx[..batch] {
+                        set.maybe_seeds[i].store(seed, Ordering::Relaxed);
+                    }
+                }
+                // Under an injected failure errors are what is measured.
+                if errors > 1000 && window.is_none() {
                     stop.store(true, Ordering::Relaxed);
                 }
             }
@@ -247,7 +358,7 @@ fn thread_loop(
         }
     }
     progress.inc(since_tick);
-    Outcome {
+    let outcome = Outcome {
         latency_ns: hist,
         elapsed: Duration::ZERO,
         ops_done: done,
@@ -255,5 +366,6 @@ fn thread_loop(
         bad_pages: bad,
         pages_checked: checked,
         first_error,
-    }
+    };
+    (outcome, disruption)
 }

@@ -217,6 +217,24 @@ impl Connections {
     }
 }
 
+impl Connections {
+    /// As [`Connections::close_all`], but as a killed process would: each
+    /// socket is first set to linger 0, so that its last close resets the
+    /// connection instead of ending it in order. (The shutdown still sends
+    /// FIN at once, so a blocked peer wakes whether or not its thread has
+    /// closed yet.)
+    pub(crate) fn abort_all(&self) -> Vec<JoinHandle<()>> {
+        {
+            let inner = self.inner.lock();
+            for entry in &inner.entries {
+                let _ = socket2::SockRef::from(&entry.socket)
+                    .set_linger(Some(std::time::Duration::ZERO));
+            }
+        }
+        self.close_all()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

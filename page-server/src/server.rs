@@ -328,6 +328,34 @@ impl RunningServer {
         self.stop();
     }
 
+    /// Stops like a killed process, for failure tests: every connection's
+    /// socket is shut down at once without goodbye (linger 0, so its last
+    /// close resets it), the listener is closed (connecting then fails),
+    /// heartbeats stop, and nothing is deregistered: the coordinator learns
+    /// of the failure only from the clients or the lease running out.
+    /// Unlike [`RunningServer::shutdown`], the sockets close before the
+    /// registration thread is stopped, so the failure instant does not wait
+    /// on a heartbeat in flight.
+    pub fn abort(mut self) {
+        if self.shared.stop.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let threads = self.shared.admission.conns.abort_all();
+        // Wake the blocking accept; the acceptor then ends and drops the
+        // listener.
+        let _ = TcpStream::connect_timeout(&wake_addr(self.addr), Duration::from_millis(200));
+        if let Some(h) = self.acceptor.take() {
+            let _ = h.join();
+        }
+        if let Some(r) = self.registration.take() {
+            r.stop();
+        }
+        for thread in threads {
+            let _ = thread.join();
+        }
+        tracing::info!(addr = %self.addr, "page-server aborted");
+    }
+
     fn stop(&mut self) {
         if self.shared.stop.swap(true, Ordering::SeqCst) {
             return;
