@@ -121,8 +121,7 @@ impl LocalCluster {
 /// Starts one page-server and waits for its registration.
 fn start_server(cfg: ServerConfig) -> anyhow::Result<RunningServer> {
     let node = cfg.node_id.clone();
-    let server =
-        page_server::spawn(cfg).with_context(|| format!("starting page-server {node}"))?;
+    let server = page_server::spawn(cfg).with_context(|| format!("starting page-server {node}"))?;
     server
         .wait_registered(Duration::from_secs(10))
         .with_context(|| format!("page-server {node} registration"))?;

@@ -230,9 +230,7 @@ pub fn run_observed(
                 let ops = per_thread + u64::from((t as u64) < extra);
                 let stop = &stop;
                 let window = window.as_ref();
-                s.spawn(move || {
-                    thread_loop(mgr, set, spec, ops, t, seed, progress, stop, window)
-                })
+                s.spawn(move || thread_loop(mgr, set, spec, ops, t, seed, progress, stop, window))
             })
             .collect();
         handles.into_iter().filter_map(|h| h.join().ok()).collect()
