@@ -4,12 +4,31 @@
 
 use axum::extract::State;
 use axum::Json;
-use rdma_transport::coordinator::api::{RecoveryDone, ReplicaChange};
+use rdma_transport::coordinator::api::{MapEntry, RecoveryDone, ReplicaChange};
 
 use crate::error::ApiError;
 use crate::extract::{ApiJson, ApiPath};
 use crate::state::AppState;
+use crate::store::{Store, StoreError};
 use crate::validate;
+
+/// Parses the path's `gpa_start` and `node_id`, then runs one replica
+/// change on the store; returns the range start, the new map version and
+/// the entry.
+async fn change(
+    state: &AppState,
+    gpa_text: &str,
+    node_id: &str,
+    op: impl FnOnce(&mut Store, u64, &str) -> Result<(u64, MapEntry), StoreError> + Send + 'static,
+) -> Result<(u64, u64, MapEntry), ApiError> {
+    let gpa_start = validate::gpa_start(gpa_text)?;
+    validate::node_id(node_id)?;
+    let node_id = node_id.to_owned();
+    let (version, entry) = state
+        .db(move |store| op(store, gpa_start, &node_id))
+        .await?;
+    Ok((gpa_start, version, entry))
+}
 
 /// `POST /v1/map/{gpa_start}/replicas/{node_id}/stale` (admin or client
 /// credential): the replica missed a write. 409 when it is the range's
@@ -18,14 +37,13 @@ pub(super) async fn mark_stale(
     State(state): State<AppState>,
     ApiPath((gpa_text, node_id)): ApiPath<(String, String)>,
 ) -> Result<Json<ReplicaChange>, ApiError> {
-    let gpa_start = validate::gpa_start(&gpa_text)?;
-    validate::node_id(&node_id)?;
-    let (version, entry) = state
-        .db({
-            let node_id = node_id.clone();
-            move |store| store.mark_replica_stale(gpa_start, &node_id)
-        })
-        .await?;
+    let (gpa_start, version, entry) = change(
+        &state,
+        &gpa_text,
+        &node_id,
+        move |store, gpa_start, node_id| store.mark_replica_stale(gpa_start, node_id),
+    )
+    .await?;
     tracing::warn!(gpa_start, node = %node_id, version, "replica marked stale");
     Ok(Json(ReplicaChange { version, entry }))
 }
@@ -37,14 +55,13 @@ pub(super) async fn begin_recovery(
     State(state): State<AppState>,
     ApiPath((gpa_text, node_id)): ApiPath<(String, String)>,
 ) -> Result<Json<ReplicaChange>, ApiError> {
-    let gpa_start = validate::gpa_start(&gpa_text)?;
-    validate::node_id(&node_id)?;
-    let (version, entry) = state
-        .db({
-            let node_id = node_id.clone();
-            move |store| store.begin_recovery(gpa_start, &node_id)
-        })
-        .await?;
+    let (gpa_start, version, entry) = change(
+        &state,
+        &gpa_text,
+        &node_id,
+        move |store, gpa_start, node_id| store.begin_recovery(gpa_start, node_id),
+    )
+    .await?;
     tracing::info!(gpa_start, node = %node_id, version, "replica recovery begun");
     Ok(Json(ReplicaChange { version, entry }))
 }
@@ -57,14 +74,15 @@ pub(super) async fn finish_recovery(
     ApiPath((gpa_text, node_id)): ApiPath<(String, String)>,
     ApiJson(done): ApiJson<RecoveryDone>,
 ) -> Result<Json<ReplicaChange>, ApiError> {
-    let gpa_start = validate::gpa_start(&gpa_text)?;
-    validate::node_id(&node_id)?;
-    let (version, entry) = state
-        .db({
-            let node_id = node_id.clone();
-            move |store| store.finish_recovery(gpa_start, &node_id, done.recovery_seq)
-        })
-        .await?;
+    let (gpa_start, version, entry) = change(
+        &state,
+        &gpa_text,
+        &node_id,
+        move |store, gpa_start, node_id| {
+            store.finish_recovery(gpa_start, node_id, done.recovery_seq)
+        },
+    )
+    .await?;
     tracing::info!(
         gpa_start,
         node = %node_id,
