@@ -191,7 +191,10 @@ impl Injector {
     ///
     /// # Errors
     /// When the thread cannot be started.
-    pub fn schedule(fail_at: Instant, stop: impl FnOnce() + Send + 'static) -> anyhow::Result<Self> {
+    pub fn schedule(
+        fail_at: Instant,
+        stop: impl FnOnce() + Send + 'static,
+    ) -> anyhow::Result<Self> {
         let handle = std::thread::Builder::new()
             .name("bench-fail-node".into())
             .spawn(move || {
@@ -240,12 +243,24 @@ mod tests {
         };
         let mut a = Disruption::new();
         // Before the window: counted as an error, not as spanned.
-        a.record(Some(&w), t - Duration::from_millis(500), 20_000, 1, Some(&down));
+        a.record(
+            Some(&w),
+            t - Duration::from_millis(500),
+            20_000,
+            1,
+            Some(&down),
+        );
         // Spanning: one slow failover, one quick, one failed batch of 4.
         a.record(Some(&w), t - Duration::from_millis(2), 900_000, 1, None);
         a.record(Some(&w), t + Duration::from_millis(20), 30_000, 1, None);
         let mut b = Disruption::new();
-        b.record(Some(&w), t + Duration::from_millis(3), 5_000_000, 4, Some(&down));
+        b.record(
+            Some(&w),
+            t + Duration::from_millis(3),
+            5_000_000,
+            4,
+            Some(&down),
+        );
         // After the window.
         b.record(Some(&w), t + Duration::from_secs(2), 10_000, 1, None);
         a.merge(&b);

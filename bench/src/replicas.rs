@@ -240,7 +240,9 @@ mod tests {
             entries: vec![MapEntry {
                 gpa_start: 0,
                 length_bytes: PAGE_SIZE as u64,
-                node_id: replicas.first().map_or("node-0".into(), |r| r.node_id.clone()),
+                node_id: replicas
+                    .first()
+                    .map_or("node-0".into(), |r| r.node_id.clone()),
                 remote_offset: 0,
                 rdma: None,
                 valid_epoch: 1,
@@ -266,7 +268,10 @@ mod tests {
         assert_eq!(not_live(&joining, 2), vec!["0x0:node-1=Stale".to_owned()]);
         let short = map(vec![replica("node-0", ReplicaState::Live)]);
         assert_eq!(not_live(&short, 2).len(), 1);
-        assert!(not_live(&map(Vec::new()), 1).is_empty(), "older coordinator, R=1");
+        assert!(
+            not_live(&map(Vec::new()), 1).is_empty(),
+            "older coordinator, R=1"
+        );
         assert_eq!(not_live(&map(Vec::new()), 2).len(), 1);
         let failed_over = map(vec![
             replica("node-0", ReplicaState::Stale),

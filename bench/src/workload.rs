@@ -230,9 +230,7 @@ pub fn run_observed(
                 let ops = per_thread + u64::from((t as u64) < extra);
                 let stop = &stop;
                 let window = window.as_ref();
-                s.spawn(move || {
-                    thread_loop(mgr, set, spec, ops, t, seed, progress, stop, window)
-                })
+                s.spawn(move || thread_loop(mgr, set, spec, ops, t, seed, progress, stop, window))
             })
             .collect();
         handles.into_iter().filter_map(|h| h.join().ok()).collect()
@@ -323,6 +321,19 @@ fn thread_loop(
                     match spec.op {
                         Op::Read | Op::Fault => {
                             if !set.holds(idx[i], &pages[i]) {
+                                if bad == 0 {
+                                    tracing::warn!(
+                                        gpa = format_args!("{:#x}", gpas[i]),
+                                        zeroed = pages[i].iter().all(|&b| b == 0),
+                                        word0 = format_args!(
+                                            "{:#x}",
+                                            u64::from_le_bytes(
+                                                pages[i][..8].try_into().unwrap_or_default()
+                                            )
+                                        ),
+                                        "first wrong page read by this thread"
+                                    );
+                                }
                                 bad += 1;
                             }
                         }
