@@ -31,7 +31,8 @@ pub struct ServerConfig {
     /// with the node credential derived from it. `None`: insecure, any
     /// client is served and clients that hold a key refuse this server.
     pub cluster_key: Option<ClusterKey>,
-    /// Period of the heartbeat that keeps this node's lease alive.
+    /// Period of the heartbeat that keeps this node's lease alive, and of
+    /// the replica recovery's look at the map.
     pub heartbeat_interval: Duration,
     /// Wait between registration attempts while the coordinator is not up.
     pub register_retry: Duration,
@@ -66,6 +67,17 @@ pub struct ServerConfig {
     /// CRC-32C of a page costs well under a microsecond; see
     /// docs/wire-protocol.md). Off: clients that ask get pages without.
     pub page_checksums: bool,
+    /// Replica recovery: how long after the coordinator marks this node's
+    /// replica `recovering` the copy from a live replica starts. A protocol
+    /// wait: it must exceed the clients' map refresh period plus their
+    /// request timeout, so that every client sends its writes here too
+    /// before the copy starts (a page written here during the copy is never
+    /// overwritten by it). Default 2500 ms (clients: 1000 + 1000 ms).
+    pub recovery_grace: Duration,
+    /// Replica recovery: most MiB per second copied from the source
+    /// replica (the copy sleeps between batches to stay under it); 0:
+    /// unbounded. Default 512.
+    pub recovery_rate_mib_s: u64,
 }
 
 impl ServerConfig {
@@ -96,6 +108,8 @@ impl ServerConfig {
             },
             huge_pages: false,
             page_checksums: true,
+            recovery_grace: Duration::from_millis(2500),
+            recovery_rate_mib_s: 512,
         }
     }
 }

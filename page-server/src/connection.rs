@@ -14,6 +14,7 @@ use rdma_transport::PAGE_SIZE;
 use crate::handshake::{self, Refusal, ServerAuth, Session};
 use crate::limits::ConnGuard;
 use crate::rdma::RdmaExport;
+use crate::recovery_guard::RecoveryGuard;
 
 const RECV_BUF_BYTES: usize = 256 * 1024;
 /// Answers gathered before they are flushed (each takes two iovecs at most).
@@ -31,6 +32,9 @@ pub(crate) struct Exported {
     pub(crate) auth: ServerAuth,
     /// Agree to page checksums when a client asks.
     pub(crate) page_checksums: bool,
+    /// Keeps client writes from being overwritten by a replica recovery's
+    /// older copy (every client WRITE goes through it).
+    pub(crate) guard: RecoveryGuard,
 }
 
 impl Exported {
@@ -485,7 +489,7 @@ fn handle(
                 outbox.push(answer(Status::BadChecksum), Payload::None);
             }
             Ok(off) => {
-                let status = match exported.region.write_at(off, payload) {
+                let status = match exported.guard.client_write(&exported.region, off, payload) {
                     Ok(()) => Status::Ok,
                     Err(_) => Status::OutOfRange,
                 };

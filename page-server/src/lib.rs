@@ -16,6 +16,8 @@ mod limits;
 mod listener;
 mod log_limit;
 mod rdma;
+mod recovery;
+mod recovery_guard;
 mod registration;
 mod server;
 mod stats;

@@ -44,7 +44,8 @@ struct Args {
     /// write the exported memory.
     #[arg(long)]
     insecure: bool,
-    /// Heartbeat period in milliseconds.
+    /// Heartbeat period in milliseconds (also how often the node checks
+    /// whether its replica needs recovering).
     #[arg(long, default_value_t = 1000)]
     heartbeat_ms: u64,
     /// Microseconds a connection thread keeps polling its socket after a
@@ -92,6 +93,18 @@ struct Args {
     /// (`/proc/sys/vm/nr_hugepages`); normal pages otherwise.
     #[arg(long)]
     huge_pages: bool,
+    /// Replica recovery (a replicated range whose replica here is stale is
+    /// copied from a live replica): milliseconds between the coordinator
+    /// marking it `recovering` and the start of the copy. Must exceed the
+    /// clients' map refresh period plus their request timeout (1000 + 1000
+    /// ms by default), so that every client writes here before the copy
+    /// starts. See docs/operations.md, "Replica recovery".
+    #[arg(long, default_value_t = 2500)]
+    recovery_grace_ms: u64,
+    /// Replica recovery: most MiB per second copied from the source
+    /// replica (0: unbounded).
+    #[arg(long, default_value_t = 512)]
+    recovery_rate_mib_s: u64,
 }
 
 fn parse_u64(s: &str) -> Result<u64, String> {
@@ -123,6 +136,8 @@ fn main() -> anyhow::Result<()> {
     config.heartbeat_interval = Duration::from_millis(args.heartbeat_ms.max(1));
     config.spin_before_block = Duration::from_micros(args.spin_us);
     config.huge_pages = args.huge_pages;
+    config.recovery_grace = Duration::from_millis(args.recovery_grace_ms);
+    config.recovery_rate_mib_s = args.recovery_rate_mib_s;
     config.handshake_timeout = Duration::from_millis(args.handshake_timeout_ms);
     config.idle_timeout = Duration::from_millis(args.idle_timeout_ms);
     config.max_connections = usize::try_from(args.max_connections).context("--max-connections")?;

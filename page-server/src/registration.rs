@@ -77,16 +77,7 @@ impl Registration {
             retry: config.register_retry,
         };
         let url = config.coordinator_url.clone().unwrap_or_default();
-        // With a cluster key the node speaks with its own node credential,
-        // which lets it change nothing but its own registration and ranges.
-        let credential = match (&config.cluster_key, &config.coordinator_token) {
-            (Some(key), _) => Credential::Node {
-                id: config.node_id.clone(),
-                key: key.clone(),
-            },
-            (None, Some(token)) => Credential::Token(token.clone()),
-            (None, None) => Credential::None,
-        };
+        let credential = node_credential(config);
         let thread_shared = Arc::clone(&shared);
         let handle = std::thread::Builder::new()
             .name("page-server-register".into())
@@ -94,6 +85,12 @@ impl Registration {
             .map_err(|err| tracing::error!(%err, "cannot start the registration thread"))
             .ok();
         Self { shared, handle }
+    }
+
+    /// A handle that tells whether the registration has succeeded (for
+    /// threads that must not start before it).
+    pub(crate) fn watch(&self) -> RegisteredWatch {
+        RegisteredWatch(Arc::clone(&self.shared))
     }
 
     pub(crate) fn wait(&self, timeout: Duration) -> Result<(), ServerError> {
@@ -125,6 +122,31 @@ impl Registration {
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
+    }
+}
+
+/// Whether a [`Registration`] has succeeded; see [`Registration::watch`].
+#[derive(Debug, Clone)]
+pub(crate) struct RegisteredWatch(Arc<Shared>);
+
+impl RegisteredWatch {
+    /// True once the node and its range were registered.
+    pub(crate) fn is_registered(&self) -> bool {
+        matches!(*self.0.state.lock(), Some(State::Registered))
+    }
+}
+
+/// The credential this node speaks to the coordinator with. With a cluster
+/// key, its own node credential, which lets it change nothing but its own
+/// registration, ranges and replicas (and read the map).
+pub(crate) fn node_credential(config: &ServerConfig) -> Credential {
+    match (&config.cluster_key, &config.coordinator_token) {
+        (Some(key), _) => Credential::Node {
+            id: config.node_id.clone(),
+            key: key.clone(),
+        },
+        (None, Some(token)) => Credential::Token(token.clone()),
+        (None, None) => Credential::None,
     }
 }
 

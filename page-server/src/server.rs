@@ -18,8 +18,10 @@ use crate::connection::Exported;
 use crate::handshake::ServerAuth;
 use crate::limits::Timeouts;
 use crate::rdma::RdmaExport;
+use crate::recovery::Recovery;
+use crate::recovery_guard::RecoveryGuard;
 use crate::registration::Registration;
-use crate::stats::ServerStats;
+use crate::stats::{RecoveryCounters, ServerStats};
 
 /// Why a page-server could not start or register.
 #[derive(Debug, thiserror::Error)]
@@ -68,6 +70,7 @@ pub struct RunningServer {
     shared: Arc<Shared>,
     acceptor: Option<JoinHandle<()>>,
     registration: Option<Registration>,
+    recovery: Option<Recovery>,
 }
 
 /// What the acceptor and the connection threads share.
@@ -77,6 +80,8 @@ pub(crate) struct Shared {
     pub(crate) stop: AtomicBool,
     pub(crate) admission: Arc<Admission>,
     pub(crate) spin_before_block: Duration,
+    /// Replica recovery counters (the recovery thread counts).
+    pub(crate) recovery: RecoveryCounters,
 }
 
 /// Maps the exported memory, binds the listener, starts serving, and starts
@@ -138,6 +143,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             epoch: rdma_transport::ids::random_u64() | 1,
             auth: ServerAuth::new(config.node_id.clone(), config.cluster_key.clone()),
             page_checksums: config.page_checksums,
+            guard: RecoveryGuard::new(config.memory_bytes),
         },
         stop: AtomicBool::new(false),
         admission: Arc::new(Admission::new(
@@ -149,6 +155,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             config.max_pending_handshakes,
         )),
         spin_before_block: config.spin_before_block,
+        recovery: RecoveryCounters::default(),
     });
     let accept_shared = Arc::clone(&shared);
     let acceptor = std::thread::Builder::new()
@@ -167,11 +174,16 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         .coordinator_url
         .is_some()
         .then(|| Registration::start(&config, addr, published, shared.exported.epoch));
+    // Starts copying only once registered (it watches the registration).
+    let recovery = registration
+        .as_ref()
+        .map(|r| Recovery::start(&config, Arc::clone(&shared), r.watch()));
     Ok(RunningServer {
         addr,
         shared,
         acceptor: Some(acceptor),
         registration,
+        recovery,
     })
 }
 
@@ -289,9 +301,12 @@ impl RunningServer {
     }
 
     /// Connections open now, and those refused or closed by the limits
-    /// since the server started, by reason.
+    /// since the server started, by reason; and the replica recoveries
+    /// (running now, done, failed, pages copied).
     pub fn stats(&self) -> ServerStats {
-        self.shared.admission.stats()
+        let mut stats = self.shared.admission.stats();
+        self.shared.recovery.fill(&mut stats);
+        stats
     }
 
     /// Blocks until the node and its range are registered with the
@@ -344,6 +359,9 @@ impl RunningServer {
     fn stop(&mut self) {
         if self.shared.stop.swap(true, Ordering::SeqCst) {
             return;
+        }
+        if let Some(r) = self.recovery.take() {
+            r.stop();
         }
         if let Some(r) = self.registration.take() {
             r.stop();

@@ -1,8 +1,8 @@
 //! Counters of connections refused or closed by the server's limits, by
-//! reason, and the snapshot [`ServerStats`] that `RunningServer::stats`
-//! returns (for tests and, later, metrics).
+//! reason, and of replica recoveries; and the snapshot [`ServerStats`] that
+//! `RunningServer::stats` returns (for tests and, later, metrics).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Connections refused or closed by the page-server, by reason, since it
 /// started; and the connections open now.
@@ -29,6 +29,16 @@ pub struct ServerStats {
     pub protocol_errors: u64,
     /// `accept` calls that failed (e.g. out of file descriptors).
     pub accept_errors: u64,
+    /// A replica recovery is running now (this node copies its range from
+    /// a live replica; see `recovery.rs`).
+    pub recovery_running: bool,
+    /// Recoveries that completed (the coordinator marked the replica live).
+    pub recoveries: u64,
+    /// Recoveries that failed or were overtaken (retried a period later).
+    pub recovery_failures: u64,
+    /// Pages copied in from a live replica by recoveries (pages a client
+    /// wrote during a recovery are not counted: the copy skipped them).
+    pub recovered_pages: u64,
 }
 
 /// Why the server refused or closed a connection.
@@ -81,6 +91,42 @@ impl Counters {
             idle_timeouts: get(&self.idle_timeouts),
             protocol_errors: get(&self.protocol_errors),
             accept_errors: get(&self.accept_errors),
+            ..ServerStats::default()
         }
+    }
+}
+
+/// The replica recovery's counters behind [`ServerStats`].
+#[derive(Debug, Default)]
+pub(crate) struct RecoveryCounters {
+    running: AtomicBool,
+    recoveries: AtomicU64,
+    failures: AtomicU64,
+    pages: AtomicU64,
+}
+
+impl RecoveryCounters {
+    pub(crate) fn set_running(&self, running: bool) {
+        self.running.store(running, Ordering::Relaxed);
+    }
+
+    pub(crate) fn recovered(&self) {
+        self.recoveries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn failed(&self) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn pages_copied(&self, pages: u64) {
+        self.pages.fetch_add(pages, Ordering::Relaxed);
+    }
+
+    /// Fills the recovery fields of `stats`.
+    pub(crate) fn fill(&self, stats: &mut ServerStats) {
+        stats.recovery_running = self.running.load(Ordering::Relaxed);
+        stats.recoveries = self.recoveries.load(Ordering::Relaxed);
+        stats.recovery_failures = self.failures.load(Ordering::Relaxed);
+        stats.recovered_pages = self.pages.load(Ordering::Relaxed);
     }
 }

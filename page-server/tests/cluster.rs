@@ -233,6 +233,8 @@ fn keyed_cluster_uses_derived_coordinator_credentials() {
     };
     let b =
         CoordinatorClient::with_credential(&coord.url(), &as_b, Duration::from_secs(5)).unwrap();
+    // A node credential reads the map (the replica recovery thread does).
+    assert_eq!(b.map().unwrap().entries.len(), 2);
     let hijack = NodeRegistration {
         tcp_addr: "127.0.0.1:1".into(),
         rdma: None,

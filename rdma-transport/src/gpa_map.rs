@@ -121,7 +121,11 @@ impl GpaMap {
                 continue;
             };
             if !is_page_aligned(gpa_start) || !is_page_aligned(length_bytes) {
-                tracing::warn!(gpa_start, length_bytes, "map entry is not 4 KiB aligned; ignored");
+                tracing::warn!(
+                    gpa_start,
+                    length_bytes,
+                    "map entry is not 4 KiB aligned; ignored"
+                );
                 continue;
             }
             if ranges.last().is_some_and(|prev| prev.gpa_end > gpa_start) {
@@ -239,10 +243,11 @@ impl GpaMap {
     /// The holder of `gpa`'s range on the node named `node_id`.
     pub fn replica_on(&self, gpa: u64, node_id: &str) -> Option<Location> {
         let r = self.range_of(gpa)?;
-        let i = r
-            .holders
-            .iter()
-            .position(|h| self.nodes.get(h.node_index).is_some_and(|n| n.id == node_id))?;
+        let i = r.holders.iter().position(|h| {
+            self.nodes
+                .get(h.node_index)
+                .is_some_and(|n| n.id == node_id)
+        })?;
         r.location(gpa, i)
     }
 
@@ -349,6 +354,50 @@ mod tests {
             nodes: vec![node("a")],
         });
         assert_eq!(m.lookup(0x1000).map(|l| l.valid_epoch), Some(0x77));
+    }
+
+    #[test]
+    fn reads_go_to_the_first_live_replica_writes_to_live_and_recovering() {
+        use crate::coordinator::api::Replica;
+        let replica = |node: &str, off: u64, state| Replica {
+            node_id: node.into(),
+            remote_offset: off,
+            valid_epoch: 1,
+            state,
+            recovery_seq: 0,
+        };
+        let mut e = entry(0, 0x4000, "a", 0);
+        e.replicas = vec![
+            replica("a", 0, ReplicaState::Stale),
+            replica("b", 0x10_000, ReplicaState::Live),
+            replica("c", 0x20_000, ReplicaState::Recovering),
+        ];
+        let m = GpaMap::from_response(MapResponse {
+            version: 5,
+            entries: vec![e],
+            nodes: vec![node("a"), node("b"), node("c")],
+        });
+        let primary = m.lookup(0x1000).unwrap();
+        assert_eq!((primary.node_index, primary.remote_offset), (1, 0x11_000));
+        assert!(primary.replicated && primary.state.serves_reads());
+        assert_eq!(m.replica_count(0x1000), 3);
+        let takers: Vec<usize> = (0..3)
+            .filter_map(|r| m.replica(0x1000, r))
+            .filter(|l| l.state.takes_writes())
+            .map(|l| l.node_index)
+            .collect();
+        assert_eq!(takers, vec![1, 2]);
+        assert_eq!(
+            m.replica_on(0x2000, "c").map(|l| l.remote_offset),
+            Some(0x22_000)
+        );
+        assert_eq!(m.ranges().next().map(|r| r.2), Some("b"));
+        // b marked stale: no replica serves reads; the first is reported.
+        let m = m.with_replica_state(0, "b", ReplicaState::Stale, 9);
+        assert_eq!(m.version(), 9);
+        let first = m.lookup(0).unwrap();
+        assert_eq!(first.node_index, 0);
+        assert!(!first.state.serves_reads());
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! and page-servers, in-process or as real child processes.
 #![allow(dead_code)]
 
+pub mod fake_coordinator;
 pub mod raw;
 
 use std::net::SocketAddr;
@@ -54,6 +55,65 @@ pub fn page_for(gpa: u64, seed: u8) -> Page {
     p
 }
 
+/// A page whose every u64 holds its page index, `seed` and its own index
+/// in the page.
+pub fn page_indexed(index: u64, seed: u64) -> Page {
+    let mut page = [0u8; PAGE_SIZE];
+    for (w, word) in page.chunks_exact_mut(8).enumerate() {
+        let value = (index << 40) | (seed << 20) | w as u64;
+        word.copy_from_slice(&value.to_le_bytes());
+    }
+    page
+}
+
+/// A manager over a fixed map that puts `map`'s only range on `node`'s
+/// replica alone, valid in that replica's epoch: it reads and writes that
+/// one process, whatever the replica's state.
+pub fn replica_manager(
+    map: &rdma_transport::coordinator::api::MapResponse,
+    node: &str,
+) -> TransportManager {
+    use rdma_transport::coordinator::api::{MapEntry, MapResponse, RangeState};
+    assert_eq!(map.entries.len(), 1, "one range");
+    let entry = map.entries[0].clone();
+    let r = entry
+        .replicas
+        .iter()
+        .find(|r| r.node_id == node)
+        .expect("node holds a replica")
+        .clone();
+    let info = map
+        .nodes
+        .iter()
+        .find(|n| n.id == node)
+        .expect("node registered")
+        .clone();
+    let map = MapResponse {
+        version: 1,
+        entries: vec![MapEntry {
+            node_id: r.node_id,
+            remote_offset: r.remote_offset,
+            valid_epoch: r.valid_epoch,
+            state: RangeState::Live,
+            replicas: Vec::new(),
+            ..entry
+        }],
+        nodes: vec![info],
+    };
+    TransportManager::from_map(
+        ManagerConfig {
+            transport: rdma_transport::TransportKind::Tcp,
+            request_timeout_ms: 2000,
+            connect_timeout_ms: 2000,
+            poller_cpus: Some(vec![]),
+            map_refresh_ms: 0,
+            ..ManagerConfig::default()
+        },
+        map,
+    )
+    .expect("manager over a fixed map")
+}
+
 /// A page-server running as a real child process, killed on drop.
 pub struct ChildServer {
     pub child: Child,
@@ -63,6 +123,11 @@ pub struct ChildServer {
 
 impl ChildServer {
     pub fn start(url: &str, node: &str, gpa_base: u64) -> Self {
+        Self::start_with(url, node, gpa_base, &[])
+    }
+
+    /// As [`ChildServer::start`], with more command-line flags.
+    pub fn start_with(url: &str, node: &str, gpa_base: u64, extra_args: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let ready = dir.path().join("ready");
         let child = Command::new(env!("CARGO_BIN_EXE_page-server"))
@@ -83,6 +148,7 @@ impl ChildServer {
                 "200",
                 "--insecure",
             ])
+            .args(extra_args)
             .arg("--ready-file")
             .arg(&ready)
             .stdout(Stdio::null())

@@ -48,7 +48,12 @@ impl Inner {
     /// Another replica that serves reads of `t`'s page and is not in
     /// `tried` (bit r: replica r), preferring one whose node did not fail
     /// lately.
-    pub(super) fn other_reader(&self, state: &MapState, t: &Target, tried: u32) -> Option<Location> {
+    pub(super) fn other_reader(
+        &self,
+        state: &MapState,
+        t: &Target,
+        tried: u32,
+    ) -> Option<Location> {
         if !t.loc.replicated {
             return None;
         }
@@ -93,10 +98,9 @@ impl Inner {
         if self.config.read_hedge_delay_us > 0 {
             return Duration::from_micros(self.config.read_hedge_delay_us).min(ceiling);
         }
-        let auto = self
-            .latency
-            .p99()
-            .map_or(MIN_HEDGE_DELAY, |p99| (p99 * HEDGE_P99_FACTOR).max(MIN_HEDGE_DELAY));
+        let auto = self.latency.p99().map_or(MIN_HEDGE_DELAY, |p99| {
+            (p99 * HEDGE_P99_FACTOR).max(MIN_HEDGE_DELAY)
+        });
         auto.min(ceiling)
     }
 
@@ -125,8 +129,8 @@ impl Inner {
                 end += 1;
             }
             let page_failed = (k..end).any(failed);
-            let live_took_it = (k..end)
-                .any(|j| !failed(j) && targets[j].loc.state == ReplicaState::Live);
+            let live_took_it =
+                (k..end).any(|j| !failed(j) && targets[j].loc.state == ReplicaState::Live);
             if page_failed && !live_took_it {
                 untaken.get_or_insert(k);
             } else if page_failed {
@@ -188,9 +192,9 @@ impl Inner {
             if old.map.version() >= change.version {
                 break;
             }
-            let map = old
-                .map
-                .with_replica_state(range_start, &node, ReplicaState::Stale, change.version);
+            let map =
+                old.map
+                    .with_replica_state(range_start, &node, ReplicaState::Stale, change.version);
             let new = std::sync::Arc::new(MapState {
                 map,
                 nodes: old.nodes.clone(),

@@ -79,12 +79,14 @@ impl Inner {
         mut frame: Option<&mut Option<PageFrame>>,
     ) -> Result<(), TransportError> {
         let started = Instant::now();
+        // `read_frame` is not retried on a lost connection here: its
+        // caller, the fault handler, retries on its own terms.
+        let retry = frame.is_none();
         if count == 1 {
             match self.run_single_rdma(opcode, gpas[0], pages, &mut frame) {
                 // Served again below, on a new connection, within what is
-                // left of the same deadline. (`read_frame` is not: its
-                // caller, the fault handler, retries on its own terms.)
-                Some(Err(e)) if frame.is_none() && connection_lost(&e) => {
+                // left of the same deadline.
+                Some(Err(e)) if retry && connection_lost(&e) => {
                     let deadline = started + self.config.request_timeout();
                     return self.run_window(opcode, gpas, pages, 0, None, deadline).1;
                 }
@@ -120,8 +122,7 @@ impl Inner {
     ) -> (usize, Result<(), TransportError>) {
         let write = opcode == Opcode::Write;
         let mut targets = [Target::EMPTY; MAX_CHUNK];
-        let (state, n, end) = match self.resolve(write, gpas, pages, from, &mut targets, deadline)
-        {
+        let (state, n, end) = match self.resolve(write, gpas, pages, from, &mut targets, deadline) {
             Ok(resolved) => resolved,
             // The address that failed is skipped; the next window starts
             // after it.
@@ -239,7 +240,9 @@ impl Inner {
         let mut retried_same = [false; MAX_CHUNK];
         loop {
             let hedged = targets[..n].iter().any(|t| t.loc.replicated)
-                && targets[..n].iter().all(|t| self.other_reader(state, t, 0).is_some());
+                && targets[..n]
+                    .iter()
+                    .all(|t| self.other_reader(state, t, 0).is_some());
             let round_deadline = if hedged {
                 deadline.min(Instant::now() + self.hedge_delay())
             } else {
@@ -249,7 +252,8 @@ impl Inner {
             let pages = Pages {
                 frame: frame.as_deref_mut(),
             };
-            let outcome = self.run_targets(Opcode::Read, state, &targets[..n], pages, round_deadline);
+            let outcome =
+                self.run_targets(Opcode::Read, state, &targets[..n], pages, round_deadline);
             if outcome.failed == 0 {
                 if hedged {
                     self.latency.record(started.elapsed());
@@ -284,7 +288,9 @@ impl Inner {
             }
             n = m;
             if Instant::now() >= deadline {
-                return Err(outcome.error.unwrap_or_else(|| self.no_answer(state, &targets[0])));
+                return Err(outcome
+                    .error
+                    .unwrap_or_else(|| self.no_answer(state, &targets[0])));
             }
             if let Some(slot) = frame.as_deref_mut() {
                 // A failed RDMA read quarantined `read_frame`'s frame: the
@@ -342,9 +348,7 @@ impl Inner {
                     outcome.failed &= !(1 << k);
                 }
             }
-            if outcome.failed & outcome.lost == outcome.lost {
-                outcome.error = retry.error.or(outcome.error);
-            }
+            outcome.error = retry.error.or(outcome.error);
         }
         if outcome.failed == 0 {
             return Ok(());

@@ -1,0 +1,460 @@
+//! Replica recovery: a page-server whose replica of its range is `stale`
+//! (new, restarted, or marked stale by a client after a failed write)
+//! copies the range from a live replica, by itself.
+//!
+//! Once registered, and then every heartbeat period, the thread reads the
+//! map. When this node's replica is stale it: turns the write guard on
+//! (`recovery_guard.rs`); asks the coordinator to mark the replica
+//! `recovering` (clients then send it every write, and it serves no
+//! reads); waits the grace period, so that every client has seen the
+//! change and writes here too; copies the range from the first live replica, 64 pages at a time at a
+//! bounded rate, each page applied only if no client wrote it meanwhile;
+//! and asks the coordinator to mark it `live` under the recovery's number.
+//! A refusal (the replica went stale again meanwhile) or any failure turns
+//! the guard off and the next period tries again.
+
+use std::io;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+use rdma_transport::auth::ClusterKey;
+use rdma_transport::coordinator::api::{
+    MapEntry, MapResponse, NodeInfo, RangeState, Replica, ReplicaState,
+};
+use rdma_transport::coordinator::{CoordinatorClient, CoordinatorError};
+use rdma_transport::{
+    ManagerConfig, Page, PollMode, TransportError, TransportKind, TransportManager, PAGE_SIZE,
+};
+
+use crate::config::ServerConfig;
+use crate::registration::{node_credential, RegisteredWatch};
+use crate::server::Shared as ServerShared;
+
+/// Pages read from the source per request batch.
+const BATCH_PAGES: usize = 64;
+/// Deadline of each batch read from the source.
+const SOURCE_REQUEST_TIMEOUT_MS: u64 = 5000;
+/// Deadline of each coordinator request.
+const COORDINATOR_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Why one recovery attempt ended without the replica turning live.
+#[derive(Debug, thiserror::Error)]
+enum RecoveryError {
+    #[error("coordinator: {0}")]
+    Coordinator(#[from] CoordinatorError),
+    #[error("the replica is no longer recovering under recovery {seq} (it went stale again, or this node restarted)")]
+    Overtaken { seq: u64 },
+    #[error("the coordinator's answer names no replica of this node")]
+    NotAReplica,
+    #[error("no live replica to copy from")]
+    NoSource,
+    #[error("copy from node {node}: {source}")]
+    Copy {
+        node: String,
+        source: TransportError,
+    },
+    #[error("the range does not fit this node's exported memory at offset {offset}")]
+    OutsideRegion { offset: u64 },
+    #[error("writing the copy into the exported memory: {0}")]
+    Region(#[from] io::Error),
+    #[error("page-server stopping")]
+    Stopped,
+}
+
+/// What the recovery works on, from the server's configuration.
+#[derive(Debug)]
+struct Plan {
+    node_id: String,
+    gpa_start: u64,
+    length_bytes: u64,
+    period: Duration,
+    retry: Duration,
+    grace: Duration,
+    rate_mib_s: u64,
+    cluster_key: Option<ClusterKey>,
+    page_checksums: bool,
+}
+
+/// An interruptible sleep, woken by [`Recovery::stop`].
+#[derive(Debug, Default)]
+struct Stop {
+    stopped: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Stop {
+    /// Sleeps for `d` unless stopped first; true when stopped.
+    fn sleep(&self, d: Duration) -> bool {
+        let mut stopped = self.stopped.lock();
+        if !*stopped {
+            let _ = self.cv.wait_for(&mut stopped, d);
+        }
+        *stopped
+    }
+
+    fn is_stopped(&self) -> bool {
+        *self.stopped.lock()
+    }
+}
+
+/// The background recovery thread.
+#[derive(Debug)]
+pub(crate) struct Recovery {
+    stop: Arc<Stop>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Recovery {
+    /// Starts the thread; it does nothing until `registered` holds.
+    pub(crate) fn start(
+        config: &ServerConfig,
+        server: Arc<ServerShared>,
+        registered: RegisteredWatch,
+    ) -> Self {
+        let plan = Plan {
+            node_id: config.node_id.clone(),
+            gpa_start: config.gpa_base,
+            length_bytes: config.memory_bytes as u64,
+            period: config.heartbeat_interval,
+            retry: config.register_retry,
+            grace: config.recovery_grace,
+            rate_mib_s: config.recovery_rate_mib_s,
+            cluster_key: config.cluster_key.clone(),
+            page_checksums: config.page_checksums,
+        };
+        let url = config.coordinator_url.clone().unwrap_or_default();
+        let credential = node_credential(config);
+        let stop = Arc::new(Stop::default());
+        let thread_stop = Arc::clone(&stop);
+        let handle = std::thread::Builder::new()
+            .name("page-server-recovery".into())
+            .spawn(move || {
+                let client = match CoordinatorClient::with_credential(
+                    &url,
+                    &credential,
+                    COORDINATOR_TIMEOUT,
+                ) {
+                    Ok(c) => c,
+                    Err(err) => {
+                        tracing::error!(%err, "replica recovery off: bad coordinator URL or node id");
+                        return;
+                    }
+                };
+                let worker = Worker {
+                    plan,
+                    server,
+                    stop: thread_stop,
+                    client,
+                };
+                worker.run(&registered);
+            })
+            .map_err(|err| tracing::error!(%err, "cannot start the replica recovery thread"))
+            .ok();
+        Self { stop, handle }
+    }
+
+    /// Stops the thread (a copy in progress ends at its next batch) and
+    /// joins it.
+    pub(crate) fn stop(mut self) {
+        *self.stop.stopped.lock() = true;
+        self.stop.cv.notify_all();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+struct Worker {
+    plan: Plan,
+    server: Arc<ServerShared>,
+    stop: Arc<Stop>,
+    client: CoordinatorClient,
+}
+
+impl Worker {
+    fn run(&self, registered: &RegisteredWatch) {
+        while !registered.is_registered() {
+            if self.stop.sleep(self.plan.retry) {
+                return;
+            }
+        }
+        loop {
+            self.round();
+            if self.stop.sleep(self.plan.period) {
+                return;
+            }
+        }
+    }
+
+    /// One look at the map, and a recovery when this node's replica is stale.
+    fn round(&self) {
+        let map = match self.client.map() {
+            Ok(map) => map,
+            Err(err) => {
+                tracing::debug!(%err, "replica recovery: cannot read the map");
+                return;
+            }
+        };
+        let Some(entry) = self.own_entry(&map) else {
+            return;
+        };
+        let Some(mine) = self.own_replica(entry) else {
+            return;
+        };
+        // `Recovering` here is an attempt of this node that ended without
+        // an answer to its `live` request (or an earlier process's, which
+        // the coordinator reports as stale anyway): start a new one.
+        if !matches!(mine.state, ReplicaState::Stale | ReplicaState::Recovering) {
+            return;
+        }
+        if live_sources(&map, entry, &self.plan.node_id).is_empty() {
+            tracing::debug!(
+                gpa_start = self.plan.gpa_start,
+                "replica stale and no other replica live: nothing to recover from"
+            );
+            return;
+        }
+        let counters = &self.server.recovery;
+        counters.set_running(true);
+        let started = Instant::now();
+        let result = self.recover();
+        self.server.exported.guard.end();
+        counters.set_running(false);
+        match result {
+            Ok((seq, pages)) => {
+                counters.recovered();
+                tracing::info!(
+                    node = %self.plan.node_id,
+                    gpa_start = format_args!("{:#x}", self.plan.gpa_start),
+                    recovery_seq = seq,
+                    copied_pages = pages,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "replica recovered: live again"
+                );
+            }
+            Err(RecoveryError::Stopped) => {}
+            Err(err) => {
+                counters.failed();
+                tracing::warn!(
+                    node = %self.plan.node_id,
+                    gpa_start = format_args!("{:#x}", self.plan.gpa_start),
+                    %err,
+                    retry_in_ms = self.plan.period.as_millis() as u64,
+                    "replica recovery failed; trying again next period"
+                );
+            }
+        }
+    }
+
+    /// Marks the replica recovering, waits the grace period, copies the
+    /// range and marks it live. Returns the recovery's number and the pages
+    /// copied in.
+    fn recover(&self) -> Result<(u64, u64), RecoveryError> {
+        let (gpa_start, me) = (self.plan.gpa_start, self.plan.node_id.as_str());
+        // Guard first: clients may write here as soon as the coordinator
+        // says `recovering`, before its answer reaches this thread. The
+        // caller turns it off whatever the outcome.
+        self.server.exported.guard.begin();
+        let change = self.client.begin_recovery(gpa_start, me)?;
+        let seq = self
+            .own_replica(&change.entry)
+            .map(|r| r.recovery_seq)
+            .ok_or(RecoveryError::NotAReplica)?;
+        tracing::info!(
+            node = %me,
+            gpa_start = format_args!("{gpa_start:#x}"),
+            recovery_seq = seq,
+            grace_ms = self.plan.grace.as_millis() as u64,
+            "replica recovery started; waiting the grace period so that every client writes here too"
+        );
+        // A protocol wait, not a synchronisation shortcut: clients learn
+        // that this replica takes writes from their next map refresh, and a
+        // write sent before that may still be in flight for a request
+        // timeout. The copy must not start before both have passed.
+        if self.stop.sleep(self.plan.grace) {
+            return Err(RecoveryError::Stopped);
+        }
+        let map = self.client.map()?;
+        let entry = self
+            .own_entry(&map)
+            .ok_or(RecoveryError::Overtaken { seq })?;
+        let mine = self
+            .own_replica(entry)
+            .filter(|r| r.state == ReplicaState::Recovering && r.recovery_seq == seq)
+            .ok_or(RecoveryError::Overtaken { seq })?;
+        let dest_offset = mine.remote_offset;
+        let sources = live_sources(&map, entry, me);
+        if sources.is_empty() {
+            return Err(RecoveryError::NoSource);
+        }
+        let mut last_err = RecoveryError::NoSource;
+        for (source, node) in sources {
+            match self.copy_from(entry, source, node, dest_offset) {
+                Ok(pages) => {
+                    return match self.client.finish_recovery(gpa_start, me, seq) {
+                        Ok(_) => Ok((seq, pages)),
+                        Err(err) if err.is_conflict() => Err(RecoveryError::Overtaken { seq }),
+                        Err(err) => Err(err.into()),
+                    };
+                }
+                Err(err @ (RecoveryError::Stopped | RecoveryError::OutsideRegion { .. })) => {
+                    return Err(err)
+                }
+                Err(err) => {
+                    tracing::warn!(source = %node.id, %err, "replica recovery: copy failed; trying the next live replica");
+                    last_err = err;
+                }
+            }
+        }
+        Err(last_err)
+    }
+
+    /// Copies the range from `source` (reached at `node`) into the exported
+    /// memory at `dest_offset`, through the write guard. Returns the pages
+    /// applied (those a client wrote meanwhile are kept, not counted).
+    fn copy_from(
+        &self,
+        entry: &MapEntry,
+        source: &Replica,
+        node: &NodeInfo,
+        dest_offset: u64,
+    ) -> Result<u64, RecoveryError> {
+        let region = &self.server.exported.region;
+        let dest = usize::try_from(dest_offset)
+            .ok()
+            .filter(|d| {
+                usize::try_from(entry.length_bytes)
+                    .ok()
+                    .and_then(|len| d.checked_add(len))
+                    .is_some_and(|end| end <= region.len_bytes())
+            })
+            .ok_or(RecoveryError::OutsideRegion {
+                offset: dest_offset,
+            })?;
+        let copy_err = |source| RecoveryError::Copy {
+            node: node.id.clone(),
+            source,
+        };
+        let manager =
+            TransportManager::from_map(self.manager_config(), source_map(entry, source, node))
+                .map_err(copy_err)?;
+        let pages = entry.length_bytes / PAGE_SIZE as u64;
+        let mut buf: Vec<Page> = vec![[0u8; PAGE_SIZE]; BATCH_PAGES];
+        let mut gpas = Vec::with_capacity(BATCH_PAGES);
+        let (started, mut applied) = (Instant::now(), 0u64);
+        let mut first = 0u64;
+        while first < pages {
+            if self.stop.is_stopped() {
+                return Err(RecoveryError::Stopped);
+            }
+            let count = (pages - first).min(BATCH_PAGES as u64) as usize;
+            gpas.clear();
+            gpas.extend(
+                (0..count as u64).map(|i| entry.gpa_start + (first + i) * PAGE_SIZE as u64),
+            );
+            manager
+                .read_pages(&gpas, &mut buf[..count])
+                .map_err(copy_err)?;
+            let mut batch_applied = 0u64;
+            for (i, page) in buf[..count].iter().enumerate() {
+                let off = dest + (first as usize + i) * PAGE_SIZE;
+                if self.server.exported.guard.apply_copy(region, off, page)? {
+                    batch_applied += 1;
+                }
+            }
+            self.server.recovery.pages_copied(batch_applied);
+            applied += batch_applied;
+            first += count as u64;
+            self.pace(started, first * PAGE_SIZE as u64)?;
+        }
+        Ok(applied)
+    }
+
+    /// Sleeps as long as needed to keep the copy under the rate bound.
+    fn pace(&self, started: Instant, copied_bytes: u64) -> Result<(), RecoveryError> {
+        if self.plan.rate_mib_s == 0 {
+            return Ok(());
+        }
+        let due = Duration::from_secs_f64(
+            copied_bytes as f64 / (self.plan.rate_mib_s as f64 * f64::from(1u32 << 20)),
+        );
+        let ahead = due.saturating_sub(started.elapsed());
+        if !ahead.is_zero() && self.stop.sleep(ahead) {
+            return Err(RecoveryError::Stopped);
+        }
+        Ok(())
+    }
+
+    /// A manager of its own for the copy: TCP (the copy goes through this
+    /// CPU anyway), one unpinned event-driven poller, no coordinator.
+    fn manager_config(&self) -> ManagerConfig {
+        ManagerConfig {
+            cluster_key: self.plan.cluster_key.clone(),
+            transport: TransportKind::Tcp,
+            pool_size_bytes: BATCH_PAGES * PAGE_SIZE,
+            poller_threads: 1,
+            poller_cpus: Some(Vec::new()),
+            poll_mode: PollMode::Event,
+            request_timeout_ms: SOURCE_REQUEST_TIMEOUT_MS,
+            map_refresh_ms: 0,
+            page_checksums: self.plan.page_checksums,
+            ..ManagerConfig::default()
+        }
+    }
+
+    /// This node's range in `map` (same start and length).
+    fn own_entry<'m>(&self, map: &'m MapResponse) -> Option<&'m MapEntry> {
+        map.entries.iter().find(|e| {
+            e.gpa_start == self.plan.gpa_start && e.length_bytes == self.plan.length_bytes
+        })
+    }
+
+    /// This node's replica of `entry`.
+    fn own_replica<'e>(&self, entry: &'e MapEntry) -> Option<&'e Replica> {
+        entry
+            .replicas
+            .iter()
+            .find(|r| r.node_id == self.plan.node_id)
+    }
+}
+
+/// The live replicas of `entry` other than `me`'s whose node is alive, in
+/// the map's order, with their nodes.
+fn live_sources<'m>(
+    map: &'m MapResponse,
+    entry: &'m MapEntry,
+    me: &str,
+) -> Vec<(&'m Replica, &'m NodeInfo)> {
+    entry
+        .replicas
+        .iter()
+        .filter(|r| r.state == ReplicaState::Live && r.node_id != me)
+        .filter_map(|r| {
+            map.nodes
+                .iter()
+                .find(|n| n.id == r.node_id && n.alive)
+                .map(|n| (r, n))
+        })
+        .collect()
+}
+
+/// A map whose only entry puts the range on `source`, valid in its epoch:
+/// the manager's epoch fence then refuses any other process at that address.
+fn source_map(entry: &MapEntry, source: &Replica, node: &NodeInfo) -> MapResponse {
+    MapResponse {
+        version: 1,
+        entries: vec![MapEntry {
+            gpa_start: entry.gpa_start,
+            length_bytes: entry.length_bytes,
+            node_id: source.node_id.clone(),
+            remote_offset: source.remote_offset,
+            rdma: None,
+            valid_epoch: source.valid_epoch,
+            state: RangeState::Live,
+            replicas: Vec::new(),
+        }],
+        nodes: vec![node.clone()],
+    }
+}
