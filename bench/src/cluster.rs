@@ -10,6 +10,7 @@ use anyhow::Context;
 use coordinator::{CoordinatorConfig, RunningCoordinator};
 use page_server::{RunningServer, ServerConfig};
 use rdma_transport::auth::ClusterKey;
+use rdma_transport::coordinator::api::RangeState;
 use rdma_transport::coordinator::{CoordinatorClient, Credential};
 
 use crate::replicas::Placement;
@@ -115,6 +116,29 @@ impl LocalCluster {
             }
         }
         Ok(started)
+    }
+
+    /// With one replica per range, a restarted page-server's ranges are
+    /// lost (nothing to recover them from): re-initialises every lost
+    /// range, as an operator would, so the run after can fill it again.
+    /// Returns how many were.
+    pub fn reinitialise_lost(&self) -> anyhow::Result<usize> {
+        let credential = match &self.key {
+            Some(key) => Credential::Admin { key: key.clone() },
+            None => Credential::None,
+        };
+        let admin =
+            CoordinatorClient::with_credential(&self.url, &credential, Duration::from_secs(5))
+                .context("an operator client of the local coordinator")?;
+        let map = admin.map().context("reading the map")?;
+        let mut done = 0;
+        for e in map.entries.iter().filter(|e| e.state == RangeState::Lost) {
+            admin
+                .reinitialise_range(e.gpa_start)
+                .with_context(|| format!("re-initialising the range at {:#x}", e.gpa_start))?;
+            done += 1;
+        }
+        Ok(done)
     }
 }
 

@@ -431,12 +431,32 @@ impl FailedRun<'_> {
         progress: &ProgressBar,
     ) -> anyhow::Result<Record> {
         let client = self.cluster.coordinator_client()?;
+        let mut refill = false;
         if self.restart_first && self.cluster.restart_stopped()? > 0 {
-            eprintln!("restarted the stopped page-server; waiting for it to recover...");
+            if self.replicas == 1 {
+                // Its range had no other holder: lost; start it afresh.
+                let lost = self.cluster.reinitialise_lost()?;
+                eprintln!("restarted the stopped page-server; re-initialised {lost} lost range(s)");
+                refill = true;
+            } else {
+                eprintln!("restarted the stopped page-server; waiting for it to recover...");
+            }
         }
         let map =
             replicas::wait_all_live(&client, self.groups, self.replicas, replicas::LIVE_TIMEOUT)
                 .context("before a run with a failure")?;
+        if refill {
+            // The manager may still try the stopped server's old address
+            // until its map is refreshed: a few tries.
+            let mut tries = 0;
+            while let Err(err) = self.set.fill(self.mgr, 1) {
+                tries += 1;
+                if tries >= 10 {
+                    return Err(err).context("filling remote memory again after a lost range");
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        }
         let victim = replicas::first_primary(&map).context("the map is empty")?;
         let server = self
             .cluster

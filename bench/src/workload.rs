@@ -321,6 +321,19 @@ fn thread_loop(
                     match spec.op {
                         Op::Read | Op::Fault => {
                             if !set.holds(idx[i], &pages[i]) {
+                                if bad == 0 {
+                                    tracing::warn!(
+                                        gpa = format_args!("{:#x}", gpas[i]),
+                                        zeroed = pages[i].iter().all(|&b| b == 0),
+                                        word0 = format_args!(
+                                            "{:#x}",
+                                            u64::from_le_bytes(
+                                                pages[i][..8].try_into().unwrap_or_default()
+                                            )
+                                        ),
+                                        "first wrong page read by this thread"
+                                    );
+                                }
                                 bad += 1;
                             }
                         }
