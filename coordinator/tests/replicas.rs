@@ -92,7 +92,17 @@ fn the_replica_routes_follow_the_rules() {
     );
     // Recovery: numbered, then finished under its number only.
     let version = h.version();
-    let begun = h.call(Method::POST, &replica_path("b", "recovering"), None);
+    let recovering = replica_path("b", "recovering");
+    let missing = h.call(Method::POST, &recovering, None);
+    assert_refused(&missing, 400, "bad_request", "no epoch");
+    // A process of b other than the current one (epoch 2) may not recover.
+    let stranger = h.call(Method::POST, &recovering, Some(json!({ "epoch": 1 })));
+    assert_refused(&stranger, 409, "conflict", "not the current epoch");
+    assert!(stranger.body["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("current epoch")));
+    assert_eq!(h.version(), version, "a refusal changes nothing");
+    let begun = h.call(Method::POST, &recovering, Some(json!({ "epoch": 2 })));
     assert_eq!(begun.status, 200, "{begun:?}");
     assert_eq!(begun.body["version"], json!(version + 1));
     let b = &begun.body["entry"]["replicas"][1];
@@ -108,12 +118,26 @@ fn the_replica_routes_follow_the_rules() {
         b"{\"recovery_seq\":".to_vec(),
     );
     assert_refused(&bad_json, 400, "bad_request", "bad JSON");
-    let wrong = h.call(Method::POST, &live, Some(json!({ "recovery_seq": 2 })));
+    let wrong = h.call(
+        Method::POST,
+        &live,
+        Some(json!({ "recovery_seq": 2, "epoch": 2 })),
+    );
     assert_refused(&wrong, 409, "conflict", "wrong recovery_seq");
     assert!(wrong.body["message"]
         .as_str()
         .is_some_and(|m| m.contains("overtaken")));
-    let done = h.call(Method::POST, &live, Some(json!({ "recovery_seq": 1 })));
+    let stranger = h.call(
+        Method::POST,
+        &live,
+        Some(json!({ "recovery_seq": 1, "epoch": 1 })),
+    );
+    assert_refused(&stranger, 409, "conflict", "finished by another epoch");
+    let done = h.call(
+        Method::POST,
+        &live,
+        Some(json!({ "recovery_seq": 1, "epoch": 2 })),
+    );
     assert_eq!(done.status, 200, "{done:?}");
     assert_eq!(
         states(&done.body["entry"]),
@@ -140,7 +164,8 @@ fn the_replica_routes_follow_the_rules() {
         replica_path("c", "stale"),
         replica_path("nobody", "recovering"),
     ] {
-        assert_refused(&h.call(Method::POST, &path, None), 404, "not_found", &path);
+        let body = Some(json!({ "epoch": 3 }));
+        assert_refused(&h.call(Method::POST, &path, body), 404, "not_found", &path);
     }
     for path in [
         "/v1/map/xyz/replicas/a/stale",
@@ -158,6 +183,7 @@ fn who_may_change_a_replica() {
     let as_ = |bearer: &str, path: String, body: Option<Value>| {
         h.call_as(Some(bearer), Method::POST, &path, body)
     };
+    let epoch2 = Some(json!({ "epoch": 2 }));
     // Nodes do not mark replicas stale; the client does not recover.
     assert_refused(
         &as_(&a, replica_path("b", "stale"), None),
@@ -172,21 +198,21 @@ fn who_may_change_a_replica() {
         "own stale",
     );
     assert_refused(
-        &as_(&client, replica_path("b", "recovering"), None),
+        &as_(&client, replica_path("b", "recovering"), epoch2.clone()),
         403,
         "forbidden",
         "client begins",
     );
     // A node recovers only its own replica.
     assert_refused(
-        &as_(&a, replica_path("b", "recovering"), None),
+        &as_(&a, replica_path("b", "recovering"), epoch2.clone()),
         403,
         "forbidden",
         "a begins b's",
     );
-    let begun = as_(&b, replica_path("b", "recovering"), None);
+    let begun = as_(&b, replica_path("b", "recovering"), epoch2);
     assert_eq!(begun.status, 200, "{begun:?}");
-    let done = Some(json!({ "recovery_seq": 1 }));
+    let done = Some(json!({ "recovery_seq": 1, "epoch": 2 }));
     assert_refused(
         &as_(&a, replica_path("b", "live"), done.clone()),
         403,
@@ -244,8 +270,8 @@ fn without_a_key_the_token_guards_the_replica_routes() {
     h.add_range(GPA, 0x1000, "b", 0);
     for (what, body) in [
         ("stale", None),
-        ("recovering", None),
-        ("live", Some(json!({ "recovery_seq": 1 }))),
+        ("recovering", Some(json!({ "epoch": 2 }))),
+        ("live", Some(json!({ "recovery_seq": 1, "epoch": 2 }))),
     ] {
         let anonymous = h.call_as(None, Method::POST, &replica_path("b", what), body);
         assert_refused(&anonymous, 401, "unauthorized", what);
@@ -272,14 +298,14 @@ fn the_typed_client_calls_the_replica_routes() {
         .mark_replica_stale(GPA, "a", Duration::from_secs(5))
         .expect_err("last live");
     assert!(error.is_conflict(), "{error:?}");
-    let begun = c.begin_recovery(GPA, "b").expect("begin");
+    let begun = c.begin_recovery(GPA, "b", 2).expect("begin");
     let seq = begun.entry.replicas[1].recovery_seq;
     assert_eq!(begun.entry.replicas[1].state, ReplicaState::Recovering);
     assert!(c
-        .finish_recovery(GPA, "b", seq + 1)
+        .finish_recovery(GPA, "b", seq + 1, 2)
         .expect_err("wrong")
         .is_conflict());
-    let done = c.finish_recovery(GPA, "b", seq).expect("finish");
+    let done = c.finish_recovery(GPA, "b", seq, 2).expect("finish");
     assert_eq!(done.entry.replicas[1].state, ReplicaState::Live);
     let stale = c
         .mark_replica_stale(GPA, "a", Duration::from_secs(5))
@@ -288,7 +314,7 @@ fn the_typed_client_calls_the_replica_routes() {
     assert_eq!(stale.entry.node_id, "b");
     assert!(stale.version > done.version);
     assert!(c
-        .begin_recovery(GPA, "nobody")
+        .begin_recovery(GPA, "nobody", 2)
         .expect_err("no replica")
         .is_not_found());
 }

@@ -257,7 +257,12 @@ impl Worker {
         // says `recovering`, before its answer reaches this thread. The
         // caller turns it off whatever the outcome.
         self.server.exported.guard.begin();
-        let change = self.client.begin_recovery(gpa_start, me)?;
+        // Named by this process's epoch: the coordinator refuses a recovery
+        // by any other process of this node (an earlier one still running
+        // would otherwise copy into memory that nobody serves and turn the
+        // current process's empty replica live).
+        let epoch = self.server.exported.epoch;
+        let change = self.client.begin_recovery(gpa_start, me, epoch)?;
         let seq = self
             .own_replica(&change.entry)
             .map(|r| r.recovery_seq)
@@ -293,7 +298,7 @@ impl Worker {
         for (source, node) in sources {
             match self.copy_from(entry, source, node, dest_offset) {
                 Ok(pages) => {
-                    return match self.client.finish_recovery(gpa_start, me, seq) {
+                    return match self.client.finish_recovery(gpa_start, me, seq, epoch) {
                         Ok(_) => Ok((seq, pages)),
                         Err(err) if err.is_conflict() => Err(RecoveryError::Overtaken { seq }),
                         Err(err) => Err(err.into()),

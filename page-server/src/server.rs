@@ -340,6 +340,12 @@ impl RunningServer {
         if self.shared.stop.swap(true, Ordering::SeqCst) {
             return;
         }
+        // Like a killed process: no thread of this server acts any more
+        // (its recovery would otherwise go on talking to the coordinator
+        // in the name of this node).
+        if let Some(r) = self.recovery.take() {
+            r.stop();
+        }
         let threads = self.shared.admission.conns.abort_all();
         // Wake the blocking accept; the acceptor then ends and drops the
         // listener.

@@ -4,7 +4,7 @@
 
 use axum::extract::State;
 use axum::Json;
-use rdma_transport::coordinator::api::{MapEntry, RecoveryDone, ReplicaChange};
+use rdma_transport::coordinator::api::{MapEntry, RecoveryBegin, RecoveryDone, ReplicaChange};
 
 use crate::error::ApiError;
 use crate::extract::{ApiJson, ApiPath};
@@ -48,27 +48,35 @@ pub(super) async fn mark_stale(
     Ok(Json(ReplicaChange { version, entry }))
 }
 
-/// `POST /v1/map/{gpa_start}/replicas/{node_id}/recovering` (admin or that
-/// node): the node starts copying the range from a live replica. 409 when
-/// the replica is live or no other one is.
+/// `POST /v1/map/{gpa_start}/replicas/{node_id}/recovering` with a
+/// [`RecoveryBegin`] (admin or that node): the node's process in that epoch
+/// starts copying the range from a live replica. 409 when the replica is
+/// live, no other one is, or the epoch is not the node's current one.
 pub(super) async fn begin_recovery(
     State(state): State<AppState>,
     ApiPath((gpa_text, node_id)): ApiPath<(String, String)>,
+    ApiJson(begin): ApiJson<RecoveryBegin>,
 ) -> Result<Json<ReplicaChange>, ApiError> {
     let (gpa_start, version, entry) = change(
         &state,
         &gpa_text,
         &node_id,
-        move |store, gpa_start, node_id| store.begin_recovery(gpa_start, node_id),
+        move |store, gpa_start, node_id| store.begin_recovery(gpa_start, node_id, begin.epoch),
     )
     .await?;
-    tracing::info!(gpa_start, node = %node_id, version, "replica recovery begun");
+    tracing::info!(
+        gpa_start,
+        node = %node_id,
+        epoch = format_args!("{:#x}", begin.epoch),
+        version,
+        "replica recovery begun"
+    );
     Ok(Json(ReplicaChange { version, entry }))
 }
 
 /// `POST /v1/map/{gpa_start}/replicas/{node_id}/live` with a
 /// [`RecoveryDone`] (admin or that node): the recovery finished. 409 when
-/// it is not the recovery under way.
+/// it is not the recovery under way, begun by the node's current process.
 pub(super) async fn finish_recovery(
     State(state): State<AppState>,
     ApiPath((gpa_text, node_id)): ApiPath<(String, String)>,
@@ -79,7 +87,7 @@ pub(super) async fn finish_recovery(
         &gpa_text,
         &node_id,
         move |store, gpa_start, node_id| {
-            store.finish_recovery(gpa_start, node_id, done.recovery_seq)
+            store.finish_recovery(gpa_start, node_id, done.recovery_seq, done.epoch)
         },
     )
     .await?;

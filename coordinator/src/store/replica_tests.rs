@@ -75,9 +75,9 @@ fn two_live() -> (tempfile::TempDir, Store) {
     start(&mut store, "b", 2);
     claim(&mut store, "a", 0);
     claim(&mut store, "b", 0x8000);
-    let (_, e) = store.begin_recovery(GPA, "b").expect("begin");
+    let (_, e) = store.begin_recovery(GPA, "b", 2).expect("begin");
     let seq = e.replicas[1].recovery_seq;
-    store.finish_recovery(GPA, "b", seq).expect("finish");
+    store.finish_recovery(GPA, "b", seq, 2).expect("finish");
     (dir, store)
 }
 
@@ -149,7 +149,7 @@ fn a_new_replica_is_lost_not_live_when_nothing_is_live() {
         "the rank-0 replica is named when none is live"
     );
     assert_eq!(
-        refusal(store.begin_recovery(GPA, "b")),
+        refusal(store.begin_recovery(GPA, "b", 2)),
         ReplicaRefusal::NoLiveSource
     );
 }
@@ -179,7 +179,7 @@ fn a_holder_restart_makes_its_replica_stale_and_moves_the_primary() {
     assert_eq!(states(&e), pairs(&[("a", Stale), ("b", Live)]));
 
     // a recovers in its new epoch.
-    let (_, e) = store.begin_recovery(GPA, "a").expect("begin");
+    let (_, e) = store.begin_recovery(GPA, "a", 21).expect("begin");
     assert_eq!(states(&e), pairs(&[("a", Recovering), ("b", Live)]));
     assert_eq!(e.replicas[0].valid_epoch, 21);
 
@@ -349,16 +349,16 @@ fn a_recovery_finishes_only_under_its_number_and_epoch() {
     claim(&mut store, "a", 0);
     claim(&mut store, "b", 0);
     assert_eq!(
-        refusal(store.begin_recovery(GPA, "a")),
+        refusal(store.begin_recovery(GPA, "a", 1)),
         ReplicaRefusal::AlreadyLive
     );
     assert_eq!(
-        refusal(store.finish_recovery(GPA, "b", 0)),
+        refusal(store.finish_recovery(GPA, "b", 0, 2)),
         ReplicaRefusal::NotRecovering { stored: "stale" }
     );
 
     let v = store.version().expect("v");
-    let (version, e) = store.begin_recovery(GPA, "b").expect("begin");
+    let (version, e) = store.begin_recovery(GPA, "b", 2).expect("begin");
     assert_eq!(version, v + 1);
     assert_eq!(states(&e), pairs(&[("a", Live), ("b", Recovering)]));
     assert_eq!(
@@ -368,46 +368,53 @@ fn a_recovery_finishes_only_under_its_number_and_epoch() {
     // Overtaken: a client marks it stale, the node begins again.
     store.mark_replica_stale(GPA, "b").expect("stale");
     assert_eq!(
-        refusal(store.finish_recovery(GPA, "b", 1)),
+        refusal(store.finish_recovery(GPA, "b", 1, 2)),
         ReplicaRefusal::NotRecovering { stored: "stale" }
     );
-    let (_, e) = store.begin_recovery(GPA, "b").expect("again");
+    let (_, e) = store.begin_recovery(GPA, "b", 2).expect("again");
     assert_eq!(e.replicas[1].recovery_seq, 2);
     assert_eq!(
-        refusal(store.finish_recovery(GPA, "b", 1)),
+        refusal(store.finish_recovery(GPA, "b", 1, 2)),
         ReplicaRefusal::SeqMismatch {
             presented: 1,
             current: 2
         }
     );
     let v = store.version().expect("v");
-    let (version, e) = store.finish_recovery(GPA, "b", 2).expect("finish");
+    let (version, e) = store.finish_recovery(GPA, "b", 2, 2).expect("finish");
     assert_eq!(version, v + 1);
     assert_eq!(states(&e), pairs(&[("a", Live), ("b", Live)]));
     assert_eq!(
-        refusal(store.finish_recovery(GPA, "b", 2)),
+        refusal(store.finish_recovery(GPA, "b", 2, 2)),
         ReplicaRefusal::NotRecovering { stored: "live" }
     );
 
     // The node restarts during a recovery: what it copied is gone.
     store.mark_replica_stale(GPA, "b").expect("stale");
-    store.begin_recovery(GPA, "b").expect("begin 3");
+    store.begin_recovery(GPA, "b", 2).expect("begin 3");
     start(&mut store, "b", 7);
     assert_eq!(
         states(&entry(&mut store)),
         pairs(&[("a", Live), ("b", Stale)])
     );
     assert_eq!(
-        refusal(store.finish_recovery(GPA, "b", 3)),
+        refusal(store.finish_recovery(GPA, "b", 3, 7)),
         ReplicaRefusal::EpochChanged
     );
+    assert_eq!(
+        refusal(store.finish_recovery(GPA, "b", 3, 2)),
+        ReplicaRefusal::NotCurrentEpoch {
+            presented: 2,
+            current: 7
+        }
+    );
     // It begins again in its new epoch and finishes.
-    let (_, e) = store.begin_recovery(GPA, "b").expect("begin 4");
+    let (_, e) = store.begin_recovery(GPA, "b", 7).expect("begin 4");
     assert_eq!(
         (e.replicas[1].recovery_seq, e.replicas[1].valid_epoch),
         (4, 7)
     );
-    store.finish_recovery(GPA, "b", 4).expect("finish 4");
+    store.finish_recovery(GPA, "b", 4, 7).expect("finish 4");
 }
 
 #[test]
@@ -437,4 +444,46 @@ fn reinitialising_a_lost_range_makes_every_replica_live() {
         store.reinitialise_range(GPA + 0x1000),
         Err(StoreError::NoRange(_))
     ));
+}
+
+/// The bench's wrong pages: a node's previous process (epoch 2), still
+/// running after its successor (epoch 7) registered, begins and finishes a
+/// recovery of the successor's replica. Its copy went into memory nobody
+/// serves: the coordinator must refuse it, at both ends.
+#[test]
+fn only_the_nodes_current_process_recovers_its_replica() {
+    use ReplicaState::{Live, Recovering, Stale};
+    let (_dir, mut store) = two_live();
+    start(&mut store, "b", 7);
+    assert_eq!(
+        states(&entry(&mut store)),
+        pairs(&[("a", Live), ("b", Stale)])
+    );
+    let v = store.version().expect("v");
+    assert_eq!(
+        refusal(store.begin_recovery(GPA, "b", 2)),
+        ReplicaRefusal::NotCurrentEpoch {
+            presented: 2,
+            current: 7
+        }
+    );
+    assert_eq!(store.version().expect("v"), v, "a refusal changes nothing");
+
+    let (_, e) = store.begin_recovery(GPA, "b", 7).expect("successor begins");
+    let seq = e.replicas[1].recovery_seq;
+    assert_eq!(
+        refusal(store.finish_recovery(GPA, "b", seq, 2)),
+        ReplicaRefusal::NotCurrentEpoch {
+            presented: 2,
+            current: 7
+        }
+    );
+    assert_eq!(
+        states(&entry(&mut store)),
+        pairs(&[("a", Live), ("b", Recovering)]),
+        "the successor's recovery is still under way"
+    );
+    store
+        .finish_recovery(GPA, "b", seq, 7)
+        .expect("the successor finishes");
 }

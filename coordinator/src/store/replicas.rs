@@ -41,6 +41,16 @@ pub enum ReplicaRefusal {
     /// The holder restarted since the recovery began: what it copied is gone.
     #[error("the node restarted since the recovery began (its epoch changed): begin again")]
     EpochChanged,
+    /// The caller is not the node's current process: an earlier process of
+    /// the node (still running somewhere) must not recover, nor turn live,
+    /// memory that the current process does not hold.
+    #[error("epoch {presented:#x} is not the node's current epoch ({current:#x}): only the node's current process recovers its replica")]
+    NotCurrentEpoch {
+        /// The epoch the caller named.
+        presented: u64,
+        /// The node's current epoch (0: unknown).
+        current: u64,
+    },
 }
 
 impl Store {
@@ -70,17 +80,26 @@ impl Store {
 
     /// Begins a recovery of `node_id`'s replica of the range at
     /// `gpa_start`: stored `recovering` in the holder's current epoch, with
-    /// the next `recovery_seq`. Always a change.
+    /// the next `recovery_seq`, by the node's process in `epoch`. Always a
+    /// change.
     ///
     /// # Errors
     /// [`StoreError::NoRange`], [`StoreError::NoReplica`];
-    /// [`ReplicaRefusal::AlreadyLive`], [`ReplicaRefusal::NoLiveSource`].
+    /// [`ReplicaRefusal::NotCurrentEpoch`], [`ReplicaRefusal::AlreadyLive`],
+    /// [`ReplicaRefusal::NoLiveSource`].
     pub fn begin_recovery(
         &mut self,
         gpa_start: u64,
         node_id: &str,
+        epoch: u64,
     ) -> Result<(u64, MapEntry), StoreError> {
         self.change_replica(gpa_start, node_id, |conn, range, replica| {
+            if epoch != replica.node_epoch {
+                return Ok(Outcome::Refused(ReplicaRefusal::NotCurrentEpoch {
+                    presented: epoch,
+                    current: replica.node_epoch,
+                }));
+            }
             if replica.is_live() {
                 return Ok(Outcome::Refused(ReplicaRefusal::AlreadyLive));
             }
@@ -108,20 +127,27 @@ impl Store {
     }
 
     /// Finishes recovery `recovery_seq` of `node_id`'s replica of the range
-    /// at `gpa_start`: stored `live` again. Only the recovery under way, by
-    /// the holder's current epoch, can finish.
+    /// at `gpa_start`: stored `live` again. Only the recovery under way,
+    /// begun by the holder's current process (`epoch`), can finish.
     ///
     /// # Errors
     /// [`StoreError::NoRange`], [`StoreError::NoReplica`];
-    /// [`ReplicaRefusal::NotRecovering`], [`ReplicaRefusal::SeqMismatch`],
-    /// [`ReplicaRefusal::EpochChanged`].
+    /// [`ReplicaRefusal::NotCurrentEpoch`], [`ReplicaRefusal::NotRecovering`],
+    /// [`ReplicaRefusal::SeqMismatch`], [`ReplicaRefusal::EpochChanged`].
     pub fn finish_recovery(
         &mut self,
         gpa_start: u64,
         node_id: &str,
         recovery_seq: u64,
+        epoch: u64,
     ) -> Result<(u64, MapEntry), StoreError> {
         self.change_replica(gpa_start, node_id, |conn, _range, replica| {
+            if epoch != replica.node_epoch {
+                return Ok(Outcome::Refused(ReplicaRefusal::NotCurrentEpoch {
+                    presented: epoch,
+                    current: replica.node_epoch,
+                }));
+            }
             if replica.state != StoredState::Recovering {
                 let stored = replica.state.as_sql();
                 return Ok(Outcome::Refused(ReplicaRefusal::NotRecovering { stored }));

@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use rdma_transport::coordinator::api::{
-    MapEntry, MapResponse, NodeInfo, NodeRegistration, RangeRequest, RangeState, RecoveryDone,
-    Replica, ReplicaChange, ReplicaState,
+    MapEntry, MapResponse, NodeInfo, NodeRegistration, RangeRequest, RangeState, RecoveryBegin,
+    RecoveryDone, Replica, ReplicaChange, ReplicaState,
 };
 use serde::Serialize;
 
@@ -214,6 +214,12 @@ fn route(method: &str, path: &str, body: &[u8], s: &mut FakeState) -> (u16, Vec<
             json(s.entry.as_ref().expect("entry"))
         }
         ("POST", ["v1", "map", _, "replicas", id, "recovering"]) => {
+            let Ok(begin) = serde_json::from_slice::<RecoveryBegin>(body) else {
+                return error(400, "bad_request");
+            };
+            if begin.epoch != s.epoch(id) {
+                return error(409, "conflict");
+            }
             let other_live = s.entry.as_ref().is_some_and(|e| {
                 e.replicas
                     .iter()
@@ -240,6 +246,7 @@ fn route(method: &str, path: &str, body: &[u8], s: &mut FakeState) -> (u16, Vec<
                 r.state == ReplicaState::Recovering
                     && r.recovery_seq == done.recovery_seq
                     && r.valid_epoch == epoch
+                    && done.epoch == epoch
             });
             if !ok {
                 return error(409, "conflict");

@@ -194,12 +194,27 @@ pub struct ReplicaChange {
     pub entry: MapEntry,
 }
 
+/// Body of `POST /v1/map/{gpa_start}/replicas/{node_id}/recovering`: the
+/// process that will copy the range in, named by its epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecoveryBegin {
+    /// The epoch of the page-server process that copies (its HELLO_ACK
+    /// epoch). Refused unless it is the node's current epoch: a previous
+    /// process of the node, still running somewhere, must not recover into
+    /// memory nobody serves.
+    pub epoch: u64,
+}
+
 /// Body of `POST /v1/map/{gpa_start}/replicas/{node_id}/live`: the recovery
 /// that completed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecoveryDone {
     /// The `recovery_seq` that `.../recovering` returned for this replica.
     pub recovery_seq: u64,
+    /// The epoch of the process whose memory now holds the copy. Refused
+    /// unless it is the epoch the recovery began in and the node's current
+    /// one.
+    pub epoch: u64,
 }
 
 /// Whether a range's contents are still where the map says.

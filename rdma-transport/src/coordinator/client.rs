@@ -10,7 +10,8 @@ use serde::Serialize;
 
 use super::api::{
     is_valid_node_id, ErrorBody, HealthResponse, MapEntry, MapResponse, NodeId, NodeInfo,
-    NodeRegistration, RangeRequest, RdmaEndpoint, RecoveryDone, ReplicaChange, ResolveResponse,
+    NodeRegistration, RangeRequest, RdmaEndpoint, RecoveryBegin, RecoveryDone, ReplicaChange,
+    ResolveResponse,
 };
 use super::credential::{Bearer, Credential};
 use super::error::CoordinatorError;
@@ -247,41 +248,50 @@ impl CoordinatorClient {
 
     /// `POST /v1/map/{gpa_start}/replicas/{node_id}/recovering` (that
     /// node's or the admin credential): the node starts copying the range
-    /// into its memory from a live replica. The answer's replica carries the
+    /// into its memory from a live replica. `epoch` is the copying process's
+    /// (its handshake epoch). The answer's replica carries the
     /// `recovery_seq` to finish with.
     ///
     /// # Errors
     ///
     /// Conflict when no replica of the range is live (nothing to copy
-    /// from); see [`CoordinatorError`].
+    /// from) or `epoch` is not the node's current one; see
+    /// [`CoordinatorError`].
     pub fn begin_recovery(
         &self,
         gpa_start: u64,
         node_id: &str,
+        epoch: u64,
     ) -> Result<ReplicaChange, CoordinatorError> {
         let id = checked_id(node_id)?;
         let path = format!("/v1/map/{gpa_start}/replicas/{id}/recovering");
-        self.call(Method::POST, &path, None)
+        let body = encode(&RecoveryBegin { epoch })?;
+        self.call(Method::POST, &path, Some(body))
     }
 
     /// `POST /v1/map/{gpa_start}/replicas/{node_id}/live` (that node's or the
     /// admin credential): the recovery numbered `recovery_seq` has copied
-    /// the whole range; the replica serves reads again.
+    /// the whole range into the memory of the process in `epoch`; the
+    /// replica serves reads again.
     ///
     /// # Errors
     ///
     /// Conflict when the replica is no longer recovering under that number
-    /// (it went stale meanwhile, or its node restarted); see
-    /// [`CoordinatorError`].
+    /// (it went stale meanwhile, or its node restarted), or was begun in
+    /// another epoch; see [`CoordinatorError`].
     pub fn finish_recovery(
         &self,
         gpa_start: u64,
         node_id: &str,
         recovery_seq: u64,
+        epoch: u64,
     ) -> Result<ReplicaChange, CoordinatorError> {
         let id = checked_id(node_id)?;
         let path = format!("/v1/map/{gpa_start}/replicas/{id}/live");
-        let body = encode(&RecoveryDone { recovery_seq })?;
+        let body = encode(&RecoveryDone {
+            recovery_seq,
+            epoch,
+        })?;
         self.call(Method::POST, &path, Some(body))
     }
 
