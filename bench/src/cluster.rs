@@ -26,21 +26,6 @@ pub struct LocalCluster {
 }
 
 impl LocalCluster {
-    /// Starts a coordinator and `nodes` page-servers that together export
-    /// `memory_bytes` (split evenly, contiguous GPA ranges from 0).
-    /// `server_spin` is the page-servers' `spin_before_block`; `key` the
-    /// cluster key they and the coordinator require (`None`: insecure).
-    pub fn start(
-        nodes: usize,
-        memory_bytes: usize,
-        server_spin: Duration,
-        key: Option<ClusterKey>,
-    ) -> anyhow::Result<Self> {
-        let placements =
-            crate::replicas::layout(nodes, 1, memory_bytes).map_err(anyhow::Error::msg)?;
-        Self::start_placed(&placements, server_spin, key)
-    }
-
     /// Starts a coordinator and one page-server per placement, each
     /// registering its range once the one before it has registered (so the
     /// first of a replica group is its primary).

@@ -176,9 +176,41 @@ pub struct FailureReport {
     pub verified_pages: u64,
     /// The requests that started around the failure.
     pub spanned: Spanned,
+    /// Read runs: the bound on those requests: p99 below twice the read
+    /// hedging delay (the manager's, just before the run) plus one round
+    /// trip (the run's p50), max below the request deadline.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bound: Option<SpannedBound>,
     /// Write runs: reading every page back after the run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub readback: Option<crate::workload::Readback>,
+}
+
+/// Whether the requests around a failure stayed within the latency bound.
+#[derive(Debug, Clone, Serialize)]
+pub struct SpannedBound {
+    pub hedge_delay_us: f64,
+    pub round_trip_us: f64,
+    /// `2 * hedge_delay_us + round_trip_us`.
+    pub p99_bound_us: f64,
+    pub request_timeout_us: f64,
+    /// p99 below `p99_bound_us` and max below `request_timeout_us`.
+    pub within: bool,
+}
+
+impl SpannedBound {
+    pub fn of(spanned: &Spanned, hedge: Duration, round_trip_us: f64, timeout: Duration) -> Self {
+        let hedge_delay_us = hedge.as_secs_f64() * 1e6;
+        let p99_bound_us = 2.0 * hedge_delay_us + round_trip_us;
+        let request_timeout_us = timeout.as_secs_f64() * 1e6;
+        Self {
+            hedge_delay_us,
+            round_trip_us,
+            p99_bound_us,
+            request_timeout_us,
+            within: spanned.p99_us < p99_bound_us && spanned.max_us < request_timeout_us,
+        }
+    }
 }
 
 /// A failure scheduled for `fail_at`, run by a thread of its own.

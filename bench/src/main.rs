@@ -6,9 +6,9 @@
 //! checked, prints a table, and tears the cluster down.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
-mod auth_cost;
 mod baseline;
 mod cluster;
+mod compare;
 mod failure;
 mod fault;
 mod matrix;
@@ -95,6 +95,18 @@ struct Args {
     /// as keyed/insecure ratios.
     #[arg(long, conflicts_with_all = ["insecure", "coordinator"])]
     compare_insecure: bool,
+    /// Also run every read/write again, in this process, against a second
+    /// local cluster that holds each range once (--nodes / --replicas
+    /// page-servers, same memory), and print the cost of replication as
+    /// R/1 ratios, next to a bare program's fan-out to R servers against
+    /// one. Needs --replicas 2 or more.
+    #[arg(long, conflicts_with_all = ["coordinator", "compare_insecure", "fail_node_after_ms"])]
+    compare_replicas: bool,
+    /// Rounds of a comparison (--compare-insecure, --compare-replicas): the
+    /// two clusters take turns this many times per run; each side's
+    /// figures are its medians.
+    #[arg(long, default_value_t = 3)]
+    compare_rounds: usize,
     /// Write the results as a JSON array to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -187,8 +199,14 @@ fn run() -> anyhow::Result<()> {
         _ => rdma_transport::auth::key_from_flags(args.cluster_key_file.as_deref(), args.insecure)
             .map_err(anyhow::Error::msg)?,
     };
-    if args.compare_insecure && args.op == Some(Op::Fault) {
-        bail!("--compare-insecure applies to --op read and write");
+    if (args.compare_insecure || args.compare_replicas) && args.op == Some(Op::Fault) {
+        bail!("--compare-insecure and --compare-replicas apply to --op read and write");
+    }
+    if args.compare_replicas && args.replicas < 2 {
+        bail!("--compare-replicas compares --replicas 2 or more with one holder per range");
+    }
+    if args.compare_rounds == 0 {
+        bail!("--compare-rounds must be at least 1");
     }
     // The fault op pins the local page-servers to the faulting thread's CPU
     // (see fault.rs): there they must not spin.
@@ -314,6 +332,7 @@ fn run() -> anyhow::Result<()> {
                         groups,
                         accept_errors: args.accept_errors,
                         restart_first: failed_before,
+                        request_timeout: Duration::from_millis(config.request_timeout_ms),
                     };
                     failed_before = true;
                     failed.run(spec, seed, nodes, &progress)?
@@ -343,23 +362,59 @@ fn run() -> anyhow::Result<()> {
                 lines.push(report::ratio_line(&ours, base));
                 lines.push(report::layouts_line(base));
             }
-            keyed_runs.push((spec, seed, records.len()));
+            keyed_runs.push((spec, seed));
             records.push(ours);
             records.extend(base);
         }
     }
+    let runs = keyed_runs;
+    let path = data_path_name(&mgr);
     if args.compare_insecure {
-        let keyed: Vec<_> = keyed_runs
-            .iter()
-            .map(|&(spec, seed, at)| auth_cost::Keyed {
-                spec,
-                seed,
-                record: &records[at],
-            })
-            .collect();
-        let (insecure, cost) =
-            auth_cost::run(&config, args.nodes, args.memory, server_spin, &keyed)?;
-        records.extend(insecure);
+        let other =
+            compare::OtherCluster::start(&config, &placements, args.memory, server_spin, None)?;
+        let ours = compare::Side {
+            label: "keyed".into(),
+            path: format!("{path}-keyed"),
+            replicas: args.replicas,
+            mgr: &mgr,
+            set: &set,
+        };
+        let (recs, cost) = compare::alternate(
+            "authentication cost",
+            &ours,
+            &other.side("insecure", "insecure", args.replicas),
+            &runs,
+            args.compare_rounds,
+            None,
+        )?;
+        records.extend(recs);
+        lines.extend(cost);
+    }
+    if args.compare_replicas {
+        let single = replicas::layout(groups, 1, args.memory).map_err(anyhow::Error::msg)?;
+        let other = compare::OtherCluster::start(
+            &config,
+            &single,
+            args.memory,
+            server_spin,
+            config.cluster_key.clone(),
+        )?;
+        let ours = compare::Side {
+            label: format!("R={}", args.replicas),
+            path: format!("{path}-r{}", args.replicas),
+            replicas: args.replicas,
+            mgr: &mgr,
+            set: &set,
+        };
+        let (recs, cost) = compare::alternate(
+            "replication cost",
+            &ours,
+            &other.side("R=1", "r1", 1),
+            &runs,
+            args.compare_rounds,
+            Some(args.replicas),
+        )?;
+        records.extend(recs);
         lines.extend(cost);
     }
     if args.coordinator.is_none() {
@@ -416,6 +471,8 @@ struct FailedRun<'a> {
     accept_errors: bool,
     /// A node stopped in an earlier run: start it again first.
     restart_first: bool,
+    /// The manager's request deadline.
+    request_timeout: Duration,
 }
 
 impl FailedRun<'_> {
@@ -462,6 +519,7 @@ impl FailedRun<'_> {
             .cluster
             .take_server(&victim)
             .with_context(|| format!("{victim} is not a page-server of the local cluster"))?;
+        let hedge = self.mgr.read_hedge_delay();
         let start = Instant::now();
         let fail_at = start + Duration::from_millis(self.after_ms);
         let injector = failure::Injector::schedule(fail_at, move || server.abort())?;
@@ -489,6 +547,7 @@ impl FailedRun<'_> {
         if self.accept_errors {
             r.verified = outcome.verified_despite_errors();
         }
+        let spanned = failure::Spanned::of(&disruption);
         r.failure = Some(failure::FailureReport {
             node: victim,
             after_ms: self.after_ms,
@@ -500,7 +559,10 @@ impl FailedRun<'_> {
                 .map(|(k, n)| ((*k).to_owned(), *n))
                 .collect(),
             verified_pages,
-            spanned: failure::Spanned::of(&disruption),
+            bound: (spec.op == Op::Read).then(|| {
+                failure::SpannedBound::of(&spanned, hedge, r.latency_us.p50, self.request_timeout)
+            }),
+            spanned,
             readback,
         });
         Ok(r)

@@ -209,6 +209,20 @@ pub fn failure_line(r: &Record) -> Option<String> {
         fmt_us(s.p99_us),
         fmt_us(s.max_us),
     );
+    if let Some(b) = &f.bound {
+        line.push_str(&format!(
+            " ({} bound: p99 < 2 x hedge {} us + round trip {} us = {} us, max < deadline {} us)",
+            if b.within {
+                "within the"
+            } else {
+                "OUTSIDE the"
+            },
+            fmt_us(b.hedge_delay_us),
+            fmt_us(b.round_trip_us),
+            fmt_us(b.p99_bound_us),
+            fmt_us(b.request_timeout_us),
+        ));
+    }
     if let Some(rb) = &f.readback {
         line.push_str(&format!(
             "; read back {} pages: {} lost acknowledged writes, {} wrong, {} unreadable",

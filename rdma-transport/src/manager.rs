@@ -284,6 +284,14 @@ impl TransportManager {
         self.inner.install_map(map, Install::IfNewer)
     }
 
+    /// How long a read of a replicated range waits now for its replica
+    /// before the same read goes to another one (see
+    /// [`ManagerConfig::read_hedge_delay_us`]; it follows the recent p99
+    /// unless configured).
+    pub fn read_hedge_delay(&self) -> std::time::Duration {
+        self.inner.hedge_delay()
+    }
+
     /// Every node of the map with the data path its connection uses now
     /// (`None`: not connected at the moment).
     pub fn node_transports(&self) -> Vec<(String, Option<DataPath>)> {

@@ -41,6 +41,12 @@ pub struct Best {
 /// layout this process can have, over `pages` pages of `seed`'s pattern,
 /// and keeps the one with the lowest p50 (the first on a tie).
 pub fn run(spec: Spec, pages: usize, seed: u64) -> anyhow::Result<Best> {
+    run_fanout(spec, pages, seed, 1)
+}
+
+/// As [`run`], each write sent to `servers` bare servers at once (see
+/// [`pingpong`]): what a replicated write costs a bare program here.
+pub fn run_fanout(spec: Spec, pages: usize, seed: u64, servers: usize) -> anyhow::Result<Best> {
     let cpus = layout::allowed_cpus();
     let mut best: Option<(Layout, Outcome)> = None;
     let mut tried = Vec::new();
@@ -50,7 +56,7 @@ pub fn run(spec: Spec, pages: usize, seed: u64) -> anyhow::Result<Best> {
             tracing::info!(layout = layout.name(), "skipped: needs two CPUs");
             continue;
         };
-        let outcome = pingpong::run(spec, pages, seed, layout, placement)?;
+        let outcome = pingpong::run(spec, pages, seed, layout, placement, servers)?;
         let result = LayoutResult::new(layout.name(), placement, &outcome);
         all_verified &= result.verified;
         let better = match &best {

@@ -4,6 +4,11 @@
 //! buffer; the client keeps `depth` requests in flight. Both threads are
 //! pinned and wait as their [`Layout`] says. Every page is checked: reads by
 //! the client, writes by the server as they arrive.
+//!
+//! With `servers` > 1 (writes only: the fan-out of a replicated write) the
+//! client sends each batch to every server, all before it reads any answer,
+//! and a batch is done when every server has answered. The servers share
+//! the server CPU.
 
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
@@ -25,40 +30,62 @@ fn warmup_ops(ops: u64) -> u64 {
 }
 
 /// Runs the ping-pong with `spec`'s op, ops, depth and pattern on one client
-/// thread on CPU `client_cpu` and a server thread on `server_cpu`, over
-/// `pages` pages filled with `seed`'s pattern.
+/// thread on CPU `client_cpu` and `servers` server threads on `server_cpu`,
+/// over `pages` pages filled with `seed`'s pattern.
 pub fn run(
     spec: Spec,
     pages: usize,
     seed: u64,
     layout: Layout,
     (client_cpu, server_cpu): (usize, usize),
+    servers: usize,
 ) -> anyhow::Result<Outcome> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
+    if servers == 0 || (servers > 1 && spec.op != Op::Write) {
+        anyhow::bail!("the bare fan-out is for writes to one or more servers");
+    }
+    let listeners = (0..servers)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let addrs = listeners
+        .iter()
+        .map(TcpListener::local_addr)
+        .collect::<std::io::Result<Vec<_>>>()?;
     let spin = layout.spinning();
     std::thread::scope(|s| {
-        let server = s.spawn(move || -> anyhow::Result<u64> {
-            pin_current(server_cpu)?;
-            serve(listener, spec.op, pages, seed, spin)
-        });
+        let server_threads: Vec<_> = listeners
+            .into_iter()
+            .map(|listener| {
+                s.spawn(move || -> anyhow::Result<u64> {
+                    pin_current(server_cpu)?;
+                    serve(listener, spec.op, pages, seed, spin)
+                })
+            })
+            .collect();
         let client = s.spawn(move || -> anyhow::Result<Outcome> {
             // Connected before pinning: if pinning fails, dropping the
-            // stream lets the server's accept return and the scope end.
-            let stream = TcpStream::connect(addr)?;
+            // streams lets the servers' accepts return and the scope end.
+            let streams = addrs
+                .iter()
+                .map(TcpStream::connect)
+                .collect::<std::io::Result<Vec<_>>>()?;
             pin_current(client_cpu)?;
-            let conn = Conn::new(stream, spin)?;
-            ping(conn, spec, pages, seed)
+            let conns = streams
+                .into_iter()
+                .map(|stream| Conn::new(stream, spin))
+                .collect::<std::io::Result<Vec<_>>>()?;
+            ping(conns, spec, pages, seed)
         });
         let mut outcome = client
             .join()
             .map_err(|_| anyhow::anyhow!("baseline client panicked"))?
             .context("baseline client")?;
-        // The client has closed its socket: the server sees EOF and returns.
-        outcome.bad_pages += server
-            .join()
-            .map_err(|_| anyhow::anyhow!("baseline server panicked"))?
-            .context("baseline server")?;
+        // The client has closed its sockets: each server sees EOF and returns.
+        for server in server_threads {
+            outcome.bad_pages += server
+                .join()
+                .map_err(|_| anyhow::anyhow!("baseline server panicked"))?
+                .context("baseline server")?;
+        }
         Ok(outcome)
     })
 }
@@ -106,8 +133,9 @@ fn serve(
     }
 }
 
-/// The client: a warm-up, then `spec.ops` measured page operations.
-fn ping(mut c: Conn, spec: Spec, pages: usize, seed: u64) -> anyhow::Result<Outcome> {
+/// The client: a warm-up, then `spec.ops` measured page operations, each
+/// batch sent to every connection of `conns`.
+fn ping(mut conns: Vec<Conn>, spec: Spec, pages: usize, seed: u64) -> anyhow::Result<Outcome> {
     let op = spec.op;
     let warmup = warmup_ops(spec.ops);
     let total_ops = warmup + spec.ops;
@@ -158,8 +186,12 @@ fn ping(mut c: Conn, spec: Spec, pages: usize, seed: u64) -> anyhow::Result<Outc
                 REQ_BYTES + PAGE_SIZE
             };
         let t0 = Instant::now();
-        c.write_all(&out[..out_len])?;
-        c.read_exact(&mut inbuf[..resp_len])?;
+        for c in &mut conns {
+            c.write_all(&out[..out_len])?;
+        }
+        for c in &mut conns {
+            c.read_exact(&mut inbuf[..resp_len])?;
+        }
         let ns = t0.elapsed().as_nanos() as u64;
         if done >= warmup {
             let _ = hist.record_n(ns.max(1), batch as u64);
