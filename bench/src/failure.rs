@@ -176,7 +176,7 @@ pub struct FailureReport {
     pub verified_pages: u64,
     /// The requests that started around the failure.
     pub spanned: Spanned,
-    /// Read runs: the bound on those requests: p99 below twice the read
+    /// Read runs that had requests around the failure: the bound on them: p99 below twice the read
     /// hedging delay (the manager's, just before the run) plus one round
     /// trip (the run's p50), max below the request deadline.
     #[serde(skip_serializing_if = "Option::is_none")]

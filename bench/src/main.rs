@@ -559,7 +559,7 @@ impl FailedRun<'_> {
                 .map(|(k, n)| ((*k).to_owned(), *n))
                 .collect(),
             verified_pages,
-            bound: (spec.op == Op::Read).then(|| {
+            bound: (spec.op == Op::Read && spanned.pages > 0).then(|| {
                 failure::SpannedBound::of(&spanned, hedge, r.latency_us.p50, self.request_timeout)
             }),
             spanned,
