@@ -302,6 +302,57 @@ fn stopped_primary_reads_are_hedged_to_the_replica() {
     assert_eq!(verify_all(&mgr, &expected), PAGES as usize);
 }
 
+/// A read that starts on the survivor (the dead primary is avoided after
+/// a failure) is not hedged back to the dead primary when the survivor
+/// answers later than the hedging delay: the survivor gets the whole
+/// deadline. (It was hedged, went to the dead node and failed with its
+/// "connection refused", seen by the bench with --fail-node-after-ms.)
+#[test]
+fn a_slow_survivor_of_a_dead_primary_gets_the_whole_deadline() {
+    let (_db, coord) = start_coordinator();
+    let url = coord.url();
+    let admin = coordinator_client(&url);
+    let (mut a, mut b) = replicated_pair(&url, &admin);
+    let mgr = replica_manager(&url, 20_000);
+    for p in 0..PAGES {
+        mgr.write_page(gpa(p), &page_for(gpa(p), 6)).expect("write");
+    }
+    let primary = mgr
+        .map()
+        .ranges()
+        .next()
+        .map(|(_, _, node)| node.to_owned());
+    let (dead, survivor) = match primary.as_deref() {
+        Some("a") => (&mut a, &b),
+        Some("b") => (&mut b, &a),
+        other => panic!("unexpected primary {other:?}"),
+    };
+    dead.kill();
+    let mut page = [0u8; PAGE_SIZE];
+    // Fails over to the survivor; the dead node is avoided for a while.
+    mgr.read_page(gpa(0), &mut page)
+        .expect("read after the kill");
+    assert!(page == page_for(gpa(0), 6));
+    // The survivor answers 200 ms late, ten times the hedging delay.
+    survivor.pause();
+    let stalled = Duration::from_millis(200);
+    let (result, took) = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(stalled);
+            survivor.resume();
+        });
+        let started = Instant::now();
+        let result = mgr.read_page(gpa(1), &mut page);
+        (result, started.elapsed())
+    });
+    result.unwrap_or_else(|e| panic!("read from the stalled survivor failed after {took:?}: {e}"));
+    assert!(page == page_for(gpa(1), 6), "page 1 is wrong");
+    assert!(
+        took >= stalled / 2,
+        "answered in {took:?} by a stopped server?"
+    );
+}
+
 #[test]
 fn guest_memory_faults_are_served_while_a_replica_is_killed() {
     let (_db, coord) = start_coordinator();

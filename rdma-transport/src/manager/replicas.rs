@@ -77,7 +77,7 @@ impl Inner {
         }
     }
 
-    fn avoided(&self, state: &MapState, node_index: usize) -> bool {
+    pub(super) fn avoided(&self, state: &MapState, node_index: usize) -> bool {
         state
             .nodes
             .get(node_index)

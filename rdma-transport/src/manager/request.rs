@@ -239,13 +239,17 @@ impl Inner {
         // Target k already went again to the same replica.
         let mut retried_same = [false; MAX_CHUNK];
         loop {
-            // Hedged only while every target has a replica left to try:
-            // the last one gets the whole deadline.
+            // Hedged only while every target has a replica left to try
+            // whose node did not fail lately: the last one (or the last
+            // but a node that just failed) gets the whole deadline. (A read
+            // that hedged onto the survivor of a dead primary, and took a
+            // little longer than the delay, used to go back to the dead
+            // node and fail with its error.)
             let hedged = targets[..n].iter().any(|t| t.loc.replicated)
-                && targets[..n]
-                    .iter()
-                    .zip(&tried)
-                    .all(|(t, &tried)| self.other_reader(state, t, tried).is_some());
+                && targets[..n].iter().zip(&tried).all(|(t, &tried)| {
+                    self.other_reader(state, t, tried)
+                        .is_some_and(|l| !self.avoided(state, l.node_index))
+                });
             let round_deadline = if hedged {
                 deadline.min(Instant::now() + self.hedge_delay())
             } else {
