@@ -55,6 +55,32 @@ impl Layout {
     }
 }
 
+impl Layout {
+    /// The CPUs of `servers` server threads in `placement` (from
+    /// [`Layout::cpus`]): all on the server CPU when they block; when they
+    /// spin, each on a CPU of its own from the last one down, none the
+    /// client's (spinners sharing a CPU wait a time slice for each other).
+    /// `None` when there are not enough CPUs for that.
+    pub fn server_cpus(
+        self,
+        allowed: &[usize],
+        (client, server): (usize, usize),
+        servers: usize,
+    ) -> Option<Vec<usize>> {
+        if !self.spinning() {
+            return Some(vec![server; servers]);
+        }
+        let own: Vec<usize> = allowed
+            .iter()
+            .rev()
+            .copied()
+            .filter(|&c| c != client)
+            .take(servers)
+            .collect();
+        (own.len() == servers).then_some(own)
+    }
+}
+
 /// The CPU ids this process may run on, in ascending order.
 pub fn allowed_cpus() -> Vec<usize> {
     let mut ids: Vec<usize> = core_affinity::get_core_ids()
@@ -85,6 +111,17 @@ mod tests {
         assert_eq!(Layout::CrossCpuSpinning.cpus(&[0, 1, 2, 3]), Some((0, 3)));
         assert_eq!(Layout::CrossCpuBlocking.cpus(&[2]), None, "one CPU");
         assert_eq!(Layout::SameCpuBlocking.cpus(&[]), None);
+    }
+
+    #[test]
+    fn spinning_servers_get_a_cpu_each() {
+        let two = [0, 1];
+        let spin = Layout::CrossCpuSpinning;
+        assert_eq!(spin.server_cpus(&two, (0, 1), 1), Some(vec![1]));
+        assert_eq!(spin.server_cpus(&two, (0, 1), 2), None);
+        assert_eq!(spin.server_cpus(&[0, 1, 2], (0, 2), 2), Some(vec![2, 1]));
+        let block = Layout::SameCpuBlocking;
+        assert_eq!(block.server_cpus(&two, (0, 0), 2), Some(vec![0, 0]));
     }
 
     #[test]

@@ -56,7 +56,15 @@ pub fn run_fanout(spec: Spec, pages: usize, seed: u64, servers: usize) -> anyhow
             tracing::info!(layout = layout.name(), "skipped: needs two CPUs");
             continue;
         };
-        let outcome = pingpong::run(spec, pages, seed, layout, placement, servers)?;
+        let Some(server_cpus) = layout.server_cpus(&cpus, placement, servers) else {
+            tracing::info!(
+                layout = layout.name(),
+                servers,
+                "skipped: spinning needs a CPU per thread"
+            );
+            continue;
+        };
+        let outcome = pingpong::run(spec, pages, seed, layout, placement.0, &server_cpus)?;
         let result = LayoutResult::new(layout.name(), placement, &outcome);
         all_verified &= result.verified;
         let better = match &best {

@@ -7,8 +7,8 @@
 //!
 //! With `servers` > 1 (writes only: the fan-out of a replicated write) the
 //! client sends each batch to every server, all before it reads any answer,
-//! and a batch is done when every server has answered. The servers share
-//! the server CPU.
+//! and a batch is done when every server has answered. Blocking servers
+//! share the server CPU; spinning ones get a CPU each.
 
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
@@ -30,16 +30,17 @@ fn warmup_ops(ops: u64) -> u64 {
 }
 
 /// Runs the ping-pong with `spec`'s op, ops, depth and pattern on one client
-/// thread on CPU `client_cpu` and `servers` server threads on `server_cpu`,
-/// over `pages` pages filled with `seed`'s pattern.
+/// thread on CPU `client_cpu` and one server thread on each CPU of
+/// `server_cpus`, over `pages` pages filled with `seed`'s pattern.
 pub fn run(
     spec: Spec,
     pages: usize,
     seed: u64,
     layout: Layout,
-    (client_cpu, server_cpu): (usize, usize),
-    servers: usize,
+    client_cpu: usize,
+    server_cpus: &[usize],
 ) -> anyhow::Result<Outcome> {
+    let servers = server_cpus.len();
     if servers == 0 || (servers > 1 && spec.op != Op::Write) {
         anyhow::bail!("the bare fan-out is for writes to one or more servers");
     }
@@ -54,7 +55,8 @@ pub fn run(
     std::thread::scope(|s| {
         let server_threads: Vec<_> = listeners
             .into_iter()
-            .map(|listener| {
+            .zip(server_cpus.iter().copied())
+            .map(|(listener, server_cpu)| {
                 s.spawn(move || -> anyhow::Result<u64> {
                     pin_current(server_cpu)?;
                     serve(listener, spec.op, pages, seed, spin)
