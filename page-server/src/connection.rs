@@ -11,6 +11,7 @@ use rdma_transport::region::MappedRegion;
 use rdma_transport::wire::{page_checksum, DecodeError, Header, Opcode, Status, HEADER_LEN};
 use rdma_transport::PAGE_SIZE;
 
+use crate::conns::RdmaUse;
 use crate::handshake::{self, Refusal, ServerAuth, Session};
 use crate::limits::ConnGuard;
 use crate::rdma::RdmaExport;
@@ -280,6 +281,19 @@ pub(crate) fn serve(
                         "connection limit reached",
                     ));
                 }
+                let rdma = match (&session.qp, session.rdma_withheld) {
+                    (Some(_), _) => RdmaUse::Session,
+                    (None, true) => RdmaUse::Withheld,
+                    (None, false) => RdmaUse::None,
+                };
+                if !guard.note_rdma(rdma) {
+                    // A replica recovery began since the HELLO_ACK: the QP
+                    // must not live on (see `Connections::pause_rdma`).
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        "RDMA paused for a replica recovery",
+                    ));
+                }
                 if session.qp.is_some() {
                     guard.exempt_from_idle_timeout();
                 }
@@ -458,7 +472,7 @@ fn handle(
                 &exported.auth,
                 exported.epoch,
                 exported.region.len_bytes() as u64,
-                exported.rdma.as_ref(),
+                handshake::RdmaOffer::of(exported.rdma.as_ref(), exported.guard.is_active()),
                 exported.page_checksums,
                 session,
             )?;

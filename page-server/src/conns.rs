@@ -28,6 +28,9 @@ struct Inner {
     handshaken: usize,
     /// Set by [`Connections::close_all`]: nothing is recorded after it.
     closed: bool,
+    /// Set while a replica recovery runs ([`Connections::pause_rdma`]): no
+    /// connection may keep an RDMA session.
+    rdma_paused: bool,
 }
 
 /// One connection: a duplicate of its socket (to shut it down), its state
@@ -38,6 +41,21 @@ struct Entry {
     socket: TcpStream,
     state: State,
     thread: Option<JoinHandle<()>>,
+    rdma: RdmaUse,
+}
+
+/// Whether a connection's client moves pages by RDMA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RdmaUse {
+    /// TCP only, by the client's choice (or no RDMA here).
+    None,
+    /// The client has a QP and a memory key: its writes land without this
+    /// process seeing them.
+    Session,
+    /// The client asked for RDMA and was answered without it because a
+    /// recovery was running: it is closed when the recovery ends, so that
+    /// it comes back with RDMA.
+    Withheld,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,6 +101,20 @@ impl Recorded {
         self.id
     }
 
+    /// Records how the connection's client moves pages. Refused (false)
+    /// for an RDMA session while RDMA is paused: the caller closes the
+    /// connection (its QP goes with it).
+    pub(crate) fn note_rdma(&self, rdma: RdmaUse) -> bool {
+        let mut inner = self.conns.inner.lock();
+        if rdma == RdmaUse::Session && inner.rdma_paused {
+            return false;
+        }
+        if let Some(entry) = inner.entries.iter_mut().find(|e| e.id == self.id) {
+            entry.rdma = rdma;
+        }
+        true
+    }
+
     /// Moves the connection from pending to handshaken, unless
     /// `max_handshaken` are open or it has been evicted.
     pub(crate) fn promote(&self, max_handshaken: usize) -> Promotion {
@@ -126,6 +158,17 @@ impl Inner {
         }
     }
 
+    /// Shuts down every connection whose RDMA use is `rdma` (their threads
+    /// then see the end of the stream and end); returns how many.
+    fn shut_down_where(&mut self, rdma: RdmaUse) -> usize {
+        let mut n = 0;
+        for entry in self.entries.iter_mut().filter(|e| e.rdma == rdma) {
+            let _ = entry.socket.shutdown(Shutdown::Both);
+            n += 1;
+        }
+        n
+    }
+
     /// Shuts the oldest pending connection down (its thread then sees the
     /// end of the stream and ends).
     fn evict_oldest_pending(&mut self) -> bool {
@@ -166,6 +209,7 @@ impl Connections {
             socket,
             state: State::Pending,
             thread: None,
+            rdma: RdmaUse::None,
         });
         inner.pending += 1;
         Some(Admitted {
@@ -196,6 +240,36 @@ impl Connections {
     pub(crate) fn counts(&self) -> (usize, usize) {
         let inner = self.inner.lock();
         (inner.pending, inner.handshaken)
+    }
+
+    /// Pauses RDMA (a replica recovery begins: every write must go through
+    /// this process, see `recovery_guard.rs`): shuts down every connection
+    /// with an RDMA session, and refuses new ones until
+    /// [`Connections::resume_rdma`]. Returns the connections shut down.
+    pub(crate) fn pause_rdma(&self) -> usize {
+        let mut inner = self.inner.lock();
+        inner.rdma_paused = true;
+        inner.shut_down_where(RdmaUse::Session)
+    }
+
+    /// Connections with an RDMA session still recorded (shut down ones
+    /// whose threads, and so QPs, are not gone yet included).
+    pub(crate) fn rdma_sessions(&self) -> usize {
+        let inner = self.inner.lock();
+        inner
+            .entries
+            .iter()
+            .filter(|e| e.rdma == RdmaUse::Session)
+            .count()
+    }
+
+    /// Ends the pause: RDMA is offered again, and the connections that were
+    /// answered without it are shut down (their clients reconnect, with
+    /// RDMA). Returns those connections.
+    pub(crate) fn resume_rdma(&self) -> usize {
+        let mut inner = self.inner.lock();
+        inner.rdma_paused = false;
+        inner.shut_down_where(RdmaUse::Withheld)
     }
 
     /// Stops recording, shuts every recorded socket down (its thread then
@@ -357,5 +431,51 @@ mod tests {
         drop(r1);
         assert_eq!(r2.promote(1), Promotion::Promoted);
         assert_eq!(conns.counts(), (0, 1));
+    }
+
+    /// A recovery pauses RDMA: the connections with an RDMA session are
+    /// shut down (the others are not) and no new session may start; when
+    /// it ends, the connections answered without RDMA are shut down so
+    /// that their clients come back with it.
+    #[test]
+    fn pausing_rdma_closes_the_sessions_and_resuming_closes_the_withheld() {
+        let conns = Arc::new(Connections::default());
+        let (mut c_rdma, s_rdma) = pair();
+        let (mut c_tcp, s_tcp) = pair();
+        let rdma = conns.record(s_rdma, 8).unwrap().recorded;
+        let tcp = conns.record(s_tcp, 8).unwrap().recorded;
+        assert!(rdma.note_rdma(RdmaUse::Session));
+        assert!(tcp.note_rdma(RdmaUse::None));
+        assert_eq!(conns.rdma_sessions(), 1);
+
+        assert_eq!(conns.pause_rdma(), 1);
+        assert_eof(&mut c_rdma);
+        // Shut down, but its thread (and QP) not gone yet: still counted.
+        assert_eq!(conns.rdma_sessions(), 1);
+        drop(rdma);
+        assert_eq!(conns.rdma_sessions(), 0);
+        // A handshake that raced the pause may not keep its session.
+        let (_c_late, s_late) = pair();
+        let late = conns.record(s_late, 8).unwrap().recorded;
+        assert!(!late.note_rdma(RdmaUse::Session));
+        assert!(late.note_rdma(RdmaUse::Withheld));
+        assert_eq!(conns.rdma_sessions(), 0);
+
+        assert_eq!(conns.resume_rdma(), 1, "the withheld connection");
+        // The TCP-only client was left alone throughout.
+        c_tcp
+            .set_read_timeout(Some(std::time::Duration::from_millis(50)))
+            .unwrap();
+        let mut byte = [0u8; 1];
+        let still_open = matches!(
+            c_tcp.read(&mut byte),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
+                || e.kind() == std::io::ErrorKind::TimedOut
+        );
+        assert!(still_open, "a TCP-only connection was closed");
+        let (_c_new, s_new) = pair();
+        let new = conns.record(s_new, 8).unwrap().recorded;
+        assert!(new.note_rdma(RdmaUse::Session), "RDMA is offered again");
+        drop((tcp, late, new));
     }
 }

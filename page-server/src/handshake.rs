@@ -98,6 +98,9 @@ pub(crate) struct Session {
     /// Page checksums agreed in the HELLO_ACK: WRITEs are checked, READ
     /// answers carry one.
     pub(crate) checksums: bool,
+    /// The client asked for RDMA and was answered without it: a replica
+    /// recovery was running (see `Connections::pause_rdma`).
+    pub(crate) rdma_withheld: bool,
 }
 
 impl Session {
@@ -162,15 +165,36 @@ pub(crate) fn on_hello(
     ))
 }
 
+/// What a handshake offers a client that asks for RDMA.
+#[derive(Clone, Copy)]
+pub(crate) enum RdmaOffer<'a> {
+    /// No RDMA here.
+    None,
+    /// A replica recovery is running: every write must come over the
+    /// socket (see `Connections::pause_rdma`).
+    Paused,
+    Offered(&'a RdmaExport),
+}
+
+impl<'a> RdmaOffer<'a> {
+    pub(crate) fn of(export: Option<&'a RdmaExport>, paused: bool) -> Self {
+        match export {
+            None => Self::None,
+            Some(_) if paused => Self::Paused,
+            Some(e) => Self::Offered(e),
+        }
+    }
+}
+
 /// AUTH: checks the client's proof, sets up the client's QP if it asked
-/// for RDMA, agrees to page checksums if it asked and `offer_checksums`,
-/// and answers with a HELLO_ACK payload.
+/// for RDMA and it is offered (see [`RdmaOffer`]), agrees to page checksums if it asked
+/// and `offer_checksums`, and answers with a HELLO_ACK payload.
 pub(crate) fn on_auth(
     payload: &[u8],
     auth: &ServerAuth,
     epoch: u64,
     region_size_bytes: u64,
-    rdma: Option<&RdmaExport>,
+    rdma: RdmaOffer<'_>,
     offer_checksums: bool,
     session: &mut Session,
 ) -> Result<Vec<u8>, Refusal> {
@@ -210,7 +234,15 @@ pub(crate) fn on_auth(
     session.stage = Stage::Ready;
     session.checksums = request.checksums && offer_checksums;
     let rdma = match (&request.rdma, rdma) {
-        (Some(client), Some(export)) => match export.accept(client) {
+        (Some(_), RdmaOffer::Paused) => {
+            tracing::debug!(
+                client_id,
+                "replica recovery running: answering without RDMA until it ends"
+            );
+            session.rdma_withheld = true;
+            None
+        }
+        (Some(client), RdmaOffer::Offered(export)) => match export.accept(client) {
             Ok((qp, answer)) => {
                 tracing::debug!(
                     client_id,

@@ -160,6 +160,12 @@ impl ConnGuard {
 
     /// [`Watchdog::check`] at `now`; a broken limit is counted and becomes
     /// a `TimedOut` error that ends the connection.
+    /// Records how the client moves pages; false when it may not keep its
+    /// RDMA session (see `Connections::note_rdma`).
+    pub(crate) fn note_rdma(&self, rdma: crate::conns::RdmaUse) -> bool {
+        self.recorded.note_rdma(rdma)
+    }
+
     /// The connection's pages move by RDMA, not over its socket, which then
     /// carries no requests: the idle timeout does not apply to it (closing
     /// it would tear down the client's QP).

@@ -36,6 +36,9 @@ use crate::server::Shared as ServerShared;
 const BATCH_PAGES: usize = 64;
 /// Deadline of each batch read from the source.
 const SOURCE_REQUEST_TIMEOUT_MS: u64 = 5000;
+/// How long the RDMA sessions shut down at the start of a recovery may
+/// take to end.
+const RDMA_PAUSE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Deadline of each coordinator request.
 const COORDINATOR_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -61,6 +64,10 @@ enum RecoveryError {
     Region(#[from] io::Error),
     #[error("page-server stopping")]
     Stopped,
+    #[error(
+        "{sessions} RDMA session(s) still open {RDMA_PAUSE_TIMEOUT:?} after they were shut down"
+    )]
+    RdmaSessionsLinger { sessions: usize },
 }
 
 /// What the recovery works on, from the server's configuration.
@@ -221,6 +228,13 @@ impl Worker {
         let started = Instant::now();
         let result = self.recover();
         self.server.exported.guard.end();
+        let reconnect = self.server.admission.conns.resume_rdma();
+        if reconnect > 0 {
+            tracing::info!(
+                connections = reconnect,
+                "RDMA offered again: closed the connections answered without it"
+            );
+        }
         counters.set_running(false);
         match result {
             Ok((seq, pages)) => {
@@ -257,6 +271,7 @@ impl Worker {
         // says `recovering`, before its answer reaches this thread. The
         // caller turns it off whatever the outcome.
         self.server.exported.guard.begin();
+        self.pause_rdma()?;
         // Named by this process's epoch: the coordinator refuses a recovery
         // by any other process of this node (an earlier one still running
         // would otherwise copy into memory that nobody serves and turn the
@@ -314,6 +329,34 @@ impl Worker {
             }
         }
         Err(last_err)
+    }
+
+    /// Ends every RDMA session and waits until their QPs are gone: an RDMA
+    /// WRITE lands in memory without this process seeing it, so the write
+    /// guard cannot keep it from being overwritten by an older copied page.
+    /// Until the recovery ends, clients get TCP (see
+    /// `Connections::pause_rdma`).
+    fn pause_rdma(&self) -> Result<(), RecoveryError> {
+        let conns = &self.server.admission.conns;
+        let closed = conns.pause_rdma();
+        if closed > 0 {
+            tracing::info!(
+                connections = closed,
+                "replica recovery: closed the RDMA sessions; clients write over TCP until it ends"
+            );
+        }
+        let deadline = Instant::now() + RDMA_PAUSE_TIMEOUT;
+        while conns.rdma_sessions() > 0 {
+            if Instant::now() >= deadline {
+                return Err(RecoveryError::RdmaSessionsLinger {
+                    sessions: conns.rdma_sessions(),
+                });
+            }
+            if self.stop.sleep(Duration::from_millis(1)) {
+                return Err(RecoveryError::Stopped);
+            }
+        }
+        Ok(())
     }
 
     /// Copies the range from `source` (reached at `node`) into the exported

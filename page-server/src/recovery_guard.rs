@@ -52,7 +52,6 @@ impl RecoveryGuard {
     }
 
     /// Whether a recovery is running (client writes are being marked).
-    #[cfg(test)]
     pub(crate) fn is_active(&self) -> bool {
         self.active.load(Ordering::Acquire)
     }

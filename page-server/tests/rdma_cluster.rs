@@ -547,3 +547,117 @@ fn rdma_sessions_are_not_closed_as_idle() {
     assert_eq!(mgr.rdma_qpn_for_test("a"), Some(qpn), "the QP was rebuilt");
     assert_all_rdma(&mgr);
 }
+
+/// An RDMA WRITE lands in a page-server's memory without the process
+/// seeing it, so the recovery's write guard cannot keep an older copied
+/// page from overwriting it. A recovering replica therefore serves its
+/// clients over TCP until it is live again: its RDMA sessions are closed
+/// when the recovery begins (an `auto` client redials and gets TCP), and
+/// the connections answered without RDMA are closed when it ends (the
+/// client comes back over RDMA). Every page written meanwhile is on the
+/// recovered replica afterwards.
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_a_recovering_replica_takes_writes_over_tcp_then_rdma_again() {
+    use rdma_transport::coordinator::api::ReplicaState;
+    let test = "rdma_a_recovering_replica_takes_writes_over_tcp_then_rdma_again";
+    require_device(test);
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator(&db);
+    let url = coord.url();
+    let replica = |node: &str| {
+        let mut cfg = ServerConfig::new(node, NODE_BYTES);
+        cfg.coordinator_url = Some(url.clone());
+        cfg.rdma.enabled = true;
+        cfg.rdma.device = device_name();
+        cfg.heartbeat_interval = Duration::from_millis(200);
+        cfg.recovery_grace = Duration::from_millis(1500);
+        cfg.recovery_rate_mib_s = 0;
+        let s = page_server::spawn(cfg).expect("page-server starts");
+        s.wait_registered(Duration::from_secs(10))
+            .expect("page-server registers");
+        s
+    };
+    let admin = coordinator_client(&url);
+    let state_of = |node: &str| {
+        admin.map().ok().and_then(|m| {
+            m.entries
+                .first()
+                .and_then(|e| e.replicas.iter().find(|r| r.node_id == node))
+                .map(|r| r.state)
+        })
+    };
+    let a = replica("a");
+    let b = replica("b");
+    assert!(
+        wait_until(Duration::from_secs(30), || state_of("b")
+            == Some(ReplicaState::Live)),
+        "b never joined as a live replica"
+    );
+    let mgr = TransportManager::connect(config(&url, TransportKind::Auto, PollMode::Busy))
+        .expect("manager connects");
+    let path_of = |node: &str| {
+        mgr.node_transports()
+            .into_iter()
+            .find(|(n, _)| n == node)
+            .and_then(|(_, p)| p)
+    };
+    let mut last_seed = vec![0u8; PAGES_PER_NODE as usize];
+    let mut write = |i: u64, seed: u8| {
+        let gpa = i * PAGE_SIZE as u64;
+        mgr.write_page(gpa, &page_for(gpa, seed))
+            .unwrap_or_else(|e| panic!("write of {gpa:#x}: {e}"));
+        last_seed[i as usize] = seed;
+    };
+    for i in 0..PAGES_PER_NODE {
+        write(i, 1);
+    }
+    assert_eq!(path_of("a"), Some(DataPath::Rdma));
+    assert_eq!(path_of("b"), Some(DataPath::Rdma));
+
+    // b misses a write (as a client would report it): it recovers.
+    admin
+        .mark_replica_stale(0, "b", Duration::from_secs(5))
+        .expect("b marked stale");
+    let (mut saw_tcp_while_recovering, mut i, mut seed) = (false, 0u64, 2u8);
+    let live_again = wait_until(Duration::from_secs(60), || {
+        write(i % PAGES_PER_NODE, seed);
+        i += 1;
+        if i % PAGES_PER_NODE == 0 {
+            seed = seed.wrapping_add(1).max(2);
+        }
+        if state_of("b") == Some(ReplicaState::Recovering) && path_of("b") == Some(DataPath::Tcp) {
+            saw_tcp_while_recovering = true;
+        }
+        state_of("b") == Some(ReplicaState::Live) && b.stats().recoveries > 0
+    });
+    assert!(live_again, "b never recovered");
+    assert!(
+        saw_tcp_while_recovering,
+        "the manager kept moving pages to the recovering replica by RDMA"
+    );
+    // Closed when the recovery ended: the next request redials with RDMA.
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            write(i % PAGES_PER_NODE, seed);
+            i += 1;
+            path_of("b") == Some(DataPath::Rdma)
+        }),
+        "the manager never came back to b over RDMA"
+    );
+    // Every page's last acknowledged write is on the recovered replica.
+    let only_b = replica_manager(&admin.map().unwrap(), "b");
+    let mut page = [0u8; PAGE_SIZE];
+    for (k, &s) in last_seed.iter().enumerate() {
+        let gpa = k as u64 * PAGE_SIZE as u64;
+        only_b.read_page(gpa, &mut page).expect("read from b");
+        assert!(
+            page == page_for(gpa, s),
+            "b's page {gpa:#x} is not its last write"
+        );
+    }
+    say(&format!(
+        "{test}: {i} writes during and after the recovery; b recovered, all {PAGES_PER_NODE} pages right"
+    ));
+    drop(a);
+}
