@@ -353,6 +353,65 @@ fn a_slow_survivor_of_a_dead_primary_gets_the_whole_deadline() {
     );
 }
 
+/// A client whose map shows a replica that takes no writes, and is older
+/// than a refresh period (the coordinator is gone), refuses writes to that
+/// range: the replica may have begun recovering meanwhile (it then takes
+/// every write), and a write that skipped it would be missing from its
+/// copy. Writes to a range whose replicas all take writes go on.
+#[test]
+fn writes_to_a_range_with_a_stale_replica_need_a_fresh_map() {
+    let (_db, coord) = start_coordinator();
+    let url = coord.url();
+    let admin = coordinator_client(&url);
+    let (_a, b) = replicated_pair(&url, &admin);
+    let other = NODE_BYTES as u64;
+    let _c = ChildServer::start(&url, "c", other);
+    assert!(
+        wait_until(Duration::from_secs(10), || admin
+            .map()
+            .is_ok_and(|m| m.entries.len() == 2)),
+        "c never registered its range"
+    );
+    let mgr = replica_manager(&url, 0);
+    // b is stopped (it cannot recover) and marked stale, as after a write
+    // it missed.
+    b.pause();
+    admin
+        .mark_replica_stale(0, "b", Duration::from_secs(5))
+        .expect("b marked stale");
+    mgr.refresh_map().expect("refresh");
+    mgr.write_page(gpa(0), &page_for(gpa(0), 7))
+        .expect("a write with a fresh map");
+    coord.shutdown().expect("coordinator stops");
+    // Once the map is older than a refresh period (100 ms here):
+    let mut refusal = None;
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            match mgr.write_page(gpa(1), &page_for(gpa(1), 7)) {
+                Ok(()) => false,
+                Err(e) => {
+                    refusal = Some(e);
+                    true
+                }
+            }
+        }),
+        "writes to the range went on with an old map that shows a stale replica"
+    );
+    assert!(
+        matches!(
+            refusal,
+            Some(rdma_transport::TransportError::Coordinator(_))
+        ),
+        "{refusal:?}"
+    );
+    mgr.write_page(other, &page_for(other, 7))
+        .expect("a range whose replicas all take writes is written without the coordinator");
+    let mut page = [0u8; PAGE_SIZE];
+    mgr.read_page(other, &mut page).expect("read back");
+    assert!(page == page_for(other, 7));
+    b.resume();
+}
+
 #[test]
 fn guest_memory_faults_are_served_while_a_replica_is_killed() {
     let (_db, coord) = start_coordinator();

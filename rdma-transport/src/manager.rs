@@ -66,6 +66,9 @@ struct Inner {
     rdma: Option<RdmaSide>,
     state: ArcSwap<MapState>,
     last_refresh: Mutex<Option<Instant>>,
+    /// When the last map fetch that succeeded was sent (ms of `clock`; 0:
+    /// never): the map in use is at least that fresh.
+    map_confirmed_ms: std::sync::atomic::AtomicU64,
     client_id: u64,
     /// When the manager started (the time base of `Node::avoid_until_ms`).
     clock: Instant,
@@ -145,6 +148,7 @@ impl TransportManager {
             pollers,
             rdma,
             last_refresh: Mutex::new(None),
+            map_confirmed_ms: std::sync::atomic::AtomicU64::new(0),
             client_id,
             clock: Instant::now(),
             latency: latency::RecentLatency::default(),

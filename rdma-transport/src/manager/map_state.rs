@@ -2,7 +2,7 @@
 //! newer map (never an older one), refreshing it from the coordinator within
 //! a caller's deadline, and closing the connections of nodes that left.
 
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -150,13 +150,31 @@ impl Inner {
         let client = self.coordinator.as_ref().ok_or_else(|| {
             TransportError::Config("manager has a fixed map and no coordinator".into())
         })?;
+        let sent_ms = self.clock_ms();
         let resp = match timeout {
             Some(t) => client.map_within(t)?,
             None => client.map()?,
         };
         let version = resp.version;
         self.install_map(resp, Install::IfNewer);
+        self.map_confirmed_ms.fetch_max(sent_ms, Ordering::Relaxed);
         Ok(version)
+    }
+
+    /// Whether writes to a range with a replica that takes none must first
+    /// refresh the map: it is older than one refresh period. Such a
+    /// replica may have begun recovering since (it then takes every write,
+    /// and the page-server's grace period assumes each client learns that
+    /// within a refresh period plus a request timeout, see
+    /// docs/operations.md); a write that skipped it would be missing from
+    /// its copy. Never for a manager without a coordinator or periodic
+    /// refresh (its embedder distributes the map).
+    pub(super) fn map_too_old_for_writes(&self) -> bool {
+        if self.coordinator.is_none() || self.config.map_refresh_ms == 0 {
+            return false;
+        }
+        let confirmed = self.map_confirmed_ms.load(Ordering::Relaxed);
+        self.clock_ms().saturating_sub(confirmed) > self.config.map_refresh_ms
     }
 
     /// Swaps in `resp`'s map, keeping the nodes (and connections) whose

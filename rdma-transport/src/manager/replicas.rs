@@ -85,7 +85,7 @@ impl Inner {
     }
 
     /// Milliseconds since the manager started (never 0 after the first).
-    fn clock_ms(&self) -> u64 {
+    pub(super) fn clock_ms(&self) -> u64 {
         self.clock.elapsed().as_millis() as u64 + 1
     }
 

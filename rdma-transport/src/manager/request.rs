@@ -184,6 +184,20 @@ impl Inner {
                         .filter_map(|r| state.map.replica(gpa, r))
                         .filter(|l| l.state.takes_writes());
                     let count = takers.clone().count();
+                    if count < state.map.replica_count(gpa)
+                        && !refreshed
+                        && self.map_too_old_for_writes()
+                    {
+                        // A replica that takes no writes in this map may
+                        // be recovering by now: learn that first, or fail.
+                        refreshed = true;
+                        let remaining = deadline.saturating_duration_since(Instant::now());
+                        if let Err(e) = self.refresh(Some(remaining)) {
+                            tracing::warn!(gpa, %e, "a write to a range with a stale replica needs a fresh map; the coordinator did not give one");
+                            return Err((i, e));
+                        }
+                        continue 'again;
+                    }
                     if count == 0 {
                         if !refreshed {
                             refreshed = true;
