@@ -108,8 +108,6 @@ fn replica_manager(url: &str, hedge_us: u64) -> Arc<TransportManager> {
 /// What a page must hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Slot {
-    /// Never written: zeros.
-    Zero,
     /// [`content`] of its last acknowledged write, by version.
     Written(u64),
     /// A write of it failed: it may or may not have landed.
@@ -128,15 +126,30 @@ fn content(page: u64, version: u64) -> Page {
 /// What `page` must read as, when known.
 fn expected_page(page: u64, slot: Slot) -> Option<Page> {
     match slot {
-        Slot::Zero => Some([0u8; PAGE_SIZE]),
         Slot::Written(version) => Some(content(page, version)),
         Slot::Unknown => None,
     }
 }
 
-/// A mixed read/write load from one thread over the pages `0..pages` (from
-/// GPA 0): every read is checked against the last acknowledged write of its
-/// page (or zeros when never written).
+/// Every `COLD_EVERY`-th page (index % COLD_EVERY == COLD_EVERY - 1) is
+/// only read by the load, never written: it keeps what [`fill`] wrote, so a
+/// replica that recovers during the load must copy it from the source (the
+/// load rewrites every other page within a grace period, which the copy
+/// then rightly skips).
+const COLD_EVERY: u64 = 4;
+
+/// Writes version 1 of every page `0..pages` (from GPA 0) and returns what
+/// they hold.
+fn fill(mgr: &TransportManager, pages: u64) -> Expected {
+    let gpas: Vec<u64> = (0..pages).map(gpa).collect();
+    let contents: Vec<Page> = (0..pages).map(|p| content(p, 1)).collect();
+    mgr.write_pages(&gpas, &contents).expect("fill every page");
+    vec![Slot::Written(1); pages as usize]
+}
+
+/// A mixed read/write load from one thread over the pages of `expected`
+/// (from GPA 0; the cold ones only read): every read is checked against
+/// the last acknowledged write of its page.
 struct Load {
     pages: u64,
     stop: AtomicBool,
@@ -147,9 +160,11 @@ struct Load {
 }
 
 impl Load {
-    fn start(mgr: Arc<TransportManager>, pages: u64) -> (Arc<Self>, JoinHandle<Expected>) {
+    /// Starts the load over pages whose contents are `expected` (versions
+    /// below 2 only: the load writes from version 2 on).
+    fn start(mgr: Arc<TransportManager>, expected: Expected) -> (Arc<Self>, JoinHandle<Expected>) {
         let load = Arc::new(Self {
-            pages,
+            pages: expected.len() as u64,
             stop: AtomicBool::new(false),
             ops: AtomicU64::new(0),
             errors: Mutex::new(Vec::new()),
@@ -157,21 +172,20 @@ impl Load {
             first_wrong: Mutex::new(None),
         });
         let shared = Arc::clone(&load);
-        let handle = std::thread::spawn(move || shared.run(&mgr));
+        let handle = std::thread::spawn(move || shared.run(&mgr, expected));
         (load, handle)
     }
 
-    fn run(&self, mgr: &TransportManager) -> Expected {
-        let mut expected: Expected = vec![Slot::Zero; self.pages as usize];
+    fn run(&self, mgr: &TransportManager, mut expected: Expected) -> Expected {
         let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-        let mut version = 0u64;
+        let mut version = 1u64;
         let mut page = [0u8; PAGE_SIZE];
         while !self.stop.load(Ordering::Relaxed) {
             rng ^= rng << 13;
             rng ^= rng >> 7;
             rng ^= rng << 17;
             let p = rng % self.pages;
-            if rng & (1 << 40) != 0 {
+            if rng & (1 << 40) != 0 && p % COLD_EVERY != COLD_EVERY - 1 {
                 version += 1;
                 assert!(version < 1 << 20, "versions must fit content()");
                 match mgr.write_page(gpa(p), &content(p, version)) {
@@ -279,7 +293,7 @@ fn replicated_range_survives_kill_restart_and_kill_of_the_other_replica() {
     let admin = coordinator_client(&url);
     let (mut a, mut b) = replicated_pair(&url, &admin);
     let mgr = replica_manager(&url, 0);
-    let (load, handle) = Load::start(Arc::clone(&mgr), PAGES);
+    let (load, handle) = Load::start(Arc::clone(&mgr), fill(&mgr, PAGES));
     load.wait_ops(2000);
 
     // kill -9 one replica under load (the primary or not: the one that
@@ -458,6 +472,16 @@ fn wait_live_holders(admin: &CoordinatorClient, want: &[(u64, &[&str])], limit: 
     );
 }
 
+/// Waits until `node` holds a replica of each of its rotation ranges.
+fn wait_claimed(admin: &CoordinatorClient, node: &str) {
+    assert!(
+        wait_until(Duration::from_secs(10), || rotation_ranges(node)
+            .iter()
+            .all(|&g| range_states(admin, g).iter().any(|(n, _)| n == node))),
+        "{node} never claimed its ranges"
+    );
+}
+
 /// Reads every known page of the range at `gpa_start` from `node`'s
 /// process alone (a fixed map) and checks it. Returns the pages that hold
 /// a write.
@@ -489,11 +513,15 @@ fn three_ranges_two_replicas_each_on_three_nodes_survive_kill_restart_and_kill()
     let (_db, coord) = start_coordinator();
     let url = coord.url();
     let admin = coordinator_client(&url);
+    // One after the other, each registered before the next starts: the
+    // first holder of a range is its primary (n0 of A and C, n1 of B), so
+    // each kill below takes a primary down; the second recovers it from
+    // the first (n2 recovers both of its ranges here already).
     let mut n0 = start_rotation_node(&url, "n0");
+    wait_claimed(&admin, "n0");
     let mut n1 = start_rotation_node(&url, "n1");
+    wait_claimed(&admin, "n1");
     let n2 = start_rotation_node(&url, "n2");
-    // Whichever node registered a range second recovers it from the first:
-    // at least one node recovers both of its ranges here already.
     wait_live_holders(
         &admin,
         &[
@@ -518,7 +546,7 @@ fn three_ranges_two_replicas_each_on_three_nodes_survive_kill_restart_and_kill()
     }
 
     let mgr = replica_manager(&url, 0);
-    let (load, handle) = Load::start(Arc::clone(&mgr), 3 * PAGES);
+    let (load, handle) = Load::start(Arc::clone(&mgr), fill(&mgr, 3 * PAGES));
     load.wait_ops(2000);
 
     // 1. kill -9 n1, which holds A and B.
@@ -563,7 +591,9 @@ fn three_ranges_two_replicas_each_on_three_nodes_survive_kill_restart_and_kill()
     let written = verify_all(&mgr, &expected);
     assert!(written > 150, "only {written} pages were written");
     // ...and from each live replica alone: n1's recovered copies of A (at
-    // offset 0) and B (at 1 MiB) hold every acknowledged write.
+    // offset 0) and B (at 1 MiB) hold every acknowledged write, the cold
+    // pages (written before n1 died, never since) included: those only
+    // its recovery's copy can have brought in.
     for (range, node) in [
         (RANGE_A, "n1"),
         (RANGE_B, "n1"),
