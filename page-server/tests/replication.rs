@@ -436,12 +436,36 @@ fn rotation_ranges(node: &str) -> [u64; 2] {
     }
 }
 
+/// The rotation test's client deadline: longer than the other tests' (a
+/// write whose replica died must also get its stale mark through the
+/// coordinator within it, and three page-servers keep the coordinator's
+/// SQLite busier; on a loaded host a mark took over a second).
+const ROTATION_REQUEST_TIMEOUT_MS: u64 = 2000;
+
+/// Longer than the rotation client's map refresh (100 ms) plus its request
+/// timeout, as `--recovery-grace-ms` must be.
+const ROTATION_GRACE: [&str; 2] = ["--recovery-grace-ms", "2500"];
+
 fn start_rotation_node(url: &str, node: &str) -> ChildServer {
     let ranges: Vec<(u64, usize)> = rotation_ranges(node)
         .iter()
         .map(|&g| (g, NODE_BYTES))
         .collect();
-    ChildServer::start_ranges(url, node, &ranges, &GRACE)
+    ChildServer::start_ranges(url, node, &ranges, &ROTATION_GRACE)
+}
+
+fn rotation_manager(url: &str) -> Arc<TransportManager> {
+    Arc::new(
+        TransportManager::connect(ManagerConfig {
+            coordinator_url: url.to_owned(),
+            request_timeout_ms: ROTATION_REQUEST_TIMEOUT_MS,
+            connect_timeout_ms: 500,
+            map_refresh_ms: 100,
+            poller_cpus: Some(vec![]),
+            ..ManagerConfig::default()
+        })
+        .expect("manager connects"),
+    )
 }
 
 /// The nodes whose replica of the range at `gpa_start` is live, sorted.
@@ -545,7 +569,7 @@ fn three_ranges_two_replicas_each_on_three_nodes_survive_kill_restart_and_kill()
         }
     }
 
-    let mgr = replica_manager(&url, 0);
+    let mgr = rotation_manager(&url);
     let (load, handle) = Load::start(Arc::clone(&mgr), fill(&mgr, 3 * PAGES));
     load.wait_ops(2000);
 
