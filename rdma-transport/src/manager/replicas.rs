@@ -68,18 +68,6 @@ impl Inner {
             .or_else(|| readers.next())
     }
 
-    /// Whether a read of `t` (replicas in `tried` already tried) may be
-    /// hedged: another replica serves reads of its page and its node did
-    /// not fail lately. A read is not hedged to a node that just failed (it
-    /// is most likely down): were it, a replica that is merely slower than
-    /// the hedging delay would be abandoned for one that fails at once, and
-    /// the read would fail with both tried. It still goes there when its
-    /// own replica fails.
-    pub(super) fn may_hedge(&self, state: &MapState, t: &Target, tried: u32) -> bool {
-        self.other_reader(state, t, tried)
-            .is_some_and(|l| !self.avoided(state, l.node_index))
-    }
-
     /// Remembers that a request to the node at `node_index` failed: reads
     /// of replicated ranges prefer other replicas for `RETRY_INTERVAL`.
     pub(super) fn avoid(&self, state: &MapState, node_index: usize) {

@@ -239,14 +239,13 @@ impl Inner {
         // Target k already went again to the same replica.
         let mut retried_same = [false; MAX_CHUNK];
         loop {
-            // Hedged only while every target has a replica left to try
-            // whose node did not fail lately: the last one (or the last
-            // one not known to be down) gets the whole deadline.
+            // Hedged only while every target has a replica left to try:
+            // the last one gets the whole deadline.
             let hedged = targets[..n].iter().any(|t| t.loc.replicated)
                 && targets[..n]
                     .iter()
                     .zip(&tried)
-                    .all(|(t, &tried)| self.may_hedge(state, t, tried));
+                    .all(|(t, &tried)| self.other_reader(state, t, tried).is_some());
             let round_deadline = if hedged {
                 deadline.min(Instant::now() + self.hedge_delay())
             } else {
