@@ -6,6 +6,7 @@ use std::time::Duration;
 use rdma_transport::auth::ClusterKey;
 
 use crate::client_keys::ClientKeys;
+use crate::layout::{ExportedRange, Layout, LayoutError};
 use crate::rdma::RdmaOptions;
 
 /// What to export and where to announce it.
@@ -17,10 +18,16 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Address other nodes use to reach this one; the bound address when `None`.
     pub advertise: Option<String>,
-    /// Bytes of memory to export (a multiple of 4096).
+    /// Bytes of memory to export (a multiple of 4096). With one range (what
+    /// [`ServerConfig::new`] sets up), that range's length; with several
+    /// ([`ServerConfig::set_ranges`]), their total.
     pub memory_bytes: usize,
-    /// First GPA of the range this node owns.
+    /// First GPA of the range this node owns; with several ranges, of the
+    /// first one.
     pub gpa_base: u64,
+    /// Several ranges, when set by [`ServerConfig::set_ranges`]; `None`:
+    /// the one range `memory_bytes` at `gpa_base`.
+    ranges: Option<Vec<ExportedRange>>,
     /// Coordinator base URL; `None` runs without registering.
     pub coordinator_url: Option<String>,
     /// Bearer token for a coordinator without a cluster key (its `--token`);
@@ -89,6 +96,7 @@ impl ServerConfig {
             advertise: None,
             memory_bytes,
             gpa_base: 0,
+            ranges: None,
             coordinator_url: None,
             coordinator_token: None,
             cluster_key: None,
@@ -111,5 +119,125 @@ impl ServerConfig {
             recovery_grace: Duration::from_millis(2500),
             recovery_rate_mib_s: 512,
         }
+    }
+}
+
+impl ServerConfig {
+    /// Exports `ranges` instead of the one range `memory_bytes` at
+    /// `gpa_base`: laid out one after the other in the exported memory, in
+    /// this order (range k at the sum of the lengths before it). Sets
+    /// `memory_bytes` to their total and `gpa_base` to the first one's
+    /// start; changing either afterwards is refused by
+    /// [`ServerConfig::layout`]. Checked by `layout` (and so by `spawn`).
+    pub fn set_ranges(&mut self, ranges: Vec<ExportedRange>) {
+        let total = ranges
+            .iter()
+            .fold(0u64, |sum, r| sum.saturating_add(r.length_bytes));
+        self.memory_bytes = usize::try_from(total).unwrap_or(usize::MAX);
+        self.gpa_base = ranges.first().map_or(0, |r| r.gpa_start);
+        self.ranges = Some(ranges);
+    }
+
+    /// The ranges to export, in layout order, unchecked.
+    pub fn ranges(&self) -> Vec<ExportedRange> {
+        match &self.ranges {
+            Some(ranges) => ranges.clone(),
+            None => vec![ExportedRange::new(self.gpa_base, self.memory_bytes as u64)],
+        }
+    }
+
+    /// The checked layout of the exported memory.
+    ///
+    /// # Errors
+    /// A [`LayoutError`] from [`Layout::new`], or
+    /// [`LayoutError::Inconsistent`] when `memory_bytes` or `gpa_base` was
+    /// changed after [`ServerConfig::set_ranges`].
+    pub fn layout(&self) -> Result<Layout, LayoutError> {
+        let layout = Layout::new(&self.ranges())?;
+        if self.ranges.is_some() {
+            let first = layout.ranges().first().map_or(0, |r| r.gpa_start);
+            if layout.total_bytes() != self.memory_bytes || first != self.gpa_base {
+                return Err(LayoutError::Inconsistent {
+                    memory_bytes: self.memory_bytes,
+                    gpa_base: self.gpa_base,
+                });
+            }
+        }
+        Ok(layout)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn new_exports_one_range_at_gpa_base() {
+        let mut cfg = ServerConfig::new("n", MIB as usize);
+        cfg.gpa_base = 4 * MIB;
+        assert_eq!(cfg.ranges(), [ExportedRange::new(4 * MIB, MIB)]);
+        let layout = cfg.layout().unwrap();
+        assert_eq!(layout.total_bytes(), MIB as usize);
+        assert_eq!(layout.ranges()[0].remote_offset, 0);
+    }
+
+    #[test]
+    fn set_ranges_sizes_the_memory_and_keeps_the_order() {
+        let mut cfg = ServerConfig::new("n", 4096);
+        cfg.set_ranges(vec![
+            ExportedRange::new(2 * MIB, MIB),
+            ExportedRange::new(0, 2 * MIB),
+        ]);
+        assert_eq!(cfg.memory_bytes, (3 * MIB) as usize);
+        assert_eq!(cfg.gpa_base, 2 * MIB);
+        let offsets: Vec<u64> = cfg
+            .layout()
+            .unwrap()
+            .ranges()
+            .iter()
+            .map(|r| r.remote_offset)
+            .collect();
+        assert_eq!(offsets, [0, MIB]);
+    }
+
+    #[test]
+    fn changing_the_single_range_fields_after_set_ranges_is_refused() {
+        let mut cfg = ServerConfig::new("n", 4096);
+        cfg.set_ranges(vec![ExportedRange::new(0, MIB)]);
+        cfg.memory_bytes = 2 * MIB as usize;
+        assert!(matches!(
+            cfg.layout(),
+            Err(LayoutError::Inconsistent { .. })
+        ));
+        cfg.memory_bytes = MIB as usize;
+        cfg.gpa_base = MIB;
+        assert!(matches!(
+            cfg.layout(),
+            Err(LayoutError::Inconsistent { .. })
+        ));
+    }
+
+    #[test]
+    fn bad_single_range_and_bad_ranges_are_refused() {
+        assert_eq!(
+            ServerConfig::new("n", 100).layout(),
+            Err(LayoutError::NotAligned {
+                range: ExportedRange::new(0, 100)
+            })
+        );
+        assert!(matches!(
+            ServerConfig::new("n", 0).layout(),
+            Err(LayoutError::ZeroLength(_))
+        ));
+        let mut cfg = ServerConfig::new("n", 4096);
+        cfg.set_ranges(Vec::new());
+        assert_eq!(cfg.layout(), Err(LayoutError::Empty));
+        cfg.set_ranges(vec![
+            ExportedRange::new(0, 2 * MIB),
+            ExportedRange::new(MIB, MIB),
+        ]);
+        assert!(matches!(cfg.layout(), Err(LayoutError::Overlap { .. })));
     }
 }

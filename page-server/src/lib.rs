@@ -1,6 +1,8 @@
 //! The page-server: exports a region of this node's memory to the other
 //! nodes over the page wire protocol (`rdma_transport::wire`), registers the
-//! node and its GPA range with the coordinator and keeps its lease alive.
+//! node and its GPA ranges (one or several, laid out one after the other in
+//! the exported memory: `layout.rs`) with the coordinator and keeps its
+//! lease alive.
 //!
 //! [`spawn`] runs one in-process (the bench and tests do); `main.rs` is the
 //! daemon.
@@ -12,6 +14,7 @@ mod config;
 mod connection;
 mod conns;
 mod handshake;
+mod layout;
 mod limits;
 mod listener;
 mod log_limit;
@@ -24,6 +27,7 @@ mod stats;
 
 pub use client_keys::{ClientKeyKind, ClientKeys};
 pub use config::ServerConfig;
+pub use layout::{ExportedRange, Layout, LayoutError, PlacedRange};
 pub use rdma::{ClientKeyInfo, RdmaOptions};
 pub use server::{spawn, RunningServer, ServerError};
 pub use stats::ServerStats;

@@ -24,12 +24,22 @@ struct Args {
     /// Address other nodes reach this one at (default: the bound address).
     #[arg(long)]
     advertise: Option<String>,
-    /// Memory to export, e.g. 1GiB, 512MiB, 4096.
-    #[arg(long, default_value = "256MiB", value_parser = rdma_transport::size::parse_size_bytes)]
-    memory: usize,
-    /// First guest-physical address of the exported range (decimal or 0x hex).
-    #[arg(long, default_value = "0", value_parser = parse_u64)]
-    gpa_base: u64,
+    /// Memory to export as one GPA range starting at --gpa-base, e.g. 1GiB,
+    /// 512MiB, 4096 [default: 256MiB]. Not with --range.
+    #[arg(long, value_parser = rdma_transport::size::parse_size_bytes)]
+    memory: Option<usize>,
+    /// First guest-physical address of the one exported range (decimal or
+    /// 0x hex) [default: 0]. Not with --range.
+    #[arg(long, value_parser = parse_u64)]
+    gpa_base: Option<u64>,
+    /// A GPA range to export, GPA_START:LENGTH (start in decimal or 0x hex;
+    /// length in decimal, 0x hex, or with a unit: 64KiB, 512MiB, 1GiB).
+    /// Repeat it to export several ranges: they are laid out one after the
+    /// other in the exported memory, in the order given, and registered
+    /// (and recovered, when replicated) each on its own. Page aligned, not
+    /// overlapping. Instead of --memory and --gpa-base.
+    #[arg(long = "range", value_name = "GPA_START:LENGTH", conflicts_with_all = ["memory", "gpa_base"])]
+    ranges: Vec<page_server::ExportedRange>,
     /// Coordinator base URL.
     #[arg(long, default_value = "http://127.0.0.1:7070")]
     coordinator: String,
@@ -107,6 +117,9 @@ struct Args {
     recovery_rate_mib_s: u64,
 }
 
+/// `--memory` when neither it nor `--range` is given.
+const DEFAULT_MEMORY_BYTES: usize = 256 << 20;
+
 fn parse_u64(s: &str) -> Result<u64, String> {
     let r = match s.strip_prefix("0x") {
         Some(hex) => u64::from_str_radix(hex, 16),
@@ -126,11 +139,18 @@ fn main() -> anyhow::Result<()> {
     let cluster_key =
         rdma_transport::auth::key_from_flags(args.cluster_key_file.as_deref(), args.insecure)
             .map_err(anyhow::Error::msg)?;
-    let mut config = ServerConfig::new(args.node_id, args.memory);
+    let mut config = ServerConfig::new(args.node_id, args.memory.unwrap_or(DEFAULT_MEMORY_BYTES));
+    config.gpa_base = args.gpa_base.unwrap_or(0);
+    if !args.ranges.is_empty() {
+        config.set_ranges(args.ranges);
+    }
+    // Checked here too (spawn does) for a message that names the flags.
+    config
+        .layout()
+        .context("bad exported ranges (--range, or --memory and --gpa-base)")?;
     config.cluster_key = cluster_key;
     config.listen = args.listen;
     config.advertise = args.advertise;
-    config.gpa_base = args.gpa_base;
     config.coordinator_url = Some(args.coordinator);
     config.coordinator_token = args.token;
     config.heartbeat_interval = Duration::from_millis(args.heartbeat_ms.max(1));

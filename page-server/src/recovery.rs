@@ -1,9 +1,11 @@
-//! Replica recovery: a page-server whose replica of its range is `stale`
-//! (new, restarted, or marked stale by a client after a failed write)
-//! copies the range from a live replica, by itself.
+//! Replica recovery: a page-server whose replica of one of its ranges is
+//! `stale` (new, restarted, or marked stale by a client after a failed
+//! write) copies the range from a live replica, by itself.
 //!
 //! Once registered, and then every heartbeat period, the thread reads the
-//! map. When this node's replica is stale it: turns the write guard on
+//! map. For each exported range in turn (one recovery at a time), when this
+//! node's replica of it is stale and another replica is live, it: turns the
+//! write guard on
 //! (`recovery_guard.rs`); asks the coordinator to mark the replica
 //! `recovering` (clients then send it every write, and it serves no
 //! reads); waits the grace period, so that every client has seen the
@@ -12,6 +14,11 @@
 //! and asks the coordinator to mark it `live` under the recovery's number.
 //! A refusal (the replica went stale again meanwhile) or any failure turns
 //! the guard off and the next period tries again.
+//!
+//! The guard covers the whole exported memory (every range) while any one
+//! range recovers: client writes to the other ranges are marked too, which
+//! is harmless (the copy only touches the recovering range's pages, at its
+//! offset), and a new recovery starts with a fresh bitmap.
 
 use std::io;
 use std::sync::Arc;
@@ -29,6 +36,7 @@ use rdma_transport::{
 };
 
 use crate::config::ServerConfig;
+use crate::layout::{Layout, PlacedRange};
 use crate::registration::{node_credential, RegisteredWatch};
 use crate::server::Shared as ServerShared;
 
@@ -60,6 +68,8 @@ enum RecoveryError {
     },
     #[error("the range does not fit this node's exported memory at offset {offset}")]
     OutsideRegion { offset: u64 },
+    #[error("the map has this node's replica at offset {map_offset:#x}, but the range is at {layout_offset:#x} here (registration not refreshed yet?)")]
+    Misplaced { map_offset: u64, layout_offset: u64 },
     #[error("writing the copy into the exported memory: {0}")]
     Region(#[from] io::Error),
     #[error("page-server stopping")]
@@ -74,8 +84,8 @@ enum RecoveryError {
 #[derive(Debug)]
 struct Plan {
     node_id: String,
-    gpa_start: u64,
-    length_bytes: u64,
+    /// Every exported range, with its offset in the exported memory.
+    ranges: Vec<PlacedRange>,
     period: Duration,
     retry: Duration,
     grace: Duration,
@@ -117,13 +127,13 @@ impl Recovery {
     /// Starts the thread; it does nothing until `registered` holds.
     pub(crate) fn start(
         config: &ServerConfig,
+        layout: &Layout,
         server: Arc<ServerShared>,
         registered: RegisteredWatch,
     ) -> Self {
         let plan = Plan {
             node_id: config.node_id.clone(),
-            gpa_start: config.gpa_base,
-            length_bytes: config.memory_bytes as u64,
+            ranges: layout.ranges().to_vec(),
             period: config.heartbeat_interval,
             retry: config.register_retry,
             grace: config.recovery_grace,
@@ -195,38 +205,58 @@ impl Worker {
         }
     }
 
-    /// One look at the map, and a recovery when this node's replica is stale.
+    /// One look at the map, and a recovery of each range whose replica
+    /// here is stale, one after the other.
     fn round(&self) {
-        let map = match self.client.map() {
-            Ok(map) => map,
-            Err(err) => {
-                tracing::debug!(%err, "replica recovery: cannot read the map");
+        let mut map = None;
+        for range in &self.plan.ranges {
+            if self.stop.is_stopped() {
                 return;
             }
-        };
-        let Some(entry) = self.own_entry(&map) else {
-            return;
+            let current = match map.take() {
+                Some(map) => map,
+                None => match self.client.map() {
+                    Ok(map) => map,
+                    Err(err) => {
+                        tracing::debug!(%err, "replica recovery: cannot read the map");
+                        return;
+                    }
+                },
+            };
+            if !self.range_round(range, &current) {
+                // No recovery ran: the map is still current for the next range.
+                map = Some(current);
+            }
+        }
+    }
+
+    /// A recovery of `range` when this node's replica of it is stale in
+    /// `map` and another replica is live. Returns whether one ran.
+    fn range_round(&self, range: &PlacedRange, map: &MapResponse) -> bool {
+        let Some(entry) = own_entry(map, range) else {
+            return false;
         };
         let Some(mine) = self.own_replica(entry) else {
-            return;
+            return false;
         };
         // `Recovering` here is an attempt of this node that ended without
         // an answer to its `live` request (or an earlier process's, which
         // the coordinator reports as stale anyway): start a new one.
         if !matches!(mine.state, ReplicaState::Stale | ReplicaState::Recovering) {
-            return;
+            return false;
         }
-        if live_sources(&map, entry, &self.plan.node_id).is_empty() {
+        if live_sources(map, entry, &self.plan.node_id).is_empty() {
             tracing::debug!(
-                gpa_start = self.plan.gpa_start,
+                gpa_start = format_args!("{:#x}", range.gpa_start),
+                length_bytes = range.length_bytes,
                 "replica stale and no other replica live: nothing to recover from"
             );
-            return;
+            return false;
         }
         let counters = &self.server.recovery;
-        counters.set_running(true);
+        counters.set_running(Some(range.gpa_start));
         let started = Instant::now();
-        let result = self.recover();
+        let result = self.recover(range);
         self.server.exported.guard.end();
         let reconnect = self.server.admission.conns.resume_rdma();
         if reconnect > 0 {
@@ -235,13 +265,15 @@ impl Worker {
                 "RDMA offered again: closed the connections answered without it"
             );
         }
-        counters.set_running(false);
+        counters.set_running(None);
         match result {
             Ok((seq, pages)) => {
                 counters.recovered();
                 tracing::info!(
                     node = %self.plan.node_id,
-                    gpa_start = format_args!("{:#x}", self.plan.gpa_start),
+                    gpa_start = format_args!("{:#x}", range.gpa_start),
+                    length_bytes = range.length_bytes,
+                    remote_offset = format_args!("{:#x}", range.remote_offset),
                     recovery_seq = seq,
                     copied_pages = pages,
                     elapsed_ms = started.elapsed().as_millis() as u64,
@@ -253,20 +285,22 @@ impl Worker {
                 counters.failed();
                 tracing::warn!(
                     node = %self.plan.node_id,
-                    gpa_start = format_args!("{:#x}", self.plan.gpa_start),
+                    gpa_start = format_args!("{:#x}", range.gpa_start),
+                    length_bytes = range.length_bytes,
                     %err,
                     retry_in_ms = self.plan.period.as_millis() as u64,
                     "replica recovery failed; trying again next period"
                 );
             }
         }
+        true
     }
 
     /// Marks the replica recovering, waits the grace period, copies the
     /// range and marks it live. Returns the recovery's number and the pages
     /// copied in.
-    fn recover(&self) -> Result<(u64, u64), RecoveryError> {
-        let (gpa_start, me) = (self.plan.gpa_start, self.plan.node_id.as_str());
+    fn recover(&self, range: &PlacedRange) -> Result<(u64, u64), RecoveryError> {
+        let (gpa_start, me) = (range.gpa_start, self.plan.node_id.as_str());
         // Guard first: clients may write here as soon as the coordinator
         // says `recovering`, before its answer reaches this thread. The
         // caller turns it off whatever the outcome.
@@ -285,6 +319,7 @@ impl Worker {
         tracing::info!(
             node = %me,
             gpa_start = format_args!("{gpa_start:#x}"),
+            length_bytes = range.length_bytes,
             recovery_seq = seq,
             grace_ms = self.plan.grace.as_millis() as u64,
             "replica recovery started; waiting the grace period so that every client writes here too"
@@ -297,14 +332,20 @@ impl Worker {
             return Err(RecoveryError::Stopped);
         }
         let map = self.client.map()?;
-        let entry = self
-            .own_entry(&map)
-            .ok_or(RecoveryError::Overtaken { seq })?;
+        let entry = own_entry(&map, range).ok_or(RecoveryError::Overtaken { seq })?;
         let mine = self
             .own_replica(entry)
             .filter(|r| r.state == ReplicaState::Recovering && r.recovery_seq == seq)
             .ok_or(RecoveryError::Overtaken { seq })?;
-        let dest_offset = mine.remote_offset;
+        // Clients address this replica at the map's offset; the copy must
+        // land at the same place, which must be this range's own slot.
+        if mine.remote_offset != range.remote_offset {
+            return Err(RecoveryError::Misplaced {
+                map_offset: mine.remote_offset,
+                layout_offset: range.remote_offset,
+            });
+        }
+        let dest_offset = range.remote_offset;
         let sources = live_sources(&map, entry, me);
         if sources.is_empty() {
             return Err(RecoveryError::NoSource);
@@ -323,7 +364,12 @@ impl Worker {
                     return Err(err)
                 }
                 Err(err) => {
-                    tracing::warn!(source = %node.id, %err, "replica recovery: copy failed; trying the next live replica");
+                    tracing::warn!(
+                        gpa_start = format_args!("{gpa_start:#x}"),
+                        source = %node.id,
+                        %err,
+                        "replica recovery: copy failed; trying the next live replica"
+                    );
                     last_err = err;
                 }
             }
@@ -452,13 +498,6 @@ impl Worker {
         }
     }
 
-    /// This node's range in `map` (same start and length).
-    fn own_entry<'m>(&self, map: &'m MapResponse) -> Option<&'m MapEntry> {
-        map.entries.iter().find(|e| {
-            e.gpa_start == self.plan.gpa_start && e.length_bytes == self.plan.length_bytes
-        })
-    }
-
     /// This node's replica of `entry`.
     fn own_replica<'e>(&self, entry: &'e MapEntry) -> Option<&'e Replica> {
         entry
@@ -466,6 +505,13 @@ impl Worker {
             .iter()
             .find(|r| r.node_id == self.plan.node_id)
     }
+}
+
+/// `range`'s entry in `map` (same start and length).
+fn own_entry<'m>(map: &'m MapResponse, range: &PlacedRange) -> Option<&'m MapEntry> {
+    map.entries
+        .iter()
+        .find(|e| e.gpa_start == range.gpa_start && e.length_bytes == range.length_bytes)
 }
 
 /// The live replicas of `entry` other than `me`'s whose node is alive, in

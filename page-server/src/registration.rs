@@ -1,5 +1,7 @@
-//! Registering this node and its GPA range with the coordinator, retrying
+//! Registering this node and its GPA ranges with the coordinator, retrying
 //! while the coordinator is not up, then heartbeating to keep the lease.
+//! A coordinator that forgot the node (it restarted on an empty database)
+//! gets the node and every range again.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -11,6 +13,7 @@ use rdma_transport::coordinator::api::{NodeRegistration, RangeRequest, RdmaEndpo
 use rdma_transport::coordinator::{CoordinatorClient, CoordinatorError, Credential};
 
 use crate::config::ServerConfig;
+use crate::layout::Layout;
 use crate::server::ServerError;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,7 +41,8 @@ pub(crate) struct Registration {
 struct Plan {
     node_id: String,
     registration: NodeRegistration,
-    range: RangeRequest,
+    /// Every exported range, each at its offset in the exported memory.
+    ranges: Vec<RangeRequest>,
     heartbeat: Duration,
     retry: Duration,
 }
@@ -50,6 +54,7 @@ impl Registration {
     /// tells from it whether this process holds its ranges' contents.
     pub(crate) fn start(
         config: &ServerConfig,
+        layout: &Layout,
         bound: SocketAddr,
         rdma: Option<RdmaEndpoint>,
         epoch: u64,
@@ -66,13 +71,17 @@ impl Registration {
                 rdma,
                 epoch,
             },
-            range: RangeRequest {
-                gpa_start: config.gpa_base,
-                length_bytes: config.memory_bytes as u64,
-                node_id: config.node_id.clone(),
-                remote_offset: 0,
-                rdma: None,
-            },
+            ranges: layout
+                .ranges()
+                .iter()
+                .map(|r| RangeRequest {
+                    gpa_start: r.gpa_start,
+                    length_bytes: r.length_bytes,
+                    node_id: config.node_id.clone(),
+                    remote_offset: r.remote_offset,
+                    rdma: None,
+                })
+                .collect(),
             heartbeat: config.heartbeat_interval,
             retry: config.register_retry,
         };
@@ -130,7 +139,7 @@ impl Registration {
 pub(crate) struct RegisteredWatch(Arc<Shared>);
 
 impl RegisteredWatch {
-    /// True once the node and its range were registered.
+    /// True once the node and all its ranges were registered.
     pub(crate) fn is_registered(&self) -> bool {
         matches!(*self.0.state.lock(), Some(State::Registered))
     }
@@ -180,7 +189,11 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
         if !registered {
             match register(&client, plan) {
                 Ok(()) => {
-                    tracing::info!(node = %plan.node_id, "registered with the coordinator");
+                    tracing::info!(
+                        node = %plan.node_id,
+                        ranges = plan.ranges.len(),
+                        "registered with the coordinator"
+                    );
                     registered = true;
                     shared.set(State::Registered);
                 }
@@ -226,6 +239,29 @@ fn register(client: &CoordinatorClient, plan: &Plan) -> Result<(), CoordinatorEr
         // endpoints apart from registrations have it too.
         client.set_rdma_endpoint(&plan.node_id, endpoint)?;
     }
-    client.add_range(&plan.range)?;
+    // Each claim is idempotent (a range the node holds keeps its state and
+    // gets its offset refreshed), so a registration that failed half-way
+    // is simply made again from the start.
+    for range in &plan.ranges {
+        if let Err(err) = client.add_range(range) {
+            if !err.is_unreachable() {
+                tracing::warn!(
+                    node = %plan.node_id,
+                    gpa_start = format_args!("{:#x}", range.gpa_start),
+                    length_bytes = range.length_bytes,
+                    %err,
+                    "the coordinator refused this range"
+                );
+            }
+            return Err(err);
+        }
+        tracing::debug!(
+            node = %plan.node_id,
+            gpa_start = format_args!("{:#x}", range.gpa_start),
+            length_bytes = range.length_bytes,
+            remote_offset = format_args!("{:#x}", range.remote_offset),
+            "range claimed"
+        );
+    }
     Ok(())
 }

@@ -9,13 +9,13 @@ use std::time::Duration;
 
 use rdma_transport::coordinator::api::RdmaRegion;
 use rdma_transport::region::{MapOptions, MappedRegion};
-use rdma_transport::PAGE_SIZE;
 
 use crate::admission::Admission;
 use crate::client_keys::ClientKeyKind;
 use crate::config::ServerConfig;
 use crate::connection::Exported;
 use crate::handshake::ServerAuth;
+use crate::layout::Layout;
 use crate::limits::Timeouts;
 use crate::rdma::RdmaExport;
 use crate::recovery::Recovery;
@@ -94,18 +94,10 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
     if config.cluster_key.is_none() {
         tracing::warn!(node = %config.node_id, "no cluster key: insecure mode, any client that connects can read and write the exported memory");
     }
-    if config.memory_bytes == 0 || config.memory_bytes % PAGE_SIZE != 0 {
-        return Err(ServerError::Config(format!(
-            "memory size {} is not a positive multiple of {PAGE_SIZE}",
-            config.memory_bytes
-        )));
-    }
-    if config.gpa_base % PAGE_SIZE as u64 != 0 {
-        return Err(ServerError::Config(format!(
-            "GPA base {:#x} is not page aligned",
-            config.gpa_base
-        )));
-    }
+    let layout = config
+        .layout()
+        .map_err(|err| ServerError::Config(err.to_string()))?;
+    let memory_bytes = layout.total_bytes();
     if !rdma_transport::coordinator::api::is_valid_node_id(&config.node_id) {
         return Err(ServerError::Config(format!(
             "invalid node id {:?}",
@@ -114,14 +106,14 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
     }
     check_limits(&config)?;
     let region = MappedRegion::new(
-        config.memory_bytes,
+        memory_bytes,
         MapOptions {
             try_huge_pages: config.huge_pages,
             populate: false,
         },
     )
     .map_err(|source| ServerError::Memory {
-        memory_bytes: config.memory_bytes,
+        memory_bytes,
         source,
     })?;
     let rdma = open_rdma(&config, &region)?;
@@ -143,7 +135,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             epoch: rdma_transport::ids::random_u64() | 1,
             auth: ServerAuth::new(config.node_id.clone(), config.cluster_key.clone()),
             page_checksums: config.page_checksums,
-            guard: RecoveryGuard::new(config.memory_bytes),
+            guard: RecoveryGuard::new(memory_bytes),
         },
         stop: AtomicBool::new(false),
         admission: Arc::new(Admission::new(
@@ -165,7 +157,8 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
     tracing::info!(
         node = %config.node_id,
         %addr,
-        memory_bytes = config.memory_bytes,
+        memory_bytes,
+        ranges = %layout_summary(&layout),
         backing = ?shared.exported.region.backing(),
         "page-server listening"
     );
@@ -173,11 +166,11 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
     let registration = config
         .coordinator_url
         .is_some()
-        .then(|| Registration::start(&config, addr, published, shared.exported.epoch));
+        .then(|| Registration::start(&config, &layout, addr, published, shared.exported.epoch));
     // Starts copying only once registered (it watches the registration).
     let recovery = registration
         .as_ref()
-        .map(|r| Recovery::start(&config, Arc::clone(&shared), r.watch()));
+        .map(|r| Recovery::start(&config, &layout, Arc::clone(&shared), r.watch()));
     Ok(RunningServer {
         addr,
         shared,
@@ -185,6 +178,21 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         registration,
         recovery,
     })
+}
+
+/// `GPA_START:LENGTH@OFFSET` of every range, for the start-up log.
+fn layout_summary(layout: &Layout) -> String {
+    let ranges: Vec<String> = layout
+        .ranges()
+        .iter()
+        .map(|r| {
+            format!(
+                "{:#x}:{:#x}@{:#x}",
+                r.gpa_start, r.length_bytes, r.remote_offset
+            )
+        })
+        .collect();
+    ranges.join(",")
 }
 
 /// The connection limits must let something in.

@@ -2,7 +2,9 @@
 //! reason, and of replica recoveries; and the snapshot [`ServerStats`] that
 //! `RunningServer::stats` returns (for tests and, later, metrics).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
 
 /// Connections refused or closed by the page-server, by reason, since it
 /// started; and the connections open now.
@@ -29,9 +31,12 @@ pub struct ServerStats {
     pub protocol_errors: u64,
     /// `accept` calls that failed (e.g. out of file descriptors).
     pub accept_errors: u64,
-    /// A replica recovery is running now (this node copies its range from
-    /// a live replica; see `recovery.rs`).
+    /// A replica recovery is running now (this node copies one of its
+    /// ranges from a live replica; see `recovery.rs`).
     pub recovery_running: bool,
+    /// The first GPA of the range being recovered now (`None` when
+    /// `recovery_running` is false).
+    pub recovering_gpa_start: Option<u64>,
     /// Recoveries that completed (the coordinator marked the replica live).
     pub recoveries: u64,
     /// Recoveries that failed or were overtaken (retried a period later).
@@ -99,15 +104,17 @@ impl Counters {
 /// The replica recovery's counters behind [`ServerStats`].
 #[derive(Debug, Default)]
 pub(crate) struct RecoveryCounters {
-    running: AtomicBool,
+    /// The start of the range being recovered now.
+    running: Mutex<Option<u64>>,
     recoveries: AtomicU64,
     failures: AtomicU64,
     pages: AtomicU64,
 }
 
 impl RecoveryCounters {
-    pub(crate) fn set_running(&self, running: bool) {
-        self.running.store(running, Ordering::Relaxed);
+    /// `Some(gpa_start)` while the range at `gpa_start` recovers.
+    pub(crate) fn set_running(&self, gpa_start: Option<u64>) {
+        *self.running.lock() = gpa_start;
     }
 
     pub(crate) fn recovered(&self) {
@@ -124,7 +131,9 @@ impl RecoveryCounters {
 
     /// Fills the recovery fields of `stats`.
     pub(crate) fn fill(&self, stats: &mut ServerStats) {
-        stats.recovery_running = self.running.load(Ordering::Relaxed);
+        let running = *self.running.lock();
+        stats.recovery_running = running.is_some();
+        stats.recovering_gpa_start = running;
         stats.recoveries = self.recoveries.load(Ordering::Relaxed);
         stats.recovery_failures = self.failures.load(Ordering::Relaxed);
         stats.recovered_pages = self.pages.load(Ordering::Relaxed);

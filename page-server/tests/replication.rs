@@ -3,7 +3,9 @@
 //! fail over, writes go on on the survivor, nothing acknowledged is lost,
 //! no page is wrong), a restarted one recovers and serves again, a stopped
 //! primary's reads are hedged to the replica, and guest-memory faults are
-//! served while a replica dies.
+//! served while a replica dies. With three ranges on three nodes, two
+//! replicas each in rotation, a node's death, restart and recovery of both
+//! its ranges, then the death of another node lose nothing either.
 
 mod common;
 
@@ -39,13 +41,19 @@ fn start_coordinator() -> (tempfile::TempDir, coordinator::RunningCoordinator) {
     (db, coord)
 }
 
-/// The states of the range's replicas, by node.
+/// The states of the replicas of the range at GPA 0, by node.
 fn replica_states(admin: &CoordinatorClient) -> Vec<(String, ReplicaState)> {
+    range_states(admin, 0)
+}
+
+/// The states of the replicas of the range at `gpa_start`, by node.
+fn range_states(admin: &CoordinatorClient, gpa_start: u64) -> Vec<(String, ReplicaState)> {
     let Ok(map) = admin.map() else {
         return Vec::new();
     };
     map.entries
-        .first()
+        .iter()
+        .find(|e| e.gpa_start == gpa_start)
         .map(|e| {
             e.replicas
                 .iter()
@@ -97,62 +105,110 @@ fn replica_manager(url: &str, hedge_us: u64) -> Arc<TransportManager> {
     )
 }
 
-/// The expected contents of every page: the seed of its last acknowledged
-/// write (`None`: never written, zeros).
-type Expected = Vec<Option<u8>>;
-
-fn expected_page(page: u64, seed: Option<u8>) -> Page {
-    seed.map_or([0u8; PAGE_SIZE], |s| page_for(gpa(page), s))
+/// What a page must hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    /// [`content`] of its last acknowledged write, by version.
+    Written(u64),
+    /// A write of it failed: it may or may not have landed.
+    Unknown,
 }
 
-/// A mixed read/write load from one thread: every read is checked against
+/// The expected contents of every page, by page index from GPA 0.
+type Expected = Vec<Slot>;
+
+/// The contents of version `version` of page `page` (each u64 holds the
+/// page index, the version and its own index; versions stay below 2^20).
+fn content(page: u64, version: u64) -> Page {
+    page_indexed(page, version)
+}
+
+/// What `page` must read as, when known.
+fn expected_page(page: u64, slot: Slot) -> Option<Page> {
+    match slot {
+        Slot::Written(version) => Some(content(page, version)),
+        Slot::Unknown => None,
+    }
+}
+
+/// Every `COLD_EVERY`-th page (index % COLD_EVERY == COLD_EVERY - 1) is
+/// only read by the load, never written: it keeps what [`fill`] wrote, so a
+/// replica that recovers during the load must copy it from the source (the
+/// load rewrites every other page within a grace period, which the copy
+/// then rightly skips).
+const COLD_EVERY: u64 = 4;
+
+/// Writes version 1 of every page `0..pages` (from GPA 0) and returns what
+/// they hold.
+fn fill(mgr: &TransportManager, pages: u64) -> Expected {
+    let gpas: Vec<u64> = (0..pages).map(gpa).collect();
+    let contents: Vec<Page> = (0..pages).map(|p| content(p, 1)).collect();
+    mgr.write_pages(&gpas, &contents).expect("fill every page");
+    vec![Slot::Written(1); pages as usize]
+}
+
+/// A mixed read/write load from one thread over the pages of `expected`
+/// (from GPA 0; the cold ones only read): every read is checked against
 /// the last acknowledged write of its page.
 struct Load {
+    pages: u64,
     stop: AtomicBool,
     ops: AtomicU64,
     errors: Mutex<Vec<String>>,
     wrong: AtomicU64,
+    first_wrong: Mutex<Option<String>>,
 }
 
 impl Load {
-    fn start(mgr: Arc<TransportManager>) -> (Arc<Self>, JoinHandle<Expected>) {
+    /// Starts the load over pages whose contents are `expected` (versions
+    /// below 2 only: the load writes from version 2 on).
+    fn start(mgr: Arc<TransportManager>, expected: Expected) -> (Arc<Self>, JoinHandle<Expected>) {
         let load = Arc::new(Self {
+            pages: expected.len() as u64,
             stop: AtomicBool::new(false),
             ops: AtomicU64::new(0),
             errors: Mutex::new(Vec::new()),
             wrong: AtomicU64::new(0),
+            first_wrong: Mutex::new(None),
         });
         let shared = Arc::clone(&load);
-        let handle = std::thread::spawn(move || shared.run(&mgr));
+        let handle = std::thread::spawn(move || shared.run(&mgr, expected));
         (load, handle)
     }
 
-    fn run(&self, mgr: &TransportManager) -> Expected {
-        let mut expected: Expected = vec![None; PAGES as usize];
+    fn run(&self, mgr: &TransportManager, mut expected: Expected) -> Expected {
         let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-        let mut seed = 0u8;
+        let mut version = 1u64;
         let mut page = [0u8; PAGE_SIZE];
         while !self.stop.load(Ordering::Relaxed) {
             rng ^= rng << 13;
             rng ^= rng >> 7;
             rng ^= rng << 17;
-            let p = rng % PAGES;
-            if rng & (1 << 40) != 0 {
-                seed = seed.wrapping_add(1).max(1);
-                match mgr.write_page(gpa(p), &page_for(gpa(p), seed)) {
-                    Ok(()) => expected[p as usize] = Some(seed),
+            let p = rng % self.pages;
+            if rng & (1 << 40) != 0 && p % COLD_EVERY != COLD_EVERY - 1 {
+                version += 1;
+                assert!(version < 1 << 20, "versions must fit content()");
+                match mgr.write_page(gpa(p), &content(p, version)) {
+                    Ok(()) => expected[p as usize] = Slot::Written(version),
                     Err(e) => {
                         self.errors.lock().push(format!("write {p}: {e}"));
                         // Unknown now whether it landed: never checked again.
-                        expected[p as usize] = None;
+                        expected[p as usize] = Slot::Unknown;
                     }
                 }
             } else {
                 match mgr.read_page(gpa(p), &mut page) {
                     Ok(()) => {
-                        let want = expected[p as usize];
-                        if want.is_some() && page != expected_page(p, want) {
-                            self.wrong.fetch_add(1, Ordering::Relaxed);
+                        let want = expected_page(p, expected[p as usize]);
+                        // Counted only when wrong (`&&` short-circuits).
+                        if want.is_some_and(|want| page != want)
+                            && self.wrong.fetch_add(1, Ordering::Relaxed) == 0
+                        {
+                            *self.first_wrong.lock() = Some(format!(
+                                "first wrong page {p} (expected {:?}, zeroed: {})",
+                                expected[p as usize],
+                                page == [0u8; PAGE_SIZE]
+                            ));
                         }
                     }
                     Err(e) => self.errors.lock().push(format!("read {p}: {e}")),
@@ -160,6 +216,27 @@ impl Load {
             }
             self.ops.fetch_add(1, Ordering::Relaxed);
         }
+        expected
+    }
+
+    /// Stops the load; asserts that no call returned an error and no read
+    /// was wrong. Returns the expected contents of every page.
+    fn finish(&self, handle: JoinHandle<Expected>) -> Expected {
+        self.stop.store(true, Ordering::Relaxed);
+        let expected = handle.join().expect("load thread");
+        let errors = self.errors.lock().clone();
+        assert!(
+            errors.is_empty(),
+            "{} errors reached the caller: {:?}",
+            errors.len(),
+            &errors[..errors.len().min(5)]
+        );
+        assert_eq!(
+            self.wrong.load(Ordering::Relaxed),
+            0,
+            "wrong pages were read: {:?}",
+            self.first_wrong.lock()
+        );
         expected
     }
 
@@ -175,24 +252,38 @@ impl Load {
     }
 }
 
-/// Reads every written page back and checks it.
+/// Reads every page whose contents are known back through `mgr` and checks
+/// it. Returns the pages that hold a write.
 fn verify_all(mgr: &TransportManager, expected: &Expected) -> usize {
+    verify_pages(mgr, expected, 0..expected.len() as u64, "")
+}
+
+/// Reads the pages `pages` whose contents are known back through `mgr` and
+/// checks them (`what` names the reader in a failure). Returns the pages
+/// that hold a write.
+fn verify_pages(
+    mgr: &TransportManager,
+    expected: &Expected,
+    pages: std::ops::Range<u64>,
+    what: &str,
+) -> usize {
     let mut page = [0u8; PAGE_SIZE];
-    let mut checked = 0;
-    for (p, seed) in expected.iter().enumerate() {
-        let p = p as u64;
-        if seed.is_none() {
+    let mut written = 0;
+    for p in pages {
+        let slot = expected[p as usize];
+        let Some(want) = expected_page(p, slot) else {
             continue;
-        }
+        };
         mgr.read_page(gpa(p), &mut page)
-            .unwrap_or_else(|e| panic!("page {p} unreadable: {e}"));
+            .unwrap_or_else(|e| panic!("{what}page {p} unreadable: {e}"));
         assert!(
-            page == expected_page(p, *seed),
-            "page {p} lost its last acknowledged write"
+            page == want,
+            "{what}page {p} is not {slot:?} (zeroed: {})",
+            page == [0u8; PAGE_SIZE]
         );
-        checked += 1;
+        written += usize::from(matches!(slot, Slot::Written(_)));
     }
-    checked
+    written
 }
 
 #[test]
@@ -202,7 +293,7 @@ fn replicated_range_survives_kill_restart_and_kill_of_the_other_replica() {
     let admin = coordinator_client(&url);
     let (mut a, mut b) = replicated_pair(&url, &admin);
     let mgr = replica_manager(&url, 0);
-    let (load, handle) = Load::start(Arc::clone(&mgr));
+    let (load, handle) = Load::start(Arc::clone(&mgr), fill(&mgr, PAGES));
     load.wait_ops(2000);
 
     // kill -9 one replica under load (the primary or not: the one that
@@ -227,20 +318,7 @@ fn replicated_range_survives_kill_restart_and_kill_of_the_other_replica() {
     b.kill();
     load.wait_ops(3000);
 
-    load.stop.store(true, Ordering::Relaxed);
-    let expected = handle.join().expect("load thread");
-    let errors = load.errors.lock().clone();
-    assert!(
-        errors.is_empty(),
-        "{} errors reached the caller: {:?}",
-        errors.len(),
-        &errors[..errors.len().min(5)]
-    );
-    assert_eq!(
-        load.wrong.load(Ordering::Relaxed),
-        0,
-        "wrong pages were read"
-    );
+    let expected = load.finish(handle);
     let checked = verify_all(&mgr, &expected);
     assert!(checked > 50, "only {checked} pages were written");
     drop(a);
@@ -255,7 +333,7 @@ fn stopped_primary_reads_are_hedged_to_the_replica() {
     let hedge = Duration::from_millis(20);
     let mgr = replica_manager(&url, hedge.as_micros() as u64);
     for p in 0..PAGES {
-        mgr.write_page(gpa(p), &page_for(gpa(p), 3)).expect("write");
+        mgr.write_page(gpa(p), &content(p, 3)).expect("write");
     }
     // The primary is the replica registered first.
     let primary = mgr
@@ -280,7 +358,7 @@ fn stopped_primary_reads_are_hedged_to_the_replica() {
         mgr.read_page(gpa(p), &mut page)
             .unwrap_or_else(|e| panic!("read {p} while the primary is stopped: {e}"));
         slowest = slowest.max(started.elapsed());
-        assert!(page == page_for(gpa(p), 3), "page {p} is wrong");
+        assert!(page == content(p, 3), "page {p} is wrong");
         reads += 1;
     }
     primary.resume();
@@ -295,10 +373,10 @@ fn stopped_primary_reads_are_hedged_to_the_replica() {
     // everything reads back right from both after new writes.
     assert_eq!(state_of(&admin, name), Some(ReplicaState::Live));
     for p in 0..PAGES {
-        mgr.write_page(gpa(p), &page_for(gpa(p), 4))
+        mgr.write_page(gpa(p), &content(p, 4))
             .expect("write after resume");
     }
-    let expected: Expected = vec![Some(4); PAGES as usize];
+    let expected: Expected = vec![Slot::Written(4); PAGES as usize];
     assert_eq!(verify_all(&mgr, &expected), PAGES as usize);
 }
 
@@ -420,7 +498,7 @@ fn guest_memory_faults_are_served_while_a_replica_is_killed() {
     let (mut a, _b) = replicated_pair(&url, &admin);
     let mgr = replica_manager(&url, 0);
     for p in 0..PAGES {
-        mgr.write_page(gpa(p), &page_for(gpa(p), 5)).expect("write");
+        mgr.write_page(gpa(p), &content(p, 5)).expect("write");
     }
     let ram = GuestMemory::new(
         Arc::clone(&mgr),
@@ -435,20 +513,232 @@ fn guest_memory_faults_are_served_while_a_replica_is_killed() {
     let half = PAGES / 2;
     for p in 0..half {
         ram.read(gpa(p), &mut page).expect("fault");
-        assert!(page == page_for(gpa(p), 5), "faulted page {p} is wrong");
+        assert!(page == content(p, 5), "faulted page {p} is wrong");
     }
     // The primary dies: the remaining faults are served by the replica.
     a.kill();
     for p in half..PAGES {
         ram.read(gpa(p), &mut page).expect("fault after the kill");
-        assert!(page == page_for(gpa(p), 5), "faulted page {p} is wrong");
+        assert!(page == content(p, 5), "faulted page {p} is wrong");
     }
     // And dirty pages go back to the survivor.
     for p in 0..PAGES {
-        ram.write(gpa(p), &page_for(gpa(p), 6))
-            .expect("guest write");
+        ram.write(gpa(p), &content(p, 6)).expect("guest write");
     }
     ram.flush().expect("flush to the survivor");
-    let expected: Expected = vec![Some(6); PAGES as usize];
+    let expected: Expected = vec![Slot::Written(6); PAGES as usize];
     assert_eq!(verify_all(&mgr, &expected), PAGES as usize);
+}
+
+/// The three ranges of the rotation test, `NODE_BYTES` each.
+const RANGE_A: u64 = 0;
+const RANGE_B: u64 = NODE_BYTES as u64;
+const RANGE_C: u64 = 2 * NODE_BYTES as u64;
+
+/// Two replicas of each range, in rotation: n0 holds A and C, n1 A and B,
+/// n2 B and C, each in this order in its memory (so B is at offset 0 on n2
+/// but at 1 MiB on n1).
+fn rotation_ranges(node: &str) -> [u64; 2] {
+    match node {
+        "n0" => [RANGE_A, RANGE_C],
+        "n1" => [RANGE_A, RANGE_B],
+        _ => [RANGE_B, RANGE_C],
+    }
+}
+
+/// The rotation test's client deadline: longer than the other tests' (a
+/// write whose replica died must also get its stale mark through the
+/// coordinator within it, and three page-servers keep the coordinator's
+/// SQLite busier; on a loaded host a mark took over a second).
+const ROTATION_REQUEST_TIMEOUT_MS: u64 = 2000;
+
+/// Longer than the rotation client's map refresh (100 ms) plus its request
+/// timeout, as `--recovery-grace-ms` must be.
+const ROTATION_GRACE: [&str; 2] = ["--recovery-grace-ms", "2500"];
+
+fn start_rotation_node(url: &str, node: &str) -> ChildServer {
+    let ranges: Vec<(u64, usize)> = rotation_ranges(node)
+        .iter()
+        .map(|&g| (g, NODE_BYTES))
+        .collect();
+    ChildServer::start_ranges(url, node, &ranges, &ROTATION_GRACE)
+}
+
+fn rotation_manager(url: &str) -> Arc<TransportManager> {
+    Arc::new(
+        TransportManager::connect(ManagerConfig {
+            coordinator_url: url.to_owned(),
+            request_timeout_ms: ROTATION_REQUEST_TIMEOUT_MS,
+            connect_timeout_ms: 500,
+            map_refresh_ms: 100,
+            poller_cpus: Some(vec![]),
+            ..ManagerConfig::default()
+        })
+        .expect("manager connects"),
+    )
+}
+
+/// The nodes whose replica of the range at `gpa_start` is live, sorted.
+fn live_holders(admin: &CoordinatorClient, gpa_start: u64) -> Vec<String> {
+    let mut live: Vec<String> = range_states(admin, gpa_start)
+        .into_iter()
+        .filter(|(_, s)| *s == ReplicaState::Live)
+        .map(|(n, _)| n)
+        .collect();
+    live.sort();
+    live
+}
+
+/// Waits (at most `limit`) until each range's live replicas are exactly the
+/// nodes given for it.
+fn wait_live_holders(admin: &CoordinatorClient, want: &[(u64, &[&str])], limit: Duration) {
+    let all_states = || {
+        [RANGE_A, RANGE_B, RANGE_C]
+            .map(|g| (format!("{g:#x}"), range_states(admin, g)))
+            .to_vec()
+    };
+    assert!(
+        wait_until(limit, || want
+            .iter()
+            .all(|(g, nodes)| live_holders(admin, *g) == *nodes)),
+        "wanted live replicas {want:?}, the map has {:?}",
+        all_states()
+    );
+}
+
+/// Waits until `node` holds a replica of each of its rotation ranges.
+fn wait_claimed(admin: &CoordinatorClient, node: &str) {
+    assert!(
+        wait_until(Duration::from_secs(10), || rotation_ranges(node)
+            .iter()
+            .all(|&g| range_states(admin, g).iter().any(|(n, _)| n == node))),
+        "{node} never claimed its ranges"
+    );
+}
+
+/// Reads every known page of the range at `gpa_start` from `node`'s
+/// process alone (a fixed map) and checks it. Returns the pages that hold
+/// a write.
+fn verify_replica(
+    admin: &CoordinatorClient,
+    gpa_start: u64,
+    node: &str,
+    expected: &Expected,
+) -> usize {
+    let map = admin.map().expect("map");
+    let direct = range_replica_manager(&map, gpa_start, node);
+    let first = gpa_start / PAGE_SIZE as u64;
+    verify_pages(
+        &direct,
+        expected,
+        first..first + PAGES,
+        &format!("{node}'s replica of {gpa_start:#x}: "),
+    )
+}
+
+/// The "R=2 on 3 nodes": three ranges, two replicas each in
+/// rotation over three page-server processes, one client's mixed load over
+/// all three. kill -9 of n1 (A and B), its restart (both of its ranges
+/// recover), then kill -9 of n0 (A's other replica, and C's): no error, no
+/// wrong page, and every acknowledged page of all three ranges reads back,
+/// A from n1 alone.
+#[test]
+fn three_ranges_two_replicas_each_on_three_nodes_survive_kill_restart_and_kill() {
+    let (_db, coord) = start_coordinator();
+    let url = coord.url();
+    let admin = coordinator_client(&url);
+    // One after the other, each registered before the next starts: the
+    // first holder of a range is its primary (n0 of A and C, n1 of B), so
+    // each kill below takes a primary down; the second recovers it from
+    // the first (n2 recovers both of its ranges here already).
+    let mut n0 = start_rotation_node(&url, "n0");
+    wait_claimed(&admin, "n0");
+    let mut n1 = start_rotation_node(&url, "n1");
+    wait_claimed(&admin, "n1");
+    let n2 = start_rotation_node(&url, "n2");
+    wait_live_holders(
+        &admin,
+        &[
+            (RANGE_A, &["n0", "n1"]),
+            (RANGE_B, &["n1", "n2"]),
+            (RANGE_C, &["n0", "n2"]),
+        ],
+        Duration::from_secs(30),
+    );
+    // Each node claimed its ranges one after the other in its memory.
+    let map = admin.map().expect("map");
+    for node in ["n0", "n1", "n2"] {
+        for (k, g) in rotation_ranges(node).into_iter().enumerate() {
+            let entry = map.entries.iter().find(|e| e.gpa_start == g).unwrap();
+            let replica = entry.replicas.iter().find(|r| r.node_id == node).unwrap();
+            assert_eq!(
+                replica.remote_offset,
+                (k * NODE_BYTES) as u64,
+                "{node}'s replica of {g:#x}"
+            );
+        }
+    }
+
+    let mgr = rotation_manager(&url);
+    let (load, handle) = Load::start(Arc::clone(&mgr), fill(&mgr, 3 * PAGES));
+    load.wait_ops(2000);
+
+    // 1. kill -9 n1, which holds A and B.
+    let n1_epoch = node_epoch(&url, "n1");
+    n1.kill();
+    load.wait_ops(3000);
+
+    // 2. Restarted (new port, new epoch, empty memory, the same ranges):
+    // both of its replicas recover while the load goes on.
+    n1 = start_rotation_node(&url, "n1");
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let epoch = node_epoch(&url, "n1");
+            epoch != n1_epoch && epoch != 0
+        }),
+        "the restarted n1 never registered its new epoch"
+    );
+    wait_live_holders(
+        &admin,
+        &[(RANGE_A, &["n0", "n1"]), (RANGE_B, &["n1", "n2"])],
+        Duration::from_secs(30),
+    );
+    load.wait_ops(3000);
+
+    // 3. kill -9 n0: A's other replica and one of C's.
+    n0.kill();
+    load.wait_ops(3000);
+    let expected = load.finish(handle);
+    // n0's replicas were marked stale by the writes it missed: A is served
+    // by n1 alone (which recovered it), C by n2 alone.
+    wait_live_holders(
+        &admin,
+        &[
+            (RANGE_A, &["n1"]),
+            (RANGE_B, &["n1", "n2"]),
+            (RANGE_C, &["n2"]),
+        ],
+        Duration::from_secs(10),
+    );
+
+    // Every acknowledged page of the three ranges, through the client...
+    let written = verify_all(&mgr, &expected);
+    assert!(written > 150, "only {written} pages were written");
+    // ...and from each live replica alone: n1's recovered copies of A (at
+    // offset 0) and B (at 1 MiB) hold every acknowledged write, the cold
+    // pages (written before n1 died, never since) included: those only
+    // its recovery's copy can have brought in.
+    for (range, node) in [
+        (RANGE_A, "n1"),
+        (RANGE_B, "n1"),
+        (RANGE_B, "n2"),
+        (RANGE_C, "n2"),
+    ] {
+        let written = verify_replica(&admin, range, node, &expected);
+        assert!(
+            written > 50,
+            "only {written} pages of {range:#x} were written"
+        );
+    }
+    drop((n1, n2));
 }

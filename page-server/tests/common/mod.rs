@@ -73,9 +73,25 @@ pub fn replica_manager(
     map: &rdma_transport::coordinator::api::MapResponse,
     node: &str,
 ) -> TransportManager {
-    use rdma_transport::coordinator::api::{MapEntry, MapResponse, RangeState};
     assert_eq!(map.entries.len(), 1, "one range");
-    let entry = map.entries[0].clone();
+    range_replica_manager(map, map.entries[0].gpa_start, node)
+}
+
+/// As [`replica_manager`], for the range of `map` that starts at
+/// `gpa_start` (the map may hold others): reads and writes of that range
+/// go to `node`'s process alone, at its replica's offset.
+pub fn range_replica_manager(
+    map: &rdma_transport::coordinator::api::MapResponse,
+    gpa_start: u64,
+    node: &str,
+) -> TransportManager {
+    use rdma_transport::coordinator::api::{MapEntry, MapResponse, RangeState};
+    let entry = map
+        .entries
+        .iter()
+        .find(|e| e.gpa_start == gpa_start)
+        .expect("the range is in the map")
+        .clone();
     let r = entry
         .replicas
         .iter()
@@ -128,26 +144,38 @@ impl ChildServer {
 
     /// As [`ChildServer::start`], with more command-line flags.
     pub fn start_with(url: &str, node: &str, gpa_base: u64, extra_args: &[&str]) -> Self {
+        let range = [
+            "--memory".to_owned(),
+            NODE_BYTES.to_string(),
+            "--gpa-base".to_owned(),
+            gpa_base.to_string(),
+        ];
+        Self::spawn(url, node, &range, extra_args)
+    }
+
+    /// A page-server exporting several ranges (`--range GPA:LENGTH`, in
+    /// this order: laid out one after the other in its memory), with more
+    /// command-line flags.
+    pub fn start_ranges(
+        url: &str,
+        node: &str,
+        ranges: &[(u64, usize)],
+        extra_args: &[&str],
+    ) -> Self {
+        let flags: Vec<String> = ranges
+            .iter()
+            .flat_map(|(gpa, len)| ["--range".to_owned(), format!("{gpa:#x}:{len}")])
+            .collect();
+        Self::spawn(url, node, &flags, extra_args)
+    }
+
+    fn spawn(url: &str, node: &str, range_flags: &[String], extra_args: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let ready = dir.path().join("ready");
         let child = Command::new(env!("CARGO_BIN_EXE_page-server"))
-            .args([
-                "--node-id",
-                node,
-                "--listen",
-                "127.0.0.1:0",
-                "--memory",
-                &NODE_BYTES.to_string(),
-            ])
-            .args([
-                "--gpa-base",
-                &gpa_base.to_string(),
-                "--coordinator",
-                url,
-                "--heartbeat-ms",
-                "200",
-                "--insecure",
-            ])
+            .args(["--node-id", node, "--listen", "127.0.0.1:0"])
+            .args(range_flags)
+            .args(["--coordinator", url, "--heartbeat-ms", "200", "--insecure"])
             .args(extra_args)
             .arg("--ready-file")
             .arg(&ready)
