@@ -490,6 +490,40 @@ fn writes_to_a_range_with_a_stale_replica_need_a_fresh_map() {
     b.resume();
 }
 
+/// A client whose map predates a replica (here: it never refreshes on
+/// its own) still reads from it when the replica it knew dies: the failed
+/// read fetches the map and runs again on it, within its deadline.
+#[test]
+fn a_read_fails_over_to_a_replica_newer_than_the_clients_map() {
+    let (_db, coord) = start_coordinator();
+    let url = coord.url();
+    let admin = coordinator_client(&url);
+    let mut a = ChildServer::start_with(&url, "a", 0, &GRACE);
+    wait_all_live(&admin, 1);
+    let mgr = TransportManager::connect(ManagerConfig {
+        coordinator_url: url.clone(),
+        request_timeout_ms: 2000,
+        connect_timeout_ms: 500,
+        map_refresh_ms: 0,
+        poller_cpus: Some(vec![]),
+        ..ManagerConfig::default()
+    })
+    .expect("manager connects");
+    for p in 0..PAGES {
+        mgr.write_page(gpa(p), &page_for(gpa(p), 8)).expect("write");
+    }
+    let _b = ChildServer::start_with(&url, "b", 0, &GRACE);
+    wait_all_live(&admin, 2);
+    a.kill();
+    let mut page = [0u8; PAGE_SIZE];
+    for p in 0..PAGES {
+        mgr.read_page(gpa(p), &mut page).unwrap_or_else(|e| {
+            panic!("read {p} after the only replica in the client's map died: {e}")
+        });
+        assert!(page == page_for(gpa(p), 8), "page {p} is wrong");
+    }
+}
+
 #[test]
 fn guest_memory_faults_are_served_while_a_replica_is_killed() {
     let (_db, coord) = start_coordinator();

@@ -193,8 +193,28 @@ impl ChildServer {
 
     /// SIGSTOP: the process answers nothing but keeps its memory and its
     /// epoch (unlike a kill and restart, which lose both).
+    /// Returns once every thread of the process is stopped: the signal is
+    /// delivered asynchronously, and a thread still running could answer
+    /// one more request.
     pub fn pause(&self) {
         self.signal(libc::SIGSTOP);
+        let tasks = format!("/proc/{}/task", self.child.id());
+        let all_stopped = || {
+            std::fs::read_dir(&tasks).is_ok_and(|dir| {
+                dir.flatten().all(|task| {
+                    std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+                        // The state follows the parenthesised command name.
+                        stat.rsplit_once(") ")
+                            .is_some_and(|(_, rest)| rest.starts_with('T'))
+                    })
+                })
+            })
+        };
+        assert!(
+            wait_until(Duration::from_secs(5), all_stopped),
+            "page-server {} never stopped",
+            self.child.id()
+        );
     }
 
     /// SIGCONT after [`ChildServer::pause`].

@@ -133,7 +133,44 @@ impl Inner {
         } else {
             self.read_failover(&state, &mut targets[..n], &mut frame, deadline)
         };
+        if result.is_err() && !write && self.newer_map_may_serve(&state, &targets[..n], deadline) {
+            // A replica this map shows as not serving (still recovering
+            // here) may be live by now: once more, on the newer map.
+            return self.run_window(opcode, gpas, pages, from, frame, deadline);
+        }
         (end, result)
+    }
+
+    /// After a failed read: whether a newer map than `state`'s is installed
+    /// now, possibly after fetching one within `deadline`: a replica that
+    /// joined or finished recovering since may serve it. The fetch is
+    /// strict when a target's range has a replica that does not serve reads
+    /// in `state` (a recovery this map predates may have ended), else rate
+    /// limited like any refresh on a miss.
+    fn newer_map_may_serve(&self, state: &MapState, targets: &[Target], deadline: Instant) -> bool {
+        let before = state.map.version();
+        let newer = || self.state.load().map.version() > before;
+        if newer() {
+            return true;
+        }
+        if self.coordinator.is_none() {
+            return false;
+        }
+        let waiting_replica = targets.iter().any(|t| {
+            (0..state.map.replica_count(t.gpa))
+                .filter_map(|r| state.map.replica(t.gpa, r))
+                .any(|l| !l.state.serves_reads())
+        });
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            return false;
+        }
+        if waiting_replica {
+            let _ = self.refresh(Some(remaining));
+        } else {
+            self.refresh_on_miss(deadline);
+        }
+        newer()
     }
 
     /// Resolves `gpas[from..]` into `targets` (reads: the replica to try
