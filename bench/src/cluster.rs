@@ -1,14 +1,14 @@
 //! A throw-away local cluster on loopback: a coordinator on a temporary
 //! database and K page-servers on ephemeral ports, torn down on drop.
-//! With replicas, the page-servers form groups that hold the same range
-//! (see `replicas::layout`); one can be stopped abruptly and started again.
+//! With replicas, each range is held by several page-servers (see
+//! `replicas::layout`); one can be stopped abruptly and started again.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
 use coordinator::{CoordinatorConfig, RunningCoordinator};
-use page_server::{RunningServer, ServerConfig};
+use page_server::{ExportedRange, RunningServer, ServerConfig};
 use rdma_transport::auth::ClusterKey;
 use rdma_transport::coordinator::api::RangeState;
 use rdma_transport::coordinator::{CoordinatorClient, Credential};
@@ -53,8 +53,13 @@ impl LocalCluster {
             _db_dir: db_dir,
         };
         for p in placements {
-            let mut cfg = ServerConfig::new(p.node_id.clone(), p.length_bytes);
-            cfg.gpa_base = p.gpa_base;
+            let mut cfg = ServerConfig::new(p.node_id.clone(), p.memory_bytes());
+            cfg.set_ranges(
+                p.ranges
+                    .iter()
+                    .map(|&(base, len)| ExportedRange::new(base, len as u64))
+                    .collect(),
+            );
             cfg.coordinator_url = Some(cluster.url.clone());
             cfg.spin_before_block = server_spin;
             cfg.cluster_key = cluster.key.clone();

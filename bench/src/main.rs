@@ -63,9 +63,11 @@ struct Args {
     /// Page-servers in the local cluster.
     #[arg(long, default_value_t = 2)]
     nodes: usize,
-    /// Holders of each range in the local cluster (1 to 3): the page-servers
-    /// form groups of this many that register the same range; --nodes must
-    /// be a multiple of it. Runs start once every replica is live.
+    /// Holders of each range in the local cluster (1 to 3, at most --nodes):
+    /// when it divides --nodes, the page-servers form groups of this many
+    /// that hold one range each; otherwise every page-server holds this many
+    /// ranges in rotation (3 nodes, 2 replicas: ranges A, B, C on nodes
+    /// 0+1, 1+2, 2+0). Runs start once every replica is live.
     #[arg(long, default_value_t = 1, conflicts_with = "coordinator")]
     replicas: usize,
     /// This many ms into each read and write run, stop the primary of the
@@ -222,14 +224,14 @@ fn run() -> anyhow::Result<()> {
             cluster_key.clone(),
         )?),
     };
-    let groups = args.nodes / args.replicas;
+    let ranges = replicas::range_count(&placements);
     if let Some(c) = &cluster {
         if args.replicas > 1 {
             eprintln!("waiting for every replica to be live...");
         }
         replicas::wait_all_live(
             &c.coordinator_client()?,
-            groups,
+            ranges,
             args.replicas,
             replicas::LIVE_TIMEOUT,
         )?;
@@ -329,7 +331,7 @@ fn run() -> anyhow::Result<()> {
                         set: &set,
                         after_ms,
                         replicas: args.replicas,
-                        groups,
+                        ranges,
                         accept_errors: args.accept_errors,
                         restart_first: failed_before,
                         request_timeout: Duration::from_millis(config.request_timeout_ms),
@@ -391,7 +393,8 @@ fn run() -> anyhow::Result<()> {
         lines.extend(cost);
     }
     if args.compare_replicas {
-        let single = replicas::layout(groups, 1, args.memory).map_err(anyhow::Error::msg)?;
+        // As many page-servers as ranges, each holding one.
+        let single = replicas::layout(ranges, 1, args.memory).map_err(anyhow::Error::msg)?;
         let other = compare::OtherCluster::start(
             &config,
             &single,
@@ -467,7 +470,7 @@ struct FailedRun<'a> {
     set: &'a WorkingSet,
     after_ms: u64,
     replicas: usize,
-    groups: usize,
+    ranges: usize,
     accept_errors: bool,
     /// A node stopped in an earlier run: start it again first.
     restart_first: bool,
@@ -500,7 +503,7 @@ impl FailedRun<'_> {
             }
         }
         let map =
-            replicas::wait_all_live(&client, self.groups, self.replicas, replicas::LIVE_TIMEOUT)
+            replicas::wait_all_live(&client, self.ranges, self.replicas, replicas::LIVE_TIMEOUT)
                 .context("before a run with a failure")?;
         if refill {
             // The manager may still try the stopped server's old address

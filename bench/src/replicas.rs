@@ -1,4 +1,4 @@
-//! `--replicas R`: how the local cluster's page-servers form replica groups,
+//! `--replicas R`: how the local cluster's page-servers hold the ranges,
 //! the checks on the failure flags, and the wait until every replica of
 //! every range is live.
 
@@ -16,22 +16,48 @@ pub const MAX_REPLICAS: usize = 3;
 /// grace period (2.5 s by default) and then copies its range.
 pub const LIVE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// One page-server of the local cluster: its id and the range it holds.
+/// One page-server of the local cluster: its id and the ranges it holds
+/// (`(gpa_base, length_bytes)`, in the order it lays them out).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
     pub node_id: String,
-    pub gpa_base: u64,
-    pub length_bytes: usize,
+    pub ranges: Vec<(u64, usize)>,
 }
 
-/// Places `nodes` page-servers in groups of `replicas` consecutive nodes;
-/// each group holds one range (the same `gpa_base` and length on each of
-/// its members), and the groups' ranges split `memory_bytes` evenly from
-/// GPA 0, each rounded up to whole pages. Node `g * replicas` registers
-/// first in its group, so it is the group's primary.
+impl Placement {
+    /// The bytes this page-server exports.
+    pub fn memory_bytes(&self) -> usize {
+        self.ranges.iter().map(|&(_, len)| len).sum()
+    }
+}
+
+/// How many distinct ranges `placements` map.
+pub fn range_count(placements: &[Placement]) -> usize {
+    let mut bases: Vec<u64> = placements
+        .iter()
+        .flat_map(|p| p.ranges.iter().map(|&(base, _)| base))
+        .collect();
+    bases.sort_unstable();
+    bases.dedup();
+    bases.len()
+}
+
+/// Places `nodes` page-servers so that each range is held by `replicas`
+/// of them; the ranges split `memory_bytes` evenly from GPA 0, each
+/// rounded up to whole pages.
+///
+/// - When `replicas` divides `nodes`: groups of `replicas` consecutive
+///   nodes, each group holding one range. Node `g * replicas` registers
+///   first in its group, so it is the group's primary.
+/// - Otherwise (e.g. 3 nodes, 2 replicas): as many ranges as nodes, range
+///   `i` on nodes `i, i+1, ..., i+replicas-1` (mod `nodes`), so every node
+///   holds `replicas` ranges and losing any one node leaves every range a
+///   replica. Nodes register in order, so node `i` is the primary of range
+///   `i`, and node 0 also of the last ranges that wrap around.
 ///
 /// # Errors
-/// When `replicas` is not in `1..=MAX_REPLICAS` or does not divide `nodes`.
+/// When `replicas` is not in `1..=MAX_REPLICAS`, `nodes` is smaller than
+/// `replicas`, or the memory holds less than a page per range.
 pub fn layout(
     nodes: usize,
     replicas: usize,
@@ -42,22 +68,30 @@ pub fn layout(
             "--replicas must be 1 to {MAX_REPLICAS} (the coordinator's limit), got {replicas}"
         ));
     }
-    if nodes == 0 || nodes % replicas != 0 {
+    if nodes < replicas {
         return Err(format!(
-            "--nodes ({nodes}) must be a positive multiple of --replicas ({replicas}): \
-             each group of {replicas} page-servers holds one range"
+            "--nodes ({nodes}) must be at least --replicas ({replicas}): each range is held by \
+             {replicas} page-servers"
         ));
     }
-    let groups = nodes / replicas;
-    let per_group = (memory_bytes / groups).div_ceil(PAGE_SIZE) * PAGE_SIZE;
-    if per_group == 0 {
-        return Err("--memory must hold at least one page per replica group".into());
+    let grouped = nodes % replicas == 0;
+    let ranges = if grouped { nodes / replicas } else { nodes };
+    let per_range = (memory_bytes / ranges).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+    if per_range == 0 {
+        return Err("--memory must hold at least one page per range".into());
     }
+    let base = |range: usize| (range * per_range) as u64;
     Ok((0..nodes)
         .map(|i| Placement {
             node_id: format!("node-{i}"),
-            gpa_base: ((i / replicas) * per_group) as u64,
-            length_bytes: per_group,
+            ranges: if grouped {
+                vec![(base(i / replicas), per_range)]
+            } else {
+                // The ranges whose rotation includes node i: i, i-1, ...
+                (0..replicas)
+                    .map(|k| (base((i + nodes - k) % nodes), per_range))
+                    .collect()
+            },
         })
         .collect())
 }
@@ -190,23 +224,42 @@ mod tests {
     #[test]
     fn nodes_form_groups_of_r_that_share_one_range() {
         let l = layout(4, 2, 8 * PAGE_SIZE).unwrap();
-        let bases: Vec<u64> = l.iter().map(|p| p.gpa_base).collect();
         let half = (4 * PAGE_SIZE) as u64;
-        assert_eq!(bases, vec![0, 0, half, half]);
-        assert!(l.iter().all(|p| p.length_bytes == 4 * PAGE_SIZE));
+        let ranges: Vec<_> = l.iter().map(|p| p.ranges.clone()).collect();
+        let r = |base| vec![(base, 4 * PAGE_SIZE)];
+        assert_eq!(ranges, vec![r(0), r(0), r(half), r(half)]);
         assert_eq!(l[3].node_id, "node-3");
+        assert_eq!(range_count(&l), 2);
         let one = layout(2, 1, 8 * PAGE_SIZE).unwrap();
-        assert_eq!(one[1].gpa_base, half, "R=1 is the old contiguous split");
+        assert_eq!(one[1].ranges, r(half), "R=1 is the old contiguous split");
         let three = layout(3, 3, 5 * PAGE_SIZE + 1).unwrap();
-        assert!(three
-            .iter()
-            .all(|p| p.gpa_base == 0 && p.length_bytes == 6 * PAGE_SIZE));
+        assert!(three.iter().all(|p| p.ranges == vec![(0, 6 * PAGE_SIZE)]));
     }
 
     #[test]
-    fn bad_groupings_are_refused_with_a_reason() {
-        let err = layout(3, 2, 1 << 20).unwrap_err();
-        assert!(err.contains("multiple of --replicas"), "{err}");
+    fn otherwise_each_range_rotates_over_r_nodes() {
+        let l = layout(3, 2, 6 * PAGE_SIZE).unwrap();
+        let len = 2 * PAGE_SIZE;
+        let (a, b, c) = (0u64, len as u64, 2 * len as u64);
+        // Range i on nodes i and i+1 (mod 3).
+        assert_eq!(l[0].ranges, vec![(a, len), (c, len)]);
+        assert_eq!(l[1].ranges, vec![(b, len), (a, len)]);
+        assert_eq!(l[2].ranges, vec![(c, len), (b, len)]);
+        assert_eq!(range_count(&l), 3);
+        assert!(l.iter().all(|p| p.memory_bytes() == 2 * len));
+        for range in [a, b, c] {
+            let holders = l
+                .iter()
+                .filter(|p| p.ranges.iter().any(|&(g, _)| g == range))
+                .count();
+            assert_eq!(holders, 2, "range {range:#x}");
+        }
+    }
+
+    #[test]
+    fn bad_layouts_are_refused_with_a_reason() {
+        let err = layout(1, 2, 1 << 20).unwrap_err();
+        assert!(err.contains("at least --replicas"), "{err}");
         assert!(layout(4, 4, 1 << 20).unwrap_err().contains("1 to 3"));
         assert!(layout(2, 0, 1 << 20).is_err());
         assert!(layout(2, 2, 0).is_err());
