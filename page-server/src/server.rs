@@ -348,12 +348,8 @@ impl RunningServer {
         if self.shared.stop.swap(true, Ordering::SeqCst) {
             return;
         }
-        // Like a killed process: no thread of this server acts any more
-        // (its recovery would otherwise go on talking to the coordinator
-        // in the name of this node).
-        if let Some(r) = self.recovery.take() {
-            r.stop();
-        }
+        // The crash itself first: every connection reset at once (joining
+        // the recovery thread may wait for a coordinator request).
         let threads = self.shared.admission.conns.abort_all();
         // Wake the blocking accept; the acceptor then ends and drops the
         // listener.
@@ -362,6 +358,12 @@ impl RunningServer {
             let _ = h.join();
         }
         if let Some(r) = self.registration.take() {
+            r.stop();
+        }
+        // Like a killed process, no thread of this server acts once this
+        // returns: its recovery would otherwise go on talking to the
+        // coordinator in the name of this node.
+        if let Some(r) = self.recovery.take() {
             r.stop();
         }
         for thread in threads {
