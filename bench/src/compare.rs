@@ -108,12 +108,18 @@ impl Rounds {
         v.get(v.len() / 2).copied().unwrap_or(0.0)
     }
 
-    /// The run whose p50 is the median: the one the table shows.
+    /// The run whose p50 is the median, the one the table shows; verified
+    /// only if every run of this side was.
     fn median_record(mut self) -> Option<Record> {
+        let verified = self.records.iter().all(|r| r.verified);
         self.records
             .sort_by(|a, b| a.latency_us.p50.total_cmp(&b.latency_us.p50));
         let mid = self.records.len() / 2;
-        (mid < self.records.len()).then(|| self.records.swap_remove(mid))
+        (mid < self.records.len()).then(|| {
+            let mut r = self.records.swap_remove(mid);
+            r.verified &= verified;
+            r
+        })
     }
 }
 
@@ -177,7 +183,6 @@ pub fn alternate(
                 }
             }
         }
-        let verified = (a.iter().all(|r| r.verified), b.iter().all(|r| r.verified));
         let (a, b) = (Rounds { records: a }, Rounds { records: b });
         let p50 = (
             a.median(|r| r.latency_us.p50),
@@ -225,20 +230,13 @@ pub fn alternate(
                 ours.label,
                 fmt_ratio(p50.0 / bare.0.max(1e-9)),
             ));
-            for side in [bare_r, bare_1] {
-                let verified = side.records.iter().all(|r| r.verified);
-                if let Some(mut r) = side.median_record() {
-                    r.verified &= verified;
-                    records.push(r);
-                }
-            }
+            records.extend(
+                [bare_r, bare_1]
+                    .into_iter()
+                    .filter_map(Rounds::median_record),
+            );
         }
-        for (side, verified) in [(a, verified.0), (b, verified.1)] {
-            if let Some(mut r) = side.median_record() {
-                r.verified &= verified;
-                records.push(r);
-            }
-        }
+        records.extend([a, b].into_iter().filter_map(Rounds::median_record));
     }
     Ok((records, lines))
 }

@@ -235,6 +235,14 @@ impl GpaMap {
         self.range_of(gpa)?.location(gpa, replica)
     }
 
+    /// Every holder of `gpa`'s range, in rank order (none: unmapped), with
+    /// one lookup of the range.
+    pub fn replicas(&self, gpa: u64) -> impl Iterator<Item = Location> + Clone + '_ {
+        let range = self.range_of(gpa);
+        let count = range.map_or(0, |r| r.holders.len());
+        (0..count).filter_map(move |i| range.and_then(|r| r.location(gpa, i)))
+    }
+
     /// How many holders `gpa`'s range has (0: unmapped).
     pub fn replica_count(&self, gpa: u64) -> usize {
         self.range_of(gpa).map_or(0, |r| r.holders.len())

@@ -36,9 +36,7 @@ impl Inner {
         if !primary.replicated || !self.avoided(state, primary.node_index) {
             return Some(primary);
         }
-        let readers = (0..state.map.replica_count(gpa))
-            .filter_map(|r| state.map.replica(gpa, r))
-            .filter(|l| l.state.serves_reads());
+        let readers = state.map.replicas(gpa).filter(|l| l.state.serves_reads());
         readers
             .clone()
             .find(|l| !self.avoided(state, l.node_index))
@@ -58,9 +56,10 @@ impl Inner {
             return None;
         }
         let tried = tried | 1 << t.loc.replica;
-        let mut readers = (0..state.map.replica_count(t.gpa))
-            .filter(|&r| r >= 32 || tried & (1 << r) == 0)
-            .filter_map(|r| state.map.replica(t.gpa, r))
+        let mut readers = state
+            .map
+            .replicas(t.gpa)
+            .filter(|l| l.replica >= 32 || tried & (1 << l.replica) == 0)
             .filter(|l| l.state.serves_reads());
         readers
             .clone()

@@ -156,11 +156,9 @@ impl Inner {
         if self.coordinator.is_none() {
             return false;
         }
-        let waiting_replica = targets.iter().any(|t| {
-            (0..state.map.replica_count(t.gpa))
-                .filter_map(|r| state.map.replica(t.gpa, r))
-                .any(|l| !l.state.serves_reads())
-        });
+        let waiting_replica = targets
+            .iter()
+            .any(|t| state.map.replicas(t.gpa).any(|l| !l.state.serves_reads()));
         let remaining = deadline.saturating_duration_since(Instant::now());
         if remaining.is_zero() {
             return false;
@@ -217,9 +215,7 @@ impl Inner {
                     node: this.node_name(&state, primary.node_index),
                 };
                 if write {
-                    let takers = (0..state.map.replica_count(gpa))
-                        .filter_map(|r| state.map.replica(gpa, r))
-                        .filter(|l| l.state.takes_writes());
+                    let takers = state.map.replicas(gpa).filter(|l| l.state.takes_writes());
                     let count = takers.clone().count();
                     if count < state.map.replica_count(gpa)
                         && !refreshed
