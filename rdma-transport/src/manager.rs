@@ -23,8 +23,10 @@ use crate::pool::{PageFrame, PagePool};
 use crate::tcp::Pollers;
 use crate::wire::Opcode;
 
+mod async_op;
 #[cfg(test)]
 mod checksum_tests;
+mod completion;
 mod epoch;
 mod latency;
 mod link;
@@ -33,12 +35,14 @@ mod rdma_batch;
 mod rdma_single;
 mod replicas;
 mod request;
+mod round;
 mod tcp_chunk;
 #[cfg(test)]
 mod tests;
 #[cfg(any(test, feature = "test-hooks"))]
 mod unwind_hook;
 
+pub use completion::{Completion, CompletionCallback, CompletionQueue, Reap};
 use link::{Link, RdmaSide};
 use map_state::{Install, MapState, Node};
 
@@ -212,13 +216,7 @@ impl TransportManager {
     /// the slices' lengths differ.
     pub fn read_pages(&self, gpas: &[u64], pages: &mut [Page]) -> Result<(), TransportError> {
         check_lengths(gpas.len(), pages.len())?;
-        self.inner.run(
-            Opcode::Read,
-            gpas,
-            pages.as_mut_ptr().cast(),
-            gpas.len(),
-            None,
-        )
+        self.run_batch(Opcode::Read, gpas, pages.as_mut_ptr().cast())
     }
 
     /// Writes `pages[i]` to `gpas[i]` for every i, all in flight at once.
@@ -227,13 +225,39 @@ impl TransportManager {
     /// As [`TransportManager::read_pages`].
     pub fn write_pages(&self, gpas: &[u64], pages: &[Page]) -> Result<(), TransportError> {
         check_lengths(gpas.len(), pages.len())?;
-        self.inner.run(
-            Opcode::Write,
-            gpas,
-            pages.as_ptr().cast::<u8>().cast_mut(),
-            gpas.len(),
-            None,
-        )
+        self.run_batch(Opcode::Write, gpas, pages.as_ptr().cast::<u8>().cast_mut())
+    }
+
+    /// A blocking batch: one round when it fits in one (`MAX_CHUNK`
+    /// requests), else an asynchronous submission on a private queue that
+    /// this thread reaps (windows slide: a slow node or window holds back
+    /// only its own).
+    fn run_batch(
+        &self,
+        opcode: Opcode,
+        gpas: &[u64],
+        pages: *mut u8,
+    ) -> Result<(), TransportError> {
+        if gpas.len() <= crate::tcp::MAX_CHUNK {
+            return self.inner.run(opcode, gpas, pages, gpas.len(), None);
+        }
+        let queue = self.inner.completion_queue(Reap::Poll)?;
+        // The caller's slice holds `gpas.len()` pages and stays borrowed
+        // until this function returns, which is after the completion was
+        // reaped (or the queue, dropped on every path, cancelled what was
+        // left).
+        if opcode == Opcode::Write {
+            // SAFETY: see above.
+            unsafe { queue.submit_write_raw(gpas, pages.cast_const().cast(), 0)? };
+        } else {
+            // SAFETY: see above.
+            unsafe { queue.submit_read_raw(gpas, pages.cast(), 0)? };
+        }
+        let mut done = Vec::with_capacity(1);
+        while done.is_empty() {
+            queue.wait(&mut done, 1, self.inner.config.request_timeout());
+        }
+        done.pop().map_or(Ok(()), |c| c.result)
     }
 
     /// Reads the page at `gpa` into a frame of the page pool. Over RDMA the
@@ -258,6 +282,16 @@ impl TransportManager {
             node: String::new(),
             detail: "read_frame lost its frame".into(),
         })
+    }
+
+    /// A new queue for asynchronous reads and writes: submit pages and get
+    /// each submission's [`Completion`] back by polling, through an eventfd,
+    /// or by a callback (see [`Reap`]). Many queues may share a manager.
+    ///
+    /// # Errors
+    /// [`TransportError::Config`] when its eventfd or thread cannot be made.
+    pub fn completion_queue(&self, reap: Reap) -> Result<CompletionQueue, TransportError> {
+        self.inner.completion_queue(reap)
     }
 
     /// The page pool.

@@ -42,6 +42,17 @@ impl RdmaChunk {
     }
 }
 
+impl RdmaChunk {
+    /// Forgets the groups of a settled round (their frames and ids were
+    /// taken by `settle_rdma`).
+    pub(super) fn reset(&mut self) {
+        for c in &mut self.conns[..self.groups] {
+            *c = None;
+        }
+        self.groups = 0;
+    }
+}
+
 impl Drop for RdmaChunk {
     /// Runs with batches unsettled only when the caller unwound between
     /// submit and completion: each such batch is cancelled; one still in

@@ -6,20 +6,17 @@
 //! request whose connection died before answering runs once more on a new
 //! one.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use super::epoch::Fenced;
-use super::link::Link;
 use super::map_state::MapState;
-use super::rdma_batch::{Pages, RdmaChunk};
-use super::tcp_chunk::{self, Sent, TcpChunk};
-use super::{link, Inner, Node};
-use crate::config::PollMode;
+use super::rdma_batch::Pages;
+use super::tcp_chunk;
+use super::Inner;
 use crate::error::TransportError;
 use crate::gpa_map::Location;
 use crate::page::{is_page_aligned, PAGE_SIZE};
 use crate::pool::PageFrame;
-use crate::tcp::{Request, Waiter, MAX_CHUNK};
+use crate::tcp::MAX_CHUNK;
 use crate::wire::Opcode;
 
 /// One request of a window: a page of the caller's and the replica it goes
@@ -33,7 +30,7 @@ pub(super) struct Target {
 }
 
 impl Target {
-    const EMPTY: Self = Self {
+    pub(super) const EMPTY: Self = Self {
         gpa: 0,
         page: std::ptr::null_mut(),
         loc: Location {
@@ -61,7 +58,7 @@ pub(super) struct Outcome {
 }
 
 impl Outcome {
-    fn fail(&mut self, k: usize, err: TransportError) {
+    pub(super) fn fail(&mut self, k: usize, err: TransportError) {
         self.failed |= 1 << k;
         self.error.get_or_insert(err);
     }
@@ -408,191 +405,6 @@ impl Inner {
             return Ok(());
         }
         self.settle_failed_writes(state, targets, outcome, deadline)
-    }
-
-    /// Submits `targets` grouped by node, waits until `deadline`, and
-    /// settles every request.
-    pub(super) fn run_targets(
-        &self,
-        opcode: Opcode,
-        state: &MapState,
-        targets: &[Target],
-        mut chunk_pages: Pages<'_>,
-        deadline: Instant,
-    ) -> Outcome {
-        let n = targets.len();
-        let mut outcome = Outcome::default();
-        let rdma_deadline = crate::rdma::Deadline::at(deadline);
-        // Declared before the chunks: their guards cancel every request
-        // that refers to it before it goes, even when unwinding.
-        let waiter = Waiter::new();
-        let mut tcp = TcpChunk::new();
-        let mut rdma = RdmaChunk::new();
-        let mut group_nodes = [usize::MAX; MAX_CHUNK];
-        let mut done = [false; MAX_CHUNK];
-        let mut group_count = 0;
-        for i in 0..n {
-            if done[i] {
-                continue;
-            }
-            let node_index = targets[i].loc.node_index;
-            let node = &state.nodes[node_index];
-            let mut reqs = [Request {
-                offset: 0,
-                page: std::ptr::null_mut(),
-            }; MAX_CHUNK];
-            let mut members = [0usize; MAX_CHUNK];
-            let mut fenced = [Fenced {
-                gpa: 0,
-                remote_offset: 0,
-                valid_epoch: 0,
-            }; MAX_CHUNK];
-            let mut m = 0;
-            for j in i..n {
-                let t = &targets[j];
-                if !done[j] && t.loc.node_index == node_index {
-                    done[j] = true;
-                    reqs[m] = Request {
-                        offset: t.loc.remote_offset,
-                        page: t.page,
-                    };
-                    members[m] = j;
-                    fenced[m] = Fenced {
-                        gpa: t.gpa,
-                        remote_offset: t.loc.remote_offset,
-                        valid_epoch: t.loc.valid_epoch,
-                    };
-                    m += 1;
-                }
-            }
-            // Nothing goes to a server that is not in the epoch the
-            // group's ranges are valid in (see `epoch.rs`).
-            let link = self.connection(node, deadline).and_then(|link| {
-                self.check_epochs(node, link.epoch(), &fenced[..m], deadline)
-                    .map(|()| link)
-            });
-            let conn = match link {
-                Ok(Link::Tcp(c)) => c,
-                Ok(Link::Rdma(c)) => {
-                    let group = group_count;
-                    group_count += 1;
-                    group_nodes[group] = node_index;
-                    let write = opcode == Opcode::Write;
-                    let (reqs, members) = (&reqs[..m], &members[..m]);
-                    if let Some(e) = self.submit_rdma(
-                        &mut rdma,
-                        group,
-                        c,
-                        write,
-                        reqs,
-                        members,
-                        &mut chunk_pages,
-                        &waiter,
-                        &rdma_deadline,
-                        &mut outcome.failed,
-                    ) {
-                        outcome.error.get_or_insert(e);
-                    }
-                    continue;
-                }
-                Err(e) => {
-                    for &j in &members[..m] {
-                        outcome.failed |= 1 << j;
-                    }
-                    outcome.error.get_or_insert(e);
-                    continue;
-                }
-            };
-            let group = group_count;
-            group_count += 1;
-            group_nodes[group] = node_index;
-            let mut ids = [0u64; MAX_CHUNK];
-            let result = conn.submit(opcode, &reqs[..m], &mut ids, &waiter, deadline);
-            let armed = match &result {
-                Ok(()) => m,
-                Err((armed, _)) => *armed,
-            };
-            for (&id, &j) in ids[..armed].iter().zip(&members[..m]) {
-                tcp.sent[tcp.sent_count] = Sent {
-                    group,
-                    id,
-                    gpa: targets[j].gpa,
-                    target: j,
-                };
-                tcp.sent_count += 1;
-            }
-            if let Err((_, err)) = result {
-                tracing::debug!(node = %node.id, %err, "submitting to node failed");
-                for &j in &members[armed..m] {
-                    outcome.fail(
-                        j,
-                        TransportError::NodeDown {
-                            node: node.id.clone(),
-                            reason: err.to_string(),
-                        },
-                    );
-                }
-            }
-            tcp.groups[group] = Some(conn);
-        }
-        #[cfg(any(test, feature = "test-hooks"))]
-        super::unwind_hook::maybe_panic_after_submit();
-        let spin = match self.config.poll_mode {
-            PollMode::Busy => Duration::from_micros(self.config.wait_spin_us),
-            PollMode::Event => Duration::ZERO,
-        };
-        let all_answered = if rdma.groups == 0 {
-            tcp.sent_count > 0
-                && crate::tcp::wait(&waiter, &tcp.groups[..group_count], spin, deadline)
-        } else if tcp.sent_count == 0 {
-            crate::rdma::wait(&waiter, &rdma.conns[..rdma.groups], spin, &rdma_deadline)
-        } else {
-            link::wait_mixed(
-                &waiter,
-                &tcp.groups[..group_count],
-                &rdma.conns[..rdma.groups],
-                deadline,
-            )
-        };
-        let sent_count = std::mem::take(&mut tcp.sent_count);
-        let write = opcode == Opcode::Write;
-        for s in &tcp.sent[..sent_count] {
-            let Some(conn) = tcp.groups[s.group].as_ref() else {
-                continue;
-            };
-            let code = if all_answered {
-                Some(conn.inflight.finish(s.id))
-            } else {
-                conn.inflight.cancel(s.id)
-            };
-            let node = &state.nodes[group_nodes[s.group]];
-            if let Some(e) = self.code_to_error(code, conn, node, *s, write) {
-                if connection_lost(&e) {
-                    outcome.lost |= 1 << s.target;
-                }
-                outcome.fail(s.target, e);
-            }
-        }
-        if rdma.groups > 0 {
-            let mut nodes: [&Node; MAX_CHUNK] = [&state.nodes[0]; MAX_CHUNK];
-            for (g, &node_index) in group_nodes[..rdma.groups].iter().enumerate() {
-                if let Some(node) = state.nodes.get(node_index) {
-                    nodes[g] = node;
-                }
-            }
-            if let Some(e) = self.settle_rdma(
-                &mut rdma,
-                &nodes,
-                all_answered,
-                write,
-                &mut chunk_pages,
-                &mut outcome.failed,
-                &mut outcome.lost,
-            ) {
-                outcome.error.get_or_insert(e);
-            }
-        }
-        outcome
     }
 
     /// The id of the node at `node_index` of `state`.

@@ -36,19 +36,77 @@ pub(crate) const CODE_PROTOCOL: u32 = 0x101;
 /// copied into the caller's page).
 pub(crate) const CODE_CHECKSUM: u32 = 0x102;
 
-/// Counts outstanding completions of one call and wakes its thread.
+/// Told when an asynchronous request's round has no completion left (see
+/// `crate::completion`): it queues the round for whoever reaps completions.
+pub(crate) trait ReadyHook: Send + Sync {
+    /// Round `seq` of the operation `token` has every answer (or failure).
+    fn ready(&self, token: usize, seq: u64);
+}
+
+/// Who a waiter tells when its count reaches zero.
 #[derive(Debug)]
+enum Notify {
+    /// A blocked caller: unpark it.
+    Thread(Thread),
+    /// An asynchronous operation: queue it (`hook` outlives every round of
+    /// the operation that owns the waiter).
+    Queue {
+        hook: *const (dyn ReadyHook + 'static),
+        token: usize,
+    },
+}
+
+/// Counts outstanding completions of one call (or one round of an
+/// asynchronous operation) and tells its owner when none is left.
 pub(crate) struct Waiter {
     remaining: AtomicUsize,
-    thread: Thread,
+    notify: Notify,
+    /// The round this waiter counts for (asynchronous operations only).
+    seq: AtomicU64,
 }
+
+impl std::fmt::Debug for Waiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waiter")
+            .field("remaining", &self.remaining)
+            .finish_non_exhaustive()
+    }
+}
+
+// SAFETY: the only field that is not `Send + Sync` is the hook pointer,
+// which points at a `Send + Sync` object kept alive by the operation that
+// owns the waiter for as long as any request counts on it.
+unsafe impl Send for Waiter {}
+// SAFETY: as above; every other field is atomic or immutable.
+unsafe impl Sync for Waiter {}
 
 impl Waiter {
     pub(crate) fn new() -> Self {
         Self {
             remaining: AtomicUsize::new(0),
-            thread: std::thread::current(),
+            notify: Notify::Thread(std::thread::current()),
+            seq: AtomicU64::new(0),
         }
+    }
+
+    /// A waiter that queues operation `token` with `hook` instead of waking
+    /// a thread.
+    ///
+    /// # Safety
+    /// `hook` must stay alive until every request armed with this waiter
+    /// was finished or cancelled.
+    pub(crate) unsafe fn for_queue(hook: *const (dyn ReadyHook + 'static), token: usize) -> Self {
+        Self {
+            remaining: AtomicUsize::new(0),
+            notify: Notify::Queue { hook, token },
+            seq: AtomicU64::new(0),
+        }
+    }
+
+    /// Starts round `seq`: the next time the count reaches zero, the hook
+    /// is told about this round.
+    pub(crate) fn start_round(&self, seq: u64) {
+        self.seq.store(seq, Ordering::Relaxed);
     }
 
     pub(crate) fn add(&self, n: usize) {
@@ -62,7 +120,14 @@ impl Waiter {
 
     fn complete_one(&self) {
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.thread.unpark();
+            match &self.notify {
+                Notify::Thread(thread) => thread.unpark(),
+                // SAFETY: `for_queue`'s contract keeps the hook alive while
+                // a request counts on this waiter, and this one just did.
+                Notify::Queue { hook, token } => unsafe {
+                    (**hook).ready(*token, self.seq.load(Ordering::Relaxed));
+                },
+            }
         }
     }
 

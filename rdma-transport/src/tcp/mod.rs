@@ -7,7 +7,7 @@ mod poller;
 mod receive;
 
 pub(crate) use connection::{Request, TcpConnection, MAX_CHUNK};
-pub(crate) use inflight::{Waiter, CODE_CHECKSUM, CODE_CONN_LOST, CODE_PROTOCOL};
+pub(crate) use inflight::{ReadyHook, Waiter, CODE_CHECKSUM, CODE_CONN_LOST, CODE_PROTOCOL};
 pub(crate) use poller::Pollers;
 pub(crate) use receive::wait;
 

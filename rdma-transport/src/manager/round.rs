@@ -1,0 +1,332 @@
+//! One round of requests: `targets` grouped by node and put on the wire
+//! (TCP or RDMA), then, once every answer came or the deadline passed,
+//! settled into an [`Outcome`]. A blocking call submits, waits and settles
+//! in one go (`Inner::run_targets`); an asynchronous operation keeps its
+//! round on the heap and settles it when the round's waiter says it is
+//! done (see `async_op.rs`). Both use this code.
+//!
+//! A round is reusable: `reset` forgets only the entries the last round
+//! used, so a one-page request clears no large arrays.
+
+use std::time::{Duration, Instant};
+
+use super::epoch::Fenced;
+use super::link::{self, Link};
+use super::map_state::MapState;
+use super::rdma_batch::{Pages, RdmaChunk};
+use super::request::{connection_lost, Outcome, Target};
+use super::tcp_chunk::{Sent, TcpChunk};
+use super::{Inner, Node};
+use crate::config::PollMode;
+use crate::tcp::{Request, Waiter, MAX_CHUNK};
+use crate::wire::Opcode;
+
+/// The requests of one round that are (or were) on the wire.
+pub(super) struct Round {
+    pub(super) tcp: TcpChunk,
+    pub(super) rdma: RdmaChunk,
+    /// Per group: the index of its node in the round's map.
+    group_nodes: [usize; MAX_CHUNK],
+    group_count: usize,
+    /// Failures found while submitting (before any wait).
+    early: Outcome,
+    pub(super) opcode: Opcode,
+    /// Whether the round is parked on its connections (`park`).
+    parked: bool,
+}
+
+impl Round {
+    pub(super) fn new() -> Self {
+        Self {
+            tcp: TcpChunk::new(),
+            rdma: RdmaChunk::new(),
+            group_nodes: [usize::MAX; MAX_CHUNK],
+            group_count: 0,
+            early: Outcome::default(),
+            opcode: Opcode::Read,
+            parked: false,
+        }
+    }
+
+    /// Whether any request of the round went out.
+    pub(super) fn submitted_any(&self) -> bool {
+        self.tcp.sent_count > 0 || self.rdma.groups > 0
+    }
+
+    /// Parks (`enter`) or unparks an asynchronous round on its
+    /// connections, so their pollers read its answers. Idempotent.
+    pub(super) fn park(&mut self, enter: bool) {
+        if self.parked == enter {
+            return;
+        }
+        self.parked = enter;
+        let tcp = self.tcp.groups[..self.group_count].iter().flatten();
+        for c in tcp {
+            if enter {
+                c.parking.enter();
+            } else {
+                c.parking.leave();
+            }
+        }
+        for c in self.rdma.conns[..self.rdma.groups].iter().flatten() {
+            if enter {
+                c.parking.enter();
+            } else {
+                c.parking.leave();
+            }
+        }
+    }
+
+    /// Reads what the round's connections have (without blocking), so a
+    /// thread that reaps completions needs no poller hand-off. `seen` lists
+    /// the connections already read in this pass (each is read once).
+    pub(super) fn progress(&self, seen: &mut Vec<usize>) {
+        for c in self.tcp.groups[..self.group_count].iter().flatten() {
+            let key = std::sync::Arc::as_ptr(c) as usize;
+            if seen.contains(&key) {
+                continue;
+            }
+            seen.push(key);
+            if let Some(mut rb) = c.recv.try_lock() {
+                let _ = c.progress(&mut rb);
+            }
+        }
+        for c in self.rdma.conns[..self.rdma.groups].iter().flatten() {
+            let key = std::sync::Arc::as_ptr(c) as usize;
+            if seen.contains(&key) {
+                continue;
+            }
+            seen.push(key);
+            c.progress();
+        }
+    }
+}
+
+impl Inner {
+    /// Puts `targets` on the wire as `round.opcode` requests, grouped by
+    /// node, counting each request on `waiter`. `round` must be fresh or
+    /// settled. Requests that cannot go
+    /// (no connection, another epoch, a full request table) are failed in
+    /// the round's outcome at once.
+    pub(super) fn submit_round(
+        &self,
+        round: &mut Round,
+        state: &MapState,
+        targets: &[Target],
+        chunk_pages: &mut Pages<'_>,
+        waiter: &Waiter,
+        deadline: Instant,
+    ) {
+        let opcode = round.opcode;
+        let n = targets.len();
+        let rdma_deadline = crate::rdma::Deadline::at(deadline);
+        let mut done = 0u64;
+        for i in 0..n {
+            if done & (1 << i) != 0 {
+                continue;
+            }
+            let node_index = targets[i].loc.node_index;
+            let node = &state.nodes[node_index];
+            let mut reqs = [Request {
+                offset: 0,
+                page: std::ptr::null_mut(),
+            }; MAX_CHUNK];
+            let mut members = [0usize; MAX_CHUNK];
+            let mut fenced = [Fenced {
+                gpa: 0,
+                remote_offset: 0,
+                valid_epoch: 0,
+            }; MAX_CHUNK];
+            let mut m = 0;
+            for (j, t) in targets.iter().enumerate().skip(i) {
+                if done & (1 << j) == 0 && t.loc.node_index == node_index {
+                    done |= 1 << j;
+                    reqs[m] = Request {
+                        offset: t.loc.remote_offset,
+                        page: t.page,
+                    };
+                    members[m] = j;
+                    fenced[m] = Fenced {
+                        gpa: t.gpa,
+                        remote_offset: t.loc.remote_offset,
+                        valid_epoch: t.loc.valid_epoch,
+                    };
+                    m += 1;
+                }
+            }
+            // Nothing goes to a server that is not in the epoch the
+            // group's ranges are valid in (see `epoch.rs`).
+            let link = self.connection(node, deadline).and_then(|link| {
+                self.check_epochs(node, link.epoch(), &fenced[..m], deadline)
+                    .map(|()| link)
+            });
+            let group = round.group_count;
+            let conn = match link {
+                Ok(Link::Tcp(c)) => c,
+                Ok(Link::Rdma(c)) => {
+                    round.group_count += 1;
+                    round.group_nodes[group] = node_index;
+                    let write = opcode == Opcode::Write;
+                    if let Some(e) = self.submit_rdma(
+                        &mut round.rdma,
+                        group,
+                        c,
+                        write,
+                        &reqs[..m],
+                        &members[..m],
+                        chunk_pages,
+                        waiter,
+                        &rdma_deadline,
+                        &mut round.early.failed,
+                    ) {
+                        round.early.error.get_or_insert(e);
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    for &j in &members[..m] {
+                        round.early.failed |= 1 << j;
+                    }
+                    round.early.error.get_or_insert(e);
+                    continue;
+                }
+            };
+            round.group_count += 1;
+            round.group_nodes[group] = node_index;
+            let mut ids = [0u64; MAX_CHUNK];
+            let result = conn.submit(opcode, &reqs[..m], &mut ids, waiter, deadline);
+            let armed = match &result {
+                Ok(()) => m,
+                Err((armed, _)) => *armed,
+            };
+            for (&id, &j) in ids[..armed].iter().zip(&members[..m]) {
+                round.tcp.sent[round.tcp.sent_count] = Sent {
+                    group,
+                    id,
+                    gpa: targets[j].gpa,
+                    target: j,
+                };
+                round.tcp.sent_count += 1;
+            }
+            if let Err((_, err)) = result {
+                tracing::debug!(node = %node.id, %err, "submitting to node failed");
+                for &j in &members[armed..m] {
+                    round.early.fail(
+                        j,
+                        crate::error::TransportError::NodeDown {
+                            node: node.id.clone(),
+                            reason: err.to_string(),
+                        },
+                    );
+                }
+            }
+            round.tcp.groups[group] = Some(conn);
+        }
+    }
+
+    /// Waits (blocking) until every request of `round` was answered or
+    /// `deadline` passed (false then).
+    pub(super) fn wait_round(&self, round: &Round, waiter: &Waiter, deadline: Instant) -> bool {
+        let spin = match self.config.poll_mode {
+            PollMode::Busy => Duration::from_micros(self.config.wait_spin_us),
+            PollMode::Event => Duration::ZERO,
+        };
+        let tcp = &round.tcp.groups[..round.group_count];
+        let rdma = &round.rdma.conns[..round.rdma.groups];
+        if round.rdma.groups == 0 {
+            round.tcp.sent_count > 0 && crate::tcp::wait(waiter, tcp, spin, deadline)
+        } else if round.tcp.sent_count == 0 {
+            crate::rdma::wait(waiter, rdma, spin, &crate::rdma::Deadline::at(deadline))
+        } else {
+            link::wait_mixed(waiter, tcp, rdma, deadline)
+        }
+    }
+
+    /// Collects every request's outcome (`answered`: the waiter reached
+    /// zero; else requests still pending are cancelled) and leaves `round`
+    /// ready for reuse.
+    pub(super) fn settle_round(
+        &self,
+        round: &mut Round,
+        state: &MapState,
+        answered: bool,
+        chunk_pages: &mut Pages<'_>,
+    ) -> Outcome {
+        round.park(false);
+        let mut outcome = std::mem::take(&mut round.early);
+        let sent_count = std::mem::take(&mut round.tcp.sent_count);
+        let write = round.opcode == Opcode::Write;
+        for s in &round.tcp.sent[..sent_count] {
+            let Some(conn) = round.tcp.groups[s.group].as_ref() else {
+                continue;
+            };
+            let code = if answered {
+                Some(conn.inflight.finish(s.id))
+            } else {
+                conn.inflight.cancel(s.id)
+            };
+            let node = &state.nodes[round.group_nodes[s.group]];
+            if let Some(e) = self.code_to_error(code, conn, node, *s, write) {
+                if connection_lost(&e) {
+                    outcome.lost |= 1 << s.target;
+                }
+                outcome.fail(s.target, e);
+            }
+        }
+        if round.rdma.groups > 0 {
+            let mut nodes: [&Node; MAX_CHUNK] = [&state.nodes[0]; MAX_CHUNK];
+            for (g, &node_index) in round.group_nodes[..round.rdma.groups].iter().enumerate() {
+                if let Some(node) = state.nodes.get(node_index) {
+                    nodes[g] = node;
+                }
+            }
+            if let Some(e) = self.settle_rdma(
+                &mut round.rdma,
+                &nodes,
+                answered,
+                write,
+                chunk_pages,
+                &mut outcome.failed,
+                &mut outcome.lost,
+            ) {
+                outcome.error.get_or_insert(e);
+            }
+        }
+        for g in &mut round.tcp.groups[..round.group_count] {
+            *g = None;
+        }
+        round.rdma.reset();
+        round.group_count = 0;
+        outcome
+    }
+
+    /// Submits `targets` grouped by node, waits until `deadline`, and
+    /// settles every request.
+    pub(super) fn run_targets(
+        &self,
+        opcode: Opcode,
+        state: &MapState,
+        targets: &[Target],
+        mut chunk_pages: Pages<'_>,
+        deadline: Instant,
+    ) -> Outcome {
+        // Declared before the round: its chunks' guards cancel every
+        // request that refers to the waiter before it goes, even when
+        // unwinding.
+        let waiter = Waiter::new();
+        let mut round = Round::new();
+        round.opcode = opcode;
+        self.submit_round(
+            &mut round,
+            state,
+            targets,
+            &mut chunk_pages,
+            &waiter,
+            deadline,
+        );
+        #[cfg(any(test, feature = "test-hooks"))]
+        super::unwind_hook::maybe_panic_after_submit();
+        let answered = round.submitted_any() && self.wait_round(&round, &waiter, deadline);
+        self.settle_round(&mut round, state, answered, &mut chunk_pages)
+    }
+}
