@@ -35,6 +35,6 @@ pub mod wire;
 pub use config::{DataPath, ManagerConfig, PollMode, TransportKind};
 pub use error::TransportError;
 pub use gpa_map::GpaMap;
-pub use manager::TransportManager;
+pub use manager::{ManagerStats, TransportManager};
 pub use page::{Page, PAGE_SIZE};
 pub use pool::{PageFrame, PagePool};
