@@ -137,3 +137,105 @@ pub(crate) fn flag(value: u32, struct_name: &str, field: &str) -> Result<bool, R
 pub(crate) fn struct_size<T>() -> u32 {
     size_of::<T>() as u32
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A struct of three layouts: 8 bytes (`a`), 16 (`a`, `b`), 24 (all).
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    struct Grown {
+        struct_size: u32,
+        a: u32,
+        b: u64,
+        c: u64,
+    }
+
+    impl CConfig for Grown {
+        const NAME: &'static str = "Grown";
+        const OLD_SIZES: &'static [usize] = &[8, 16];
+        fn defaults() -> Self {
+            Self {
+                struct_size: 24,
+                a: 1,
+                b: 2,
+                c: 3,
+            }
+        }
+    }
+
+    impl COut for Grown {
+        const NAME: &'static str = "Grown";
+        const OLD_SIZES: &'static [usize] = &[8, 16];
+    }
+
+    #[test]
+    fn an_old_config_layout_gets_defaults_for_its_missing_tail() {
+        let caller = Grown {
+            struct_size: 16,
+            a: 10,
+            b: 20,
+            c: 30,
+        };
+        // SAFETY: a live struct of 24 >= 16 bytes.
+        let read = unsafe { read_config(&caller) }.unwrap();
+        assert_eq!((read.a, read.b, read.c), (10, 20, 3));
+        let caller = Grown {
+            struct_size: 24,
+            ..caller
+        };
+        // SAFETY: as above.
+        let read = unsafe { read_config(&caller) }.unwrap();
+        assert_eq!((read.a, read.b, read.c), (10, 20, 30));
+        for size in [0, 4, 12, 32] {
+            let caller = Grown {
+                struct_size: size,
+                ..caller
+            };
+            // SAFETY: as above.
+            let err = unsafe { read_config(&caller) }.unwrap_err();
+            assert_eq!(err, RtStatus::StructSize, "struct_size {size}");
+        }
+    }
+
+    #[test]
+    fn an_old_out_layout_is_filled_as_far_as_it_reaches() {
+        let value = Grown {
+            struct_size: 0,
+            a: 10,
+            b: 20,
+            c: 30,
+        };
+        let mut out = Grown {
+            struct_size: 8,
+            a: 0,
+            b: 0,
+            c: 0,
+        };
+        // SAFETY: a live struct of 24 >= 8 writable bytes.
+        unsafe { write_out(&mut out, &value) }.unwrap();
+        assert_eq!(
+            out,
+            Grown {
+                struct_size: 8,
+                a: 10,
+                b: 0,
+                c: 0
+            }
+        );
+        out.struct_size = 24;
+        // SAFETY: as above.
+        unsafe { write_out(&mut out, &value) }.unwrap();
+        assert_eq!(out, Grown { struct_size: 24, ..value });
+        let mut out = Grown {
+            struct_size: 20,
+            a: 0,
+            b: 0,
+            c: 0,
+        };
+        // SAFETY: as above.
+        let err = unsafe { write_out(&mut out, &value) }.unwrap_err();
+        assert_eq!((err, out.a), (RtStatus::StructSize, 0));
+    }
+}
