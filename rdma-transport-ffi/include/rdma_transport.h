@@ -36,7 +36,8 @@ typedef enum RtStatus {
   RT_STATUS_COORDINATOR = 8,
   // The page pool could not be set up or is exhausted.
   RT_STATUS_POOL = 9,
-  // The range is outside the guest memory region.
+  // The range is outside the guest memory region, or a node index is
+  // past the last node of the map.
   RT_STATUS_OUT_OF_RANGE = 10,
   // Dirty pages could not be written back (they stay dirty and mapped).
   RT_STATUS_WRITE_BACK = 11,

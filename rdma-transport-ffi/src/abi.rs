@@ -227,7 +227,13 @@ mod tests {
         out.struct_size = 24;
         // SAFETY: as above.
         unsafe { write_out(&mut out, &value) }.unwrap();
-        assert_eq!(out, Grown { struct_size: 24, ..value });
+        assert_eq!(
+            out,
+            Grown {
+                struct_size: 24,
+                ..value
+            }
+        );
         let mut out = Grown {
             struct_size: 20,
             a: 0,

@@ -156,9 +156,7 @@ impl CConfig for RtManagerConfig {
             map_refresh_ms: d.map_refresh_ms,
             rdma_device: std::ptr::null(),
             rdma_port: u32::from(d.rdma_port),
-            rdma_gid_index: d
-                .rdma_gid_index
-                .map_or(RT_RDMA_GID_INDEX_AUTO, i32::from),
+            rdma_gid_index: d.rdma_gid_index.map_or(RT_RDMA_GID_INDEX_AUTO, i32::from),
             rdma_ack_timeout: u32::from(d.rdma_ack_timeout),
             rdma_retry_count: u32::from(d.rdma_retry_count),
             page_checksums: u32::from(d.page_checksums),
@@ -412,9 +410,15 @@ mod tests {
         // SAFETY: every pointer of `c` is NULL or a live string.
         let r = unsafe { rust_config(&c) }.unwrap();
         let d = ManagerConfig::default();
-        assert_eq!(format!("{r:?}"), format!("{:?}", ManagerConfig {
-            coordinator_url: "http://127.0.0.1:1".into(),
-            ..d
-        }));
+        assert_eq!(
+            format!("{r:?}"),
+            format!(
+                "{:?}",
+                ManagerConfig {
+                    coordinator_url: "http://127.0.0.1:1".into(),
+                    ..d
+                }
+            )
+        );
     }
 }

@@ -16,6 +16,8 @@ mod manager;
 mod stats;
 mod status;
 
+pub use config::{RtManagerConfig, RtPollMode, RtTransportKind, RT_RDMA_GID_INDEX_AUTO};
+pub use frame::{rt_frame_data, rt_frame_gpa, rt_frame_release, rt_manager_read_frame, RtFrame};
 pub use guest::{
     rt_guest_memory_config_default, rt_guest_memory_create, rt_guest_memory_destroy,
     rt_guest_memory_evict, rt_guest_memory_flush, rt_guest_memory_host_addr, rt_guest_memory_read,
@@ -23,8 +25,6 @@ pub use guest::{
     RtFaultErrorFn, RtFaultMode, RtFaultReport, RtGuestMemory, RtGuestMemoryConfig,
     RtGuestMemoryStats, RtSigbusMethod,
 };
-pub use config::{RtManagerConfig, RtPollMode, RtTransportKind, RT_RDMA_GID_INDEX_AUTO};
-pub use frame::{rt_frame_data, rt_frame_gpa, rt_frame_release, rt_manager_read_frame, RtFrame};
 pub use manager::{
     rt_manager_config_default, rt_manager_connect, rt_manager_destroy, rt_manager_read_page,
     rt_manager_read_pages, rt_manager_write_page, rt_manager_write_pages, RtManager,

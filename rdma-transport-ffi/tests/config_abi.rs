@@ -166,11 +166,7 @@ fn manager_config_of_the_first_layout_still_works() {
     let ptr = unsafe {
         let bytes = buf.as_mut_ptr().cast::<u8>();
         std::ptr::write_bytes(bytes, 0xff, std::mem::size_of::<RtManagerConfig>());
-        std::ptr::copy_nonoverlapping(
-            std::ptr::from_ref(&defaults).cast::<u8>(),
-            bytes,
-            FIRST,
-        );
+        std::ptr::copy_nonoverlapping(std::ptr::from_ref(&defaults).cast::<u8>(), bytes, FIRST);
         buf.as_ptr()
     };
     // SAFETY: FIRST readable bytes starting with struct_size, a live URL.
@@ -182,7 +178,10 @@ fn manager_config_of_the_first_layout_still_works() {
     // SAFETY: as above.
     let (status, message) = unsafe { connect_fails(ptr) };
     assert_eq!(status, RtStatus::InvalidArgument);
-    assert!(message.contains("pin_pollers must be 0 or 1, not 2"), "{message}");
+    assert!(
+        message.contains("pin_pollers must be 0 or 1, not 2"),
+        "{message}"
+    );
     // The whole struct with the same tail is refused: it is read.
     // SAFETY: as above.
     let c = unsafe { buf.as_mut_ptr().as_mut() }.unwrap();
@@ -216,7 +215,10 @@ fn bad_manager_options_are_refused_with_a_clear_message() {
             "poll_mode 2 is not an RtPollMode",
         ),
         (
-            RtManagerConfig { page_checksums: 9, ..d },
+            RtManagerConfig {
+                page_checksums: 9,
+                ..d
+            },
             "page_checksums must be 0 or 1, not 9",
         ),
         (
@@ -236,7 +238,13 @@ fn bad_manager_options_are_refused_with_a_clear_message() {
             "poller_cpus is given but pin_pollers is 0",
         ),
         (RtManagerConfig { rdma_port: 0, ..d }, "rdma_port is 0"),
-        (RtManagerConfig { rdma_port: 256, ..d }, "rdma_port is 256"),
+        (
+            RtManagerConfig {
+                rdma_port: 256,
+                ..d
+            },
+            "rdma_port is 256",
+        ),
         (
             RtManagerConfig {
                 rdma_gid_index: -2,
@@ -318,16 +326,16 @@ fn bad_manager_options_are_refused_with_a_clear_message() {
             },
             "cluster_key_file, cluster_key and insecure exclude each other",
         ),
-        (
-            RtManagerConfig { insecure: 0, ..d },
-            "no cluster key",
-        ),
+        (RtManagerConfig { insecure: 0, ..d }, "no cluster key"),
     ];
     for (config, expected) in cases {
         // SAFETY: every pointer of `config` is NULL or live.
         let (status, message) = unsafe { connect_fails(&config) };
         assert_eq!(status, RtStatus::InvalidArgument, "{expected}: {message}");
-        assert!(message.contains(expected), "{expected:?} not in {message:?}");
+        assert!(
+            message.contains(expected),
+            "{expected:?} not in {message:?}"
+        );
     }
     // The same defaults pass every check (and fail at the coordinator).
     // SAFETY: every pointer of `d` is NULL or live.

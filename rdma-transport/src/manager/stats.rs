@@ -109,8 +109,7 @@ impl Inner {
             nodes: state.nodes.len(),
             pool_frames: self.pool.capacity(),
             pool_free_frames: self.pool.available(),
-            read_hedge_delay_us: u64::try_from(self.hedge_delay().as_micros())
-                .unwrap_or(u64::MAX),
+            read_hedge_delay_us: u64::try_from(self.hedge_delay().as_micros()).unwrap_or(u64::MAX),
             ..ManagerStats::default()
         };
         for node in &state.nodes {
@@ -136,10 +135,14 @@ mod tests {
         let c = Counters::default();
         c.record(Opcode::Read, 3, &Ok(()));
         c.record(Opcode::Write, 2, &Ok(()));
-        c.record(Opcode::Read, 1, &Err(TransportError::Timeout {
+        c.record(
+            Opcode::Read,
+            1,
+            &Err(TransportError::Timeout {
                 node: "a".into(),
                 timeout_ms: 5,
-            }));
+            }),
+        );
         c.record(
             Opcode::Write,
             4,
