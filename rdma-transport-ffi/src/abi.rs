@@ -107,17 +107,15 @@ pub(crate) unsafe fn read_config<T: CConfig>(ptr: *const T) -> Result<T, RtStatu
 pub(crate) unsafe fn write_out<T: COut>(ptr: *mut T, value: &T) -> Result<(), RtStatus> {
     // SAFETY: the caller's contract.
     let struct_size = unsafe { known_size(ptr.cast_const(), T::NAME, T::OLD_SIZES) }?;
+    // Past the leading `struct_size` (the caller's stays).
     let skip = size_of::<u32>();
+    let from = std::ptr::from_ref(value).cast::<u8>().wrapping_add(skip);
+    let to = ptr.cast::<u8>().wrapping_add(skip);
     // SAFETY: the caller's struct has `struct_size` writable bytes (at
-    // most `size_of::<T>()`, which `value` has); bytes past the leading
-    // `struct_size` are copied, and every field is an integer (`COut`).
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            std::ptr::from_ref(value).cast::<u8>().add(skip),
-            ptr.cast::<u8>().add(skip),
-            struct_size - skip,
-        );
-    }
+    // most `size_of::<T>()`, which `value` has), so both ranges of
+    // `struct_size - skip` bytes after `skip` are in bounds; every field is
+    // an integer (`COut`).
+    unsafe { std::ptr::copy_nonoverlapping(from, to, struct_size - skip) };
     Ok(())
 }
 

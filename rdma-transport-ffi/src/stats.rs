@@ -202,12 +202,11 @@ pub unsafe extern "C" fn rt_manager_node_info(
                 ),
             );
         }
-        // SAFETY: `id` has `id_capacity` > `node_id.len()` writable bytes
-        // (caller's contract), which do not overlap the Rust string.
-        unsafe {
-            std::ptr::copy_nonoverlapping(node_id.as_ptr(), id.cast::<u8>(), node_id.len());
-            id.add(node_id.len()).write(0);
-        }
+        // SAFETY: `id` is non-null with `id_capacity` writable bytes
+        // (caller's contract), not overlapping the Rust string.
+        let buf = unsafe { std::slice::from_raw_parts_mut(id.cast::<u8>(), id_capacity) };
+        buf[..node_id.len()].copy_from_slice(node_id.as_bytes());
+        buf[node_id.len()] = 0;
         RtStatus::Ok
     })
 }

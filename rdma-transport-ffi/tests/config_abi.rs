@@ -161,14 +161,15 @@ fn manager_config_of_the_first_layout_still_works() {
         struct_size: FIRST as u32,
         ..manager_defaults()
     };
-    // SAFETY: `buf` has room for a whole config; the first FIRST bytes come
-    // from a live config, the rest are 0xff.
-    let ptr = unsafe {
-        let bytes = buf.as_mut_ptr().cast::<u8>();
-        std::ptr::write_bytes(bytes, 0xff, std::mem::size_of::<RtManagerConfig>());
-        std::ptr::copy_nonoverlapping(std::ptr::from_ref(&defaults).cast::<u8>(), bytes, FIRST);
-        buf.as_ptr()
+    let bytes = buf.as_mut_ptr().cast::<u8>();
+    // SAFETY: `buf` has room for a whole config.
+    unsafe { std::ptr::write_bytes(bytes, 0xff, std::mem::size_of::<RtManagerConfig>()) };
+    // SAFETY: FIRST < size_of::<RtManagerConfig>() bytes, from a live
+    // config (no padding in its first layout) into `buf`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(std::ptr::from_ref(&defaults).cast::<u8>(), bytes, FIRST)
     };
+    let ptr = buf.as_ptr();
     // SAFETY: FIRST readable bytes starting with struct_size, a live URL.
     let (status, message) = unsafe { connect_fails(ptr) };
     assert_eq!(status, RtStatus::Coordinator, "{message}");
