@@ -233,12 +233,9 @@ unsafe fn cluster_key(c: &RtManagerConfig) -> Result<Option<ClusterKey>, RtStatu
         (Some(path), true, false) => ClusterKey::from_file(Path::new(&path))
             .map(Some)
             .map_err(|e| invalid(format!("{NAME}.cluster_key_file: {e}"))),
-        (None, false, false) => {
-            let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-            ClusterKey::from_hex(&hex)
-                .map(Some)
-                .map_err(|e| invalid(format!("{NAME}.cluster_key: {e}")))
-        }
+        (None, false, false) => ClusterKey::from_bytes(bytes)
+            .map(Some)
+            .map_err(|e| invalid(format!("{NAME}.cluster_key: {e}"))),
         (None, true, true) => Ok(None),
         (None, true, false) => Err(invalid(format!(
             "no cluster key: set {NAME}.cluster_key_file (make one with `openssl rand -hex 32 \
