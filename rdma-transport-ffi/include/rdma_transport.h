@@ -517,8 +517,8 @@ enum RtStatus rt_manager_write_page(const struct RtManager *manager,
 
 // Reads the `count` pages at `gpas[0..count]` into `pages` (page i at
 // `pages + i * 4096`), all in flight at once. On error, returns the first
-// one; the other pages may or may not have been read. `count` 0 does
-// nothing.
+// one; the other pages may or may not have been read. `count` 0 moves
+// nothing and succeeds.
 //
 // # Safety
 // `manager` must be a live handle; `gpas` must point to `count` readable
@@ -532,7 +532,7 @@ enum RtStatus rt_manager_read_pages(const struct RtManager *manager,
 // Writes the `count` pages at `pages` (page i at `pages + i * 4096`) to
 // `gpas[0..count]`, all in flight at once; returns once every owner
 // acknowledged. On error, returns the first one; the other pages may or
-// may not have been written. `count` 0 does nothing.
+// may not have been written. `count` 0 moves nothing and succeeds.
 //
 // # Safety
 // `manager` must be a live handle; `gpas` must point to `count` readable

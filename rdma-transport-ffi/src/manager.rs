@@ -181,8 +181,8 @@ unsafe fn batch_gpas<'a>(
 
 /// Reads the `count` pages at `gpas[0..count]` into `pages` (page i at
 /// `pages + i * 4096`), all in flight at once. On error, returns the first
-/// one; the other pages may or may not have been read. `count` 0 does
-/// nothing.
+/// one; the other pages may or may not have been read. `count` 0 moves
+/// nothing and succeeds.
 ///
 /// # Safety
 /// `manager` must be a live handle; `gpas` must point to `count` readable
@@ -223,7 +223,7 @@ pub unsafe extern "C" fn rt_manager_read_pages(
 /// Writes the `count` pages at `pages` (page i at `pages + i * 4096`) to
 /// `gpas[0..count]`, all in flight at once; returns once every owner
 /// acknowledged. On error, returns the first one; the other pages may or
-/// may not have been written. `count` 0 does nothing.
+/// may not have been written. `count` 0 moves nothing and succeeds.
 ///
 /// # Safety
 /// `manager` must be a live handle; `gpas` must point to `count` readable
