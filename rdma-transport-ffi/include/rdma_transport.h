@@ -9,6 +9,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// `RtManagerConfig.rdma_gid_index`: pick the GID automatically (the
+// IPv4-mapped RoCE v2 GID on Ethernet ports, 0 on InfiniBand).
+#define RT_RDMA_GID_INDEX_AUTO -1
+
 // Result of every fallible call. `RT_STATUS_OK` is 0; on any other value
 // `rt_last_error()` tells what happened, on the calling thread.
 typedef enum RtStatus {
@@ -32,7 +36,8 @@ typedef enum RtStatus {
   RT_STATUS_COORDINATOR = 8,
   // The page pool could not be set up or is exhausted.
   RT_STATUS_POOL = 9,
-  // The range is outside the guest memory region.
+  // The range is outside the guest memory region, or a node index is
+  // past the last node of the map.
   RT_STATUS_OUT_OF_RANGE = 10,
   // Dirty pages could not be written back (they stay dirty and mapped).
   RT_STATUS_WRITE_BACK = 11,
@@ -97,6 +102,41 @@ typedef enum RtSigbusMethod {
   RT_SIGBUS_METHOD_TGKILL = 2,
 } RtSigbusMethod;
 
+// Which data path a manager uses (`RtManagerConfig.transport`).
+typedef enum RtTransportKind {
+  // RDMA where both ends have a usable device, TCP otherwise (default).
+  RT_TRANSPORT_KIND_AUTO = 0,
+  // TCP only.
+  RT_TRANSPORT_KIND_TCP = 1,
+  // RDMA only: `rt_manager_connect` fails with `RT_STATUS_UNSUPPORTED`
+  // on a host without a usable device.
+  RT_TRANSPORT_KIND_RDMA = 2,
+} RtTransportKind;
+
+// How poller threads wait for answers (`RtManagerConfig.poll_mode`).
+typedef enum RtPollMode {
+  // Spin while traffic flows, block after `poll_idle_spin_us` without an
+  // answer (default; lowest latency, costs a core while busy).
+  RT_POLL_MODE_BUSY = 0,
+  // Always block until a connection is readable.
+  RT_POLL_MODE_EVENT = 1,
+} RtPollMode;
+
+// The data path of a node's connection (`RtNodeInfo.data_path`).
+typedef enum RtDataPath {
+  // Not connected at the moment (connected again on use).
+  RT_DATA_PATH_NONE = 0,
+  // Pages move over TCP.
+  RT_DATA_PATH_TCP = 1,
+  // Pages move by RDMA READ/WRITE.
+  RT_DATA_PATH_RDMA = 2,
+} RtDataPath;
+
+// An opaque handle to one 4096-byte frame of a manager's page pool holding
+// a page. The frame is the caller's until `rt_frame_release` gives it back
+// to the pool; it stays valid after its manager is destroyed.
+typedef struct RtFrame RtFrame;
+
 // An opaque handle to a guest memory region.
 typedef struct RtGuestMemory RtGuestMemory;
 
@@ -160,15 +200,24 @@ typedef struct RtGuestMemoryConfig {
   void *on_fault_error_user;
 } RtGuestMemoryConfig;
 
-// Counters of a region.
+// Counters of a region (`rt_guest_memory_stats`). Set `struct_size` to
+// `sizeof(RtGuestMemoryStats)` before the call; the library fills the rest.
 typedef struct RtGuestMemoryStats {
-  // MISSING faults resolved by fetching the page.
+  // `sizeof(RtGuestMemoryStats)`, set by the caller (see
+  // docs/embedding.md).
+  uint32_t struct_size;
+  // MISSING faults resolved by fetching the page (counted right after
+  // the copy that wakes the faulting thread, so it may trail it).
   uint64_t missing_faults;
   // First writes to clean pages.
   uint64_t wp_faults;
+  // Faults parked until another thread finished with the page.
+  uint64_t deferred_faults;
   // Pages installed by read-ahead.
   uint64_t prefetched_pages;
-  // Faults that could not be served.
+  // Read-ahead batches fetched.
+  uint64_t prefetch_batches;
+  // Faults that could not be served within their deadline.
   uint64_t fault_errors;
   // Faults turned into SIGBUS.
   uint64_t sigbus_raised;
@@ -179,18 +228,22 @@ typedef struct RtGuestMemoryStats {
 } RtGuestMemoryStats;
 
 // Settings of `rt_manager_connect`; fill with `rt_manager_config_default`
-// first, then change what you need. Flags are 0 or 1; other values are
-// refused with `RT_STATUS_INVALID_ARGUMENT`.
+// first, then change what you need. Flags are 0 or 1 and enum fields hold
+// a value of their enum; anything else is refused with
+// `RT_STATUS_INVALID_ARGUMENT`. Strings are NUL-terminated UTF-8 and are
+// only read during `rt_manager_connect`.
 typedef struct RtManagerConfig {
   // `sizeof(RtManagerConfig)`, set by `rt_manager_config_default`: lets
-  // the struct grow (see docs/embedding.md). Other sizes are refused with
+  // the struct grow (see docs/embedding.md). The size of the first
+  // layout (64, up to `cluster_key_file`) is accepted too, with defaults
+  // for the fields after it; other sizes are refused with
   // `RT_STATUS_STRUCT_SIZE`.
   uint32_t struct_size;
-  // Poller threads.
+  // Poller threads (at least 1).
   uint32_t poller_threads;
   // Coordinator base URL, e.g. "http://127.0.0.1:7070" (required).
   const char *coordinator_url;
-  // Deadline of every page request, in milliseconds.
+  // Deadline of every page request, in milliseconds (at least 1).
   uint64_t request_timeout_ms;
   // Deadline of a connection attempt, in milliseconds.
   uint64_t connect_timeout_ms;
@@ -199,20 +252,141 @@ typedef struct RtManagerConfig {
   // How long a caller spins for its answer before it parks, in
   // microseconds (about 10 on hosts with 2-4 CPUs, see docs/embedding.md).
   uint64_t wait_spin_us;
-  // 1: pin pollers to the last CPUs of the host; 0: no pinning.
+  // 1: pin pollers (to `poller_cpus`, or the last CPUs of the host when
+  // `poller_cpus_len` is 0); 0: no pinning.
   uint32_t pin_pollers;
   // 1: run without a cluster key (insecure: only page-servers without a
   // key are used, and nothing proves who they are); 0: `cluster_key_file`
-  // is required.
+  // or `cluster_key` is required.
   uint32_t insecure;
   // Path of the cluster key file (hex, at least 32 bytes, not readable by
-  // other users), NUL-terminated; NULL only with `insecure` = 1.
+  // other users); NULL when the key is given in `cluster_key` or
+  // `insecure` is 1.
   const char *cluster_key_file;
+  // An `RtTransportKind` value.
+  uint32_t transport;
+  // An `RtPollMode` value.
+  uint32_t poll_mode;
+  // CPUs to pin pollers to (poller i on `poller_cpus[i % len]`), with
+  // `pin_pollers` = 1; NULL and 0: the last CPUs of the host.
+  const uint32_t *poller_cpus;
+  // Entries of `poller_cpus`.
+  size_t poller_cpus_len;
+  // Busy poll mode: how long a poller keeps spinning after the last
+  // answer, in microseconds.
+  uint64_t poll_idle_spin_us;
+  // Period of the background map refresh in milliseconds; 0 turns it
+  // off (the map is still refreshed on a miss or a lost node).
+  uint64_t map_refresh_ms;
+  // RDMA device name (e.g. "mlx5_0", "rxe0"); NULL: the first device.
+  const char *rdma_device;
+  // Port of the RDMA device (1 to 255).
+  uint32_t rdma_port;
+  // GID index (0 to 255), or `RT_RDMA_GID_INDEX_AUTO`.
+  int32_t rdma_gid_index;
+  // Local ACK timeout code of the queue pairs (4.096 us * 2^code; 1 to 31).
+  uint32_t rdma_ack_timeout;
+  // Transport retries before an RDMA request fails (0 to 7).
+  uint32_t rdma_retry_count;
+  // Flag: ask page-servers for end-to-end page checksums (CRC-32C, TCP
+  // data path; default 1).
+  uint32_t page_checksums;
+  // Replicated ranges: how long a read waits for a replica before it
+  // also goes to the next one, in microseconds; 0 (default): four times
+  // the recent p99, at least 1 ms. At most half of `request_timeout_ms`.
+  uint64_t read_hedge_delay_us;
+  // Bearer token for a coordinator without a cluster key (its
+  // `--token`); NULL: none. Unused with a cluster key.
+  const char *coordinator_token;
+  // The cluster key's bytes (32 to 1024, not hex), instead of
+  // `cluster_key_file`; NULL and 0: none. Copied during
+  // `rt_manager_connect`.
+  const uint8_t *cluster_key;
+  // Bytes at `cluster_key`.
+  size_t cluster_key_len;
 } RtManagerConfig;
+
+// What a manager reports (`rt_manager_stats`). Set `struct_size` to
+// `sizeof(RtManagerStats)` before the call; the library fills the rest.
+// Counters start at 0 when the manager connects and only grow; the other
+// fields are values of the moment of the call.
+typedef struct RtManagerStats {
+  // `sizeof(RtManagerStats)`, set by the caller (see docs/embedding.md).
+  uint32_t struct_size;
+  // Version of the GPA map in use.
+  uint64_t map_version;
+  // Nodes in the map.
+  uint64_t node_count;
+  // Nodes with a live connection now.
+  uint64_t nodes_connected;
+  // Nodes whose live connection moves pages by RDMA.
+  uint64_t nodes_rdma;
+  // Frames (4096 bytes each) of the page pool.
+  uint64_t pool_frames;
+  // Frames of the page pool not in use now (an `RtFrame` holds one).
+  uint64_t pool_free_frames;
+  // How long a replicated read waits now before it also goes to the
+  // next replica, in microseconds.
+  uint64_t read_hedge_delay_us;
+  // Page-I/O calls that succeeded (read/write page(s), read frame; a
+  // batch counts once).
+  uint64_t calls_ok;
+  // Page-I/O calls that failed, `calls_timed_out` included.
+  uint64_t calls_failed;
+  // Page-I/O calls that failed with `RT_STATUS_TIMEOUT`.
+  uint64_t calls_timed_out;
+  // Pages read by calls that succeeded.
+  uint64_t pages_read;
+  // Pages written by calls that succeeded.
+  uint64_t pages_written;
+} RtManagerStats;
+
+// One node of the map (`rt_manager_node_info`). Set `struct_size` to
+// `sizeof(RtNodeInfo)` before the call.
+typedef struct RtNodeInfo {
+  // `sizeof(RtNodeInfo)`, set by the caller.
+  uint32_t struct_size;
+  // An `RtDataPath` value.
+  uint32_t data_path;
+  // Length of the node's id in bytes, without the NUL.
+  uint64_t id_len;
+} RtNodeInfo;
 
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// Reads the page at `gpa` into a free frame of the manager's page pool;
+// `*out` receives the frame (give it back with `rt_frame_release`). Fails
+// with `RT_STATUS_POOL` when every frame is in use.
+//
+// # Safety
+// `manager` must be NULL or a live handle; `out` NULL or writable.
+enum RtStatus rt_manager_read_frame(const struct RtManager *manager,
+                                    uint64_t gpa,
+                                    struct RtFrame **out);
+
+// The frame's 4096 bytes (4096-byte aligned; NULL for a NULL handle),
+// valid until `rt_frame_release`. The caller may write them: they are its
+// own until then.
+//
+// # Safety
+// `frame` must be NULL or a live handle.
+uint8_t *rt_frame_data(const struct RtFrame *frame);
+
+// The guest-physical address the frame was read from (0 for a NULL
+// handle).
+//
+// # Safety
+// `frame` must be NULL or a live handle.
+uint64_t rt_frame_gpa(const struct RtFrame *frame);
+
+// Gives the frame back to its pool.
+//
+// # Safety
+// `frame` must be NULL or a handle from `rt_manager_read_frame` not yet
+// released.
+void rt_frame_release(struct RtFrame *frame);
 
 // Fills `config` with the defaults (GPA base 0, size 0: set both).
 //
@@ -292,26 +466,30 @@ enum RtStatus rt_guest_memory_evict(const struct RtGuestMemory *memory,
                                     uint64_t len,
                                     uint64_t *pages_dropped);
 
-// Copies the region's counters into `*stats`.
+// Fills `*stats` (whose `struct_size` the caller set) with the region's
+// counters.
 //
 // # Safety
-// `memory` must be a live handle; `stats` writable.
+// `memory` must be NULL or a live handle; `stats` NULL or an
+// `RtGuestMemoryStats` with `struct_size` writable bytes.
 enum RtStatus rt_guest_memory_stats(const struct RtGuestMemory *memory,
                                     struct RtGuestMemoryStats *stats);
 
-// Fills `config` with the library's defaults (no URL).
+// Fills `config` with the library's defaults (no URL, no cluster key).
 //
 // # Safety
 // `config` must be NULL or point to a writable `RtManagerConfig`.
 void rt_manager_config_default(struct RtManagerConfig *config);
 
 // Connects to the coordinator and every node of its map; `*out` receives
-// the manager (destroy it with `rt_manager_destroy`).
+// the manager (destroy it with `rt_manager_destroy`). The config is
+// checked first (`struct_size`, flags, enum values, ranges, pointers),
+// then `out`.
 //
 // # Safety
-// `config` must point to an `RtManagerConfig` (at least `struct_size`
-// readable bytes) whose URL is a NUL-terminated string; `out` must be
-// writable.
+// `config` must be NULL or point to an `RtManagerConfig` (at least
+// `struct_size` readable bytes) whose pointers are NULL or valid as their
+// fields document; `out` must be NULL or writable.
 enum RtStatus rt_manager_connect(const struct RtManagerConfig *config, struct RtManager **out);
 
 // Destroys a manager. Guest memory created from it keeps its own
@@ -336,6 +514,66 @@ enum RtStatus rt_manager_read_page(const struct RtManager *manager, uint64_t gpa
 enum RtStatus rt_manager_write_page(const struct RtManager *manager,
                                     uint64_t gpa,
                                     const uint8_t *page);
+
+// Reads the `count` pages at `gpas[0..count]` into `pages` (page i at
+// `pages + i * 4096`), all in flight at once. On error, returns the first
+// one; the other pages may or may not have been read. `count` 0 moves
+// nothing and succeeds.
+//
+// # Safety
+// `manager` must be a live handle; `gpas` must point to `count` readable
+// addresses and `pages` to `count * 4096` writable bytes (either may be
+// NULL when `count` is 0).
+enum RtStatus rt_manager_read_pages(const struct RtManager *manager,
+                                    const uint64_t *gpas,
+                                    size_t count,
+                                    uint8_t *pages);
+
+// Writes the `count` pages at `pages` (page i at `pages + i * 4096`) to
+// `gpas[0..count]`, all in flight at once; returns once every owner
+// acknowledged. On error, returns the first one; the other pages may or
+// may not have been written. `count` 0 moves nothing and succeeds.
+//
+// # Safety
+// `manager` must be a live handle; `gpas` must point to `count` readable
+// addresses and `pages` to `count * 4096` readable bytes (either may be
+// NULL when `count` is 0).
+enum RtStatus rt_manager_write_pages(const struct RtManager *manager,
+                                     const uint64_t *gpas,
+                                     size_t count,
+                                     const uint8_t *pages);
+
+// Fills `*stats` (whose `struct_size` the caller set) with the manager's
+// statistics.
+//
+// # Safety
+// `manager` must be NULL or a live handle; `stats` NULL or an
+// `RtManagerStats` with `struct_size` writable bytes.
+enum RtStatus rt_manager_stats(const struct RtManager *manager, struct RtManagerStats *stats);
+
+// Number of nodes in the manager's map now (0 for a NULL handle).
+//
+// # Safety
+// `manager` must be NULL or a live handle.
+size_t rt_manager_node_count(const struct RtManager *manager);
+
+// Describes node `index` (0 to `rt_manager_node_count` - 1) of the map:
+// fills `*info` (whose `struct_size` the caller set) and copies the node's
+// id, NUL-terminated, into `id` (`id_capacity` bytes). `id` may be NULL
+// with `id_capacity` 0 to learn `info->id_len` only. An id buffer too small
+// for `id_len + 1` bytes: `RT_STATUS_INVALID_ARGUMENT`, with `*info`
+// filled and `id` untouched. An index past the last node (the map may have
+// changed): `RT_STATUS_OUT_OF_RANGE`.
+//
+// # Safety
+// `manager` must be NULL or a live handle; `info` NULL or an `RtNodeInfo`
+// with `struct_size` writable bytes; `id` NULL or `id_capacity` writable
+// bytes.
+enum RtStatus rt_manager_node_info(const struct RtManager *manager,
+                                   size_t index,
+                                   struct RtNodeInfo *info,
+                                   char *id,
+                                   size_t id_capacity);
 
 // A static, human-readable name of an `RtStatus` value (never NULL).
 const char *rt_status_str(int32_t status);

@@ -5,10 +5,10 @@ use std::sync::Arc;
 
 use rdma_transport::guest_memory::{
     FaultAction, FaultMode, FaultReport, GuestMemory, GuestMemoryConfig, GuestMemoryError,
-    SigbusMethod,
+    GuestMemoryStats, SigbusMethod,
 };
 
-use crate::abi::{flag, read_config, struct_size, CConfig};
+use crate::abi::{flag, read_config, struct_size, write_out, CConfig, COut};
 use crate::manager::RtManager;
 use crate::status::{chain, fail, guard, guest_status, transport_status, RtStatus};
 
@@ -119,19 +119,49 @@ pub struct RtGuestMemoryConfig {
 
 impl CConfig for RtGuestMemoryConfig {
     const NAME: &'static str = "RtGuestMemoryConfig";
+
+    fn defaults() -> Self {
+        let d = GuestMemoryConfig::default();
+        Self {
+            struct_size: struct_size::<Self>(),
+            gpa_base: 0,
+            size_bytes: 0,
+            handler_threads: d.handler_threads as u32,
+            pin_handlers: 1,
+            fault_timeout_ms: d.fault_timeout_ms,
+            retry_interval_ms: d.retry_interval_ms,
+            prefetch_max_pages: d.prefetch_max_pages as u32,
+            sigbus_method: RtSigbusMethod::Auto as u32,
+            fault_mode: match d.fault_mode {
+                FaultMode::KernelAndUser => RtFaultMode::KernelAndUser as u32,
+                FaultMode::UserOnly => RtFaultMode::UserOnly as u32,
+            },
+            on_fault_error: None,
+            on_fault_error_user: std::ptr::null_mut(),
+        }
+    }
 }
 
-/// Counters of a region.
+/// Counters of a region (`rt_guest_memory_stats`). Set `struct_size` to
+/// `sizeof(RtGuestMemoryStats)` before the call; the library fills the rest.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RtGuestMemoryStats {
-    /// MISSING faults resolved by fetching the page.
+    /// `sizeof(RtGuestMemoryStats)`, set by the caller (see
+    /// docs/embedding.md).
+    pub struct_size: u32,
+    /// MISSING faults resolved by fetching the page (counted right after
+    /// the copy that wakes the faulting thread, so it may trail it).
     pub missing_faults: u64,
     /// First writes to clean pages.
     pub wp_faults: u64,
+    /// Faults parked until another thread finished with the page.
+    pub deferred_faults: u64,
     /// Pages installed by read-ahead.
     pub prefetched_pages: u64,
-    /// Faults that could not be served.
+    /// Read-ahead batches fetched.
+    pub prefetch_batches: u64,
+    /// Faults that could not be served within their deadline.
     pub fault_errors: u64,
     /// Faults turned into SIGBUS.
     pub sigbus_raised: u64,
@@ -141,33 +171,19 @@ pub struct RtGuestMemoryStats {
     pub pages_evicted: u64,
 }
 
+impl COut for RtGuestMemoryStats {
+    const NAME: &'static str = "RtGuestMemoryStats";
+}
+
 /// Fills `config` with the defaults (GPA base 0, size 0: set both).
 ///
 /// # Safety
 /// `config` must be NULL or point to a writable `RtGuestMemoryConfig`.
 #[no_mangle]
 pub unsafe extern "C" fn rt_guest_memory_config_default(config: *mut RtGuestMemoryConfig) {
-    let d = GuestMemoryConfig::default();
-    let value = RtGuestMemoryConfig {
-        struct_size: struct_size::<RtGuestMemoryConfig>(),
-        gpa_base: 0,
-        size_bytes: 0,
-        handler_threads: d.handler_threads as u32,
-        pin_handlers: 1,
-        fault_timeout_ms: d.fault_timeout_ms,
-        retry_interval_ms: d.retry_interval_ms,
-        prefetch_max_pages: d.prefetch_max_pages as u32,
-        sigbus_method: RtSigbusMethod::Auto as u32,
-        fault_mode: match d.fault_mode {
-            FaultMode::KernelAndUser => RtFaultMode::KernelAndUser as u32,
-            FaultMode::UserOnly => RtFaultMode::UserOnly as u32,
-        },
-        on_fault_error: None,
-        on_fault_error_user: std::ptr::null_mut(),
-    };
     // SAFETY: the caller passes NULL or a writable config.
     if let Some(out) = unsafe { config.as_mut() } {
-        *out = value;
+        *out = RtGuestMemoryConfig::defaults();
     }
 }
 
@@ -449,30 +465,47 @@ pub unsafe extern "C" fn rt_guest_memory_evict(
     })
 }
 
-/// Copies the region's counters into `*stats`.
+/// Fills `*stats` (whose `struct_size` the caller set) with the region's
+/// counters.
 ///
 /// # Safety
-/// `memory` must be a live handle; `stats` writable.
+/// `memory` must be NULL or a live handle; `stats` NULL or an
+/// `RtGuestMemoryStats` with `struct_size` writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn rt_guest_memory_stats(
     memory: *const RtGuestMemory,
     stats: *mut RtGuestMemoryStats,
 ) -> RtStatus {
     with_memory(memory, |m| {
-        // SAFETY: NULL or writable (caller's contract).
-        let Some(out) = (unsafe { stats.as_mut() }) else {
-            return fail(RtStatus::InvalidArgument, "stats is NULL");
+        // Every field by name: a counter added to `GuestMemoryStats` does
+        // not compile until it is here too.
+        let GuestMemoryStats {
+            missing_faults,
+            wp_faults,
+            deferred_faults,
+            prefetched_pages,
+            prefetch_batches,
+            fault_errors,
+            sigbus_raised,
+            pages_written_back,
+            pages_evicted,
+        } = m.stats();
+        let value = RtGuestMemoryStats {
+            struct_size: 0,
+            missing_faults,
+            wp_faults,
+            deferred_faults,
+            prefetched_pages,
+            prefetch_batches,
+            fault_errors,
+            sigbus_raised,
+            pages_written_back,
+            pages_evicted,
         };
-        let s = m.stats();
-        *out = RtGuestMemoryStats {
-            missing_faults: s.missing_faults,
-            wp_faults: s.wp_faults,
-            prefetched_pages: s.prefetched_pages,
-            fault_errors: s.fault_errors,
-            sigbus_raised: s.sigbus_raised,
-            pages_written_back: s.pages_written_back,
-            pages_evicted: s.pages_evicted,
-        };
-        RtStatus::Ok
+        // SAFETY: the caller passes NULL or a struct of `struct_size` bytes.
+        match unsafe { write_out(stats, &value) } {
+            Ok(()) => RtStatus::Ok,
+            Err(status) => status,
+        }
     })
 }

@@ -9,10 +9,15 @@
 //! `librdma_transport_ffi.a`. See `docs/embedding.md` for an example.
 
 mod abi;
+mod config;
+mod frame;
 mod guest;
 mod manager;
+mod stats;
 mod status;
 
+pub use config::{RtManagerConfig, RtPollMode, RtTransportKind, RT_RDMA_GID_INDEX_AUTO};
+pub use frame::{rt_frame_data, rt_frame_gpa, rt_frame_release, rt_manager_read_frame, RtFrame};
 pub use guest::{
     rt_guest_memory_config_default, rt_guest_memory_create, rt_guest_memory_destroy,
     rt_guest_memory_evict, rt_guest_memory_flush, rt_guest_memory_host_addr, rt_guest_memory_read,
@@ -22,6 +27,10 @@ pub use guest::{
 };
 pub use manager::{
     rt_manager_config_default, rt_manager_connect, rt_manager_destroy, rt_manager_read_page,
-    rt_manager_write_page, RtManager, RtManagerConfig,
+    rt_manager_read_pages, rt_manager_write_page, rt_manager_write_pages, RtManager,
+};
+pub use stats::{
+    rt_manager_node_count, rt_manager_node_info, rt_manager_stats, RtDataPath, RtManagerStats,
+    RtNodeInfo,
 };
 pub use status::{rt_last_error, rt_status_str, RtStatus};

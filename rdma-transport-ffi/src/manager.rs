@@ -1,11 +1,11 @@
 //! `RtManager`: the transport manager.
 
-use std::ffi::{c_char, CStr};
 use std::sync::Arc;
 
-use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
+use rdma_transport::{Page, TransportManager, PAGE_SIZE};
 
-use crate::abi::{flag, read_config, struct_size, CConfig};
+use crate::abi::{read_config, CConfig};
+use crate::config::{rust_config, RtManagerConfig};
 use crate::status::{chain, fail, guard, transport_status, RtStatus};
 
 /// An opaque handle to a transport manager.
@@ -14,76 +14,27 @@ pub struct RtManager {
     pub(crate) inner: Arc<TransportManager>,
 }
 
-/// Settings of `rt_manager_connect`; fill with `rt_manager_config_default`
-/// first, then change what you need. Flags are 0 or 1; other values are
-/// refused with `RT_STATUS_INVALID_ARGUMENT`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct RtManagerConfig {
-    /// `sizeof(RtManagerConfig)`, set by `rt_manager_config_default`: lets
-    /// the struct grow (see docs/embedding.md). Other sizes are refused with
-    /// `RT_STATUS_STRUCT_SIZE`.
-    pub struct_size: u32,
-    /// Poller threads.
-    pub poller_threads: u32,
-    /// Coordinator base URL, e.g. "http://127.0.0.1:7070" (required).
-    pub coordinator_url: *const c_char,
-    /// Deadline of every page request, in milliseconds.
-    pub request_timeout_ms: u64,
-    /// Deadline of a connection attempt, in milliseconds.
-    pub connect_timeout_ms: u64,
-    /// Size of the page pool in bytes (a multiple of 4096).
-    pub pool_size_bytes: u64,
-    /// How long a caller spins for its answer before it parks, in
-    /// microseconds (about 10 on hosts with 2-4 CPUs, see docs/embedding.md).
-    pub wait_spin_us: u64,
-    /// 1: pin pollers to the last CPUs of the host; 0: no pinning.
-    pub pin_pollers: u32,
-    /// 1: run without a cluster key (insecure: only page-servers without a
-    /// key are used, and nothing proves who they are); 0: `cluster_key_file`
-    /// is required.
-    pub insecure: u32,
-    /// Path of the cluster key file (hex, at least 32 bytes, not readable by
-    /// other users), NUL-terminated; NULL only with `insecure` = 1.
-    pub cluster_key_file: *const c_char,
-}
-
-impl CConfig for RtManagerConfig {
-    const NAME: &'static str = "RtManagerConfig";
-}
-
-/// Fills `config` with the library's defaults (no URL).
+/// Fills `config` with the library's defaults (no URL, no cluster key).
 ///
 /// # Safety
 /// `config` must be NULL or point to a writable `RtManagerConfig`.
 #[no_mangle]
 pub unsafe extern "C" fn rt_manager_config_default(config: *mut RtManagerConfig) {
-    let d = ManagerConfig::default();
-    let value = RtManagerConfig {
-        struct_size: struct_size::<RtManagerConfig>(),
-        coordinator_url: std::ptr::null(),
-        request_timeout_ms: d.request_timeout_ms,
-        connect_timeout_ms: d.connect_timeout_ms,
-        pool_size_bytes: d.pool_size_bytes as u64,
-        poller_threads: d.poller_threads as u32,
-        pin_pollers: 1,
-        insecure: 0,
-        cluster_key_file: std::ptr::null(),
-        wait_spin_us: d.wait_spin_us,
-    };
     // SAFETY: the caller passes NULL or a writable config.
     if let Some(out) = unsafe { config.as_mut() } {
-        *out = value;
+        *out = RtManagerConfig::defaults();
     }
 }
 
 /// Connects to the coordinator and every node of its map; `*out` receives
-/// the manager (destroy it with `rt_manager_destroy`).
+/// the manager (destroy it with `rt_manager_destroy`). The config is
+/// checked first (`struct_size`, flags, enum values, ranges, pointers),
+/// then `out`.
 ///
 /// # Safety
-/// `config` must point to an `RtManagerConfig` (at least `struct_size`
-/// readable bytes) whose URL is a NUL-terminated string; `out` must be
-/// writable.
+/// `config` must be NULL or point to an `RtManagerConfig` (at least
+/// `struct_size` readable bytes) whose pointers are NULL or valid as their
+/// fields document; `out` must be NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn rt_manager_connect(
     config: *const RtManagerConfig,
@@ -95,51 +46,14 @@ pub unsafe extern "C" fn rt_manager_connect(
             Ok(c) => c,
             Err(status) => return status,
         };
-        let pin_pollers = match flag(config.pin_pollers, RtManagerConfig::NAME, "pin_pollers") {
-            Ok(pin) => pin,
+        // SAFETY: the config's pointers are valid (caller's contract).
+        let rust_config = match unsafe { rust_config(&config) } {
+            Ok(c) => c,
             Err(status) => return status,
         };
-        let insecure = match flag(config.insecure, RtManagerConfig::NAME, "insecure") {
-            Ok(insecure) => insecure,
-            Err(status) => return status,
-        };
-        let key_path = if config.cluster_key_file.is_null() {
-            None
-        } else {
-            // SAFETY: non-null, NUL-terminated by the caller's contract.
-            let path = unsafe { CStr::from_ptr(config.cluster_key_file) };
-            match path.to_str() {
-                Ok(p) => Some(std::path::PathBuf::from(p)),
-                Err(_) => return fail(RtStatus::InvalidArgument, "cluster_key_file is not UTF-8"),
-            }
-        };
-        let cluster_key = match rdma_transport::auth::key_from_flags(key_path.as_deref(), insecure)
-        {
-            Ok(key) => key,
-            Err(msg) => return fail(RtStatus::InvalidArgument, msg),
-        };
-        if out.is_null() || config.coordinator_url.is_null() {
-            return fail(RtStatus::InvalidArgument, "out or coordinator_url is NULL");
+        if out.is_null() {
+            return fail(RtStatus::InvalidArgument, "out is NULL");
         }
-        // SAFETY: non-null, NUL-terminated by the caller's contract.
-        let url = unsafe { CStr::from_ptr(config.coordinator_url) };
-        let Ok(url) = url.to_str() else {
-            return fail(RtStatus::InvalidArgument, "coordinator_url is not UTF-8");
-        };
-        let Ok(pool_size_bytes) = usize::try_from(config.pool_size_bytes) else {
-            return fail(RtStatus::InvalidArgument, "pool_size_bytes too large");
-        };
-        let rust_config = ManagerConfig {
-            coordinator_url: url.to_owned(),
-            cluster_key,
-            request_timeout_ms: config.request_timeout_ms,
-            connect_timeout_ms: config.connect_timeout_ms,
-            pool_size_bytes,
-            poller_threads: config.poller_threads as usize,
-            poller_cpus: if pin_pollers { None } else { Some(vec![]) },
-            wait_spin_us: config.wait_spin_us,
-            ..ManagerConfig::default()
-        };
         match TransportManager::connect(rust_config) {
             Ok(m) => {
                 let handle = Box::into_raw(Box::new(RtManager { inner: Arc::new(m) }));
@@ -215,6 +129,132 @@ pub unsafe extern "C" fn rt_manager_write_page(
         // SAFETY: non-null and 4096 readable bytes (caller's contract).
         let page = unsafe { &*page.cast::<[u8; PAGE_SIZE]>() };
         match manager.inner.write_page(gpa, page) {
+            Ok(()) => RtStatus::Ok,
+            Err(e) => fail(transport_status(&e), chain(&e)),
+        }
+    })
+}
+
+/// The manager behind a handle, or the status of a NULL one.
+///
+/// # Safety
+/// `manager` must be NULL or a live handle.
+pub(crate) unsafe fn manager_ref<'a>(
+    manager: *const RtManager,
+) -> Result<&'a TransportManager, RtStatus> {
+    // SAFETY: the caller passes NULL or a live handle.
+    match unsafe { manager.as_ref() } {
+        Some(m) => Ok(&m.inner),
+        None => Err(fail(RtStatus::InvalidArgument, "manager is NULL")),
+    }
+}
+
+/// The `count` addresses at `gpas` of a batch call, after checking that
+/// neither pointer is NULL (unless `count` is 0) and that `count` pages fit
+/// in memory.
+///
+/// # Safety
+/// `gpas` must be NULL or point to `count` addresses readable for `'a`.
+unsafe fn batch_gpas<'a>(
+    gpas: *const u64,
+    count: usize,
+    pages_null: bool,
+) -> Result<&'a [u64], RtStatus> {
+    if count == 0 {
+        return Ok(&[]);
+    }
+    if gpas.is_null() || pages_null {
+        return Err(fail(
+            RtStatus::InvalidArgument,
+            format!("gpas or pages is NULL with count {count}"),
+        ));
+    }
+    if count > isize::MAX as usize / PAGE_SIZE {
+        return Err(fail(
+            RtStatus::InvalidArgument,
+            format!("count {count} pages is too large"),
+        ));
+    }
+    // SAFETY: non-null and `count` readable addresses (caller's contract).
+    Ok(unsafe { std::slice::from_raw_parts(gpas, count) })
+}
+
+/// Reads the `count` pages at `gpas[0..count]` into `pages` (page i at
+/// `pages + i * 4096`), all in flight at once. On error, returns the first
+/// one; the other pages may or may not have been read. `count` 0 moves
+/// nothing and succeeds.
+///
+/// # Safety
+/// `manager` must be a live handle; `gpas` must point to `count` readable
+/// addresses and `pages` to `count * 4096` writable bytes (either may be
+/// NULL when `count` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn rt_manager_read_pages(
+    manager: *const RtManager,
+    gpas: *const u64,
+    count: usize,
+    pages: *mut u8,
+) -> RtStatus {
+    guard(|| {
+        // SAFETY: the caller passes NULL or a live handle.
+        let manager = match unsafe { manager_ref(manager) } {
+            Ok(m) => m,
+            Err(status) => return status,
+        };
+        // SAFETY: the caller's contract on `gpas` and `count`.
+        let gpas = match unsafe { batch_gpas(gpas, count, pages.is_null()) } {
+            Ok(g) => g,
+            Err(status) => return status,
+        };
+        let pages = match gpas.len() {
+            0 => &mut [][..],
+            // SAFETY: non-null (checked by `batch_gpas`) and `count` pages
+            // of writable bytes (caller's contract); a `Page` is 4096 bytes
+            // of alignment 1.
+            n => unsafe { std::slice::from_raw_parts_mut(pages.cast::<Page>(), n) },
+        };
+        match manager.read_pages(gpas, pages) {
+            Ok(()) => RtStatus::Ok,
+            Err(e) => fail(transport_status(&e), chain(&e)),
+        }
+    })
+}
+
+/// Writes the `count` pages at `pages` (page i at `pages + i * 4096`) to
+/// `gpas[0..count]`, all in flight at once; returns once every owner
+/// acknowledged. On error, returns the first one; the other pages may or
+/// may not have been written. `count` 0 moves nothing and succeeds.
+///
+/// # Safety
+/// `manager` must be a live handle; `gpas` must point to `count` readable
+/// addresses and `pages` to `count * 4096` readable bytes (either may be
+/// NULL when `count` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn rt_manager_write_pages(
+    manager: *const RtManager,
+    gpas: *const u64,
+    count: usize,
+    pages: *const u8,
+) -> RtStatus {
+    guard(|| {
+        // SAFETY: the caller passes NULL or a live handle.
+        let manager = match unsafe { manager_ref(manager) } {
+            Ok(m) => m,
+            Err(status) => return status,
+        };
+        // SAFETY: the caller's contract on `gpas` and `count`.
+        let gpas = match unsafe { batch_gpas(gpas, count, pages.is_null()) } {
+            Ok(g) => g,
+            Err(status) => return status,
+        };
+        let pages = match gpas.len() {
+            0 => &[][..],
+            // SAFETY: non-null (checked by `batch_gpas`) and `count` pages
+            // of readable bytes (caller's contract); a `Page` is 4096 bytes
+            // of alignment 1.
+            n => unsafe { std::slice::from_raw_parts(pages.cast::<Page>(), n) },
+        };
+        match manager.write_pages(gpas, pages) {
             Ok(()) => RtStatus::Ok,
             Err(e) => fail(transport_status(&e), chain(&e)),
         }

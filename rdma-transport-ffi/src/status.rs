@@ -33,7 +33,8 @@ pub enum RtStatus {
     Coordinator = 8,
     /// The page pool could not be set up or is exhausted.
     Pool = 9,
-    /// The range is outside the guest memory region.
+    /// The range is outside the guest memory region, or a node index is
+    /// past the last node of the map.
     OutOfRange = 10,
     /// Dirty pages could not be written back (they stay dirty and mapped).
     WriteBack = 11,
@@ -175,7 +176,9 @@ pub extern "C" fn rt_status_str(status: i32) -> *const c_char {
         Some(RtStatus::Protocol) => b"protocol error\0",
         Some(RtStatus::Coordinator) => b"coordinator unreachable or refused\0",
         Some(RtStatus::Pool) => b"page pool error\0",
-        Some(RtStatus::OutOfRange) => b"range outside the guest memory region\0",
+        Some(RtStatus::OutOfRange) => {
+            b"range outside the guest memory region, or node index past the last node\0"
+        }
         Some(RtStatus::WriteBack) => b"write-back of dirty pages failed\0",
         Some(RtStatus::Unsupported) => b"not supported on this host\0",
         Some(RtStatus::System) => b"system call failed\0",

@@ -82,7 +82,11 @@ fn c_program_drives_manager_and_guest_memory() {
         "compiling smoke.c failed:\n{}",
         String::from_utf8_lossy(&build.stderr)
     );
+    // The library just built, not a stale copy elsewhere on the search path:
+    // `cargo test` puts target/debug (where `cargo build` leaves one) in
+    // LD_LIBRARY_PATH, which wins over the executable's RUNPATH.
     let run = Command::new(&exe)
+        .env("LD_LIBRARY_PATH", &lib_dir)
         .arg(coord.url())
         .arg((2 * NODE_BYTES).to_string())
         .arg(&key_file)

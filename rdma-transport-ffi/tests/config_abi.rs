@@ -123,3 +123,223 @@ fn manager_flag_and_struct_size_are_checked_before_connecting() {
     });
     assert_eq!(status, RtStatus::StructSize);
 }
+
+fn manager_defaults() -> RtManagerConfig {
+    let mut c = std::mem::MaybeUninit::<RtManagerConfig>::uninit();
+    // SAFETY: fills every field of the struct.
+    unsafe { rt_manager_config_default(c.as_mut_ptr()) };
+    // SAFETY: initialised just above.
+    let mut c = unsafe { c.assume_init() };
+    // Nothing listens on port 1: a config that passes every check fails to
+    // reach the coordinator, quickly.
+    c.coordinator_url = c"http://127.0.0.1:1".as_ptr();
+    c.insecure = 1;
+    c
+}
+
+/// `rt_manager_connect` of `config`, which must fail: its status and message.
+///
+/// # Safety
+/// `config` must be valid for `rt_manager_connect`.
+unsafe fn connect_fails(config: *const RtManagerConfig) -> (RtStatus, String) {
+    let mut out: *mut RtManager = std::ptr::null_mut();
+    // SAFETY: the caller's contract; `out` is writable.
+    let status = unsafe { rt_manager_connect(config, &mut out) };
+    assert!(out.is_null());
+    (status, last_error())
+}
+
+/// The first layout of `RtManagerConfig` (64 bytes, up to
+/// `cluster_key_file`), in a buffer of the current size whose tail is 0xff
+/// bytes: the tail is not read (0xffffffff is no valid transport, poll mode
+/// or flag) and takes its defaults, so the config reaches the coordinator.
+#[test]
+fn manager_config_of_the_first_layout_still_works() {
+    const FIRST: usize = 64;
+    let mut buf = std::mem::MaybeUninit::<RtManagerConfig>::uninit();
+    let defaults = RtManagerConfig {
+        struct_size: FIRST as u32,
+        ..manager_defaults()
+    };
+    let bytes = buf.as_mut_ptr().cast::<u8>();
+    // SAFETY: `buf` has room for a whole config.
+    unsafe { std::ptr::write_bytes(bytes, 0xff, std::mem::size_of::<RtManagerConfig>()) };
+    // SAFETY: FIRST < size_of::<RtManagerConfig>() bytes, from a live
+    // config (no padding in its first layout) into `buf`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(std::ptr::from_ref(&defaults).cast::<u8>(), bytes, FIRST)
+    };
+    let ptr = buf.as_ptr();
+    // SAFETY: FIRST readable bytes starting with struct_size, a live URL.
+    let (status, message) = unsafe { connect_fails(ptr) };
+    assert_eq!(status, RtStatus::Coordinator, "{message}");
+    // The fields of the first layout are still checked.
+    // SAFETY: as above; pin_pollers lies in the first layout.
+    unsafe { buf.as_mut_ptr().as_mut() }.unwrap().pin_pollers = 2;
+    // SAFETY: as above.
+    let (status, message) = unsafe { connect_fails(ptr) };
+    assert_eq!(status, RtStatus::InvalidArgument);
+    assert!(
+        message.contains("pin_pollers must be 0 or 1, not 2"),
+        "{message}"
+    );
+    // The whole struct with the same tail is refused: it is read.
+    // SAFETY: as above.
+    let c = unsafe { buf.as_mut_ptr().as_mut() }.unwrap();
+    c.pin_pollers = 1;
+    c.struct_size = std::mem::size_of::<RtManagerConfig>() as u32;
+    // Pointers no check reads through.
+    c.poller_cpus = std::ptr::null();
+    c.rdma_device = std::ptr::null();
+    c.coordinator_token = std::ptr::null();
+    c.cluster_key = std::ptr::null();
+    // SAFETY: a whole config whose pointers are NULL or live.
+    let (status, message) = unsafe { connect_fails(ptr) };
+    assert_eq!(status, RtStatus::InvalidArgument);
+    assert!(message.contains("not 4294967295"), "{message}");
+}
+
+/// Every bad value of the fields past the first layout is refused with
+/// `RT_STATUS_INVALID_ARGUMENT` and a message naming it, before connecting.
+#[test]
+fn bad_manager_options_are_refused_with_a_clear_message() {
+    let cpus = [0u32];
+    let key = [1u8; 32];
+    let d = manager_defaults();
+    let cases: Vec<(RtManagerConfig, &str)> = vec![
+        (
+            RtManagerConfig { transport: 3, ..d },
+            "transport 3 is not an RtTransportKind",
+        ),
+        (
+            RtManagerConfig { poll_mode: 2, ..d },
+            "poll_mode 2 is not an RtPollMode",
+        ),
+        (
+            RtManagerConfig {
+                page_checksums: 9,
+                ..d
+            },
+            "page_checksums must be 0 or 1, not 9",
+        ),
+        (
+            RtManagerConfig {
+                poller_cpus_len: 2,
+                ..d
+            },
+            "poller_cpus is NULL but poller_cpus_len is 2",
+        ),
+        (
+            RtManagerConfig {
+                pin_pollers: 0,
+                poller_cpus: cpus.as_ptr(),
+                poller_cpus_len: 1,
+                ..d
+            },
+            "poller_cpus is given but pin_pollers is 0",
+        ),
+        (RtManagerConfig { rdma_port: 0, ..d }, "rdma_port is 0"),
+        (
+            RtManagerConfig {
+                rdma_port: 256,
+                ..d
+            },
+            "rdma_port is 256",
+        ),
+        (
+            RtManagerConfig {
+                rdma_gid_index: -2,
+                ..d
+            },
+            "rdma_gid_index is -2",
+        ),
+        (
+            RtManagerConfig {
+                rdma_gid_index: 256,
+                ..d
+            },
+            "rdma_gid_index is 256",
+        ),
+        (
+            RtManagerConfig {
+                rdma_ack_timeout: 0,
+                ..d
+            },
+            "rdma_ack_timeout is 0; it must be 1 to 31",
+        ),
+        (
+            RtManagerConfig {
+                rdma_ack_timeout: 32,
+                ..d
+            },
+            "rdma_ack_timeout is 32",
+        ),
+        (
+            RtManagerConfig {
+                rdma_retry_count: 8,
+                ..d
+            },
+            "rdma_retry_count is 8; it must be 0 to 7",
+        ),
+        (
+            RtManagerConfig {
+                rdma_device: c"".as_ptr(),
+                ..d
+            },
+            "rdma_device is empty",
+        ),
+        (
+            RtManagerConfig {
+                coordinator_token: c"".as_ptr(),
+                ..d
+            },
+            "coordinator_token is empty",
+        ),
+        (
+            RtManagerConfig {
+                coordinator_url: std::ptr::null(),
+                ..d
+            },
+            "coordinator_url is NULL",
+        ),
+        (
+            RtManagerConfig {
+                insecure: 0,
+                cluster_key_len: 32,
+                ..d
+            },
+            "cluster_key is NULL but cluster_key_len is 32",
+        ),
+        (
+            RtManagerConfig {
+                insecure: 0,
+                cluster_key: key.as_ptr(),
+                cluster_key_len: 31,
+                ..d
+            },
+            "cluster key has 31 bytes",
+        ),
+        (
+            RtManagerConfig {
+                cluster_key: key.as_ptr(),
+                cluster_key_len: key.len(),
+                ..d
+            },
+            "cluster_key_file, cluster_key and insecure exclude each other",
+        ),
+        (RtManagerConfig { insecure: 0, ..d }, "no cluster key"),
+    ];
+    for (config, expected) in cases {
+        // SAFETY: every pointer of `config` is NULL or live.
+        let (status, message) = unsafe { connect_fails(&config) };
+        assert_eq!(status, RtStatus::InvalidArgument, "{expected}: {message}");
+        assert!(
+            message.contains(expected),
+            "{expected:?} not in {message:?}"
+        );
+    }
+    // The same defaults pass every check (and fail at the coordinator).
+    // SAFETY: every pointer of `d` is NULL or live.
+    let (status, message) = unsafe { connect_fails(&d) };
+    assert_eq!(status, RtStatus::Coordinator, "{message}");
+}

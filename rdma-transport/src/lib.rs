@@ -35,6 +35,8 @@ pub mod wire;
 pub use config::{DataPath, ManagerConfig, PollMode, TransportKind};
 pub use error::TransportError;
 pub use gpa_map::GpaMap;
-pub use manager::{Completion, CompletionCallback, CompletionQueue, Reap, TransportManager};
+pub use manager::{
+    Completion, CompletionCallback, CompletionQueue, ManagerStats, Reap, TransportManager,
+};
 pub use page::{Page, PAGE_SIZE};
 pub use pool::{PageFrame, PagePool};

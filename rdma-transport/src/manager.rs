@@ -36,6 +36,7 @@ mod rdma_single;
 mod replicas;
 mod request;
 mod round;
+mod stats;
 mod tcp_chunk;
 #[cfg(test)]
 mod tests;
@@ -45,6 +46,7 @@ mod unwind_hook;
 pub use completion::{Completion, CompletionCallback, CompletionQueue, Reap};
 use link::{Link, RdmaSide};
 use map_state::{Install, MapState, Node};
+pub use stats::ManagerStats;
 
 /// Shortest time between two attempts to reach the same unreachable node, or
 /// two map refreshes caused by misses: a dead node fails fast instead of
@@ -78,6 +80,8 @@ struct Inner {
     clock: Instant,
     /// Round trips of replicated reads (the automatic hedging delay).
     latency: latency::RecentLatency,
+    /// Page-I/O counters (`stats.rs`).
+    counters: stats::Counters,
 }
 
 #[derive(Debug, Default)]
@@ -156,6 +160,7 @@ impl TransportManager {
             client_id,
             clock: Instant::now(),
             latency: latency::RecentLatency::default(),
+            counters: stats::Counters::default(),
         });
         inner.install_map(map, Install::Always);
         // Every node at once: one that is down costs one connect timeout in
@@ -195,7 +200,7 @@ impl TransportManager {
     /// [`TransportError::Refused`], [`TransportError::Protocol`].
     pub fn read_page(&self, gpa: u64, page: &mut Page) -> Result<(), TransportError> {
         self.inner
-            .run(Opcode::Read, &[gpa], page.as_mut_ptr(), 1, None)
+            .run_counted(Opcode::Read, &[gpa], page.as_mut_ptr(), 1, None)
     }
 
     /// Writes `page` to the page at `gpa`; returns once the owner acknowledged it.
@@ -204,7 +209,7 @@ impl TransportManager {
     /// As [`TransportManager::read_page`].
     pub fn write_page(&self, gpa: u64, page: &Page) -> Result<(), TransportError> {
         self.inner
-            .run(Opcode::Write, &[gpa], page.as_ptr().cast_mut(), 1, None)
+            .run_counted(Opcode::Write, &[gpa], page.as_ptr().cast_mut(), 1, None)
     }
 
     /// Reads `pages[i]` from `gpas[i]` for every i, with all requests in
@@ -239,7 +244,9 @@ impl TransportManager {
         pages: *mut u8,
     ) -> Result<(), TransportError> {
         if gpas.len() <= crate::tcp::MAX_CHUNK {
-            return self.inner.run(opcode, gpas, pages, gpas.len(), None);
+            return self
+                .inner
+                .run_counted(opcode, gpas, pages, gpas.len(), None);
         }
         let queue = self.inner.completion_queue(Reap::Poll)?;
         // The caller's slice holds `gpas.len()` pages and stays borrowed
@@ -277,7 +284,7 @@ impl TransportManager {
         let ptr = frame.as_ptr();
         let mut slot = Some(frame);
         self.inner
-            .run(Opcode::Read, &[gpa], ptr, 1, Some(&mut slot))?;
+            .run_counted(Opcode::Read, &[gpa], ptr, 1, Some(&mut slot))?;
         slot.ok_or_else(|| TransportError::Protocol {
             node: String::new(),
             detail: "read_frame lost its frame".into(),
@@ -328,6 +335,12 @@ impl TransportManager {
     /// unless configured).
     pub fn read_hedge_delay(&self) -> std::time::Duration {
         self.inner.hedge_delay()
+    }
+
+    /// A snapshot of the manager's state (map, nodes, pool, hedging delay)
+    /// and its page-I/O counters.
+    pub fn stats(&self) -> ManagerStats {
+        self.inner.stats()
     }
 
     /// Every node of the map with the data path its connection uses now

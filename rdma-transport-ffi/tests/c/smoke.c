@@ -5,7 +5,8 @@
  * Maps guest memory over [0, bytes) of the cluster, writes a pattern
  * through the host pointer (faulting pages in), flushes, evicts, checks the
  * owners have it, touches the pages again (faulting them back in) and
- * checks them, and exercises page I/O, error codes and error strings.
+ * checks them, and exercises page I/O (single, batched, into pool frames),
+ * every manager option, statistics, error codes and error strings.
  * Prints "c smoke: ok" and exits 0 on success. */
 #include "rdma_transport.h"
 
@@ -36,6 +37,28 @@
 
 static uint64_t word(uint64_t page, uint64_t i) {
   return (page + 1) * 0x9e3779b97f4a7c15ull ^ i * 0xbf58476d1ce4e5b9ull;
+}
+
+/* The manager's statistics, or a zeroed struct after printing the error. */
+static RtManagerStats stats_of(const RtManager *m) {
+  RtManagerStats s = {.struct_size = sizeof s};
+  RtStatus st = rt_manager_stats(m, &s);
+  if (st != RT_STATUS_OK) {
+    fprintf(stderr, "rt_manager_stats: %s (%s)\n", rt_status_str(st), rt_last_error());
+    memset(&s, 0, sizeof s);
+  }
+  return s;
+}
+
+/* Decodes the hex key file at `path` into `key`; returns its length, 0 on error. */
+static size_t read_key(const char *path, uint8_t *key, size_t capacity) {
+  FILE *f = fopen(path, "r");
+  if (f == NULL) return 0;
+  size_t n = 0;
+  unsigned byte;
+  while (n < capacity && fscanf(f, "%2x", &byte) == 1) key[n++] = (uint8_t)byte;
+  fclose(f);
+  return n;
 }
 
 int main(int argc, char **argv) {
@@ -71,7 +94,87 @@ int main(int argc, char **argv) {
   m = NULL;
   mc.insecure = 0;
   mc.cluster_key_file = argv[3];
+  /* Every option reaches the manager: RDMA only fails on this device-less
+   * host (the tail past the first 64-byte layout is read)... */
+  mc.transport = RT_TRANSPORT_KIND_RDMA;
+  mc.rdma_device = "rt-no-such-dev0";
+  EXPECT(rt_manager_connect(&mc, &m) == RT_STATUS_UNSUPPORTED && m == NULL);
+  /* ...and an unknown enum value is refused, naming the field... */
+  mc.transport = 7;
+  EXPECT(rt_manager_connect(&mc, &m) == RT_STATUS_INVALID_ARGUMENT && m == NULL);
+  EXPECT(strstr(rt_last_error(), "transport 7") != NULL);
+  /* ...unless struct_size says the caller knows only the first layout: the
+   * fields after it are not read and take their defaults. */
+  mc.struct_size = 64;
   CHECK(rt_manager_connect(&mc, &m));
+  rt_manager_destroy(m);
+  m = NULL;
+  mc.struct_size = sizeof mc;
+  /* Non-default values of every option. */
+  static const uint32_t cpus[] = {0};
+  mc.transport = RT_TRANSPORT_KIND_TCP;
+  mc.poll_mode = RT_POLL_MODE_EVENT;
+  mc.poller_threads = 2;
+  mc.pin_pollers = 1;
+  mc.poller_cpus = cpus;
+  mc.poller_cpus_len = 1;
+  mc.poll_idle_spin_us = 50;
+  mc.wait_spin_us = 10;
+  mc.request_timeout_ms = 3000;
+  mc.connect_timeout_ms = 2000;
+  mc.map_refresh_ms = 200;
+  mc.pool_size_bytes = 16 * PAGE;
+  mc.rdma_port = 2;
+  mc.rdma_gid_index = 3;
+  mc.rdma_ack_timeout = 12;
+  mc.rdma_retry_count = 5;
+  mc.page_checksums = 0;
+  mc.read_hedge_delay_us = 4321;
+  /* NULL with a nonzero length is refused. */
+  mc.poller_cpus = NULL;
+  EXPECT(rt_manager_connect(&mc, &m) == RT_STATUS_INVALID_ARGUMENT && m == NULL);
+  EXPECT(strstr(rt_last_error(), "poller_cpus is NULL") != NULL);
+  mc.poller_cpus = cpus;
+  /* The key as bytes instead of a file: a short one is refused... */
+  uint8_t key[64];
+  size_t key_len = read_key(argv[3], key, sizeof key);
+  EXPECT(key_len == 32);
+  mc.cluster_key_file = NULL;
+  mc.cluster_key = key;
+  mc.cluster_key_len = 8;
+  EXPECT(rt_manager_connect(&mc, &m) == RT_STATUS_INVALID_ARGUMENT && m == NULL);
+  EXPECT(strstr(rt_last_error(), "8 bytes") != NULL);
+  /* ...the whole one works, proven by the page-servers' handshakes. */
+  mc.cluster_key_len = key_len;
+  CHECK(rt_manager_connect(&mc, &m));
+
+  /* Statistics of a fresh manager. */
+  RtManagerStats s0 = stats_of(m);
+  EXPECT(s0.node_count == 2 && s0.nodes_connected == 2 && s0.nodes_rdma == 0);
+  EXPECT(s0.map_version > 0);
+  EXPECT(s0.pool_frames == 16 && s0.pool_free_frames == 16);
+  EXPECT(s0.read_hedge_delay_us == 4321);
+  EXPECT(s0.calls_ok == 0 && s0.calls_failed == 0 && s0.pages_read == 0);
+  EXPECT(rt_manager_node_count(m) == 2);
+  RtManagerStats bad = {.struct_size = sizeof bad + 8};
+  EXPECT(rt_manager_stats(m, &bad) == RT_STATUS_STRUCT_SIZE && bad.node_count == 0);
+
+  /* Every node, by index: its id and data path. */
+  int seen = 0;
+  for (size_t i = 0; i < 2; i++) {
+    RtNodeInfo info = {.struct_size = sizeof info};
+    CHECK(rt_manager_node_info(m, i, &info, NULL, 0));
+    EXPECT(info.id_len == 2 && info.data_path == RT_DATA_PATH_TCP);
+    char small[2];
+    EXPECT(rt_manager_node_info(m, i, &info, small, sizeof small) == RT_STATUS_INVALID_ARGUMENT);
+    char id[16];
+    CHECK(rt_manager_node_info(m, i, &info, id, sizeof id));
+    if (strcmp(id, "n0") == 0) seen |= 1;
+    if (strcmp(id, "n1") == 0) seen |= 2;
+  }
+  EXPECT(seen == 3);
+  RtNodeInfo past = {.struct_size = sizeof past};
+  EXPECT(rt_manager_node_info(m, 2, &past, NULL, 0) == RT_STATUS_OUT_OF_RANGE);
 
   /* Page I/O straight through the manager. */
   uint8_t page[PAGE], back[PAGE];
@@ -80,12 +183,59 @@ int main(int argc, char **argv) {
   CHECK(rt_manager_read_page(m, 3 * PAGE, back));
   EXPECT(memcmp(page, back, PAGE) == 0);
 
+  /* A frame of the pool holds the page until released. */
+  RtFrame *frame = NULL;
+  CHECK(rt_manager_read_frame(m, 3 * PAGE, &frame));
+  const uint8_t *data = rt_frame_data(frame);
+  EXPECT(data != NULL && (uintptr_t)data % PAGE == 0);
+  EXPECT(memcmp(data, page, PAGE) == 0);
+  EXPECT(rt_frame_gpa(frame) == 3 * PAGE);
+  EXPECT(stats_of(m).pool_free_frames == 15);
+  rt_frame_release(frame);
+  EXPECT(stats_of(m).pool_free_frames == 16);
+  /* Every frame in use: RT_STATUS_POOL, and all come back. */
+  RtFrame *frames[16];
+  for (unsigned i = 0; i < 16; i++) CHECK(rt_manager_read_frame(m, 3 * PAGE, &frames[i]));
+  EXPECT(stats_of(m).pool_free_frames == 0);
+  frame = NULL;
+  EXPECT(rt_manager_read_frame(m, 3 * PAGE, &frame) == RT_STATUS_POOL && frame == NULL);
+  for (unsigned i = 0; i < 16; i++) rt_frame_release(frames[i]);
+  EXPECT(stats_of(m).pool_free_frames == 16);
+
+  /* A batch over both nodes, out of order, written then read back. */
+  enum { BATCH = 8 };
+  uint64_t gpas[BATCH];
+  static uint8_t out_pages[BATCH * PAGE], in_pages[BATCH * PAGE];
+  for (unsigned i = 0; i < BATCH; i++) {
+    gpas[i] = (i % 2 ? size / 2 : 0) + (uint64_t)(BATCH - i) * PAGE;
+    for (unsigned j = 0; j < PAGE; j++) out_pages[i * PAGE + j] = (uint8_t)(i * 31 + j * 3 + 1);
+  }
+  RtManagerStats s1 = stats_of(m);
+  CHECK(rt_manager_write_pages(m, gpas, BATCH, out_pages));
+  CHECK(rt_manager_read_pages(m, gpas, BATCH, in_pages));
+  EXPECT(memcmp(out_pages, in_pages, sizeof out_pages) == 0);
+  for (unsigned i = 0; i < BATCH; i++) {
+    CHECK(rt_manager_read_page(m, gpas[i], back));
+    EXPECT(memcmp(back, out_pages + i * PAGE, PAGE) == 0);
+  }
+  RtManagerStats s2 = stats_of(m);
+  EXPECT(s2.calls_ok - s1.calls_ok == 2 + BATCH);
+  EXPECT(s2.pages_written - s1.pages_written == BATCH);
+  EXPECT(s2.pages_read - s1.pages_read == 2 * BATCH);
+  EXPECT(s2.calls_failed == s1.calls_failed);
+  EXPECT(rt_manager_read_pages(m, NULL, 2, in_pages) == RT_STATUS_INVALID_ARGUMENT);
+  CHECK(rt_manager_write_pages(m, NULL, 0, NULL));
+
   /* Typed errors and their strings. */
   EXPECT(rt_manager_read_page(m, 0x10, back) == RT_STATUS_UNALIGNED);
   EXPECT(strlen(rt_last_error()) > 0);
   EXPECT(strcmp(rt_status_str(RT_STATUS_UNALIGNED), "address not page aligned") == 0);
   EXPECT(strcmp(rt_status_str(999), "unknown status") == 0);
   EXPECT(rt_manager_read_page(m, size + PAGE, back) == RT_STATUS_UNKNOWN_GPA);
+  RtManagerStats s3 = stats_of(m);
+  /* Two failed reads; the empty batch is a call that succeeded. */
+  EXPECT(s3.calls_failed - s2.calls_failed == 2 && s3.calls_ok - s2.calls_ok == 1);
+  EXPECT(s3.calls_timed_out == 0);
 
   /* Guest memory over the whole cluster. */
   RtGuestMemoryConfig gc;
@@ -133,13 +283,25 @@ int main(int argc, char **argv) {
   EXPECT(rt_guest_memory_evict(g, 1, PAGE, NULL) == RT_STATUS_OUT_OF_RANGE);
   EXPECT(rt_guest_memory_create(NULL, &gc, &g) == RT_STATUS_INVALID_ARGUMENT);
 
-  RtGuestMemoryStats stats;
+  RtGuestMemoryStats stats = {.struct_size = sizeof stats};
   CHECK(rt_guest_memory_stats(g, &stats));
-  printf("faults %" PRIu64 ", prefetched %" PRIu64 ", written back %" PRIu64 "\n",
-         stats.missing_faults, stats.prefetched_pages, stats.pages_written_back);
+  printf("faults %" PRIu64 ", prefetched %" PRIu64 " in %" PRIu64 " batches, deferred %" PRIu64
+         ", written back %" PRIu64 ", evicted %" PRIu64 "\n",
+         stats.missing_faults, stats.prefetched_pages, stats.prefetch_batches,
+         stats.deferred_faults, stats.pages_written_back, stats.pages_evicted);
   EXPECT(stats.missing_faults + stats.prefetched_pages >= 2 * pages);
+  EXPECT(stats.pages_written_back >= pages && stats.pages_evicted == pages);
+  EXPECT((stats.prefetched_pages == 0) == (stats.prefetch_batches == 0));
+  EXPECT(stats.fault_errors == 0 && stats.sigbus_raised == 0);
+  RtGuestMemoryStats bad_g = {.struct_size = 8};
+  EXPECT(rt_guest_memory_stats(g, &bad_g) == RT_STATUS_STRUCT_SIZE);
 
   rt_guest_memory_destroy(g);
+  /* The region's page I/O went through the manager, and with its handler
+   * threads stopped every frame it fetched into is back in the pool. */
+  RtManagerStats s4 = stats_of(m);
+  EXPECT(s4.pages_written - s3.pages_written >= pages);
+  EXPECT(s4.pool_free_frames == s4.pool_frames);
   rt_manager_destroy(m);
   printf("c smoke: ok\n");
   return 0;

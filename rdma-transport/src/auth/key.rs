@@ -92,7 +92,15 @@ impl ClusterKey {
     /// # Errors
     /// [`KeyError::NotHex`], [`KeyError::BadLength`].
     pub fn from_hex(hex: &str) -> Result<Self, KeyError> {
-        let bytes = decode_hex(hex)?;
+        Self::from_bytes(decode_hex(hex)?)
+    }
+
+    /// A key from its raw bytes (e.g. handed over by an embedder).
+    ///
+    /// # Errors
+    /// [`KeyError::BadLength`].
+    pub fn from_bytes(bytes: impl Into<Vec<u8>>) -> Result<Self, KeyError> {
+        let bytes = bytes.into();
         if !(MIN_KEY_BYTES..=MAX_KEY_BYTES).contains(&bytes.len()) {
             return Err(KeyError::BadLength(bytes.len()));
         }
@@ -206,5 +214,16 @@ mod tests {
         ));
         let msg = ClusterKey::from_file(&world).unwrap_err().to_string();
         assert!(msg.contains("chmod 600"), "{msg}");
+    }
+
+    #[test]
+    fn raw_bytes_make_the_same_key_as_their_hex() {
+        let key = ClusterKey::from_bytes([0xab; 32]).expect("32 bytes");
+        assert_eq!(key, ClusterKey::from_hex(&"ab".repeat(32)).expect("hex"));
+        assert!(matches!(
+            ClusterKey::from_bytes([1; 31]),
+            Err(KeyError::BadLength(31))
+        ));
+        assert!(ClusterKey::from_bytes(vec![1; 1025]).is_err());
     }
 }

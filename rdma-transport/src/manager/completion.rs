@@ -226,9 +226,13 @@ impl Shared {
     }
 
     fn deliver(&self, batch: &Batch) {
+        let result = batch.result();
+        self.inner
+            .counters
+            .record(batch.opcode, batch.gpas.len(), &result);
         let completion = Completion {
             user_data: batch.user_data,
-            result: batch.result(),
+            result,
             pages: batch.owned.lock().take(),
         };
         self.done.push(completion);
