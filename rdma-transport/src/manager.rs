@@ -38,6 +38,7 @@ mod request;
 mod round;
 mod stats;
 mod tcp_chunk;
+mod tcp_single;
 #[cfg(test)]
 mod tests;
 #[cfg(any(test, feature = "test-hooks"))]

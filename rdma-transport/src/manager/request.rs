@@ -80,7 +80,10 @@ impl Inner {
         // caller, the fault handler, retries on its own terms.
         let retry = frame.is_none();
         if count == 1 {
-            match self.run_single_rdma(opcode, gpas[0], pages, &mut frame) {
+            let single = self
+                .run_single_rdma(opcode, gpas[0], pages, &mut frame)
+                .or_else(|| self.run_single_tcp(opcode, gpas[0], pages));
+            match single {
                 // Served again below, on a new connection, within what is
                 // left of the same deadline.
                 Some(Err(e)) if retry && connection_lost(&e) => {

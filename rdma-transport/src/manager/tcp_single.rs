@@ -1,0 +1,121 @@
+//! The one-page fast path over TCP (`read_page`, `write_page`, one-page
+//! batches): one request slot, no round bookkeeping, so nothing but the
+//! request itself is cleared (the general path clears ~10 KiB of arrays
+//! sized for 64 requests) and the clock is read once.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::link::Link;
+use super::tcp_chunk::Sent;
+use super::Inner;
+use crate::config::PollMode;
+use crate::error::TransportError;
+use crate::page::is_page_aligned;
+use crate::tcp::{Request, TcpConnection, Waiter};
+use crate::wire::Opcode;
+
+impl Inner {
+    /// Runs one page over the node's live TCP connection. `None` when the
+    /// general path must do it: a replicated range, no connection yet, a
+    /// map miss, a bad address, a server in another epoch than the range's.
+    pub(super) fn run_single_tcp(
+        &self,
+        opcode: Opcode,
+        gpa: u64,
+        page: *mut u8,
+    ) -> Option<Result<(), TransportError>> {
+        if !is_page_aligned(gpa) {
+            return None;
+        }
+        let state = self.state.load();
+        let loc = state.map.lookup(gpa)?;
+        if loc.replicated || !loc.state.serves_reads() {
+            return None;
+        }
+        let node = state.nodes.get(loc.node_index)?;
+        let link = node.conn.load_full()?;
+        let Link::Tcp(conn) = &*link else {
+            return None;
+        };
+        if conn.is_broken() || !super::epoch::serves(loc.valid_epoch, conn.ack.epoch) {
+            return None;
+        }
+        let deadline = Instant::now() + self.config.request_timeout();
+        // Declared before the guard, which cancels the request (so nothing
+        // refers to the waiter or the page) if this thread unwinds.
+        let waiter = Waiter::new();
+        let mut pending = Pending { conn, id: None };
+        let mut ids = [0u64; 1];
+        let request = [Request {
+            offset: loc.remote_offset,
+            page,
+        }];
+        let code = match conn.submit(opcode, &request, &mut ids, &waiter, deadline) {
+            Ok(()) => {
+                pending.id = Some(ids[0]);
+                #[cfg(any(test, feature = "test-hooks"))]
+                super::unwind_hook::maybe_panic_after_submit();
+                let spin = match self.config.poll_mode {
+                    PollMode::Busy => Duration::from_micros(self.config.wait_spin_us),
+                    PollMode::Event => Duration::ZERO,
+                };
+                let conns = [Some(Arc::clone(conn))];
+                let answered = crate::tcp::wait(&waiter, &conns, spin, deadline);
+                pending.settle(answered)
+            }
+            // Armed, then the write failed: its code says how (a broken
+            // connection fails it as lost, which the caller retries).
+            Err((1, _)) => {
+                pending.id = Some(ids[0]);
+                pending.settle(false)
+            }
+            Err((_, err)) => {
+                tracing::debug!(node = %node.id, %err, "submitting to node failed");
+                return Some(Err(TransportError::NodeDown {
+                    node: node.id.clone(),
+                    reason: err.to_string(),
+                }));
+            }
+        };
+        let sent = Sent {
+            group: 0,
+            id: ids[0],
+            gpa,
+            target: 0,
+        };
+        let write = opcode == Opcode::Write;
+        Some(
+            self.code_to_error(code, conn, node, sent, write)
+                .map_or(Ok(()), Err),
+        )
+    }
+}
+
+/// The request on the wire until its outcome is known; dropped unsettled
+/// (the caller unwound), it cancels it, so no poller writes into the
+/// caller's page or signals its waiter after it is gone.
+struct Pending<'a> {
+    conn: &'a Arc<TcpConnection>,
+    id: Option<u64>,
+}
+
+impl Pending<'_> {
+    /// The completion code (`None`: cancelled before an answer).
+    fn settle(&mut self, answered: bool) -> Option<u32> {
+        let id = self.id.take()?;
+        if answered {
+            Some(self.conn.inflight.finish(id))
+        } else {
+            self.conn.inflight.cancel(id)
+        }
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            let _ = self.conn.inflight.cancel(id);
+        }
+    }
+}
