@@ -422,18 +422,10 @@ impl CompletionQueue {
     pub fn submit_read(
         &self,
         gpas: &[u64],
-        mut pages: Box<[Page]>,
+        pages: Box<[Page]>,
         user_data: u64,
     ) -> Result<(), TransportError> {
-        super::check_lengths(gpas.len(), pages.len())?;
-        let ptr = pages.as_mut_ptr().cast::<u8>();
-        self.shared.submit(Batch::new(
-            Opcode::Read,
-            gpas.into(),
-            ptr,
-            Some(pages),
-            user_data,
-        ))
+        self.submit_owned(Opcode::Read, gpas, pages, user_data)
     }
 
     /// Writes `pages[i]` to `gpas[i]`; the buffer comes back in the
@@ -444,18 +436,23 @@ impl CompletionQueue {
     pub fn submit_write(
         &self,
         gpas: &[u64],
+        pages: Box<[Page]>,
+        user_data: u64,
+    ) -> Result<(), TransportError> {
+        self.submit_owned(Opcode::Write, gpas, pages, user_data)
+    }
+
+    fn submit_owned(
+        &self,
+        opcode: Opcode,
+        gpas: &[u64],
         mut pages: Box<[Page]>,
         user_data: u64,
     ) -> Result<(), TransportError> {
         super::check_lengths(gpas.len(), pages.len())?;
         let ptr = pages.as_mut_ptr().cast::<u8>();
-        self.shared.submit(Batch::new(
-            Opcode::Write,
-            gpas.into(),
-            ptr,
-            Some(pages),
-            user_data,
-        ))
+        self.shared
+            .submit(Batch::new(opcode, gpas.into(), ptr, Some(pages), user_data))
     }
 
     /// Reads the pages at `gpas` into memory the caller keeps (e.g. guest
