@@ -60,8 +60,16 @@ impl TcpConnection {
                 }
                 Ok(n) => {
                     any = true;
+                    let room = rb.buf.len() - rb.end;
                     rb.end += n;
                     self.parse(rb)?;
+                    if n < room {
+                        // The socket had less than the room left: it is
+                        // drained, and another read would only say
+                        // WouldBlock (a system call per answer saved). A
+                        // reader comes back anyway while it waits.
+                        return Ok(true);
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(any),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -221,6 +229,10 @@ fn spin_reading(
                 return false;
             }
         }
+        // On a small host whoever answers may be queued behind us on this
+        // very CPU: let it run. (Yielding less often, every 4th or 16th
+        // try, or not at all for the first 20 us, made p50 no better and
+        // up to 2x worse on the 2-CPU bench host: docs/benchmarking.md.)
         std::thread::yield_now();
     }
 }
