@@ -50,7 +50,12 @@ fn caller(
             .unwrap();
         ids.send(id).unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
-        let answered = wait(&waiter, &[Some(Arc::clone(&conn))], Duration::ZERO, deadline);
+        let answered = wait(
+            &waiter,
+            &[Some(Arc::clone(&conn))],
+            Duration::ZERO,
+            deadline,
+        );
         let code = match answered {
             true => conn.inflight.finish(id),
             false => conn.inflight.cancel(id).unwrap_or(u32::MAX),
