@@ -334,7 +334,6 @@ fn run() -> anyhow::Result<()> {
             .is_none()
             .then_some(server_spin.as_micros() as u64),
     };
-    eprintln!("{}", placement.describe());
     let mgr = std::sync::Arc::new(
         TransportManager::connect(config.clone())
             .with_context(|| format!("connecting to the cluster at {url}"))?,

@@ -34,6 +34,9 @@ fn connection() -> (Arc<TcpConnection>, TcpStream, Pollers) {
     (conn, server, pollers)
 }
 
+/// A caller's thread and its request id.
+type Caller = (std::thread::JoinHandle<(bool, u32)>, u64);
+
 /// A caller on its own thread: arms one WRITE at `offset`, sends its id,
 /// waits without spinning; (answered, completion code).
 fn caller(
@@ -78,12 +81,7 @@ fn until(cond: impl Fn() -> bool) {
 
 /// Caller A blocks on the socket, caller B (same connection) parks. Returns
 /// both with their ids.
-fn blocked_and_parked(
-    conn: &Arc<TcpConnection>,
-) -> (
-    (std::thread::JoinHandle<(bool, u32)>, u64),
-    (std::thread::JoinHandle<(bool, u32)>, u64),
-) {
+fn blocked_and_parked(conn: &Arc<TcpConnection>) -> (Caller, Caller) {
     let (tx, rx) = mpsc::channel();
     let a = caller(conn, 0, tx.clone());
     let id_a = rx.recv().unwrap();
