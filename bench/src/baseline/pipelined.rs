@@ -192,3 +192,28 @@ impl Pipeline {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::baseline::layout::allowed_cpus;
+
+    #[test]
+    fn every_page_comes_back_checked_in_both_directions() -> anyhow::Result<()> {
+        let cpu = allowed_cpus()[0];
+        for op in [Op::Read, Op::Write] {
+            let spec = Spec {
+                op,
+                ops: 2000,
+                threads: 1,
+                depth: 1,
+                pattern: AccessPattern::Random,
+            };
+            // More in flight than the server reads at once (64).
+            let out = run(spec, 256, 7, 100, Layout::SameCpuBlocking, (cpu, cpu))?;
+            assert!(out.verified(), "{op:?}: {} bad pages", out.bad_pages);
+            assert_eq!(out.latency_ns.len(), 2000, "{op:?}: one sample per page");
+        }
+        Ok(())
+    }
+}
