@@ -117,9 +117,20 @@ struct Args {
     /// overhead against the layout with the lowest p50.
     #[arg(long)]
     baseline: bool,
-    /// Poller mode: busy or event.
+    /// Poller mode: busy (pollers and callers spin before they block) or
+    /// event (nobody spins). The bench's default is busy; the library's is
+    /// event.
     #[arg(long, default_value = "busy", value_parser = parse_poll_mode)]
     poll_mode: PollMode,
+    /// CPUs to pin the pollers to: `last` (the last CPUs, one per poller),
+    /// `none` (not pinned: the library's default), or a list like `1,3`.
+    #[arg(long, default_value = "last", value_parser = parse_cpus)]
+    poller_cpus: PollerCpus,
+    /// The library call of read runs: copy (`read_pages` into the bench's
+    /// buffers) or frame (`read_frame`, each page checked in its pool
+    /// frame; one page per call, so --depth 1). Writes always copy.
+    #[arg(long, value_enum, default_value = "copy")]
+    api: workload::Api,
     /// Poller threads.
     #[arg(long, default_value_t = 1)]
     pollers: usize,
@@ -144,6 +155,51 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
         "on" => Ok(true),
         "off" => Ok(false),
         other => Err(format!("expected on or off, got {other:?}")),
+    }
+}
+
+/// `--poller-cpus`.
+#[derive(Debug, Clone)]
+enum PollerCpus {
+    Last,
+    List(Vec<usize>),
+}
+
+impl PollerCpus {
+    /// The `ManagerConfig::poller_cpus` value.
+    fn config(&self) -> Option<Vec<usize>> {
+        match self {
+            PollerCpus::Last => None,
+            PollerCpus::List(cpus) => Some(cpus.clone()),
+        }
+    }
+
+    /// The CPUs `pollers` pollers are pinned to (empty: not pinned), as the
+    /// library resolves them.
+    fn resolved(&self, pollers: usize) -> Vec<usize> {
+        match self {
+            PollerCpus::Last => {
+                let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+                (0..pollers.max(1)).map(|i| ncpu - 1 - (i % ncpu)).collect()
+            }
+            PollerCpus::List(cpus) => cpus.clone(),
+        }
+    }
+}
+
+fn parse_cpus(s: &str) -> Result<PollerCpus, String> {
+    match s {
+        "last" => Ok(PollerCpus::Last),
+        "none" => Ok(PollerCpus::List(Vec::new())),
+        list => list
+            .split(',')
+            .map(|c| {
+                c.trim()
+                    .parse::<usize>()
+                    .map_err(|_| format!("expected last, none or CPU ids like 1,3; got {s:?}"))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(PollerCpus::List),
     }
 }
 
@@ -176,6 +232,12 @@ fn run() -> anyhow::Result<()> {
     let args = Args::parse();
     if args.threads == 0 || args.depth == 0 || args.nodes == 0 || args.ops == 0 {
         bail!("--threads, --depth, --nodes and --ops must be at least 1");
+    }
+    if args.api == workload::Api::Frame && args.depth > 1 {
+        bail!("--api frame reads one page per call: use --depth 1");
+    }
+    if args.api == workload::Api::Frame && args.op == Some(Op::Fault) {
+        bail!("--api applies to --op read and write");
     }
     if args.memory < PAGE_SIZE * args.nodes {
         bail!("--memory must hold at least one page per node");
@@ -247,6 +309,7 @@ fn run() -> anyhow::Result<()> {
         transport: args.transport,
         poll_mode: args.poll_mode,
         poller_threads: args.pollers,
+        poller_cpus: args.poller_cpus.config(),
         wait_spin_us: args.wait_spin_us.unwrap_or(match args.op {
             Some(Op::Fault) => fault::WAIT_SPIN_US,
             _ => ManagerConfig::default().wait_spin_us,
@@ -258,6 +321,18 @@ fn run() -> anyhow::Result<()> {
             .checksums
             .unwrap_or(ManagerConfig::default().page_checksums),
         ..ManagerConfig::default()
+    };
+    let placement = report::Placement {
+        poll_mode: match config.poll_mode {
+            PollMode::Busy => "busy".into(),
+            PollMode::Event => "event".into(),
+        },
+        poller_cpus: args.poller_cpus.resolved(config.poller_threads),
+        wait_spin_us: config.wait_spin_us,
+        page_server_spin_us: args
+            .coordinator
+            .is_none()
+            .then_some(server_spin.as_micros() as u64),
     };
     let mgr = std::sync::Arc::new(
         TransportManager::connect(config.clone())
@@ -334,13 +409,15 @@ fn run() -> anyhow::Result<()> {
                         ranges,
                         accept_errors: args.accept_errors,
                         restart_first: failed_before,
+                        api: args.api,
                         request_timeout: Duration::from_millis(config.request_timeout_ms),
                     };
                     failed_before = true;
                     failed.run(spec, seed, nodes, &progress)?
                 }
                 _ => {
-                    let mut outcome = workload::run(&mgr, &set, spec, seed, &progress);
+                    let mut outcome =
+                        workload::run_api(&mgr, &set, spec, seed, &progress, args.api);
                     if op == Op::Write {
                         outcome.bad_pages +=
                             set.verify_all(&mgr).context("reading back written pages")?;
@@ -352,6 +429,20 @@ fn run() -> anyhow::Result<()> {
                 }
             };
             progress.finish_and_clear();
+            let mut ours = ours;
+            ours.api = Some(args.api.name().into());
+            ours.placement = Some(placement.clone());
+            let pipelined = if args.baseline && spec.depth > 1 {
+                // The bare program with the same number in flight, kept
+                // full all the time (ours drains between batches).
+                let best = baseline::run_pipelined(spec, set.len(), seed, spec.depth)?;
+                Some(Record::pipelined(Spec { threads: 1, ..spec }, &best))
+            } else {
+                None
+            };
+            if let Some(p) = &pipelined {
+                lines.push(report::pipelined_line(&ours, p));
+            }
             let base = if args.baseline {
                 // One client thread, in the best layout this machine offers.
                 let base_spec = Spec { threads: 1, ..spec };
@@ -367,6 +458,7 @@ fn run() -> anyhow::Result<()> {
             keyed_runs.push((spec, seed));
             records.push(ours);
             records.extend(base);
+            records.extend(pipelined);
         }
     }
     let runs = keyed_runs;
@@ -430,6 +522,7 @@ fn run() -> anyhow::Result<()> {
                 .unwrap_or_default()
         );
     }
+    println!("{}", placement.describe());
     println!("{}", report::header());
     for r in &records {
         println!("{}", report::line(r));
@@ -476,6 +569,8 @@ struct FailedRun<'a> {
     restart_first: bool,
     /// The manager's request deadline.
     request_timeout: Duration,
+    /// The library call of reads.
+    api: workload::Api,
 }
 
 impl FailedRun<'_> {
@@ -533,6 +628,7 @@ impl FailedRun<'_> {
             seed,
             progress,
             Some(failure::Window::around(fail_at)),
+            self.api,
         );
         let stopped_at = injector.join()?;
         let readback = (spec.op == Op::Write).then(|| self.set.readback(self.mgr, seed));

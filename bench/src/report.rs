@@ -51,6 +51,54 @@ pub struct Record {
     /// `--fail-node-after-ms` only: the failure and what the run saw of it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub failure: Option<crate::failure::FailureReport>,
+    /// Our read/write runs: the library call that moved the pages (`copy`:
+    /// `read_pages`/`write_pages`, `frame`: `read_frame`, writes copy).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api: Option<String>,
+    /// Our runs: where the library's threads ran and how they waited.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub placement: Option<Placement>,
+}
+
+/// The thread placement and waiting a run of ours used (the bench passes
+/// them to the library explicitly; the library's defaults neither pin nor
+/// busy-poll).
+#[derive(Debug, Clone, Serialize)]
+pub struct Placement {
+    /// `busy` or `event`.
+    pub poll_mode: String,
+    /// CPUs the pollers are pinned to; empty: not pinned.
+    pub poller_cpus: Vec<usize>,
+    /// How long a caller reads its own answers before it blocks (busy
+    /// mode only; event mode blocks at once).
+    pub wait_spin_us: u64,
+    /// The local page-servers' spin before they block (absent with
+    /// `--coordinator`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub page_server_spin_us: Option<u64>,
+}
+
+impl Placement {
+    /// One line for the terminal.
+    pub fn describe(&self) -> String {
+        let cpus = if self.poller_cpus.is_empty() {
+            "not pinned".to_owned()
+        } else {
+            format!("pinned to CPU {:?}", self.poller_cpus)
+        };
+        let spin = match self.poll_mode.as_str() {
+            "busy" => format!("callers spin {} us then block", self.wait_spin_us),
+            _ => "callers block at once".to_owned(),
+        };
+        let server = self
+            .page_server_spin_us
+            .map(|us| format!(", local page-servers spin {us} us then block"))
+            .unwrap_or_default();
+        format!(
+            "placement: poll mode {}, pollers {cpus}, {spin}{server}",
+            self.poll_mode
+        )
+    }
 }
 
 /// One layout of the bare ping-pong, as tried for the baseline.
@@ -113,6 +161,8 @@ impl Record {
             layout: None,
             layouts: Vec::new(),
             failure: None,
+            api: None,
+            placement: None,
         }
     }
 
@@ -124,6 +174,14 @@ impl Record {
         r.verified &= best.all_verified;
         r.layout = Some(best.layout.name().into());
         r.layouts = best.tried.clone();
+        r
+    }
+
+    /// The record of the bare pipelined client (`bare-tcp-pipelined`): the
+    /// layout with the highest throughput, every layout's figures.
+    pub fn pipelined(spec: Spec, best: &crate::baseline::Best) -> Self {
+        let mut r = Self::baseline(spec, best);
+        r.transport = "bare-tcp-pipe".into();
         r
     }
 }
@@ -142,8 +200,8 @@ pub fn fmt_us(us: f64) -> String {
 /// The table's header line.
 pub fn header() -> String {
     format!(
-        "{:<12} {:<5} {:<6} {:>3} {:>3} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>6} {:>8}",
-        "transport", "op", "order", "thr", "dep", "ops", "errors", "p50_us", "p90_us", "p99_us", "p999_us", "max_us",
+        "{:<13} {:<5} {:<6} {:>3} {:>3} {:<5} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>6} {:>8}",
+        "transport", "op", "order", "thr", "dep", "api", "ops", "errors", "p50_us", "p90_us", "p99_us", "p999_us", "max_us",
         "pages/s", "GB/s", "verified"
     )
 }
@@ -161,12 +219,13 @@ pub fn line(r: &Record) -> String {
     };
     let l = &r.latency_us;
     format!(
-        "{:<12} {:<5} {:<6} {:>3} {:>3} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10.0} {:>6.2} {:>8}",
+        "{:<13} {:<5} {:<6} {:>3} {:>3} {:<5} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10.0} {:>6.2} {:>8}",
         r.transport,
         op,
         order,
         r.threads,
         r.depth,
+        r.api.as_deref().unwrap_or("-"),
         r.ops,
         r.errors,
         fmt_us(l.p50),
@@ -260,6 +319,31 @@ pub fn ratio_line(ours: &Record, base: &Record) -> String {
         name(best_p99),
         fmt_ratio(ours.throughput.pages_per_s / rate.max(1e-9)),
         name(best_rate),
+    )
+}
+
+/// Our many-in-flight throughput against the bare pipelined client's
+/// (its best layout), both from this run.
+pub fn pipelined_line(ours: &Record, base: &Record) -> String {
+    format!(
+        "throughput vs bare pipelined TCP ({:?} {:?}, depth {}): ours {:.2} GB/s vs bare {:.2} GB/s ({}; p50 {} us): x{} (layouts: {})",
+        ours.op,
+        ours.pattern,
+        ours.depth,
+        ours.throughput.gb_per_s,
+        base.throughput.gb_per_s,
+        base.layout.as_deref().unwrap_or("-"),
+        fmt_us(base.latency_us.p50),
+        fmt_ratio(ours.throughput.gb_per_s / base.throughput.gb_per_s.max(1e-12)),
+        base.layouts
+            .iter()
+            .map(|l| format!(
+                "{} {:.2} GB/s",
+                l.layout,
+                l.pages_per_s * rdma_transport::PAGE_SIZE as f64 / 1e9
+            ))
+            .collect::<Vec<_>>()
+            .join(", "),
     )
 }
 

@@ -35,6 +35,28 @@ pub enum AccessPattern {
     Seq,
 }
 
+/// Which library call moves the pages of a read run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Api {
+    /// `read_pages`/`write_pages` into and from the caller's buffers.
+    #[default]
+    Copy,
+    /// `read_frame`: each page is read into a pool frame and checked there
+    /// (one page per call); writes stay `write_pages`.
+    Frame,
+}
+
+impl Api {
+    /// The name printed and written to JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Api::Copy => "copy",
+            Api::Frame => "frame",
+        }
+    }
+}
+
 /// What to run.
 #[derive(Debug, Clone, Copy)]
 pub struct Spec {
@@ -206,7 +228,19 @@ pub fn run(
     seed: u64,
     progress: &ProgressBar,
 ) -> Outcome {
-    run_observed(mgr, set, spec, seed, progress, None).0
+    run_observed(mgr, set, spec, seed, progress, None, Api::Copy).0
+}
+
+/// As [`run`], reads through `api`.
+pub fn run_api(
+    mgr: &TransportManager,
+    set: &WorkingSet,
+    spec: Spec,
+    seed: u64,
+    progress: &ProgressBar,
+    api: Api,
+) -> Outcome {
+    run_observed(mgr, set, spec, seed, progress, None, api).0
 }
 
 /// As [`run`], and also counts failed pages by kind and, with `window`
@@ -219,6 +253,7 @@ pub fn run_observed(
     seed: u64,
     progress: &ProgressBar,
     window: Option<Window>,
+    api: Api,
 ) -> (Outcome, Disruption) {
     let start = Instant::now();
     let stop = AtomicBool::new(false);
@@ -230,7 +265,18 @@ pub fn run_observed(
                 let ops = per_thread + u64::from((t as u64) < extra);
                 let stop = &stop;
                 let window = window.as_ref();
-                s.spawn(move || thread_loop(mgr, set, spec, ops, t, seed, progress, stop, window))
+                s.spawn(move || {
+                    let ctx = ThreadCtx {
+                        mgr,
+                        set,
+                        spec,
+                        api,
+                        progress,
+                        stop,
+                        window,
+                    };
+                    thread_loop(&ctx, ops, t, seed)
+                })
             })
             .collect();
         handles.into_iter().filter_map(|h| h.join().ok()).collect()
@@ -265,18 +311,49 @@ pub fn new_histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 100_000_000_000, 3).unwrap_or_else(|_| unreachable!())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn thread_loop(
-    mgr: &TransportManager,
-    set: &WorkingSet,
+/// What every thread of a run shares.
+struct ThreadCtx<'a> {
+    mgr: &'a TransportManager,
+    set: &'a WorkingSet,
     spec: Spec,
-    ops: u64,
-    thread: usize,
-    seed: u64,
-    progress: &ProgressBar,
-    stop: &AtomicBool,
-    window: Option<&Window>,
-) -> (Outcome, Disruption) {
+    api: Api,
+    progress: &'a ProgressBar,
+    stop: &'a AtomicBool,
+    window: Option<&'a Window>,
+}
+
+/// Reads `gpas` into `pages` through `api`: with `Frame`, one `read_frame`
+/// per page into `frames` (checked there by the caller; `pages` untouched).
+fn read_batch(
+    mgr: &TransportManager,
+    api: Api,
+    gpas: &[u64],
+    pages: &mut [Page],
+    frames: &mut Vec<rdma_transport::PageFrame>,
+) -> Result<(), rdma_transport::TransportError> {
+    match api {
+        Api::Copy => mgr.read_pages(gpas, pages),
+        Api::Frame => {
+            frames.clear();
+            for &gpa in gpas {
+                frames.push(mgr.read_frame(gpa)?);
+            }
+            Ok(())
+        }
+    }
+}
+
+fn thread_loop(ctx: &ThreadCtx<'_>, ops: u64, thread: usize, seed: u64) -> (Outcome, Disruption) {
+    let ThreadCtx {
+        mgr,
+        set,
+        spec,
+        api,
+        progress,
+        stop,
+        window,
+    } = *ctx;
+    let mut frames = Vec::with_capacity(spec.depth);
     let mut disruption = Disruption::new();
     let mut rng =
         rand::rngs::SmallRng::seed_from_u64(seed ^ (thread as u64).wrapping_mul(0x9e37_79b9));
@@ -308,7 +385,9 @@ fn thread_loop(
         let t0 = Instant::now();
         let result = match spec.op {
             // The fault op runs in fault.rs, never here.
-            Op::Read | Op::Fault => mgr.read_pages(&gpas[..batch], &mut pages[..batch]),
+            Op::Read | Op::Fault => {
+                read_batch(mgr, api, &gpas[..batch], &mut pages[..batch], &mut frames)
+            }
             Op::Write => mgr.write_pages(&gpas[..batch], &pages[..batch]),
         };
         let latency_ns = t0.elapsed().as_nanos() as u64;
@@ -320,15 +399,20 @@ fn thread_loop(
                 for i in 0..batch {
                     match spec.op {
                         Op::Read | Op::Fault => {
-                            if !set.holds(idx[i], &pages[i]) {
+                            // Frame reads are checked in the frame itself.
+                            let page: &Page = match frames.get(i) {
+                                Some(frame) => frame,
+                                None => &pages[i],
+                            };
+                            if !set.holds(idx[i], page) {
                                 if bad == 0 {
                                     tracing::warn!(
                                         gpa = format_args!("{:#x}", gpas[i]),
-                                        zeroed = pages[i].iter().all(|&b| b == 0),
+                                        zeroed = page.iter().all(|&b| b == 0),
                                         word0 = format_args!(
                                             "{:#x}",
                                             u64::from_le_bytes(
-                                                pages[i][..8].try_into().unwrap_or_default()
+                                                page[..8].try_into().unwrap_or_default()
                                             )
                                         ),
                                         "first wrong page read by this thread"
@@ -362,6 +446,7 @@ fn thread_loop(
                 }
             }
         }
+        frames.clear();
         since_tick += batch as u64;
         if since_tick >= 1024 {
             progress.inc(since_tick);

@@ -56,21 +56,26 @@ impl std::fmt::Display for DataPath {
     }
 }
 
-/// How poller threads wait for answers.
+/// How poller threads (and, in busy mode, callers) wait for answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PollMode {
-    /// Spin on the connections while traffic flows; block in `poll(2)` only
-    /// after `poll_idle_spin_us` without an answer. Lowest latency; costs a
-    /// core while busy.
-    #[default]
+    /// Pollers spin on the connections while traffic flows and block in
+    /// `poll(2)` only after `poll_idle_spin_us` without an answer; callers
+    /// spin for `wait_spin_us` before they block. Lowest latency; costs a
+    /// core while busy. Opt-in: pair it with `poller_cpus`.
     Busy,
-    /// Always block until a connection is readable. For hosts that cannot
-    /// spare a core.
+    /// Nobody spins: a caller blocks on its sockets (TCP) or parks (RDMA)
+    /// at once, pollers always block until a connection is readable. The
+    /// default: the embedding program (the VMM) decides where CPU time goes.
+    #[default]
     Event,
 }
 
-/// Settings of a [`crate::TransportManager`]. `Default` suits a small host
-/// (one poller thread on the last CPU).
+/// Settings of a [`crate::TransportManager`]. `Default` leaves thread
+/// placement to the embedding program: one poller thread, not pinned, and
+/// no busy polling (`PollMode::Event`). Pinning (`poller_cpus`) and busy
+/// polling (`PollMode::Busy`, `wait_spin_us`) are opt-in; the bench turns
+/// them on explicitly and prints the placement it used.
 #[derive(Debug, Clone)]
 pub struct ManagerConfig {
     /// Base URL of the coordinator, e.g. `http://127.0.0.1:7070`.
@@ -90,14 +95,17 @@ pub struct ManagerConfig {
     pub pool_size_bytes: usize,
     /// Number of poller threads.
     pub poller_threads: usize,
-    /// CPUs to pin pollers to (poller i on `cpus[i % len]`). `None`: the
-    /// last CPUs of the host, one per poller. `Some(vec![])`: no pinning.
+    /// CPUs to pin pollers to (poller i on `cpus[i % len]`).
+    /// `Some(vec![])` (default): no pinning, the scheduler (or whoever sets
+    /// the process's affinity) decides. `None`: the last CPUs of the host,
+    /// one per poller.
     pub poller_cpus: Option<Vec<usize>>,
-    /// How pollers wait.
+    /// How pollers and callers wait. Default `Event` (nobody spins).
     pub poll_mode: PollMode,
     /// Busy mode: how long a poller keeps spinning after the last answer.
     pub poll_idle_spin_us: u64,
-    /// How long a caller spins for its answer before it parks.
+    /// Busy mode: how long a caller spins for its answer (reading it
+    /// itself) before it blocks. In event mode a caller blocks at once.
     pub wait_spin_us: u64,
     /// Deadline of every request, from submission to answer.
     pub request_timeout_ms: u64,
@@ -145,8 +153,8 @@ impl Default for ManagerConfig {
             transport: TransportKind::Auto,
             pool_size_bytes: 16 << 20,
             poller_threads: 1,
-            poller_cpus: None,
-            poll_mode: PollMode::Busy,
+            poller_cpus: Some(Vec::new()),
+            poll_mode: PollMode::Event,
             poll_idle_spin_us: 1000,
             wait_spin_us: 1000,
             request_timeout_ms: 1000,
@@ -172,7 +180,7 @@ impl ManagerConfig {
         Duration::from_millis(self.connect_timeout_ms)
     }
 
-    /// The CPUs pollers are pinned to.
+    /// The CPUs pollers are pinned to (empty: not pinned).
     pub(crate) fn resolved_poller_cpus(&self) -> Vec<usize> {
         if let Some(cpus) = &self.poller_cpus {
             return cpus.clone();
@@ -181,5 +189,24 @@ impl ManagerConfig {
         (0..self.poller_threads.max(1))
             .map(|i| ncpu - 1 - (i % ncpu))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_neither_pin_nor_busy_poll() {
+        let d = ManagerConfig::default();
+        assert_eq!(d.poll_mode, PollMode::Event);
+        assert_eq!(d.resolved_poller_cpus(), Vec::<usize>::new());
+        let pinned = ManagerConfig {
+            poller_cpus: None,
+            poller_threads: 1,
+            ..d
+        };
+        let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(pinned.resolved_poller_cpus(), vec![ncpu - 1]);
     }
 }

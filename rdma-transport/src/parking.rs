@@ -47,6 +47,16 @@ impl<P: Wake> Parking<P> {
         }
     }
 
+    /// Wakes the poller if any caller is parked: a caller that was reading
+    /// the connection itself stopped, and the poller must take over.
+    pub(crate) fn wake_if_parked(&self) {
+        if self.any() {
+            if let Some(p) = self.poller.get() {
+                p.wake();
+            }
+        }
+    }
+
     /// A parked caller woke up.
     pub(crate) fn leave(&self) {
         self.parked.fetch_sub(1, Ordering::SeqCst);

@@ -38,6 +38,19 @@ impl Conn {
         Ok(())
     }
 
+    /// Reads what has arrived into `buf` (at least one byte; blocking or
+    /// spinning until then); `UnexpectedEof` when the peer closed.
+    pub fn read_some(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            match self.stream.read(buf) {
+                Ok(0) if !buf.is_empty() => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => return Ok(n),
+                Err(e) if retry(&e) => std::hint::spin_loop(),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     /// Sends all of `buf`.
     pub fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
         if !self.spin {

@@ -18,6 +18,7 @@
 mod conn;
 mod layout;
 mod pingpong;
+mod pipelined;
 
 use anyhow::bail;
 
@@ -77,6 +78,47 @@ pub fn run_fanout(spec: Spec, pages: usize, seed: u64, servers: usize) -> anyhow
         }
     }
     let Some((layout, outcome)) = best else {
+        bail!("no baseline layout fits the CPUs this process may use ({cpus:?})");
+    };
+    Ok(Best {
+        layout,
+        outcome,
+        tried,
+        all_verified,
+    })
+}
+
+/// The bare pipelined client ([`pipelined`]): one thread, one connection,
+/// `depth` requests in flight at all times, `spec`'s op, ops and pattern
+/// over `pages` pages of `seed`'s pattern, every page checked. It runs in
+/// every layout this process can have (one server thread) and keeps the one
+/// with the highest throughput (the first on a tie): the figure a
+/// many-in-flight run is compared with.
+pub fn run_pipelined(spec: Spec, pages: usize, seed: u64, depth: usize) -> anyhow::Result<Best> {
+    let cpus = layout::allowed_cpus();
+    let mut best: Option<(Layout, Outcome, f64)> = None;
+    let mut tried = Vec::new();
+    let mut all_verified = true;
+    let spec = Spec {
+        threads: 1,
+        depth,
+        ..spec
+    };
+    for layout in Layout::ALL {
+        let Some(placement) = layout.cpus(&cpus) else {
+            tracing::info!(layout = layout.name(), "skipped: needs two CPUs");
+            continue;
+        };
+        let outcome = pipelined::run(spec, pages, seed, depth, layout, placement)?;
+        let result = LayoutResult::new(layout.name(), placement, &outcome);
+        all_verified &= result.verified;
+        let rate = result.pages_per_s;
+        tried.push(result);
+        if best.as_ref().map_or(true, |(_, _, r)| rate > *r) {
+            best = Some((layout, outcome, rate));
+        }
+    }
+    let Some((layout, outcome, _)) = best else {
         bail!("no baseline layout fits the CPUs this process may use ({cpus:?})");
     };
     Ok(Best {

@@ -450,15 +450,21 @@ pub(crate) fn code_status(code: u32) -> Option<WcStatus> {
         .map(WcStatus::from_raw)
 }
 
+/// Polls of the CQs between two looks at the clock and two `sched_yield`s
+/// in [`wait`].
+const POLLS_PER_YIELD: u32 = 32;
+
 /// Waits until `waiter` has nothing outstanding or `deadline` passes (false
 /// then). For up to `spin` the caller polls the CQs of `conns` itself (no
 /// hand-off, no wake-up: SoftRoCE often completes a request inside
 /// `ibv_post_send`); then it parks and the connections' pollers take over.
 ///
-/// Between polls the caller yields its CPU: on a small host the work that
-/// completes the request (SoftRoCE's tasklets in `ksoftirqd`, or another
-/// caller) may be queued behind it. The clock is read only every 16 polls
-/// (it is a system call on some VMs).
+/// Polling a CQ is a read of user-space memory, so the spin makes no system
+/// call per poll: it yields its CPU (and reads the clock, a system call on
+/// some VMs) once every [`POLLS_PER_YIELD`] polls. Yielding now and then
+/// still matters on a small host: the work that completes the request
+/// (SoftRoCE's tasklets in `ksoftirqd`, or another caller) may be queued
+/// behind this thread.
 pub(crate) fn wait(
     waiter: &Waiter,
     conns: &[Option<Arc<RdmaConnection>>],
@@ -479,13 +485,15 @@ pub(crate) fn wait(
             break;
         }
         spins = spins.wrapping_add(1);
-        if spins % 16 == 0 {
+        if spins % POLLS_PER_YIELD == 0 {
             let now = Instant::now();
             if now >= *spin_until.get_or_insert(now + spin) || now >= deadline.get() {
                 break;
             }
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
         }
-        std::thread::yield_now();
     }
     for c in conns() {
         c.parking.enter();

@@ -61,6 +61,9 @@ pub(crate) struct TcpConnection {
     /// Callers parked waiting for answers on this connection: the poller
     /// watches the socket only while there are any.
     pub(crate) parking: Parking<PollerHandle>,
+    /// Set while a caller blocks in `poll(2)` on the socket and reads the
+    /// answers itself (`receive::wait`): the poller leaves the socket alone.
+    pub(crate) blocking_reader: AtomicBool,
     broken: AtomicBool,
     pub(crate) ack: HelloAck,
 }
@@ -107,6 +110,7 @@ impl TcpConnection {
             inflight: Inflight::new(),
             recv: Mutex::new(RecvBuf::new()),
             parking: Parking::new(),
+            blocking_reader: AtomicBool::new(false),
             broken: AtomicBool::new(false),
             ack,
         })

@@ -5,6 +5,8 @@ mod connection;
 mod inflight;
 mod poller;
 mod receive;
+#[cfg(test)]
+mod wait_tests;
 
 pub(crate) use connection::{Request, TcpConnection, MAX_CHUNK};
 pub(crate) use inflight::{ReadyHook, Waiter, CODE_CHECKSUM, CODE_CONN_LOST, CODE_PROTOCOL};

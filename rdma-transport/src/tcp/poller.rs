@@ -143,7 +143,8 @@ fn run(handle: &PollerHandle, cpu: Option<usize>, mode: PollMode, idle_spin: Dur
             revents: 0,
         });
         for (i, c) in conns.iter().enumerate() {
-            if c.parking.any() {
+            // A caller blocked on the socket reads every answer on it.
+            if c.parking.any() && !c.blocking_reader.load(Ordering::SeqCst) {
                 watched.push(i);
                 pollfds.push(libc::pollfd {
                     fd: c.stream().as_raw_fd(),
@@ -179,8 +180,11 @@ fn run(handle: &PollerHandle, cpu: Option<usize>, mode: PollMode, idle_spin: Dur
             }
             last_activity = Instant::now();
             let c = &conns[i];
-            let mut rb = c.recv.lock();
-            let _ = c.progress(&mut rb);
+            // Busy: a caller is reading this socket (a spinning one drains
+            // it; a blocked one was woken by the same data).
+            if let Some(mut rb) = c.recv.try_lock() {
+                let _ = c.progress(&mut rb);
+            }
         }
     }
     for c in &conns {

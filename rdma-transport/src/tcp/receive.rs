@@ -5,8 +5,12 @@
 //! connection's poller thread when no caller is waiting.
 
 use std::io::{self, Read};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use parking_lot::MutexGuard;
 
 use super::connection::TcpConnection;
 use super::inflight::{Claim, Waiter, CODE_CHECKSUM, CODE_CONN_LOST, CODE_PROTOCOL};
@@ -56,8 +60,16 @@ impl TcpConnection {
                 }
                 Ok(n) => {
                     any = true;
+                    let room = rb.buf.len() - rb.end;
                     rb.end += n;
                     self.parse(rb)?;
+                    if n < room {
+                        // The socket had less than the room left: it is
+                        // drained, and another read would only say
+                        // WouldBlock (a system call per answer saved). A
+                        // reader comes back anyway while it waits.
+                        return Ok(true);
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(any),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -149,41 +161,39 @@ impl TcpConnection {
     }
 }
 
+/// Connections one caller blocks on by itself at most; a call spread over
+/// more parks and leaves them to the pollers.
+const MAX_BLOCKING_CONNS: usize = 8;
+
 /// Waits until `waiter` has no request outstanding or `deadline` passes
-/// (false then). For up to `spin` the caller reads the answers off `conns`
-/// itself (no hand-off, no wake-up); after that it parks and asks the
-/// connections' pollers to finish the job.
+/// (false then).
+///
+/// 1. For up to `spin` the caller reads the answers off `conns` itself,
+///    yielding the CPU between tries (on a small host whoever answers may be
+///    queued behind it on this CPU).
+/// 2. Then it blocks in `poll(2)` on the sockets and reads its own answers
+///    when they come: one wake-up (its own), no hand-off. It does so only
+///    when it can hold the receive buffer of every connection it waits on;
+///    meanwhile the connections' pollers leave those sockets alone.
+/// 3. Otherwise (another caller is reading one of them, or the call spans
+///    too many connections) it parks, and the connections' pollers (or that
+///    other reader) complete its requests and wake it.
 pub(crate) fn wait(
     waiter: &Waiter,
     conns: &[Option<Arc<TcpConnection>>],
     spin: Duration,
     deadline: Instant,
 ) -> bool {
-    let conns = || conns.iter().flatten();
-    if !spin.is_zero() {
-        let spin_until = Instant::now() + spin;
-        let mut spins = 0u32;
-        loop {
-            for c in conns() {
-                if let Some(mut rb) = c.recv.try_lock() {
-                    let _ = c.progress(&mut rb);
-                }
-            }
-            if waiter.is_done() {
-                return true;
-            }
-            spins = spins.wrapping_add(1);
-            if spins % 16 == 0 {
-                let now = Instant::now();
-                if now >= spin_until || now >= deadline {
-                    break;
-                }
-            }
-            // On a small host the page-server (or whoever answers) may be
-            // queued behind us on this very CPU: let it run.
-            std::thread::yield_now();
-        }
+    if !spin.is_zero() && spin_reading(waiter, conns, spin, deadline) {
+        return true;
     }
+    if waiter.is_done() {
+        return true;
+    }
+    if let Some(answered) = block_reading(waiter, conns, deadline) {
+        return answered;
+    }
+    let conns = || conns.iter().flatten();
     for c in conns() {
         c.parking.enter();
     }
@@ -192,4 +202,129 @@ pub(crate) fn wait(
         c.parking.leave();
     }
     answered
+}
+
+/// Step 1 of [`wait`]: true when every answer came within `spin`.
+fn spin_reading(
+    waiter: &Waiter,
+    conns: &[Option<Arc<TcpConnection>>],
+    spin: Duration,
+    deadline: Instant,
+) -> bool {
+    let spin_until = Instant::now() + spin;
+    let mut spins = 0u32;
+    loop {
+        for c in conns.iter().flatten() {
+            if let Some(mut rb) = c.recv.try_lock() {
+                let _ = c.progress(&mut rb);
+            }
+        }
+        if waiter.is_done() {
+            return true;
+        }
+        spins = spins.wrapping_add(1);
+        if spins % 16 == 0 {
+            let now = Instant::now();
+            if now >= spin_until || now >= deadline {
+                return false;
+            }
+        }
+        // On a small host whoever answers may be queued behind us on this
+        // very CPU: let it run. (Yielding less often, every 4th or 16th
+        // try, or not at all for the first 20 us, made p50 no better and
+        // up to 2x worse on the 2-CPU bench host: docs/benchmarking.md.)
+        std::thread::yield_now();
+    }
+}
+
+/// Step 2 of [`wait`]: `None` when the caller cannot hold every
+/// connection's receive buffer (it must park instead), else whether every
+/// answer came before `deadline`.
+fn block_reading(
+    waiter: &Waiter,
+    conns: &[Option<Arc<TcpConnection>>],
+    deadline: Instant,
+) -> Option<bool> {
+    // Dropped last: the receive buffers are released before the pollers
+    // are told to look at the sockets again.
+    let mut readers = BlockingReaders::default();
+    let mut held: [Option<MutexGuard<'_, RecvBuf>>; MAX_BLOCKING_CONNS] = Default::default();
+    let mut pollfds = [libc::pollfd {
+        fd: -1,
+        events: libc::POLLIN,
+        revents: 0,
+    }; MAX_BLOCKING_CONNS];
+    let mut n = 0;
+    for c in conns.iter().flatten() {
+        if n == MAX_BLOCKING_CONNS {
+            return None;
+        }
+        held[n] = Some(c.recv.try_lock()?);
+        pollfds[n].fd = c.stream().as_raw_fd();
+        n += 1;
+    }
+    readers.announce(conns);
+    loop {
+        for (c, rb) in conns.iter().flatten().zip(&mut held) {
+            if let Some(rb) = rb {
+                // An error fails the connection's requests (ours too): the
+                // waiter's count still reaches zero.
+                let _ = c.progress(rb);
+            }
+        }
+        if waiter.is_done() {
+            return Some(true);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Some(false);
+        }
+        let timeout = libc::timespec {
+            tv_sec: left.as_secs().min(i32::MAX as u64) as libc::time_t,
+            tv_nsec: libc::c_long::from(left.subsec_nanos() as i32),
+        };
+        // SAFETY: `pollfds[..n]` are live, initialised pollfds; `timeout` is
+        // a valid timespec and a null signal mask is allowed.
+        let ret = unsafe {
+            libc::ppoll(
+                pollfds.as_mut_ptr(),
+                n as libc::nfds_t,
+                &timeout,
+                std::ptr::null(),
+            )
+        };
+        if ret < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() != io::ErrorKind::Interrupted {
+                tracing::debug!(%err, "poll on page-server sockets failed; parking instead");
+                return None;
+            }
+        }
+    }
+}
+
+/// The connections a caller blocks on by itself: their pollers leave the
+/// sockets alone meanwhile, and are told to look again when it is done (in
+/// case other callers parked on them).
+#[derive(Default)]
+struct BlockingReaders<'a> {
+    conns: Option<&'a [Option<Arc<TcpConnection>>]>,
+}
+
+impl<'a> BlockingReaders<'a> {
+    fn announce(&mut self, conns: &'a [Option<Arc<TcpConnection>>]) {
+        for c in conns.iter().flatten() {
+            c.blocking_reader.store(true, Ordering::SeqCst);
+        }
+        self.conns = Some(conns);
+    }
+}
+
+impl Drop for BlockingReaders<'_> {
+    fn drop(&mut self) {
+        for c in self.conns.into_iter().flatten().flatten() {
+            c.blocking_reader.store(false, Ordering::SeqCst);
+            c.parking.wake_if_parked();
+        }
+    }
 }
