@@ -42,6 +42,7 @@
 mod config;
 mod dirty;
 mod error;
+mod file;
 mod handler;
 mod prefetch;
 mod region;
@@ -56,14 +57,16 @@ use std::thread::JoinHandle;
 use parking_lot::Mutex;
 
 use crate::manager::TransportManager;
-use crate::page::PAGE_SIZE;
 use crate::sys::cvt;
 
 pub use crate::uffd::FaultMode;
-pub use config::{FaultAction, FaultErrorHandler, FaultReport, GuestMemoryConfig, SigbusMethod};
+pub use config::{
+    FaultAction, FaultErrorHandler, FaultReport, GuestBacking, GuestMemoryConfig, SharedFile,
+    SigbusMethod,
+};
 pub use error::GuestMemoryError;
 
-use shared::{Counters, Shared, Writeback, WRITEBACK_BATCH};
+use shared::{Counters, Shared};
 
 /// Counters of one region since it was created.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -71,6 +74,12 @@ pub struct GuestMemoryStats {
     /// MISSING faults resolved by fetching the page (counted right after
     /// the copy that wakes the faulting thread, so it may trail it).
     pub missing_faults: u64,
+    /// Fetches started by fault handlers (read-ahead not included): one
+    /// per attempt, so a retried fault counts each try, and on anonymous
+    /// memory two handlers racing on one page may both fetch it (one copy
+    /// is thrown away). A shared region fetches a page once however many
+    /// threads fault on it.
+    pub pages_fetched: u64,
     /// First writes to clean pages.
     pub wp_faults: u64,
     /// Faults parked until another thread finished with the page.
@@ -128,8 +137,13 @@ impl GuestMemory {
                 "fault_timeout_ms must be > 0".into(),
             ));
         }
-        let region = region::GuestRegion::new(config.gpa_base, config.size_bytes)?;
-        let uffd = uffd::RegionUffd::new(region.base(), region.len_bytes(), config.fault_mode)?;
+        let region = region::GuestRegion::new(config.gpa_base, config.size_bytes, &config.backing)?;
+        let uffd = uffd::RegionUffd::new(
+            region.base(),
+            region.len_bytes(),
+            config.fault_mode,
+            region.is_shared(),
+        )?;
         let sigbus = match config.sigbus_method {
             SigbusMethod::Auto if uffd.has_poison() => SigbusMethod::Poison,
             SigbusMethod::Auto => SigbusMethod::Tgkill,
@@ -164,11 +178,7 @@ impl GuestMemory {
             counters: Counters::default(),
             streams: prefetch::StreamTable::default(),
             prefetch: prefetch::PrefetchQueue::default(),
-            writeback: Mutex::new(Writeback {
-                pages: vec![[0u8; PAGE_SIZE]; WRITEBACK_BATCH],
-                gpas: Vec::with_capacity(WRITEBACK_BATCH),
-                index: Vec::with_capacity(WRITEBACK_BATCH),
-            }),
+            writeback: Mutex::new(()),
             config,
         });
         let mut memory = Self {
@@ -328,6 +338,7 @@ impl GuestMemory {
         let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         GuestMemoryStats {
             missing_faults: get(&c.missing_faults),
+            pages_fetched: get(&c.pages_fetched),
             wp_faults: get(&c.wp_faults),
             deferred_faults: get(&c.deferred_faults),
             prefetched_pages: get(&c.prefetched_pages),

@@ -8,7 +8,7 @@ use parking_lot::Mutex;
 
 use crate::error::TransportError;
 use crate::manager::TransportManager;
-use crate::page::{Page, PAGE_SIZE};
+use crate::page::PAGE_SIZE;
 
 use super::config::{GuestMemoryConfig, SigbusMethod};
 use super::prefetch::{PrefetchQueue, StreamTable};
@@ -16,13 +16,14 @@ use super::region::GuestRegion;
 use super::state::PageStates;
 use super::uffd::RegionUffd;
 
-/// Pages written back per round trip by flush and evict.
+/// Largest run of pages written back per round trip by flush and evict.
 pub(crate) const WRITEBACK_BATCH: usize = 64;
 
 /// Counters; read with [`super::GuestMemory::stats`].
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub missing_faults: AtomicU64,
+    pub pages_fetched: AtomicU64,
     pub wp_faults: AtomicU64,
     pub deferred_faults: AtomicU64,
     pub prefetched_pages: AtomicU64,
@@ -39,15 +40,6 @@ impl Counters {
     }
 }
 
-/// Buffers of flush and evict; the mutex around them also serialises the
-/// two, so one page never has two write-backs in flight.
-#[derive(Debug)]
-pub(crate) struct Writeback {
-    pub pages: Vec<Page>,
-    pub gpas: Vec<u64>,
-    pub index: Vec<usize>,
-}
-
 /// The state of one guest region.
 #[derive(Debug)]
 pub(crate) struct Shared {
@@ -62,7 +54,9 @@ pub(crate) struct Shared {
     pub counters: Counters,
     pub streams: StreamTable,
     pub prefetch: PrefetchQueue,
-    pub writeback: Mutex<Writeback>,
+    /// Serialises flush and evict, so one page never has two write-backs
+    /// in flight. Never taken by handlers or faulting threads.
+    pub writeback: Mutex<()>,
 }
 
 impl Shared {

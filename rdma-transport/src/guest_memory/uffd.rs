@@ -13,16 +13,33 @@ use super::error::GuestMemoryError;
 /// tracking) and thread ids (SIGBUS to the faulting thread).
 const REQUIRED: u64 = feature::PAGEFAULT_FLAG_WP | feature::THREAD_ID;
 
+/// Features a region in a shared-memory file needs on top of [`REQUIRED`]:
+/// MISSING faults on holes, MINOR faults on pages in the page cache
+/// (resolved with `UFFDIO_CONTINUE`), write-protect on shmem.
+const REQUIRED_SHMEM: u64 =
+    feature::MISSING_SHMEM | feature::MINOR_SHMEM | feature::WP_HUGETLBFS_SHMEM;
+
 /// The features to enable, given what the kernel `offered`: the required
-/// ones, plus poison when offered.
-pub(crate) fn features_to_enable(offered: u64) -> Result<u64, GuestMemoryError> {
+/// ones (and those of shared memory when `shared`), plus poison when
+/// offered.
+pub(crate) fn features_to_enable(offered: u64, shared: bool) -> Result<u64, GuestMemoryError> {
     if offered & REQUIRED != REQUIRED {
         return Err(GuestMemoryError::Unsupported(format!(
             "the kernel's userfaultfd lacks write-protect or thread ids \
              (features {offered:#x}; need Linux >= 5.7)"
         )));
     }
-    Ok(REQUIRED | (offered & feature::POISON))
+    let mut needed = REQUIRED;
+    if shared {
+        if offered & REQUIRED_SHMEM != REQUIRED_SHMEM {
+            return Err(GuestMemoryError::Unsupported(format!(
+                "the kernel's userfaultfd lacks minor faults or write-protect on shared memory \
+                 (features {offered:#x}; need Linux >= 6.2); use GuestBacking::Anonymous"
+            )));
+        }
+        needed |= REQUIRED_SHMEM;
+    }
+    Ok(needed | (offered & feature::POISON))
 }
 
 /// What it means that opening a userfaultfd for `wanted` failed with `err`:
@@ -68,17 +85,24 @@ pub(crate) struct RegionUffd {
 impl RegionUffd {
     /// Opens the descriptor for the faults of `mode`, enables WP and thread
     /// ids (and poison when offered), and registers `[start, start + len)`
-    /// for MISSING and WP faults.
+    /// for MISSING and WP faults, and MINOR ones when `shared` (a
+    /// shared-memory mapping).
     pub(crate) fn new(
         start: *mut u8,
         len: usize,
         mode: FaultMode,
+        shared: bool,
     ) -> Result<Self, GuestMemoryError> {
         let uffd = Userfaultfd::open(mode).map_err(|err| open_error(mode, err))?;
         let offered = probe_features(mode).map_err(|err| open_error(mode, err))?;
-        let features = features_to_enable(offered)?;
+        let features = features_to_enable(offered, shared)?;
         uffd.enable(features).map_err(uffd_err("UFFDIO_API"))?;
-        uffd.register(start, len, RegisterMode::MISSING_AND_WP)
+        let register = if shared {
+            RegisterMode::MISSING_MINOR_AND_WP
+        } else {
+            RegisterMode::MISSING_AND_WP
+        };
+        uffd.register(start, len, register)
             .map_err(uffd_err("UFFDIO_REGISTER"))?;
         Ok(Self { uffd, features })
     }
@@ -148,6 +172,33 @@ impl RegionUffd {
                     _ => Err(err.source),
                 }
             }
+        }
+    }
+
+    /// Maps `pages` pages at `dst` of a shared region from the file's page
+    /// cache (filled through the alias), write-protected when
+    /// `write_protect` (a clean page), and wakes their waiters.
+    ///
+    /// # Safety
+    /// `dst..` must be `pages` pages of the registered range whose page
+    /// cache holds the contents to map (written through the alias).
+    pub(crate) unsafe fn continue_pages(
+        &self,
+        dst: *mut u8,
+        pages: usize,
+        write_protect: bool,
+    ) -> io::Result<CopyOutcome> {
+        // SAFETY: forwarded from the caller.
+        match unsafe {
+            self.uffd
+                .continue_range(dst, pages * PAGE_SIZE, write_protect)
+        } {
+            Ok(()) => Ok(CopyOutcome::Copied),
+            Err(err) => match err.raw_os_error() {
+                Some(libc::EEXIST) => Ok(CopyOutcome::Exists),
+                Some(libc::EAGAIN) => Ok(CopyOutcome::Again),
+                _ => Err(err),
+            },
         }
     }
 

@@ -37,8 +37,8 @@ use crate::sys::cvt;
 pub use event::{Event, EventBuffer, FaultKind, Pagefault};
 
 use abi::{
-    uffd_msg, uffdio_api, uffdio_copy, uffdio_poison, uffdio_range, uffdio_register,
-    uffdio_writeprotect,
+    uffd_msg, uffdio_api, uffdio_continue, uffdio_copy, uffdio_poison, uffdio_range,
+    uffdio_register, uffdio_writeprotect,
 };
 
 /// `UFFD_FEATURE_*` bits, for [`Userfaultfd::enable`].
@@ -51,6 +51,16 @@ pub mod feature {
     pub const THREAD_ID: u64 = g::UFFD_FEATURE_THREAD_ID as u64;
     /// `UFFDIO_POISON` (Linux >= 6.6).
     pub const POISON: u64 = g::UFFD_FEATURE_POISON as u64;
+    /// MISSING faults on shared memory (shmem, memfd).
+    pub const MISSING_SHMEM: u64 = g::UFFD_FEATURE_MISSING_SHMEM as u64;
+    /// MISSING faults on hugetlbfs.
+    pub const MISSING_HUGETLBFS: u64 = g::UFFD_FEATURE_MISSING_HUGETLBFS as u64;
+    /// MINOR faults (`UFFDIO_CONTINUE`) on shared memory (Linux >= 5.14).
+    pub const MINOR_SHMEM: u64 = g::UFFD_FEATURE_MINOR_SHMEM as u64;
+    /// MINOR faults (`UFFDIO_CONTINUE`) on hugetlbfs (Linux >= 5.13).
+    pub const MINOR_HUGETLBFS: u64 = g::UFFD_FEATURE_MINOR_HUGETLBFS as u64;
+    /// Write-protect on shared memory and hugetlbfs (Linux >= 5.19).
+    pub const WP_HUGETLBFS_SHMEM: u64 = g::UFFD_FEATURE_WP_HUGETLBFS_SHMEM as u64;
 }
 
 /// Which faults a userfaultfd receives.
@@ -76,6 +86,9 @@ pub struct RegisterMode {
     pub missing: bool,
     /// Faults on writes to write-protected pages.
     pub write_protect: bool,
+    /// Faults on pages present in a shared file's page cache but not
+    /// mapped (shmem, hugetlbfs); resolved with `UFFDIO_CONTINUE`.
+    pub minor: bool,
 }
 
 impl RegisterMode {
@@ -83,11 +96,19 @@ impl RegisterMode {
     pub const MISSING: Self = Self {
         missing: true,
         write_protect: false,
+        minor: false,
     };
     /// Missing-page and write-protect faults.
     pub const MISSING_AND_WP: Self = Self {
         missing: true,
         write_protect: true,
+        minor: false,
+    };
+    /// Missing-page, minor and write-protect faults (shared memory).
+    pub const MISSING_MINOR_AND_WP: Self = Self {
+        missing: true,
+        write_protect: true,
+        minor: true,
     };
 
     fn bits(self) -> u64 {
@@ -97,6 +118,9 @@ impl RegisterMode {
         }
         if self.write_protect {
             bits |= u64::from(abi::UFFDIO_REGISTER_MODE_WP);
+        }
+        if self.minor {
+            bits |= u64::from(abi::UFFDIO_REGISTER_MODE_MINOR);
         }
         bits
     }
@@ -354,6 +378,42 @@ impl Userfaultfd {
                 source,
             }),
         }
+    }
+
+    /// Maps the pages of `[start, start + len_bytes)` that are already in
+    /// the shared file's page cache (`UFFDIO_CONTINUE`, register mode
+    /// `minor`), write-protected when `write_protect` (Linux >= 6.2), and
+    /// wakes their waiters. The page cache is filled beforehand through
+    /// another mapping of the same file.
+    ///
+    /// # Errors
+    /// The OS error of `UFFDIO_CONTINUE` (`EEXIST`: a page is mapped
+    /// already; `EFAULT`: a page is not in the page cache; `EAGAIN`: the
+    /// mapping changed, try again).
+    ///
+    /// # Safety
+    /// The range must be pages of a range registered with this descriptor
+    /// whose contents no Rust reference relies on (they change from
+    /// "missing" to the page cache's).
+    pub unsafe fn continue_range(
+        &self,
+        start: *mut u8,
+        len_bytes: usize,
+        write_protect: bool,
+    ) -> io::Result<()> {
+        let mut cont = uffdio_continue {
+            range: range(start, len_bytes),
+            mode: if write_protect {
+                abi::UFFDIO_CONTINUE_MODE_WP
+            } else {
+                0
+            },
+            mapped: 0,
+        };
+        // SAFETY: `cont` is a live `struct uffdio_continue`; the kernel only
+        // changes page tables of the registered range.
+        unsafe { ioctl(self.raw(), abi::UFFDIO_CONTINUE, &mut cont) }?;
+        Ok(())
     }
 
     /// Installs poison markers on the missing pages of `[start, start +

@@ -1,0 +1,349 @@
+//! Guest memory in a shared-memory file the hypervisor owns (memfd), over a
+//! real local cluster: faults are fetched straight into the region's alias
+//! and mapped with UFFDIO_CONTINUE, write-back goes out of guest memory,
+//! evict punches holes, and concurrent faults on one page fetch it once.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use rdma_transport::guest_memory::{
+    GuestBacking, GuestMemory, GuestMemoryConfig, GuestMemoryError, SharedFile,
+};
+use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
+
+const NODE: u64 = NODE_BYTES as u64;
+const PAGES_PER_NODE: usize = NODE_BYTES / PAGE_SIZE;
+
+fn cluster_coordinator() -> (tempfile::TempDir, coordinator::RunningCoordinator) {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    (db, coord)
+}
+
+fn shared_config(
+    fd: &Arc<OwnedFd>,
+    offset_bytes: u64,
+    gpa_base: u64,
+    size_bytes: usize,
+) -> GuestMemoryConfig {
+    GuestMemoryConfig {
+        handler_cpus: Some(vec![]),
+        fault_timeout_ms: 500,
+        backing: GuestBacking::SharedFile(SharedFile::new(Arc::clone(fd), offset_bytes)),
+        ..GuestMemoryConfig::new(gpa_base, size_bytes)
+    }
+}
+
+/// The VMM's own mapping of the file (as a vhost-user back-end would have).
+struct VmmView {
+    ptr: *mut u8,
+    len_bytes: usize,
+}
+
+impl VmmView {
+    fn new(fd: &OwnedFd, len_bytes: usize) -> Self {
+        // SAFETY: a new shared mapping of our memfd; the result is checked.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len_bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        Self {
+            ptr: ptr.cast(),
+            len_bytes,
+        }
+    }
+
+    fn page(&self, index: usize) -> Vec<u8> {
+        assert!((index + 1) * PAGE_SIZE <= self.len_bytes);
+        let mut out = vec![0u8; PAGE_SIZE];
+        // SAFETY: inside our live mapping; raw bytes copied out.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.add(index * PAGE_SIZE),
+                out.as_mut_ptr(),
+                PAGE_SIZE,
+            )
+        };
+        out
+    }
+
+    fn fill(&self, index: usize, byte: u8) {
+        assert!((index + 1) * PAGE_SIZE <= self.len_bytes);
+        // SAFETY: inside our live mapping.
+        unsafe { std::ptr::write_bytes(self.ptr.add(index * PAGE_SIZE), byte, PAGE_SIZE) };
+    }
+}
+
+impl Drop for VmmView {
+    fn drop(&mut self) {
+        // SAFETY: exactly what mmap returned, unused after this.
+        unsafe { libc::munmap(self.ptr.cast(), self.len_bytes) };
+    }
+}
+
+/// Bytes of the file backed by memory (`st_blocks` counts 512-byte units).
+fn file_resident_bytes(fd: &OwnedFd) -> u64 {
+    // SAFETY: `st` is plain data the kernel fills in.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is live and writable.
+    assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, 0);
+    st.st_blocks as u64 * 512
+}
+
+#[test]
+fn memfd_pages_fault_in_write_back_and_evict_frees_the_file() {
+    let (_db, coord) = cluster_coordinator();
+    let _a = page_server(&coord.url(), "a", 0);
+    let _b = page_server(&coord.url(), "b", NODE);
+    let mgr = Arc::new(manager(&coord.url()));
+    // The region is the file's second half: offsets are honoured.
+    let fd = memfd(4 * NODE_BYTES);
+    let offset = 2 * NODE;
+    let ram = GuestMemory::new(
+        Arc::clone(&mgr),
+        shared_config(&fd, offset, 0, 2 * NODE_BYTES),
+    )
+    .unwrap();
+    let vmm = VmmView::new(&fd, 4 * NODE_BYTES);
+
+    // Half the pages are read first (mapped clean, then a write-protect
+    // fault on the write), half are written first.
+    let mut page = [0u8; PAGE_SIZE];
+    for p in 0..2 * PAGES_PER_NODE {
+        let gpa = (p * PAGE_SIZE) as u64;
+        if p % 2 == 0 {
+            ram.read(gpa, &mut page).unwrap();
+            assert!(page.iter().all(|&b| b == 0), "fresh remote memory is zero");
+        }
+        ram.write(gpa, &page_for(gpa, 7)).unwrap();
+    }
+    let stats = ram.stats();
+    assert_eq!(
+        stats.missing_faults + stats.prefetched_pages,
+        512,
+        "{stats:?}"
+    );
+    assert!(stats.wp_faults >= 128, "write-protect tracking: {stats:?}");
+    // The guest's pages are the file's: the VMM's own mapping sees them.
+    for p in (0..2 * PAGES_PER_NODE).step_by(7) {
+        let gpa = (p * PAGE_SIZE) as u64;
+        assert!(
+            vmm.page(2 * PAGES_PER_NODE + p) == page_for(gpa, 7),
+            "file page for gpa {gpa:#x} differs"
+        );
+    }
+
+    // Flush writes each dirty page once, straight out of guest memory.
+    assert_eq!(ram.flush().unwrap(), 512);
+    assert_eq!(ram.flush().unwrap(), 0, "clean after a flush");
+    let gpas: Vec<u64> = (0..2 * PAGES_PER_NODE)
+        .map(|p| (p * PAGE_SIZE) as u64)
+        .collect();
+    let mut remote = vec![[0u8; PAGE_SIZE]; gpas.len()];
+    mgr.read_pages(&gpas, &mut remote).unwrap();
+    for (gpa, got) in gpas.iter().zip(&remote) {
+        assert!(*got == page_for(*gpa, 7), "remote page {gpa:#x} differs");
+    }
+
+    // A write after the flush is tracked again; evict writes it back and
+    // frees the file's memory (a hole), and the next touch fetches it.
+    ram.write(0x3000, &page_for(0x3000, 9)).unwrap();
+    assert!(file_resident_bytes(&fd) >= 2 * NODE);
+    assert_eq!(ram.evict(0, 2 * NODE).unwrap(), 512);
+    assert_eq!(
+        file_resident_bytes(&fd),
+        0,
+        "evict punched the file's pages"
+    );
+    assert!(
+        vmm.page(0).iter().all(|&b| b == 0),
+        "before the offset: untouched"
+    );
+    mgr.read_page(0x3000, &mut page).unwrap();
+    assert!(
+        page == page_for(0x3000, 9),
+        "evict wrote the dirty page back"
+    );
+    let before = ram.stats().missing_faults;
+    for p in (0..2 * PAGES_PER_NODE).rev() {
+        let gpa = (p * PAGE_SIZE) as u64;
+        let seed = if gpa == 0x3000 { 9 } else { 7 };
+        ram.read(gpa, &mut page).unwrap();
+        assert!(
+            page == page_for(gpa, seed),
+            "guest page {gpa:#x} after evict"
+        );
+    }
+    assert!(ram.stats().missing_faults > before);
+    assert_eq!(ram.flush().unwrap(), 0, "clean pages need no write-back");
+}
+
+#[test]
+fn pages_the_vmm_left_in_the_file_are_fetched_not_trusted() {
+    let (_db, coord) = cluster_coordinator();
+    let _a = page_server(&coord.url(), "a", 0);
+    let mgr = Arc::new(manager(&coord.url()));
+    for p in 0..4u64 {
+        mgr.write_page(p * 4096, &page_for(p * 4096, 5)).unwrap();
+    }
+    let fd = memfd(NODE_BYTES);
+    let vmm = VmmView::new(&fd, NODE_BYTES);
+    // Stale contents in the page cache: a touch is a MINOR fault, and the
+    // owner's page must replace them.
+    for p in 0..4 {
+        vmm.fill(p, 0xee);
+    }
+    let ram = GuestMemory::new(
+        Arc::clone(&mgr),
+        GuestMemoryConfig {
+            prefetch_max_pages: 0,
+            ..shared_config(&fd, 0, 0, NODE_BYTES)
+        },
+    )
+    .unwrap();
+    let mut page = [0u8; PAGE_SIZE];
+    for p in 0..4u64 {
+        ram.read(p * 4096, &mut page).unwrap();
+        assert!(page == page_for(p * 4096, 5), "page {p} is the owner's");
+        assert!(vmm.page(p as usize) == page_for(p * 4096, 5));
+    }
+    let stats = ram.stats();
+    assert_eq!(
+        (stats.missing_faults, stats.pages_fetched),
+        (4, 4),
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn concurrent_faults_on_one_shared_page_fetch_it_once() {
+    let (_db, coord) = cluster_coordinator();
+    let server = ChildServer::start(&coord.url(), "a", 0);
+    let gpa = 5 * PAGE_SIZE as u64;
+    // Long deadlines: the owner is stopped while the faults pile up.
+    let mgr = Arc::new(
+        TransportManager::connect(ManagerConfig {
+            coordinator_url: coord.url(),
+            request_timeout_ms: 20_000,
+            poller_cpus: Some(vec![]),
+            ..ManagerConfig::default()
+        })
+        .unwrap(),
+    );
+    mgr.write_page(gpa, &page_for(gpa, 3)).unwrap();
+    let fd = memfd(NODE_BYTES);
+    let ram = Arc::new(
+        GuestMemory::new(
+            Arc::clone(&mgr),
+            GuestMemoryConfig {
+                handler_threads: 3,
+                fault_timeout_ms: 30_000,
+                prefetch_max_pages: 0,
+                ..shared_config(&fd, 0, 0, NODE_BYTES)
+            },
+        )
+        .unwrap(),
+    );
+    server.pause();
+    let touch = |ram: Arc<GuestMemory>| {
+        std::thread::spawn(move || {
+            let mut page = [0u8; PAGE_SIZE];
+            ram.read(gpa, &mut page).unwrap();
+            page
+        })
+    };
+    // The first fault's handler starts the fetch and waits on the stopped
+    // owner; then two more threads fault on the page and go to the other
+    // handlers, which must wait for it rather than fetch again.
+    let mut threads = vec![touch(Arc::clone(&ram))];
+    assert!(
+        wait_until(Duration::from_secs(10), || ram.stats().pages_fetched == 1),
+        "{:?}",
+        ram.stats()
+    );
+    threads.push(touch(Arc::clone(&ram)));
+    threads.push(touch(Arc::clone(&ram)));
+    assert!(
+        wait_until(Duration::from_secs(10), || ram.stats().deferred_faults >= 2),
+        "the later faults were not deferred: {:?}",
+        ram.stats()
+    );
+    server.resume();
+    for t in threads {
+        assert!(t.join().unwrap() == page_for(gpa, 3), "wrong page content");
+    }
+    let stats = ram.stats();
+    assert_eq!(stats.pages_fetched, 1, "fetched once: {stats:?}");
+    assert_eq!(stats.missing_faults, 1, "{stats:?}");
+}
+
+#[test]
+fn bad_shared_files_are_refused_with_their_reason() {
+    let (_db, coord) = cluster_coordinator();
+    let _a = page_server(&coord.url(), "a", 0);
+    let mgr = Arc::new(manager(&coord.url()));
+    let new = |config| GuestMemory::new(Arc::clone(&mgr), config).map(|_| ());
+
+    let small = memfd(NODE_BYTES / 2);
+    let err = new(shared_config(&small, 0, 0, NODE_BYTES)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            GuestMemoryError::FileTooSmall { file_bytes, needed_bytes }
+                if file_bytes == NODE / 2 && needed_bytes == NODE
+        ),
+        "{err:?}"
+    );
+    let fd = memfd(2 * NODE_BYTES);
+    let err = new(shared_config(&fd, NODE + 1, 0, NODE_BYTES)).unwrap_err();
+    assert!(
+        matches!(&err, GuestMemoryError::Config(m) if m.contains("offset")),
+        "{err:?}"
+    );
+    let err = new(shared_config(&fd, 2 * NODE, 0, PAGE_SIZE)).unwrap_err();
+    assert!(
+        matches!(err, GuestMemoryError::FileTooSmall { .. }),
+        "{err:?}"
+    );
+
+    // Not shared memory: a pipe.
+    let mut ends = [0; 2];
+    // SAFETY: `ends` is a live array of two ints.
+    assert_eq!(unsafe { libc::pipe(ends.as_mut_ptr()) }, 0);
+    // SAFETY: both ends were just created and are owned by nobody else.
+    let (pipe_read, _pipe_write) = unsafe {
+        (
+            Arc::new(OwnedFd::from_raw_fd(ends[0])),
+            OwnedFd::from_raw_fd(ends[1]),
+        )
+    };
+    let err = new(shared_config(&pipe_read, 0, 0, NODE_BYTES)).unwrap_err();
+    assert!(
+        matches!(err, GuestMemoryError::NotSharedMemory { .. }),
+        "{err:?}"
+    );
+
+    // The memfd opened read-only.
+    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    let read_only = Arc::new(OwnedFd::from(std::fs::File::open(path).unwrap()));
+    let err = new(shared_config(&read_only, 0, 0, NODE_BYTES)).unwrap_err();
+    assert!(matches!(err, GuestMemoryError::FileNotWritable), "{err:?}");
+
+    // And a good one works.
+    new(shared_config(&fd, NODE, 0, NODE_BYTES)).unwrap();
+}

@@ -1,0 +1,173 @@
+//! Guest RAM in a shared-memory file the hypervisor owns (a memfd or a tmpfs
+//! file): the checks on the file, its two `MAP_SHARED` mappings (the guest's,
+//! registered with userfaultfd, and our alias, which is not), and freeing
+//! pages by punching holes.
+//!
+//! Faults on the guest mapping are resolved without a bounce: the page is
+//! received straight into the alias (which fills the file's page cache) and
+//! then mapped into the guest mapping with `UFFDIO_CONTINUE`.
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::page::PAGE_SIZE_U64;
+use crate::sys::cvt;
+
+use super::config::SharedFile;
+use super::error::GuestMemoryError;
+
+/// Both mappings of the region's range of the file.
+#[derive(Debug)]
+pub(crate) struct SharedMapping {
+    fd: Arc<OwnedFd>,
+    offset_bytes: u64,
+    pub(crate) guest: FileMap,
+    pub(crate) alias: FileMap,
+}
+
+impl SharedMapping {
+    /// Checks `file` for a region of `len_bytes` and maps it twice.
+    pub(crate) fn new(file: &SharedFile, len_bytes: usize) -> Result<Self, GuestMemoryError> {
+        check(file, len_bytes as u64)?;
+        let guest = FileMap::new(&file.fd, file.offset_bytes, len_bytes)?;
+        let alias = FileMap::new(&file.fd, file.offset_bytes, len_bytes)?;
+        Ok(Self {
+            fd: Arc::clone(&file.fd),
+            offset_bytes: file.offset_bytes,
+            guest,
+            alias,
+        })
+    }
+
+    /// Frees the file's pages `[off, off + len_bytes)` of the region (its
+    /// page cache; both mappings lose them): the next touch faults again.
+    pub(crate) fn punch_hole(&self, off: usize, len_bytes: usize) -> io::Result<()> {
+        // SAFETY: plain syscall on our descriptor; the range is inside the
+        // region's part of the file (callers pass in-region offsets), whose
+        // contents we own and mean to discard.
+        let ret = unsafe {
+            libc::fallocate(
+                self.fd.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                (self.offset_bytes + off as u64) as libc::off_t,
+                len_bytes as libc::off_t,
+            )
+        };
+        cvt(ret).map(|_| ())
+    }
+}
+
+/// The checks of a region's file: shared memory, read-write, aligned, large
+/// enough. Each failure is its own error.
+fn check(file: &SharedFile, len_bytes: u64) -> Result<(), GuestMemoryError> {
+    let fd = file.fd.as_raw_fd();
+    let syscall = |op| move |source| GuestMemoryError::Memory { op, source };
+    // SAFETY: `statfs` is plain data the kernel fills in; zeroes are valid.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `fs` is a live, writable `struct statfs`.
+    cvt(unsafe { libc::fstatfs(fd, &mut fs) }).map_err(syscall("fstatfs"))?;
+    #[allow(clippy::unnecessary_cast)] // f_type's width differs per libc
+    let fs_magic = fs.f_type as i64;
+    if fs_magic != libc::TMPFS_MAGIC as i64 {
+        return Err(GuestMemoryError::NotSharedMemory { fs_magic });
+    }
+    // SAFETY: plain syscall on a descriptor we hold; no memory effects.
+    let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFL) }).map_err(syscall("fcntl"))?;
+    if flags & libc::O_ACCMODE != libc::O_RDWR {
+        return Err(GuestMemoryError::FileNotWritable);
+    }
+    if file.offset_bytes % PAGE_SIZE_U64 != 0 {
+        return Err(GuestMemoryError::Config(format!(
+            "offset_bytes {:#x} of the shared file must be a multiple of 4096",
+            file.offset_bytes
+        )));
+    }
+    let needed_bytes = file
+        .offset_bytes
+        .checked_add(len_bytes)
+        .ok_or_else(|| GuestMemoryError::Config("offset_bytes + size_bytes overflows".into()))?;
+    // SAFETY: `stat` is plain data the kernel fills in; zeroes are valid.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a live, writable `struct stat`.
+    cvt(unsafe { libc::fstat(fd, &mut st) }).map_err(syscall("fstat"))?;
+    let file_bytes = st.st_size.max(0) as u64;
+    if file_bytes < needed_bytes {
+        return Err(GuestMemoryError::FileTooSmall {
+            file_bytes,
+            needed_bytes,
+        });
+    }
+    Ok(())
+}
+
+/// A read-write `MAP_SHARED` mapping of a file range, unmapped on drop.
+#[derive(Debug)]
+pub(crate) struct FileMap {
+    base: NonNull<u8>,
+    len_bytes: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; its bytes are
+// only ever accessed through raw pointers under the page-state protocol of
+// `super::state`, never through references handed out by this type.
+unsafe impl Send for FileMap {}
+// SAFETY: as above.
+unsafe impl Sync for FileMap {}
+
+impl FileMap {
+    fn new(fd: &OwnedFd, offset_bytes: u64, len_bytes: usize) -> Result<Self, GuestMemoryError> {
+        // SAFETY: a new shared mapping of a file we hold, with no address
+        // hint: it touches no existing memory; the result is checked.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len_bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                offset_bytes as libc::off_t,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(GuestMemoryError::Memory {
+                op: "mmap(MAP_SHARED)",
+                source: io::Error::last_os_error(),
+            });
+        }
+        let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| GuestMemoryError::Memory {
+            op: "mmap(MAP_SHARED)",
+            source: io::Error::other("mmap returned null"),
+        })?;
+        let map = Self { base, len_bytes };
+        // 4 KiB faults, write protection and eviction: no transparent huge
+        // pages (shmem may have them, per /sys/kernel/mm/transparent_hugepage/shmem_enabled).
+        // SAFETY: advice on a mapping we own; it changes no contents.
+        let ret = unsafe { libc::madvise(ptr, len_bytes, libc::MADV_NOHUGEPAGE) };
+        cvt(ret).map_err(|source| GuestMemoryError::Memory {
+            op: "madvise(MADV_NOHUGEPAGE)",
+            source,
+        })?;
+        Ok(map)
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
+    pub(crate) fn len_bytes(&self) -> usize {
+        self.len_bytes
+    }
+}
+
+impl Drop for FileMap {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len_bytes` are exactly what mmap returned, and the
+        // mapping is being dropped, so nothing uses it any more.
+        let ret = unsafe { libc::munmap(self.base.as_ptr().cast(), self.len_bytes) };
+        if let Err(err) = cvt(ret) {
+            tracing::warn!(%err, "munmap of a shared guest mapping failed");
+        }
+    }
+}
