@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use common::*;
 use rdma_transport::guest_memory::{
-    GuestBacking, GuestMemory, GuestMemoryConfig, GuestMemoryError, SharedFile,
+    GuestBacking, GuestMemory, GuestMemoryConfig, GuestMemoryError, HandedOverUffd, SharedFile,
 };
+use rdma_transport::uffd::{feature, FaultMode, RegisterMode, Userfaultfd};
 use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
 
 const NODE: u64 = NODE_BYTES as u64;
@@ -71,21 +72,17 @@ impl VmmView {
     fn page(&self, index: usize) -> Vec<u8> {
         assert!((index + 1) * PAGE_SIZE <= self.len_bytes);
         let mut out = vec![0u8; PAGE_SIZE];
+        let src = self.ptr.wrapping_add(index * PAGE_SIZE);
         // SAFETY: inside our live mapping; raw bytes copied out.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.ptr.add(index * PAGE_SIZE),
-                out.as_mut_ptr(),
-                PAGE_SIZE,
-            )
-        };
+        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), PAGE_SIZE) };
         out
     }
 
     fn fill(&self, index: usize, byte: u8) {
         assert!((index + 1) * PAGE_SIZE <= self.len_bytes);
+        let dst = self.ptr.wrapping_add(index * PAGE_SIZE);
         // SAFETY: inside our live mapping.
-        unsafe { std::ptr::write_bytes(self.ptr.add(index * PAGE_SIZE), byte, PAGE_SIZE) };
+        unsafe { std::ptr::write_bytes(dst, byte, PAGE_SIZE) };
     }
 }
 
@@ -325,13 +322,10 @@ fn bad_shared_files_are_refused_with_their_reason() {
     let mut ends = [0; 2];
     // SAFETY: `ends` is a live array of two ints.
     assert_eq!(unsafe { libc::pipe(ends.as_mut_ptr()) }, 0);
-    // SAFETY: both ends were just created and are owned by nobody else.
-    let (pipe_read, _pipe_write) = unsafe {
-        (
-            Arc::new(OwnedFd::from_raw_fd(ends[0])),
-            OwnedFd::from_raw_fd(ends[1]),
-        )
-    };
+    // SAFETY: just created and owned by nobody else.
+    let pipe_read = Arc::new(unsafe { OwnedFd::from_raw_fd(ends[0]) });
+    // SAFETY: as above.
+    let _pipe_write = unsafe { OwnedFd::from_raw_fd(ends[1]) };
     let err = new(shared_config(&pipe_read, 0, 0, NODE_BYTES)).unwrap_err();
     assert!(
         matches!(err, GuestMemoryError::NotSharedMemory { .. }),
@@ -346,4 +340,131 @@ fn bad_shared_files_are_refused_with_their_reason() {
 
     // And a good one works.
     new(shared_config(&fd, NODE, 0, NODE_BYTES)).unwrap();
+}
+
+/// The VMM's side of the handler model: a userfaultfd with `features`
+/// enabled (none: no handshake), its mapping registered for MISSING faults.
+fn vmm_uffd(features: Option<u64>, view: &VmmView) -> Arc<OwnedFd> {
+    let uffd = Userfaultfd::open(FaultMode::KernelAndUser).unwrap();
+    if let Some(features) = features {
+        uffd.enable(features).unwrap();
+        uffd.register(view.ptr, view.len_bytes, RegisterMode::MISSING)
+            .unwrap();
+    }
+    Arc::new(
+        std::os::fd::AsFd::as_fd(&uffd)
+            .try_clone_to_owned()
+            .unwrap(),
+    )
+}
+
+const VMM_FEATURES: u64 = feature::PAGEFAULT_FLAG_WP
+    | feature::THREAD_ID
+    | feature::MISSING_SHMEM
+    | feature::MINOR_SHMEM
+    | feature::WP_HUGETLBFS_SHMEM
+    | feature::POISON;
+
+#[test]
+fn handed_over_uffd_and_mapping_serve_faults_and_write_back() {
+    let (_db, coord) = cluster_coordinator();
+    let _a = page_server(&coord.url(), "a", 0);
+    let mgr = Arc::new(manager(&coord.url()));
+    for p in 0..8u64 {
+        mgr.write_page(p * 4096, &page_for(p * 4096, 4)).unwrap();
+    }
+    let fd = memfd(NODE_BYTES);
+    let vmm = VmmView::new(&fd, NODE_BYTES);
+    let uffd = vmm_uffd(Some(VMM_FEATURES), &vmm);
+    // SAFETY: `vmm` maps the memfd at offset 0 for NODE_BYTES and outlives
+    // `ram`; nothing else reads `uffd`.
+    let handed = unsafe { HandedOverUffd::new(Arc::clone(&uffd), vmm.ptr) };
+    let ram = GuestMemory::new(
+        Arc::clone(&mgr),
+        GuestMemoryConfig {
+            backing: GuestBacking::SharedFile(
+                SharedFile::new(Arc::clone(&fd), 0).with_uffd(handed),
+            ),
+            ..shared_config(&fd, 0, 0, NODE_BYTES)
+        },
+    )
+    .unwrap();
+    assert_eq!(ram.as_ptr(), vmm.ptr, "guest memory is the VMM's mapping");
+    // The VMM's own accesses fault and are served.
+    for p in 0..8 {
+        assert!(vmm.page(p) == page_for(p as u64 * 4096, 4), "page {p}");
+    }
+    for p in 0..PAGES_PER_NODE {
+        let gpa = (p * PAGE_SIZE) as u64;
+        ram.write(gpa, &page_for(gpa, 6)).unwrap();
+    }
+    assert!(ram.stats().wp_faults >= 8, "{:?}", ram.stats());
+    assert_eq!(ram.flush().unwrap(), PAGES_PER_NODE as u64);
+    assert_eq!(ram.evict(0, NODE).unwrap(), PAGES_PER_NODE as u64);
+    let mut page = [0u8; PAGE_SIZE];
+    for p in (0..PAGES_PER_NODE).step_by(3) {
+        let gpa = (p * PAGE_SIZE) as u64;
+        mgr.read_page(gpa, &mut page).unwrap();
+        assert!(page == page_for(gpa, 6), "remote page {gpa:#x}");
+        assert!(vmm.page(p) == page_for(gpa, 6), "guest page {gpa:#x}");
+    }
+}
+
+#[test]
+fn handed_over_uffd_without_the_features_or_the_file_is_refused() {
+    let (_db, coord) = cluster_coordinator();
+    let _a = page_server(&coord.url(), "a", 0);
+    let mgr = Arc::new(manager(&coord.url()));
+    let fd = memfd(2 * NODE_BYTES);
+    let vmm = VmmView::new(&fd, NODE_BYTES);
+    let new = |uffd: &Arc<OwnedFd>, mapping: *mut u8, offset_bytes: u64| {
+        // SAFETY: only checked here: each mapping outlives the call and no
+        // region is left serving it.
+        let handed = unsafe { HandedOverUffd::new(Arc::clone(uffd), mapping) };
+        GuestMemory::new(
+            Arc::clone(&mgr),
+            GuestMemoryConfig {
+                backing: GuestBacking::SharedFile(
+                    SharedFile::new(Arc::clone(&fd), offset_bytes).with_uffd(handed),
+                ),
+                ..shared_config(&fd, offset_bytes, 0, NODE_BYTES)
+            },
+        )
+        .map(|_| ())
+    };
+    let basic = vmm_uffd(Some(feature::PAGEFAULT_FLAG_WP | feature::THREAD_ID), &vmm);
+    let err = new(&basic, vmm.ptr, 0).unwrap_err();
+    assert!(
+        matches!(&err, GuestMemoryError::Unsupported(m) if m.contains("MINOR_SHMEM")),
+        "{err:?}"
+    );
+    let fresh = vmm_uffd(None, &vmm);
+    let err = new(&fresh, vmm.ptr, 0).unwrap_err();
+    assert!(
+        matches!(&err, GuestMemoryError::Config(m) if m.contains("UFFDIO_API")),
+        "{err:?}"
+    );
+    // Closing them releases the mapping's registration.
+    drop((basic, fresh));
+    let good = vmm_uffd(Some(VMM_FEATURES), &vmm);
+    // The mapping is the file at offset 0, not NODE_BYTES.
+    let err = new(&good, vmm.ptr, NODE).unwrap_err();
+    assert!(
+        matches!(&err, GuestMemoryError::Config(m) if m.contains("not the shared file")),
+        "{err:?}"
+    );
+    // Not a mapping of the file at all.
+    let mut elsewhere = vec![0u8; 3 * PAGE_SIZE];
+    let aligned = elsewhere
+        .as_mut_ptr()
+        .wrapping_add(elsewhere.as_ptr().align_offset(PAGE_SIZE));
+    let err = new(&good, aligned, 0).unwrap_err();
+    assert!(matches!(&err, GuestMemoryError::Config(_)), "{err:?}");
+    // A plain file descriptor is no userfaultfd.
+    let err = new(&fd, vmm.ptr, 0).unwrap_err();
+    assert!(
+        matches!(&err, GuestMemoryError::Config(m) if m.contains("not a usable userfaultfd")),
+        "{err:?}"
+    );
+    new(&good, vmm.ptr, 0).unwrap();
 }

@@ -90,12 +90,64 @@ pub struct SharedFile {
     pub fd: Arc<OwnedFd>,
     /// Where the region starts in the file (a multiple of 4096).
     pub offset_bytes: u64,
+    /// The hypervisor's own mapping of the range and its userfaultfd, when
+    /// it made them (see [`HandedOverUffd`]); `None`: the region maps the
+    /// file and opens its userfaultfd itself.
+    pub handed_over: Option<HandedOverUffd>,
 }
 
 impl SharedFile {
     /// The region `[offset_bytes, offset_bytes + size_bytes)` of `fd`.
     pub fn new(fd: Arc<OwnedFd>, offset_bytes: u64) -> Self {
-        Self { fd, offset_bytes }
+        Self {
+            fd,
+            offset_bytes,
+            handed_over: None,
+        }
+    }
+
+    /// The same range, served through the hypervisor's own mapping and
+    /// userfaultfd.
+    pub fn with_uffd(mut self, handed_over: HandedOverUffd) -> Self {
+        self.handed_over = Some(handed_over);
+        self
+    }
+}
+
+/// A userfaultfd and guest mapping the hypervisor created itself (the
+/// Firecracker handler model): it opened the userfaultfd, did `UFFDIO_API`
+/// with the features the region needs, mapped the shared file (`MAP_SHARED`,
+/// read-write) and registered that mapping, then hands both over. The
+/// region serves faults on that mapping; [`super::GuestMemory::as_ptr`]
+/// returns its address. The hypervisor and the region are in the same
+/// process.
+///
+/// Features the handshake must have enabled: `PAGEFAULT_FLAG_WP`,
+/// `THREAD_ID`, `MISSING_SHMEM`, `MINOR_SHMEM`, `WP_HUGETLBFS_SHMEM` (and
+/// `POISON` for [`SigbusMethod::Poison`]). The region checks them (from
+/// `/proc/self/fdinfo`), checks that the address maps the file at the
+/// offset, and registers the mapping for MISSING, MINOR and WP faults.
+#[derive(Debug, Clone)]
+pub struct HandedOverUffd {
+    pub(crate) uffd: Arc<OwnedFd>,
+    pub(crate) mapping: usize,
+}
+
+impl HandedOverUffd {
+    /// `uffd` and the address of the hypervisor's mapping of the file's
+    /// range.
+    ///
+    /// # Safety
+    /// `mapping` must stay mapped, as that mapping of the file, while the
+    /// [`super::GuestMemory`] built on it lives, and no one but the region
+    /// may resolve faults of `uffd` or change its registrations meanwhile.
+    /// (Which file and offset it maps is checked at creation; that it stays
+    /// so cannot be.)
+    pub unsafe fn new(uffd: Arc<OwnedFd>, mapping: *mut u8) -> Self {
+        Self {
+            uffd,
+            mapping: mapping as usize,
+        }
     }
 }
 

@@ -23,15 +23,30 @@ use super::error::GuestMemoryError;
 pub(crate) struct SharedMapping {
     fd: Arc<OwnedFd>,
     offset_bytes: u64,
-    pub(crate) guest: FileMap,
+    guest: GuestMap,
     pub(crate) alias: FileMap,
 }
 
+/// The guest mapping: ours, or the hypervisor's (handed over with its
+/// userfaultfd; never unmapped by us).
+#[derive(Debug)]
+enum GuestMap {
+    Owned(FileMap),
+    HandedOver(usize),
+}
+
 impl SharedMapping {
-    /// Checks `file` for a region of `len_bytes` and maps it twice.
+    /// Checks `file` for a region of `len_bytes` and maps it twice (once
+    /// when the hypervisor handed its own guest mapping over).
     pub(crate) fn new(file: &SharedFile, len_bytes: usize) -> Result<Self, GuestMemoryError> {
         check(file, len_bytes as u64)?;
-        let guest = FileMap::new(&file.fd, file.offset_bytes, len_bytes)?;
+        let guest = match &file.handed_over {
+            Some(handed_over) => {
+                check_mapping(file, handed_over.mapping, len_bytes)?;
+                GuestMap::HandedOver(handed_over.mapping)
+            }
+            None => GuestMap::Owned(FileMap::new(&file.fd, file.offset_bytes, len_bytes)?),
+        };
         let alias = FileMap::new(&file.fd, file.offset_bytes, len_bytes)?;
         Ok(Self {
             fd: Arc::clone(&file.fd),
@@ -39,6 +54,14 @@ impl SharedMapping {
             guest,
             alias,
         })
+    }
+
+    /// Address of the guest mapping.
+    pub(crate) fn guest_ptr(&self) -> *mut u8 {
+        match &self.guest {
+            GuestMap::Owned(map) => map.as_ptr(),
+            GuestMap::HandedOver(addr) => *addr as *mut u8,
+        }
     }
 
     /// Frees the file's pages `[off, off + len_bytes)` of the region (its
@@ -68,9 +91,9 @@ fn check(file: &SharedFile, len_bytes: u64) -> Result<(), GuestMemoryError> {
     let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: `fs` is a live, writable `struct statfs`.
     cvt(unsafe { libc::fstatfs(fd, &mut fs) }).map_err(syscall("fstatfs"))?;
-    #[allow(clippy::unnecessary_cast)] // f_type's width differs per libc
-    let fs_magic = fs.f_type as i64;
-    if fs_magic != libc::TMPFS_MAGIC as i64 {
+    if fs.f_type != libc::TMPFS_MAGIC {
+        #[allow(clippy::unnecessary_cast)] // f_type's width differs per libc
+        let fs_magic = fs.f_type as i64;
         return Err(GuestMemoryError::NotSharedMemory { fs_magic });
     }
     // SAFETY: plain syscall on a descriptor we hold; no memory effects.
@@ -100,6 +123,86 @@ fn check(file: &SharedFile, len_bytes: u64) -> Result<(), GuestMemoryError> {
         });
     }
     Ok(())
+}
+
+/// Checks that `[addr, addr + len_bytes)` is mapped read-write and shared,
+/// from `file` at its offset, by the lines of `/proc/self/maps` covering it.
+fn check_mapping(file: &SharedFile, addr: usize, len_bytes: usize) -> Result<(), GuestMemoryError> {
+    let wrong = |why: String| {
+        GuestMemoryError::Config(format!(
+            "the handed-over mapping at {addr:#x} (+{len_bytes:#x}) {why}"
+        ))
+    };
+    if addr % PAGE_SIZE_U64 as usize != 0 {
+        return Err(wrong("is not page aligned".into()));
+    }
+    // SAFETY: `stat` is plain data the kernel fills in; zeroes are valid.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a live, writable `struct stat`.
+    cvt(unsafe { libc::fstat(file.fd.as_raw_fd(), &mut st) }).map_err(|source| {
+        GuestMemoryError::Memory {
+            op: "fstat",
+            source,
+        }
+    })?;
+    let maps =
+        std::fs::read_to_string("/proc/self/maps").map_err(|source| GuestMemoryError::Memory {
+            op: "reading /proc/self/maps",
+            source,
+        })?;
+    let end = addr + len_bytes;
+    let mut covered = addr;
+    for line in maps.lines() {
+        let Some(vma) = MapsLine::parse(line) else {
+            continue;
+        };
+        if vma.end <= covered || vma.start > covered || covered >= end {
+            continue;
+        }
+        let file_offset = vma.offset + (covered - vma.start) as u64;
+        let expected = file.offset_bytes + (covered - addr) as u64;
+        if !vma.perms.starts_with("rw") || !vma.perms.ends_with('s') {
+            return Err(wrong(format!("is {} (needs rw and shared)", vma.perms)));
+        }
+        if vma.inode != st.st_ino as u64 || file_offset != expected {
+            return Err(wrong(format!(
+                "maps inode {} at offset {file_offset:#x}, not the shared file (inode {}) at {expected:#x}",
+                vma.inode, st.st_ino
+            )));
+        }
+        covered = vma.end;
+    }
+    if covered < end {
+        return Err(wrong(format!("is not mapped from {covered:#x}")));
+    }
+    Ok(())
+}
+
+/// The fields of a `/proc/self/maps` line the check needs.
+struct MapsLine<'a> {
+    start: usize,
+    end: usize,
+    perms: &'a str,
+    offset: u64,
+    inode: u64,
+}
+
+impl<'a> MapsLine<'a> {
+    fn parse(line: &'a str) -> Option<Self> {
+        let mut fields = line.split_whitespace();
+        let (start, end) = fields.next()?.split_once('-')?;
+        let perms = fields.next()?;
+        let offset = u64::from_str_radix(fields.next()?, 16).ok()?;
+        let _dev = fields.next()?;
+        let inode = fields.next()?.parse().ok()?;
+        Some(Self {
+            start: usize::from_str_radix(start, 16).ok()?,
+            end: usize::from_str_radix(end, 16).ok()?,
+            perms,
+            offset,
+            inode,
+        })
+    }
 }
 
 /// A read-write `MAP_SHARED` mapping of a file range, unmapped on drop.

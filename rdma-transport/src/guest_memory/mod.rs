@@ -61,8 +61,8 @@ use crate::sys::cvt;
 
 pub use crate::uffd::FaultMode;
 pub use config::{
-    FaultAction, FaultErrorHandler, FaultReport, GuestBacking, GuestMemoryConfig, SharedFile,
-    SigbusMethod,
+    FaultAction, FaultErrorHandler, FaultReport, GuestBacking, GuestMemoryConfig, HandedOverUffd,
+    SharedFile, SigbusMethod,
 };
 pub use error::GuestMemoryError;
 
@@ -138,12 +138,23 @@ impl GuestMemory {
             ));
         }
         let region = region::GuestRegion::new(config.gpa_base, config.size_bytes, &config.backing)?;
-        let uffd = uffd::RegionUffd::new(
-            region.base(),
-            region.len_bytes(),
-            config.fault_mode,
-            region.is_shared(),
-        )?;
+        let uffd = match &config.backing {
+            GuestBacking::SharedFile(SharedFile {
+                handed_over: Some(handed_over),
+                ..
+            }) => uffd::RegionUffd::handed_over(
+                &handed_over.uffd,
+                region.base(),
+                region.len_bytes(),
+                config.fault_mode,
+            )?,
+            _ => uffd::RegionUffd::new(
+                region.base(),
+                region.len_bytes(),
+                config.fault_mode,
+                region.is_shared(),
+            )?,
+        };
         let sigbus = match config.sigbus_method {
             SigbusMethod::Auto if uffd.has_poison() => SigbusMethod::Poison,
             SigbusMethod::Auto => SigbusMethod::Tgkill,

@@ -59,7 +59,7 @@ impl GuestRegion {
         if let GuestBacking::SharedFile(file) = backing {
             let shared = SharedMapping::new(file, size_bytes)?;
             return Ok(Self {
-                base: shared.guest.as_ptr(),
+                base: shared.guest_ptr(),
                 map: Map::Shared(shared),
                 gpa_base,
                 pages: size_bytes / PAGE_SIZE,
@@ -129,6 +129,10 @@ impl GuestRegion {
     /// While the slice lives, nothing else may access these pages: they
     /// must be absent from the guest mapping and held by the caller (page
     /// `LOCKED`, or claimed `FETCHING`), so no fault maps them meanwhile.
+    // The alias is raw memory shared with the kernel, like a DMA buffer:
+    // exclusivity comes from the page states (the caller's contract), not
+    // from a `&mut self`, which handlers on several threads cannot have.
+    #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn alias_pages_mut(&self, first: usize, end: usize) -> Option<&mut [Page]> {
         debug_assert!(first <= end && end <= self.pages);
         let Map::Shared(shared) = &self.map else {

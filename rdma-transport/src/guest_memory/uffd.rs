@@ -3,6 +3,7 @@
 //! the features it needs, and the page-sized calls the handlers make.
 
 use std::io;
+use std::os::fd::OwnedFd;
 
 use crate::page::PAGE_SIZE;
 use crate::uffd::{feature, EventBuffer, FaultMode, RegisterMode, Userfaultfd};
@@ -105,6 +106,47 @@ impl RegionUffd {
         uffd.register(start, len, register)
             .map_err(uffd_err("UFFDIO_REGISTER"))?;
         Ok(Self { uffd, features })
+    }
+
+    /// Takes over the hypervisor's userfaultfd (a duplicate of `fd`) for its
+    /// shared-memory mapping `[start, start + len)`: checks the features its
+    /// handshake enabled and registers the range for MISSING, MINOR and WP
+    /// faults (it may have registered it already, with fewer modes).
+    pub(crate) fn handed_over(
+        fd: &OwnedFd,
+        start: *mut u8,
+        len: usize,
+        mode: FaultMode,
+    ) -> Result<Self, GuestMemoryError> {
+        let dup = fd.try_clone().map_err(uffd_err("dup(userfaultfd)"))?;
+        let uffd = Userfaultfd::from_handed_over(dup, mode).map_err(|source| {
+            GuestMemoryError::Config(format!(
+                "the handed-over descriptor is not a usable userfaultfd: {source}"
+            ))
+        })?;
+        let enabled = uffd
+            .enabled_features()
+            .map_err(uffd_err("reading /proc/self/fdinfo"))?
+            .ok_or_else(|| {
+                GuestMemoryError::Config(
+                    "the handed-over userfaultfd has not done its UFFDIO_API handshake".into(),
+                )
+            })?;
+        let needed = REQUIRED | REQUIRED_SHMEM;
+        if enabled & needed != needed {
+            return Err(GuestMemoryError::Unsupported(format!(
+                "the handed-over userfaultfd's UFFDIO_API enabled features {enabled:#x}; \
+                 it needs {needed:#x} (PAGEFAULT_FLAG_WP, THREAD_ID, MISSING_SHMEM, \
+                 MINOR_SHMEM, WP_HUGETLBFS_SHMEM), missing {:#x}",
+                needed & !enabled
+            )));
+        }
+        uffd.register(start, len, RegisterMode::MISSING_MINOR_AND_WP)
+            .map_err(uffd_err("UFFDIO_REGISTER"))?;
+        Ok(Self {
+            uffd,
+            features: enabled,
+        })
     }
 
     pub(crate) fn raw_fd(&self) -> libc::c_int {

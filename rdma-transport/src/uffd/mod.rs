@@ -222,6 +222,42 @@ impl Userfaultfd {
         }
     }
 
+    /// Takes over a userfaultfd created elsewhere, e.g. by the hypervisor
+    /// (which did `UFFDIO_API` and registered its guest mapping). `mode` is
+    /// what it was opened with, as its creator says: the kernel does not
+    /// tell. Makes the descriptor non-blocking (a flag of the open file,
+    /// so the creator's descriptor becomes non-blocking too).
+    ///
+    /// # Errors
+    /// `InvalidInput` when `fd` is not a userfaultfd; the OS error of
+    /// `fcntl(2)` or of reading `/proc/self/fdinfo`.
+    pub fn from_handed_over(fd: OwnedFd, mode: FaultMode) -> io::Result<Self> {
+        let uffd = Self {
+            fd,
+            kernel_faults: mode == FaultMode::KernelAndUser,
+        };
+        uffd.enabled_features()?;
+        // SAFETY: plain syscalls on a descriptor we own; no memory effects.
+        let flags = cvt(unsafe { libc::fcntl(uffd.raw(), libc::F_GETFL) })?;
+        if flags & libc::O_NONBLOCK == 0 {
+            // SAFETY: as above.
+            cvt(unsafe { libc::fcntl(uffd.raw(), libc::F_SETFL, flags | libc::O_NONBLOCK) })?;
+        }
+        Ok(uffd)
+    }
+
+    /// The features enabled by this descriptor's `UFFDIO_API` handshake, as
+    /// the kernel shows them in `/proc/self/fdinfo`; `None` before the
+    /// handshake.
+    ///
+    /// # Errors
+    /// `InvalidInput` when the descriptor is not a userfaultfd; the OS error
+    /// of reading `/proc/self/fdinfo`.
+    pub fn enabled_features(&self) -> io::Result<Option<u64>> {
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", self.raw()))?;
+        parse_fdinfo_features(&info)
+    }
+
     /// True when faults taken in kernel mode reach this descriptor.
     pub fn handles_kernel_faults(&self) -> bool {
         self.kernel_faults
@@ -455,6 +491,27 @@ impl AsRawFd for Userfaultfd {
     fn as_raw_fd(&self) -> RawFd {
         self.raw()
     }
+}
+
+/// `UFFD_FEATURE_INITIALIZED` of `fs/userfaultfd.c` (kernel-internal, shown
+/// in fdinfo): the `UFFDIO_API` handshake was done.
+const FEATURE_INITIALIZED: u64 = 1 << 31;
+
+/// The enabled features in a userfaultfd's fdinfo (line `API:\t<api>:<features>:<ioctls>`,
+/// hexadecimal); `None` before the handshake.
+fn parse_fdinfo_features(info: &str) -> io::Result<Option<u64>> {
+    let not_uffd = || io::Error::new(io::ErrorKind::InvalidInput, "not a userfaultfd");
+    let line = info
+        .lines()
+        .find_map(|l| l.strip_prefix("API:"))
+        .ok_or_else(not_uffd)?;
+    let features = line
+        .trim()
+        .split(':')
+        .nth(1)
+        .and_then(|f| u64::from_str_radix(f, 16).ok())
+        .ok_or_else(not_uffd)?;
+    Ok((features & FEATURE_INITIALIZED != 0).then_some(features & !FEATURE_INITIALIZED))
 }
 
 fn range(start: *mut u8, len_bytes: usize) -> uffdio_range {
