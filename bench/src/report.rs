@@ -51,6 +51,13 @@ pub struct Record {
     /// `--fail-node-after-ms` only: the failure and what the run saw of it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub failure: Option<crate::failure::FailureReport>,
+    /// `--op fault` only: what guest memory was made of (`anon`, `memfd`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backing: Option<String>,
+    /// Flush runs only: how dirty pages were found (`wp-faults`: a
+    /// userfaultfd write-protect fault on each first write).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dirty_tracking: Option<String>,
 }
 
 /// One layout of the bare ping-pong, as tried for the baseline.
@@ -113,6 +120,8 @@ impl Record {
             layout: None,
             layouts: Vec::new(),
             failure: None,
+            backing: None,
+            dirty_tracking: None,
         }
     }
 
@@ -142,7 +151,7 @@ pub fn fmt_us(us: f64) -> String {
 /// The table's header line.
 pub fn header() -> String {
     format!(
-        "{:<12} {:<5} {:<6} {:>3} {:>3} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>6} {:>8}",
+        "{:<15} {:<5} {:<6} {:>3} {:>3} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>6} {:>8}",
         "transport", "op", "order", "thr", "dep", "ops", "errors", "p50_us", "p90_us", "p99_us", "p999_us", "max_us",
         "pages/s", "GB/s", "verified"
     )
@@ -161,7 +170,7 @@ pub fn line(r: &Record) -> String {
     };
     let l = &r.latency_us;
     format!(
-        "{:<12} {:<5} {:<6} {:>3} {:>3} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10.0} {:>6.2} {:>8}",
+        "{:<15} {:<5} {:<6} {:>3} {:>3} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10.0} {:>6.2} {:>8}",
         r.transport,
         op,
         order,

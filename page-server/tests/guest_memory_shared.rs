@@ -242,6 +242,9 @@ fn concurrent_faults_on_one_shared_page_fetch_it_once() {
         })
         .unwrap(),
     );
+    assert!(wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().lookup(gpa).is_some()
+    }));
     mgr.write_page(gpa, &page_for(gpa, 3)).unwrap();
     let fd = memfd(NODE_BYTES);
     let ram = Arc::new(
@@ -467,4 +470,71 @@ fn handed_over_uffd_without_the_features_or_the_file_is_refused() {
         "{err:?}"
     );
     new(&good, vmm.ptr, 0).unwrap();
+}
+
+#[test]
+fn long_dirty_runs_go_out_in_place_and_scattered_pages_in_one_batch() {
+    let (_db, coord) = cluster_coordinator();
+    let _a = page_server(&coord.url(), "a", 0);
+    let mgr = Arc::new(manager(&coord.url()));
+    for shared in [false, true] {
+        let fd = memfd(NODE_BYTES);
+        let backing = if shared {
+            GuestBacking::SharedFile(SharedFile::new(Arc::clone(&fd), 0))
+        } else {
+            GuestBacking::Anonymous
+        };
+        let ram = GuestMemory::new(
+            Arc::clone(&mgr),
+            GuestMemoryConfig {
+                backing,
+                prefetch_max_pages: 0,
+                ..shared_config(&fd, 0, 0, NODE_BYTES)
+            },
+        )
+        .unwrap();
+        let seed = if shared { 21 } else { 20 };
+        let write = |pages: &[usize], seed: u8| {
+            for &p in pages {
+                let gpa = (p * PAGE_SIZE) as u64;
+                ram.write(gpa, &page_for(gpa, seed)).unwrap();
+            }
+        };
+        let check_remote = |pages: &[usize], seed: u8| {
+            let mut page = [0u8; PAGE_SIZE];
+            for &p in pages {
+                let gpa = (p * PAGE_SIZE) as u64;
+                mgr.read_page(gpa, &mut page).unwrap();
+                assert!(page == page_for(gpa, seed), "remote {gpa:#x} ({shared})");
+            }
+        };
+        // One run of 64 pages, and 16 pages one apart.
+        let run: Vec<usize> = (0..64).collect();
+        let scattered: Vec<usize> = (100..132).step_by(2).collect();
+        write(&run, seed);
+        write(&scattered, seed);
+        assert_eq!(ram.flush().unwrap(), 80);
+        let stats = ram.stats();
+        assert_eq!(
+            (stats.pages_written_back, stats.pages_written_in_place),
+            (80, 64),
+            "shared {shared}: {stats:?}"
+        );
+        check_remote(&run, seed);
+        check_remote(&scattered, seed);
+
+        // Evict: a run of 30 goes out in place, a lone page by copy.
+        let run: Vec<usize> = (10..40).collect();
+        write(&run, seed + 2);
+        write(&[200], seed + 2);
+        assert_eq!(ram.evict(0, NODE).unwrap(), 81);
+        let stats = ram.stats();
+        assert_eq!(
+            (stats.pages_written_back, stats.pages_written_in_place),
+            (111, 94),
+            "shared {shared}: {stats:?}"
+        );
+        check_remote(&run, seed + 2);
+        check_remote(&[200], seed + 2);
+    }
 }

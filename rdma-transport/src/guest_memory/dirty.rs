@@ -7,22 +7,29 @@
 //! always comes before the page becomes writable, because `flush` skips
 //! pages without it without taking their lock.
 //!
-//! Write-back reads the pages where they are, with no copy into a bounce
-//! buffer: from the alias of a shared region, from the guest mapping of an
-//! anonymous one. Both work on runs of consecutive pages: one
-//! `UFFDIO_WRITEPROTECT` and one `write_pages` per run (of up to
-//! `WRITEBACK_BATCH` pages).
+//! Write-back works on runs of consecutive dirty pages (up to
+//! `WRITEBACK_BATCH`): one `UFFDIO_WRITEPROTECT` per run. A run of at least
+//! `ZERO_COPY_MIN_PAGES` goes out with one `write_pages` straight from
+//! memory, with no copy (from the alias of a shared region, from the guest
+//! mapping of an anonymous one), its pages locked until the owner
+//! acknowledged them. Shorter runs are copied into one bounce batch of up
+//! to `WRITEBACK_BATCH` pages, sent with one `write_pages`: the manager
+//! takes one contiguous buffer per call, and a round trip per scattered
+//! page cost far more than the copies (docs/benchmarking.md, "Guest memory
+//! backings"). A scatter-gather `write_pages` would let every page go out
+//! without a copy.
 //!
 //! `flush` finds a run of dirty pages, takes their locks, write-protects the
-//! run, clears `DIRTY`, writes the pages back from memory and waits for the
-//! acknowledgement, then releases them. A write meanwhile faults on the
-//! protection and waits for the release (one round trip), then marks the
-//! page dirty again: nothing written before `flush` was called is missed,
-//! nothing written during it is lost, and no page is sent torn. A failed
-//! write-back marks the run dirty again (it stays mapped).
+//! run and clears `DIRTY`. A long run is written back from memory and then
+//! released: a write meanwhile faults on the protection and waits for the
+//! release (one round trip). A short run is copied and released at once: a
+//! write after that faults and marks the page dirty again. Either way
+//! nothing written before `flush` was called is missed, nothing written
+//! during it is lost, and no page is sent torn. A failed write-back marks
+//! its pages dirty again (they stay mapped).
 //!
 //! `evict` holds the locks of a chunk of pages across the whole sequence
-//! write-protect, write back its dirty runs, wait for the owner's
+//! write-protect, write back its dirty pages, wait for the owner's
 //! acknowledgement, drop (`MADV_DONTNEED`, and a hole in a shared file):
 //! writes to those pages wait in their fault meanwhile, so no write can land
 //! between the write-back and the drop, and a page is dropped only after its
@@ -33,15 +40,19 @@
 //! threads or handlers), so a page never has two write-backs in flight.
 
 use crate::error::TransportError;
+use crate::page::PAGE_SIZE;
 
 use super::error::GuestMemoryError;
-use super::shared::{Counters, Shared, WRITEBACK_BATCH};
+use super::shared::{Counters, Shared, Writeback, WRITEBACK_BATCH};
 use super::state::{DIRTY, LOCKED, POISONED, PRESENT};
-use crate::page::PAGE_SIZE;
+
+/// Shortest run written back straight from memory; shorter ones share a
+/// bounce batch (one round trip for up to `WRITEBACK_BATCH` pages).
+pub(crate) const ZERO_COPY_MIN_PAGES: usize = 16;
 
 /// Writes every dirty page back to its owner; returns how many were written.
 pub(crate) fn flush(shared: &Shared) -> Result<u64, GuestMemoryError> {
-    let _serial = shared.writeback.lock();
+    let mut wb = shared.writeback.lock();
     let states = &shared.states;
     let pages = states.len();
     let mut outcome = Outcome::default();
@@ -66,15 +77,17 @@ pub(crate) fn flush(shared: &Shared) -> Result<u64, GuestMemoryError> {
             page += 1;
             continue;
         }
-        write_run(shared, first, end, &mut outcome);
+        flush_run(shared, &mut wb, first, end, &mut outcome);
         page = end;
     }
+    send_bounce(shared, &mut wb, &mut outcome);
     outcome.into_result()
 }
 
-/// Write-protects the locked dirty run `[first, end)`, writes it back from
-/// memory, and releases it (dirty again when the write-back failed).
-fn write_run(shared: &Shared, first: usize, end: usize, outcome: &mut Outcome) {
+/// Write-protects the locked dirty run `[first, end)` and clears `DIRTY`;
+/// writes it back from memory (long run) or copies it into the bounce batch
+/// (short run); releases it.
+fn flush_run(shared: &Shared, wb: &mut Writeback, first: usize, end: usize, out: &mut Outcome) {
     let len_bytes = (end - first) * PAGE_SIZE;
     if let Err(err) = shared
         .uffd
@@ -90,16 +103,37 @@ fn write_run(shared: &Shared, first: usize, end: usize, outcome: &mut Outcome) {
     for p in first..end {
         shared.states.release(p, 0, DIRTY, false);
     }
-    match send_run(shared, first, end) {
-        Ok(()) => outcome.written += (end - first) as u64,
-        Err(err) => {
-            outcome.failed += end - first;
-            outcome.first_error.get_or_insert(err);
+    if end - first >= ZERO_COPY_MIN_PAGES {
+        match send_run(shared, first, end) {
+            Ok(()) => out.written += (end - first) as u64,
+            Err(err) => {
+                out.failed += end - first;
+                out.first_error.get_or_insert(err);
+            }
+        }
+    } else {
+        for p in first..end {
+            if wb.index.len() == WRITEBACK_BATCH {
+                send_bounce(shared, wb, out);
+            }
+            copy_to_bounce(shared, wb, p);
         }
     }
     for p in first..end {
         shared.release(p, 0, LOCKED, false);
     }
+}
+
+/// Copies page `p` (present, write-protected, locked) into the next slot of
+/// the bounce batch.
+fn copy_to_bounce(shared: &Shared, wb: &mut Writeback, p: usize) {
+    let slot = wb.index.len();
+    // SAFETY: the page is present and write-protected and we hold its lock
+    // (callers' contract), so nothing writes it while it is read.
+    let src = unsafe { shared.region.data_pages(p, p + 1) };
+    wb.pages[slot].copy_from_slice(&src[0]);
+    wb.index.push(p);
+    wb.gpas.push(shared.region.page_gpa(p));
 }
 
 /// Writes pages `[first, end)` (locked, present, write-protected) back from
@@ -115,16 +149,47 @@ fn send_run(shared: &Shared, first: usize, end: usize) -> Result<(), TransportEr
     let pages = unsafe { shared.region.data_pages(first, end) };
     let result = shared.manager.write_pages(&gpas[..end - first], pages);
     match &result {
-        Ok(()) => Counters::add(&shared.counters.pages_written_back, (end - first) as u64),
+        Ok(()) => {
+            Counters::add(&shared.counters.pages_written_back, (end - first) as u64);
+            Counters::add(
+                &shared.counters.pages_written_in_place,
+                (end - first) as u64,
+            );
+        }
         // Still present (we hold the locks): dirty again for the next try.
         Err(_) => (first..end).for_each(|p| shared.states.set_bits(p, DIRTY)),
     }
     result
 }
 
+/// Writes the bounce batch; on failure marks its pages dirty again. Empties
+/// it.
+fn send_bounce(shared: &Shared, wb: &mut Writeback, out: &mut Outcome) {
+    let count = wb.index.len();
+    if count == 0 {
+        return;
+    }
+    match shared.manager.write_pages(&wb.gpas, &wb.pages[..count]) {
+        Ok(()) => {
+            out.written += count as u64;
+            Counters::add(&shared.counters.pages_written_back, count as u64);
+        }
+        Err(err) => {
+            for &page in &wb.index {
+                // Still present: only evict drops pages, and it waits for us.
+                shared.states.set_bits(page, DIRTY);
+            }
+            out.failed += count;
+            out.first_error.get_or_insert(err);
+        }
+    }
+    wb.index.clear();
+    wb.gpas.clear();
+}
+
 /// Writes back the pages `[first, end)` that are dirty, then drops them all.
 pub(crate) fn evict(shared: &Shared, first: usize, end: usize) -> Result<u64, GuestMemoryError> {
-    let _serial = shared.writeback.lock();
+    let mut wb = shared.writeback.lock();
     let mut dropped = 0u64;
     let mut chunk = first;
     while chunk < end {
@@ -132,61 +197,87 @@ pub(crate) fn evict(shared: &Shared, first: usize, end: usize) -> Result<u64, Gu
         for page in chunk..chunk_end {
             shared.states.lock_spin(page);
         }
-        let unlock_all = |shared: &Shared| {
+        let result = evict_chunk(shared, &mut wb, chunk, chunk_end);
+        if result.is_err() {
+            // Nothing is dropped: the pages stay mapped (and dirty: evict
+            // never clears the mark of a page it did not drop).
+            wb.index.clear();
+            wb.gpas.clear();
             for page in chunk..chunk_end {
                 shared.release(page, 0, LOCKED, false);
             }
-        };
-        // Stop writers of the chunk before writing it back: one ioctl.
-        let base = shared.region.page_addr(chunk);
-        if let Err(err) = shared
-            .uffd
-            .write_protect(base, (chunk_end - chunk) * PAGE_SIZE)
-        {
-            unlock_all(shared);
-            return Err(GuestMemoryError::Userfaultfd {
-                op: "UFFDIO_WRITEPROTECT",
-                source: err,
-            });
         }
-        let dirty = |p: usize| shared.states.load(p) & (DIRTY | PRESENT) == (DIRTY | PRESENT);
-        let mut run = chunk;
-        while run < chunk_end {
-            if !dirty(run) {
-                run += 1;
-                continue;
-            }
-            let mut run_end = run + 1;
-            while run_end < chunk_end && dirty(run_end) {
-                run_end += 1;
-            }
-            if let Err(source) = send_run(shared, run, run_end) {
-                // Nothing is dropped: the pages stay mapped and dirty.
-                unlock_all(shared);
-                return Err(GuestMemoryError::WriteBack {
-                    pages: run_end - run,
-                    source,
-                });
-            }
-            run = run_end;
-        }
-        if let Err(source) = shared.region.drop_pages(chunk, chunk_end) {
-            unlock_all(shared);
-            return Err(GuestMemoryError::Memory {
-                op: "madvise(MADV_DONTNEED)",
-                source,
-            });
-        }
-        for page in chunk..chunk_end {
-            let s = shared.states.load(page);
-            if s & (PRESENT | POISONED) != 0 {
-                dropped += 1;
-            }
-            shared.release(page, 0, LOCKED | PRESENT | DIRTY | POISONED, true);
-        }
+        dropped += result?;
         chunk = chunk_end;
     }
     Counters::add(&shared.counters.pages_evicted, dropped);
+    Ok(dropped)
+}
+
+/// Evicts the locked chunk `[chunk, end)`: write-protect (one ioctl), write
+/// back its dirty pages (long runs from memory, the rest in one bounce
+/// batch), drop, release. On error the chunk is left locked and mapped.
+fn evict_chunk(
+    shared: &Shared,
+    wb: &mut Writeback,
+    chunk: usize,
+    end: usize,
+) -> Result<u64, GuestMemoryError> {
+    let base = shared.region.page_addr(chunk);
+    shared
+        .uffd
+        .write_protect(base, (end - chunk) * PAGE_SIZE)
+        .map_err(|source| GuestMemoryError::Userfaultfd {
+            op: "UFFDIO_WRITEPROTECT",
+            source,
+        })?;
+    let dirty = |p: usize| shared.states.load(p) & (DIRTY | PRESENT) == (DIRTY | PRESENT);
+    let mut run = chunk;
+    while run < end {
+        if !dirty(run) {
+            run += 1;
+            continue;
+        }
+        let mut run_end = run + 1;
+        while run_end < end && dirty(run_end) {
+            run_end += 1;
+        }
+        if run_end - run >= ZERO_COPY_MIN_PAGES {
+            send_run(shared, run, run_end).map_err(|source| GuestMemoryError::WriteBack {
+                pages: run_end - run,
+                source,
+            })?;
+        } else {
+            (run..run_end).for_each(|p| copy_to_bounce(shared, wb, p));
+        }
+        run = run_end;
+    }
+    let count = wb.index.len();
+    let result = match count {
+        0 => Ok(()),
+        _ => shared.manager.write_pages(&wb.gpas, &wb.pages[..count]),
+    };
+    wb.index.clear();
+    wb.gpas.clear();
+    result.map_err(|source| GuestMemoryError::WriteBack {
+        pages: count,
+        source,
+    })?;
+    Counters::add(&shared.counters.pages_written_back, count as u64);
+    shared
+        .region
+        .drop_pages(chunk, end)
+        .map_err(|source| GuestMemoryError::Memory {
+            op: "madvise(MADV_DONTNEED)",
+            source,
+        })?;
+    let mut dropped = 0;
+    for page in chunk..end {
+        if shared.states.load(page) & (PRESENT | POISONED) != 0 {
+            dropped += 1;
+        }
+        shared.release(page, 0, LOCKED | PRESENT | DIRTY | POISONED, true);
+    }
     Ok(dropped)
 }
 

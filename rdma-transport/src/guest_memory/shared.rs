@@ -8,7 +8,7 @@ use parking_lot::Mutex;
 
 use crate::error::TransportError;
 use crate::manager::TransportManager;
-use crate::page::PAGE_SIZE;
+use crate::page::{Page, PAGE_SIZE};
 
 use super::config::{GuestMemoryConfig, SigbusMethod};
 use super::prefetch::{PrefetchQueue, StreamTable};
@@ -16,7 +16,7 @@ use super::region::GuestRegion;
 use super::state::PageStates;
 use super::uffd::RegionUffd;
 
-/// Largest run of pages written back per round trip by flush and evict.
+/// Pages written back per round trip by flush and evict, at most.
 pub(crate) const WRITEBACK_BATCH: usize = 64;
 
 /// Counters; read with [`super::GuestMemory::stats`].
@@ -31,6 +31,7 @@ pub(crate) struct Counters {
     pub fault_errors: AtomicU64,
     pub sigbus_raised: AtomicU64,
     pub pages_written_back: AtomicU64,
+    pub pages_written_in_place: AtomicU64,
     pub pages_evicted: AtomicU64,
 }
 
@@ -38,6 +39,16 @@ impl Counters {
     pub(crate) fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
     }
+}
+
+/// The bounce batch of flush and evict, for pages of short dirty runs
+/// (see `dirty.rs`); the mutex around it also serialises the two, so one
+/// page never has two write-backs in flight.
+#[derive(Debug)]
+pub(crate) struct Writeback {
+    pub pages: Vec<Page>,
+    pub gpas: Vec<u64>,
+    pub index: Vec<usize>,
 }
 
 /// The state of one guest region.
@@ -54,9 +65,8 @@ pub(crate) struct Shared {
     pub counters: Counters,
     pub streams: StreamTable,
     pub prefetch: PrefetchQueue,
-    /// Serialises flush and evict, so one page never has two write-backs
-    /// in flight. Never taken by handlers or faulting threads.
-    pub writeback: Mutex<()>,
+    /// Never taken by handlers or faulting threads.
+    pub writeback: Mutex<Writeback>,
 }
 
 impl Shared {
