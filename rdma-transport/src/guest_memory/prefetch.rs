@@ -341,6 +341,9 @@ fn install_shared(shared: &Shared, batch: &Batch, gpas: &mut [u64; MAX_WINDOW]) 
         for (k, gpa) in gpas[..end - start].iter_mut().enumerate() {
             *gpa = shared.region.page_gpa(first + k);
         }
+        if let Err(err) = shared.region.populate_alias(first, last) {
+            tracing::debug!(%err, first, "populating the alias failed; pages fault in");
+        }
         // SAFETY: every page of `[first, last)` is claimed `FETCHING` by
         // this batch and absent from the guest mapping: faults on them wait
         // for us, and no one else writes their alias.
