@@ -220,7 +220,11 @@ unsafe impl Send for FileMap {}
 unsafe impl Sync for FileMap {}
 
 impl FileMap {
-    fn new(fd: &OwnedFd, offset_bytes: u64, len_bytes: usize) -> Result<Self, GuestMemoryError> {
+    pub(crate) fn new(
+        fd: &OwnedFd,
+        offset_bytes: u64,
+        len_bytes: usize,
+    ) -> Result<Self, GuestMemoryError> {
         // SAFETY: a new shared mapping of a file we hold, with no address
         // hint: it touches no existing memory; the result is checked.
         let ptr = unsafe {

@@ -8,7 +8,10 @@ use std::os::fd::OwnedFd;
 use crate::page::PAGE_SIZE;
 use crate::uffd::{feature, EventBuffer, FaultMode, RegisterMode, Userfaultfd};
 
+use crate::sys::cvt;
+
 use super::error::GuestMemoryError;
+use super::file::FileMap;
 
 /// Features a guest region cannot work without: write-protect faults (dirty
 /// tracking) and thread ids (SIGBUS to the faulting thread).
@@ -65,6 +68,48 @@ pub(crate) fn probe_features(mode: FaultMode) -> io::Result<u64> {
     Userfaultfd::open(mode)?.enable(0)
 }
 
+/// Whether `UFFDIO_CONTINUE` takes `UFFDIO_CONTINUE_MODE_WP` (Linux >= 6.4),
+/// which a shared region needs to map clean pages write-protected: tried on
+/// a throw-away one-page memfd and user-mode-only descriptor. An older
+/// kernel answers `EINVAL`.
+pub(crate) fn probe_continue_wp() -> Result<bool, GuestMemoryError> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let probe = uffd_err("probing UFFDIO_CONTINUE_MODE_WP");
+    // SAFETY: the name is NUL-terminated; the result is checked.
+    let fd = cvt(unsafe { libc::memfd_create(c"uffd-probe".as_ptr(), libc::MFD_CLOEXEC) })
+        .map_err(&probe)?;
+    // SAFETY: just created, owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let page = [1u8; PAGE_SIZE];
+    // SAFETY: writes our live buffer to our memfd (fills its page cache).
+    let n = unsafe { libc::pwrite(fd.as_raw_fd(), page.as_ptr().cast(), PAGE_SIZE, 0) };
+    cvt(n).map_err(&probe)?;
+    let map = FileMap::new(&fd, 0, PAGE_SIZE)?;
+    let uffd = Userfaultfd::open(FaultMode::UserOnly).map_err(&probe)?;
+    uffd.enable(feature::MINOR_SHMEM | feature::WP_HUGETLBFS_SHMEM)
+        .map_err(&probe)?;
+    uffd.register(map.as_ptr(), PAGE_SIZE, RegisterMode::MISSING_MINOR_AND_WP)
+        .map_err(&probe)?;
+    // SAFETY: the probe's own registered page, in the page cache, which
+    // nothing reads.
+    match unsafe { uffd.continue_range(map.as_ptr(), PAGE_SIZE, true) } {
+        Ok(()) => Ok(true),
+        Err(err) if err.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+        Err(err) => Err(probe(err)),
+    }
+}
+
+fn require_continue_wp() -> Result<(), GuestMemoryError> {
+    if probe_continue_wp()? {
+        return Ok(());
+    }
+    Err(GuestMemoryError::Unsupported(
+        "UFFDIO_CONTINUE cannot map pages write-protected (UFFDIO_CONTINUE_MODE_WP, \
+         Linux >= 6.4), which dirty tracking of a shared region needs; use GuestBacking::Anonymous"
+            .into(),
+    ))
+}
+
 /// Outcome of one `UFFDIO_COPY`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum CopyOutcome {
@@ -97,6 +142,9 @@ impl RegionUffd {
         let uffd = Userfaultfd::open(mode).map_err(|err| open_error(mode, err))?;
         let offered = probe_features(mode).map_err(|err| open_error(mode, err))?;
         let features = features_to_enable(offered, shared)?;
+        if shared {
+            require_continue_wp()?;
+        }
         uffd.enable(features).map_err(uffd_err("UFFDIO_API"))?;
         let register = if shared {
             RegisterMode::MISSING_MINOR_AND_WP
@@ -141,6 +189,7 @@ impl RegionUffd {
                 needed & !enabled
             )));
         }
+        require_continue_wp()?;
         uffd.register(start, len, RegisterMode::MISSING_MINOR_AND_WP)
             .map_err(uffd_err("UFFDIO_REGISTER"))?;
         Ok(Self {

@@ -43,6 +43,10 @@ fn shared_memory_needs_minor_and_shmem_write_protect() {
         REQUIRED_SHMEM,
         "this host (6.18) has them"
     );
+    assert!(
+        probe_continue_wp().expect("probe runs"),
+        "UFFDIO_CONTINUE_MODE_WP is in Linux >= 6.4; this host runs 6.18"
+    );
 }
 
 #[test]
