@@ -538,3 +538,67 @@ fn long_dirty_runs_go_out_in_place_and_scattered_pages_in_one_batch() {
         check_remote(&[200], seed + 2);
     }
 }
+
+#[test]
+fn evict_during_a_shared_fetch_does_not_wait_for_it_and_the_copy_is_fetched_again() {
+    let (_db, coord) = cluster_coordinator();
+    let server = ChildServer::start(&coord.url(), "a", 0);
+    let gpa = 7 * PAGE_SIZE as u64;
+    let mgr = Arc::new(
+        TransportManager::connect(ManagerConfig {
+            coordinator_url: coord.url(),
+            request_timeout_ms: 20_000,
+            poller_cpus: Some(vec![]),
+            ..ManagerConfig::default()
+        })
+        .unwrap(),
+    );
+    assert!(wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().lookup(gpa).is_some()
+    }));
+    mgr.write_page(gpa, &page_for(gpa, 8)).unwrap();
+    let fd = memfd(NODE_BYTES);
+    let ram = Arc::new(
+        GuestMemory::new(
+            Arc::clone(&mgr),
+            GuestMemoryConfig {
+                fault_timeout_ms: 30_000,
+                prefetch_max_pages: 0,
+                ..shared_config(&fd, 0, 0, NODE_BYTES)
+            },
+        )
+        .unwrap(),
+    );
+    server.pause();
+    let toucher = {
+        let ram = Arc::clone(&ram);
+        std::thread::spawn(move || {
+            let mut page = [0u8; PAGE_SIZE];
+            ram.read(gpa, &mut page).unwrap();
+            page
+        })
+    };
+    assert!(wait_until(Duration::from_secs(10), || ram
+        .stats()
+        .pages_fetched
+        == 1));
+    // The fetch waits on the stopped owner; evicting the page must not.
+    let evicter = {
+        let ram = Arc::clone(&ram);
+        std::thread::spawn(move || ram.evict(gpa, PAGE_SIZE as u64).unwrap())
+    };
+    assert!(
+        wait_until(Duration::from_secs(5), || evicter.is_finished()),
+        "evict waited for a fetch in flight"
+    );
+    assert_eq!(evicter.join().unwrap(), 0, "the page was not mapped yet");
+    server.resume();
+    assert!(toucher.join().unwrap() == page_for(gpa, 8));
+    // The copy fetched across the drop was not mapped: fetched again.
+    let stats = ram.stats();
+    assert_eq!(
+        (stats.pages_fetched, stats.missing_faults),
+        (2, 1),
+        "{stats:?}"
+    );
+}

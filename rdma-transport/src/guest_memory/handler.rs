@@ -180,7 +180,7 @@ impl Handler<'_> {
     /// Ok(true) when this call installed the page.
     fn resolve_missing(&self, page: usize, write: bool) -> Result<bool, TransportError> {
         if self.shared.region.is_shared() {
-            return self.resolve_shared(page, write);
+            return super::minor::resolve(self.shared, page, write);
         }
         let shared = self.shared;
         let states = &shared.states;
@@ -254,93 +254,6 @@ impl Handler<'_> {
             };
             shared.release(page, set, clear, false);
             if !woken {
-                shared.wake(page);
-            }
-            return Ok(set & PRESENT != 0);
-        }
-    }
-
-    /// A shared region's fault, without a bounce: lock the page first (so
-    /// concurrent faults on it wait instead of fetching it again, and
-    /// nothing else writes its alias), receive it straight into the alias,
-    /// then map it with `UFFDIO_CONTINUE`. Ok(true) when this call mapped it.
-    fn resolve_shared(&self, page: usize, write: bool) -> Result<bool, TransportError> {
-        let shared = self.shared;
-        let states = &shared.states;
-        loop {
-            let s = states.load(page);
-            if s & (PRESENT | POISONED) != 0 {
-                shared.wake(page);
-                return Ok(false);
-            }
-            let locked = match states.try_lock(page) {
-                Some(locked) if locked & FETCHING == 0 => locked,
-                other => {
-                    if other.is_some() {
-                        shared.release(page, 0, LOCKED, false);
-                    }
-                    if states.defer(page, LOCKED | FETCHING) {
-                        Counters::add(&shared.counters.deferred_faults, 1);
-                        if s & FETCHING != 0 {
-                            super::prefetch::after_deferred(shared, page);
-                        }
-                        return Ok(false);
-                    }
-                    continue;
-                }
-            };
-            if locked & (PRESENT | POISONED) != 0 {
-                shared.release(page, 0, LOCKED, false);
-                continue;
-            }
-            // SAFETY: we hold the page's lock and it is not present in the
-            // guest mapping: no fault maps it and nobody else writes its
-            // alias until we release it.
-            let Some(dst) = (unsafe { shared.region.alias_pages_mut(page, page + 1) }) else {
-                shared.release(page, 0, LOCKED, false);
-                return Err(TransportError::Config("shared region without alias".into()));
-            };
-            let gpa = shared.region.page_gpa(page);
-            Counters::add(&shared.counters.pages_fetched, 1);
-            if let Err(err) = shared.manager.read_page(gpa, &mut dst[0]) {
-                shared.release(page, 0, LOCKED, false);
-                return Err(err);
-            }
-            // Dirty before writable (see `resolve_missing`).
-            if write {
-                states.set_bits(page, DIRTY);
-            }
-            let addr = shared.region.page_addr(page);
-            let mut again = 0;
-            let set = loop {
-                // SAFETY: `addr` is a page of the registered range whose
-                // page cache now holds the page we received into the alias.
-                match unsafe { shared.uffd.continue_pages(addr, 1, !write) } {
-                    Ok(CopyOutcome::Copied) => break PRESENT,
-                    // Mapped without our knowledge: dirty, so a flush
-                    // write-protects and writes it.
-                    Ok(CopyOutcome::Exists) => break PRESENT | DIRTY,
-                    Ok(CopyOutcome::Again) if again < COPY_AGAIN_LIMIT => {
-                        again += 1;
-                        std::hint::spin_loop();
-                    }
-                    Ok(CopyOutcome::Again) => {
-                        tracing::warn!(page, "UFFDIO_CONTINUE kept answering EAGAIN; will refault");
-                        break 0;
-                    }
-                    Err(err) => {
-                        tracing::warn!(%err, page, "UFFDIO_CONTINUE failed");
-                        break 0;
-                    }
-                }
-            };
-            let clear = if set & PRESENT == 0 {
-                LOCKED | DIRTY
-            } else {
-                LOCKED
-            };
-            shared.release(page, set, clear, false);
-            if set != PRESENT {
                 shared.wake(page);
             }
             return Ok(set & PRESENT != 0);

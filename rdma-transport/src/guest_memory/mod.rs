@@ -16,6 +16,8 @@
 //! Files: `region.rs` (the mapping), `uffd.rs` (the region's userfaultfd,
 //! on [`crate::uffd`]),
 //! `state.rs` (per-page state words), `handler.rs` (fault threads),
+//! `file.rs` and `minor.rs` (a shared-memory file: its mappings, and its
+//! faults served through the alias with `UFFDIO_CONTINUE`),
 //! `dirty.rs` (write-back), `prefetch.rs` (read-ahead), `config.rs`.
 //! The design is in `docs/embedding.md`.
 //!
@@ -44,6 +46,7 @@ mod dirty;
 mod error;
 mod file;
 mod handler;
+mod minor;
 mod prefetch;
 mod region;
 mod shared;
