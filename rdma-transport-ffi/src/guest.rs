@@ -300,6 +300,8 @@ fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryConfig, RtStatus> {
         sigbus_method,
         fault_mode,
         on_fault_error,
+        // The C API has no shared-memory backing yet.
+        backing: rdma_transport::guest_memory::GuestBacking::Anonymous,
     })
 }
 
