@@ -5,6 +5,8 @@
 //!   ([`TransportManager::read_frame`](crate::TransportManager::read_frame)), then `UFFDIO_COPY` it in, clean
 //!   (write-protected) for a read, dirty (writable) for a write. EEXIST means
 //!   another thread installed it; EAGAIN is retried.
+//!   A shared region's MISSING and MINOR faults go to `minor.rs` instead:
+//!   fetched straight into the alias, mapped with `UFFDIO_CONTINUE`.
 //! - WP fault (first write to a clean page): mark it dirty and lift the
 //!   protection.
 //! - A page that is busy (being installed, prefetched, flushed or evicted)

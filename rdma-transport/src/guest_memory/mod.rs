@@ -2,8 +2,11 @@
 //! fault path.
 //!
 //! A [`GuestMemory`] maps one guest RAM region (a GPA base and a size) as
-//! anonymous memory that is never populated locally and registers it with
-//! userfaultfd for MISSING and write-protect faults. The hypervisor hands
+//! anonymous memory that is never populated locally, or as a range of a
+//! shared-memory file the hypervisor owns ([`GuestBacking::SharedFile`],
+//! optionally with the hypervisor's own mapping and userfaultfd,
+//! [`HandedOverUffd`]), and registers it with userfaultfd for MISSING and
+//! write-protect faults (and MINOR ones for a shared file). The hypervisor hands
 //! [`GuestMemory::as_ptr`] to its vCPUs (e.g. as a KVM memory slot); every
 //! first touch of a page faults to one of the region's pinned handler
 //! threads, which fetches the page from its owner through the
