@@ -7,7 +7,9 @@
 //! timed), so every round faults again. Runs each selected address order
 //! (`--pattern`: random, seq, or all, the default) with each selected
 //! prefetch setting (`--prefetch`: on, off, or both, the default), prefetch
-//! first.
+//! first, with each selected backing (`--backing`: anon, the default,
+//! memfd, or all; labels `uffd`, `uffd-nopf`, with `+memfd` for a memfd).
+//! Then flush.rs measures write-back of dirty pages with each backing.
 //!
 //! With `--baseline`, in the same run, for each address order: a
 //! userfaultfd fault resolved by `UFFDIO_COPY` from a local buffer (same
@@ -24,6 +26,8 @@ use anyhow::{bail, Context};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rdma_transport::guest_memory::{GuestMemory, GuestMemoryConfig};
+
+use crate::matrix::Backing;
 use rdma_transport::{Page, TransportManager, PAGE_SIZE};
 
 use crate::pattern;
@@ -93,6 +97,9 @@ pub struct Params {
     pub patterns: Vec<AccessPattern>,
     /// Read-ahead on or off, per run, in order (each with every pattern).
     pub prefetch: Vec<bool>,
+    /// What guest memory is made of, per run, in order (each with every
+    /// prefetch setting and pattern).
+    pub backings: Vec<Backing>,
 }
 
 /// Runs the fault benchmark; returns the table's records and the summary lines.
@@ -134,41 +141,45 @@ pub fn run(
         touch_rounds(&ram, warm, |_| true)?;
     }
     let default_window = GuestMemoryConfig::new(gpa_base, pages * PAGE_SIZE).prefetch_max_pages;
-    // (pattern, prefetch on, p50 us, faults/s) of each run, for the summaries.
+    // (pattern, prefetch on, p50 us, faults/s) of each anonymous run, for
+    // the summaries.
     let mut ran: Vec<(AccessPattern, bool, f64, f64)> = Vec::new();
-    for &prefetch in &params.prefetch {
-        for &pattern in &params.patterns {
-            let (label, window) = if prefetch {
-                ("uffd", default_window)
-            } else {
-                ("uffd-nopf", 0)
-            };
-            let ram = GuestMemory::new(
-                Arc::clone(mgr),
-                GuestMemoryConfig {
-                    prefetch_max_pages: window,
-                    ..GuestMemoryConfig::new(gpa_base, pages * PAGE_SIZE)
-                },
-            )
-            .context("mapping guest memory")?;
-            let spec = Spec {
-                op: Op::Fault,
-                ops: params.ops,
-                threads: params.threads,
-                depth: 1,
-                pattern,
-            };
-            let base = ram.as_ptr() as usize;
-            let outcome = touch_rounds(&ram, spec, |i| {
-                // SAFETY: page i was faulted in by the touch just before and
-                // stays mapped until the eviction after the round.
-                let page = unsafe { &*((base + i * PAGE_SIZE) as *const Page) };
-                pattern::check(page, gpa_base + (i * PAGE_SIZE) as u64, SEED)
-            })?;
-            let stats = ram.stats();
-            drop(ram);
-            let record = Record::new(label, spec, params.nodes, &outcome);
-            lines.push(format!(
+    for &backing in &params.backings {
+        for &prefetch in &params.prefetch {
+            for &pattern in &params.patterns {
+                let (label, window) = match (prefetch, backing) {
+                    (true, Backing::Anon) => ("uffd", default_window),
+                    (false, Backing::Anon) => ("uffd-nopf", 0),
+                    (true, Backing::Memfd) => ("uffd+memfd", default_window),
+                    (false, Backing::Memfd) => ("uffd-nopf+memfd", 0),
+                };
+                let ram = GuestMemory::new(
+                    Arc::clone(mgr),
+                    GuestMemoryConfig {
+                        prefetch_max_pages: window,
+                        ..crate::guest::config(backing, gpa_base, pages * PAGE_SIZE)?
+                    },
+                )
+                .context("mapping guest memory")?;
+                let spec = Spec {
+                    op: Op::Fault,
+                    ops: params.ops,
+                    threads: params.threads,
+                    depth: 1,
+                    pattern,
+                };
+                let base = ram.as_ptr() as usize;
+                let outcome = touch_rounds(&ram, spec, |i| {
+                    // SAFETY: page i was faulted in by the touch just before and
+                    // stays mapped until the eviction after the round.
+                    let page = unsafe { &*((base + i * PAGE_SIZE) as *const Page) };
+                    pattern::check(page, gpa_base + (i * PAGE_SIZE) as u64, SEED)
+                })?;
+                let stats = ram.stats();
+                drop(ram);
+                let mut record = Record::new(label, spec, params.nodes, &outcome);
+                record.backing = Some(backing.name().into());
+                lines.push(format!(
                 "fault {label}/{}, {pattern:?}: {:.0} faults/s, p50 {} us ({} fetched by faults, {} by prefetch)",
                 params.data_path,
                 record.throughput.pages_per_s,
@@ -176,13 +187,16 @@ pub fn run(
                 stats.missing_faults,
                 stats.prefetched_pages
             ));
-            ran.push((
-                pattern,
-                prefetch,
-                record.latency_us.p50,
-                record.throughput.pages_per_s,
-            ));
-            records.push(record);
+                if backing == Backing::Anon {
+                    ran.push((
+                        pattern,
+                        prefetch,
+                        record.latency_us.p50,
+                        record.throughput.pages_per_s,
+                    ));
+                }
+                records.push(record);
+            }
         }
     }
     let rate = |pattern, prefetch| {

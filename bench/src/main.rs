@@ -11,6 +11,8 @@ mod cluster;
 mod compare;
 mod failure;
 mod fault;
+mod flush;
+mod guest;
 mod matrix;
 mod pattern;
 mod replicas;
@@ -26,7 +28,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use page_server::ServerConfig;
 use rdma_transport::{ManagerConfig, PollMode, TransportKind, TransportManager, PAGE_SIZE};
 
-use crate::matrix::{PatternChoice, PrefetchChoice};
+use crate::matrix::{BackingChoice, PatternChoice, PrefetchChoice};
 use crate::report::Record;
 use crate::workload::{Op, Spec, WorkingSet};
 
@@ -60,6 +62,11 @@ struct Args {
     /// each) [default: both].
     #[arg(long, value_enum)]
     prefetch: Option<PrefetchChoice>,
+    /// --op fault only: what guest memory is made of: anon (private
+    /// anonymous memory), memfd (shared memory, faults resolved with
+    /// UFFDIO_CONTINUE), or all (one run of each) [default: anon].
+    #[arg(long, value_enum)]
+    backing: Option<BackingChoice>,
     /// Page-servers in the local cluster.
     #[arg(long, default_value_t = 2)]
     nodes: usize,
@@ -366,6 +373,7 @@ fn run() -> anyhow::Result<()> {
         None => vec![Op::Write, Op::Read],
     };
     let prefetch = matrix::prefetch(&ops, args.prefetch)?;
+    let backings = matrix::backings(&ops, args.backing)?;
     let mut records = Vec::new();
     let mut lines = Vec::new();
     let mut keyed_runs = Vec::new();
@@ -380,10 +388,14 @@ fn run() -> anyhow::Result<()> {
                 baseline: args.baseline,
                 nodes,
                 data_path: data_path_name(&mgr),
-                patterns,
+                patterns: patterns.clone(),
                 prefetch: prefetch.clone(),
+                backings: backings.clone(),
             };
             let (recs, summary) = fault::run(&mgr, &set, &params)?;
+            records.extend(recs);
+            lines.extend(summary);
+            let (recs, summary) = flush::run(&mgr, &set, args.ops, &backings, &patterns)?;
             records.extend(recs);
             lines.extend(summary);
             continue;

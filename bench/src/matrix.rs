@@ -27,6 +27,48 @@ pub enum PrefetchChoice {
     Both,
 }
 
+/// `--backing` (fault op only): what guest memory is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackingChoice {
+    /// Private anonymous memory (the library's default): `UFFDIO_COPY`.
+    Anon,
+    /// A memfd (shared memory): pages received straight into the region's
+    /// alias, mapped with `UFFDIO_CONTINUE`.
+    Memfd,
+    /// Anon, then memfd (one run each, same cluster, same run).
+    All,
+}
+
+/// What one fault or flush run's guest memory is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backing {
+    Anon,
+    Memfd,
+}
+
+impl Backing {
+    /// The name in the table and the JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backing::Anon => "anon",
+            Backing::Memfd => "memfd",
+        }
+    }
+}
+
+/// The backings to run, in order: `--backing` if given, else anonymous
+/// memory. Refuses `--backing` for the other ops, which map no guest memory.
+pub fn backings(ops: &[Op], choice: Option<BackingChoice>) -> anyhow::Result<Vec<Backing>> {
+    if choice.is_some() && ops.iter().any(|&op| op != Op::Fault) {
+        bail!("--backing applies to --op fault only");
+    }
+    Ok(match choice.unwrap_or(BackingChoice::Anon) {
+        BackingChoice::Anon => vec![Backing::Anon],
+        BackingChoice::Memfd => vec![Backing::Memfd],
+        BackingChoice::All => vec![Backing::Anon, Backing::Memfd],
+    })
+}
+
 /// The address orders to run for `op`: `--pattern` if given; otherwise
 /// random for reads and writes, and both for faults (random against
 /// sequential is what prefetch is about).
@@ -72,6 +114,17 @@ mod tests {
             vec![AccessPattern::Seq]
         );
         assert_eq!(patterns(Op::Write, Some(PatternChoice::All)).len(), 2);
+    }
+
+    #[test]
+    fn backing_defaults_to_anon_and_only_for_faults() -> anyhow::Result<()> {
+        assert_eq!(backings(&[Op::Fault], None)?, vec![Backing::Anon]);
+        assert_eq!(
+            backings(&[Op::Fault], Some(BackingChoice::All))?,
+            vec![Backing::Anon, Backing::Memfd]
+        );
+        assert!(backings(&[Op::Read], Some(BackingChoice::Memfd)).is_err());
+        Ok(())
     }
 
     #[test]

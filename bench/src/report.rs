@@ -58,6 +58,13 @@ pub struct Record {
     /// Our runs: where the library's threads ran and how they waited.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub placement: Option<Placement>,
+    /// `--op fault` only: what guest memory was made of (`anon`, `memfd`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backing: Option<String>,
+    /// Flush runs only: how dirty pages were found (`wp-faults`: a
+    /// userfaultfd write-protect fault on each first write).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dirty_tracking: Option<String>,
 }
 
 /// The thread placement and waiting a run of ours used (the bench passes
@@ -163,6 +170,8 @@ impl Record {
             failure: None,
             api: None,
             placement: None,
+            backing: None,
+            dirty_tracking: None,
         }
     }
 
@@ -200,7 +209,7 @@ pub fn fmt_us(us: f64) -> String {
 /// The table's header line.
 pub fn header() -> String {
     format!(
-        "{:<13} {:<5} {:<6} {:>3} {:>3} {:<5} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>6} {:>8}",
+        "{:<15} {:<5} {:<6} {:>3} {:>3} {:<5} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>6} {:>8}",
         "transport", "op", "order", "thr", "dep", "api", "ops", "errors", "p50_us", "p90_us", "p99_us", "p999_us", "max_us",
         "pages/s", "GB/s", "verified"
     )
@@ -219,7 +228,7 @@ pub fn line(r: &Record) -> String {
     };
     let l = &r.latency_us;
     format!(
-        "{:<13} {:<5} {:<6} {:>3} {:>3} {:<5} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10.0} {:>6.2} {:>8}",
+        "{:<15} {:<5} {:<6} {:>3} {:>3} {:<5} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10.0} {:>6.2} {:>8}",
         r.transport,
         op,
         order,

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use rdma_transport::guest_memory::{
-    FaultAction, FaultMode, GuestMemory, GuestMemoryConfig, GuestMemoryError, SigbusMethod,
+    FaultAction, FaultMode, GuestBacking, GuestMemory, GuestMemoryConfig, GuestMemoryError,
+    SharedFile, SigbusMethod,
 };
 use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
 
@@ -34,6 +35,15 @@ fn config(gpa_base: u64, size_bytes: usize) -> GuestMemoryConfig {
         handler_cpus: Some(vec![]),
         fault_timeout_ms: 500,
         ..GuestMemoryConfig::new(gpa_base, size_bytes)
+    }
+}
+
+/// Anonymous memory, or a memfd of `size_bytes` (the shared backing).
+fn backing(shared: bool, size_bytes: usize) -> GuestBacking {
+    if shared {
+        GuestBacking::SharedFile(SharedFile::new(memfd(size_bytes), 0))
+    } else {
+        GuestBacking::Anonymous
     }
 }
 
@@ -196,6 +206,15 @@ fn two_regions_on_two_nodes() {
 
 #[test]
 fn flush_while_faults_are_in_flight_loses_no_write() {
+    flush_while_faults_are_in_flight(false);
+}
+
+#[test]
+fn shared_flush_while_faults_are_in_flight_loses_no_write() {
+    flush_while_faults_are_in_flight(true);
+}
+
+fn flush_while_faults_are_in_flight(shared: bool) {
     let (_db, coord) = cluster_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let mgr = Arc::new(manager(&coord.url()));
@@ -204,6 +223,7 @@ fn flush_while_faults_are_in_flight_loses_no_write() {
             Arc::clone(&mgr),
             GuestMemoryConfig {
                 handler_threads: 2,
+                backing: backing(shared, NODE_BYTES),
                 ..config(0, NODE_BYTES)
             },
         )
@@ -488,6 +508,15 @@ fn retried_fault_completes_when_the_node_returns() {
 
 #[test]
 fn poisoned_page_is_fetched_again_after_evict() {
+    poisoned_page_fetched_again(false);
+}
+
+#[test]
+fn shared_poisoned_page_is_fetched_again_after_evict() {
+    poisoned_page_fetched_again(true);
+}
+
+fn poisoned_page_fetched_again(shared: bool) {
     let (_db, coord) = cluster_coordinator();
     let mut b = ChildServer::start(&coord.url(), "b", NODE);
     let mgr = Arc::new(manager(&coord.url()));
@@ -500,6 +529,7 @@ fn poisoned_page_is_fetched_again_after_evict() {
         GuestMemoryConfig {
             fault_timeout_ms: 200,
             sigbus_method: SigbusMethod::Poison,
+            backing: backing(shared, NODE_BYTES),
             ..config(NODE, NODE_BYTES)
         },
     )

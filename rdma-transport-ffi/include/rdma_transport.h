@@ -225,6 +225,12 @@ typedef struct RtGuestMemoryStats {
   uint64_t pages_written_back;
   // Pages dropped by evict.
   uint64_t pages_evicted;
+  // Pages fetched from their owners by faults (a shared region fetches
+  // a page once however many threads fault on it).
+  uint64_t pages_fetched;
+  // Pages written back straight out of guest memory (runs of at least
+  // 16 consecutive dirty pages of a shared region).
+  uint64_t pages_written_in_place;
 } RtGuestMemoryStats;
 
 // Settings of `rt_manager_connect`; fill with `rt_manager_config_default`

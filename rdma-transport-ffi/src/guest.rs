@@ -169,6 +169,12 @@ pub struct RtGuestMemoryStats {
     pub pages_written_back: u64,
     /// Pages dropped by evict.
     pub pages_evicted: u64,
+    /// Pages fetched from their owners by faults (a shared region fetches
+    /// a page once however many threads fault on it).
+    pub pages_fetched: u64,
+    /// Pages written back straight out of guest memory (runs of at least
+    /// 16 consecutive dirty pages of a shared region).
+    pub pages_written_in_place: u64,
 }
 
 impl COut for RtGuestMemoryStats {
@@ -316,6 +322,8 @@ fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryConfig, RtStatus> {
         sigbus_method,
         fault_mode,
         on_fault_error,
+        // The C API has no shared-memory backing yet.
+        backing: rdma_transport::guest_memory::GuestBacking::Anonymous,
     })
 }
 
@@ -489,6 +497,8 @@ pub unsafe extern "C" fn rt_guest_memory_stats(
             sigbus_raised,
             pages_written_back,
             pages_evicted,
+            pages_fetched,
+            pages_written_in_place,
         } = m.stats();
         let value = RtGuestMemoryStats {
             struct_size: 0,
@@ -501,6 +511,8 @@ pub unsafe extern "C" fn rt_guest_memory_stats(
             sigbus_raised,
             pages_written_back,
             pages_evicted,
+            pages_fetched,
+            pages_written_in_place,
         };
         // SAFETY: the caller passes NULL or a struct of `struct_size` bytes.
         match unsafe { write_out(stats, &value) } {

@@ -46,6 +46,20 @@ pub fn manager(url: &str) -> TransportManager {
     .expect("manager connects")
 }
 
+/// A memfd of `size_bytes`, as a VMM creates for guest RAM.
+pub fn memfd(size_bytes: usize) -> std::sync::Arc<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: the name is NUL-terminated; the result is checked.
+    let fd = unsafe { libc::memfd_create(c"guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: `fd` was just created and is owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: plain syscall on our descriptor.
+    let rc = unsafe { libc::ftruncate(fd.as_raw_fd(), size_bytes as libc::off_t) };
+    assert_eq!(rc, 0, "ftruncate: {}", std::io::Error::last_os_error());
+    std::sync::Arc::new(fd)
+}
+
 /// A page whose every byte depends on `gpa` and `seed`.
 pub fn page_for(gpa: u64, seed: u8) -> Page {
     let mut p = [0u8; PAGE_SIZE];

@@ -2,6 +2,7 @@
 //! channel.
 
 use std::fmt;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use crate::error::TransportError;
@@ -63,6 +64,93 @@ pub struct FaultReport {
 /// thread, must not touch guest memory and should return quickly.
 pub type FaultErrorHandler = Arc<dyn Fn(&FaultReport) -> FaultAction + Send + Sync>;
 
+/// What guest RAM is made of.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub enum GuestBacking {
+    /// A private anonymous mapping made by the region (the default). Faults
+    /// are resolved by copying the fetched page in (`UFFDIO_COPY`).
+    #[default]
+    Anonymous,
+    /// A shared-memory file the hypervisor owns (a memfd or tmpfs file),
+    /// mapped `MAP_SHARED`, so that vhost-user back-ends, KVM memory slots
+    /// and snapshots see the same pages. Faults are resolved without a
+    /// bounce: the page is fetched straight into a second mapping of the
+    /// file and mapped into guest memory with `UFFDIO_CONTINUE`.
+    SharedFile(SharedFile),
+}
+
+/// A range of a shared-memory file: `size_bytes` (of the
+/// [`GuestMemoryConfig`]) from `offset_bytes`.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct SharedFile {
+    /// The file, opened read-write (e.g. from `memfd_create(2)`). The
+    /// region keeps it open while it lives.
+    pub fd: Arc<OwnedFd>,
+    /// Where the region starts in the file (a multiple of 4096).
+    pub offset_bytes: u64,
+    /// The hypervisor's own mapping of the range and its userfaultfd, when
+    /// it made them (see [`HandedOverUffd`]); `None`: the region maps the
+    /// file and opens its userfaultfd itself.
+    pub handed_over: Option<HandedOverUffd>,
+}
+
+impl SharedFile {
+    /// The region `[offset_bytes, offset_bytes + size_bytes)` of `fd`.
+    pub fn new(fd: Arc<OwnedFd>, offset_bytes: u64) -> Self {
+        Self {
+            fd,
+            offset_bytes,
+            handed_over: None,
+        }
+    }
+
+    /// The same range, served through the hypervisor's own mapping and
+    /// userfaultfd.
+    pub fn with_uffd(mut self, handed_over: HandedOverUffd) -> Self {
+        self.handed_over = Some(handed_over);
+        self
+    }
+}
+
+/// A userfaultfd and guest mapping the hypervisor created itself (the
+/// Firecracker handler model): it opened the userfaultfd, did `UFFDIO_API`
+/// with the features the region needs, mapped the shared file (`MAP_SHARED`,
+/// read-write) and registered that mapping, then hands both over. The
+/// region serves faults on that mapping; [`super::GuestMemory::as_ptr`]
+/// returns its address. The hypervisor and the region are in the same
+/// process.
+///
+/// Features the handshake must have enabled: `PAGEFAULT_FLAG_WP`,
+/// `THREAD_ID`, `MISSING_SHMEM`, `MINOR_SHMEM`, `WP_HUGETLBFS_SHMEM` (and
+/// `POISON` for [`SigbusMethod::Poison`]). The region checks them (from
+/// `/proc/self/fdinfo`), checks that the address maps the file at the
+/// offset, and registers the mapping for MISSING, MINOR and WP faults.
+#[derive(Debug, Clone)]
+pub struct HandedOverUffd {
+    pub(crate) uffd: Arc<OwnedFd>,
+    pub(crate) mapping: usize,
+}
+
+impl HandedOverUffd {
+    /// `uffd` and the address of the hypervisor's mapping of the file's
+    /// range.
+    ///
+    /// # Safety
+    /// `mapping` must stay mapped, as that mapping of the file, while the
+    /// [`super::GuestMemory`] built on it lives, and no one but the region
+    /// may resolve faults of `uffd` or change its registrations meanwhile.
+    /// (Which file and offset it maps is checked at creation; that it stays
+    /// so cannot be.)
+    pub unsafe fn new(uffd: Arc<OwnedFd>, mapping: *mut u8) -> Self {
+        Self {
+            uffd,
+            mapping: mapping as usize,
+        }
+    }
+}
+
 /// Settings of a [`super::GuestMemory`].
 #[derive(Clone)]
 pub struct GuestMemoryConfig {
@@ -96,6 +184,9 @@ pub struct GuestMemoryConfig {
     pub fault_mode: FaultMode,
     /// Called for every fault that cannot be served; `None`: SIGBUS.
     pub on_fault_error: Option<FaultErrorHandler>,
+    /// What guest RAM is made of: anonymous memory (the default) or a
+    /// shared-memory file the hypervisor provides.
+    pub backing: GuestBacking,
 }
 
 impl GuestMemoryConfig {
@@ -123,6 +214,7 @@ impl Default for GuestMemoryConfig {
             sigbus_method: SigbusMethod::Auto,
             fault_mode: FaultMode::KernelAndUser,
             on_fault_error: None,
+            backing: GuestBacking::Anonymous,
         }
     }
 }
@@ -140,6 +232,7 @@ impl fmt::Debug for GuestMemoryConfig {
             .field("sigbus_method", &self.sigbus_method)
             .field("fault_mode", &self.fault_mode)
             .field("on_fault_error", &self.on_fault_error.is_some())
+            .field("backing", &self.backing)
             .finish()
     }
 }

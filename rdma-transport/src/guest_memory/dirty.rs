@@ -7,19 +7,34 @@
 //! always comes before the page becomes writable, because `flush` skips
 //! pages without it without taking their lock.
 //!
-//! `flush` takes every dirty page's lock, write-protects it, copies it,
-//! clears `DIRTY` and releases it, then writes the copies back in batches.
-//! A write after the protection faults and marks the page dirty again, so
-//! nothing written before `flush` was called is missed and nothing written
-//! during it is lost (it is in the copy or dirty again). A failed write-back
-//! marks the pages dirty again (they stay mapped).
+//! Write-back works on runs of consecutive dirty pages (up to
+//! `WRITEBACK_BATCH`): one `UFFDIO_WRITEPROTECT` per run. A run of at least
+//! `ZERO_COPY_MIN_PAGES` goes out with one `write_pages` straight from
+//! memory, with no copy (from the alias of a shared region, from the guest
+//! mapping of an anonymous one), its pages locked until the owner
+//! acknowledged them. Shorter runs are copied into one bounce batch of up
+//! to `WRITEBACK_BATCH` pages, sent with one `write_pages`: the manager
+//! takes one contiguous buffer per call, and a round trip per scattered
+//! page cost far more than the copies (docs/benchmarking.md, "Guest memory
+//! backings"). A scatter-gather `write_pages` would let every page go out
+//! without a copy.
 //!
-//! `evict` holds the locks of a batch of pages across the whole sequence
-//! write-protect, copy, write back, wait for the owner's acknowledgement,
-//! `MADV_DONTNEED`: writes to those pages wait in their fault meanwhile, so
-//! no write can land between the copy and the drop, and a page is dropped
-//! only after its write-back was acknowledged. Faults on dropped pages are
-//! woken after the drop and fetch the written-back contents.
+//! `flush` finds a run of dirty pages, takes their locks, write-protects the
+//! run and clears `DIRTY`. A long run is written back from memory and then
+//! released: a write meanwhile faults on the protection and waits for the
+//! release (one round trip). A short run is copied and released at once: a
+//! write after that faults and marks the page dirty again. Either way
+//! nothing written before `flush` was called is missed, nothing written
+//! during it is lost, and no page is sent torn. A failed write-back marks
+//! its pages dirty again (they stay mapped).
+//!
+//! `evict` holds the locks of a chunk of pages across the whole sequence
+//! write-protect, write back its dirty pages, wait for the owner's
+//! acknowledgement, drop (`MADV_DONTNEED`, and a hole in a shared file):
+//! writes to those pages wait in their fault meanwhile, so no write can land
+//! between the write-back and the drop, and a page is dropped only after its
+//! write-back was acknowledged. Faults on dropped pages are woken after the
+//! drop and fetch the written-back contents.
 //!
 //! Flush and evict are serialised by one mutex (never taken by faulting
 //! threads or handlers), so a page never has two write-backs in flight.
@@ -31,40 +46,145 @@ use super::error::GuestMemoryError;
 use super::shared::{Counters, Shared, Writeback, WRITEBACK_BATCH};
 use super::state::{DIRTY, LOCKED, POISONED, PRESENT};
 
+/// Shortest run written back straight from memory; shorter ones share a
+/// bounce batch (one round trip for up to `WRITEBACK_BATCH` pages).
+pub(crate) const ZERO_COPY_MIN_PAGES: usize = 16;
+
 /// Writes every dirty page back to its owner; returns how many were written.
 pub(crate) fn flush(shared: &Shared) -> Result<u64, GuestMemoryError> {
     let mut wb = shared.writeback.lock();
+    let states = &shared.states;
+    let pages = states.len();
     let mut outcome = Outcome::default();
-    for page in 0..shared.states.len() {
-        if shared.states.load(page) & DIRTY == 0 {
+    let mut page = 0;
+    while page < pages {
+        if states.load(page) & DIRTY == 0 {
+            page += 1;
             continue;
         }
-        let s = shared.states.lock_spin(page);
-        if s & (DIRTY | PRESENT) != (DIRTY | PRESENT) {
-            shared.release(page, 0, LOCKED, false);
+        // Lock the run of dirty, present pages from here.
+        let first = page;
+        let mut end = first;
+        while end < pages && end - first < WRITEBACK_BATCH && states.load(end) & DIRTY != 0 {
+            let s = states.lock_spin(end);
+            if s & (DIRTY | PRESENT) != (DIRTY | PRESENT) {
+                shared.release(end, 0, LOCKED, false);
+                break;
+            }
+            end += 1;
+        }
+        if end == first {
+            page += 1;
             continue;
         }
-        let addr = shared.region.page_addr(page);
-        if let Err(err) = shared.uffd.write_protect(addr, PAGE_SIZE) {
-            tracing::warn!(%err, page, "write-protecting a dirty page failed; skipped");
-            shared.release(page, 0, LOCKED, false);
-            continue;
+        flush_run(shared, &mut wb, first, end, &mut outcome);
+        page = end;
+    }
+    send_bounce(shared, &mut wb, &mut outcome);
+    outcome.into_result()
+}
+
+/// Write-protects the locked dirty run `[first, end)` and clears `DIRTY`;
+/// writes it back from memory (long run) or copies it into the bounce batch
+/// (short run); releases it.
+fn flush_run(shared: &Shared, wb: &mut Writeback, first: usize, end: usize, out: &mut Outcome) {
+    let len_bytes = (end - first) * PAGE_SIZE;
+    if let Err(err) = shared
+        .uffd
+        .write_protect(shared.region.page_addr(first), len_bytes)
+    {
+        tracing::warn!(%err, first, end, "write-protecting a dirty run failed; skipped");
+        for p in first..end {
+            shared.release(p, 0, LOCKED, false);
         }
-        let slot = wb.index.len();
-        // SAFETY: the page is present (state says so and only evict, which
-        // we exclude, drops pages) and write-protected, and we hold its
-        // lock, so no write lands during the copy and reading it cannot
-        // fault. The slot is a separate Rust buffer.
-        unsafe { std::ptr::copy_nonoverlapping(addr, wb.pages[slot].as_mut_ptr(), PAGE_SIZE) };
-        shared.release(page, 0, LOCKED | DIRTY, false);
-        wb.index.push(page);
-        wb.gpas.push(shared.region.page_gpa(page));
-        if wb.index.len() == WRITEBACK_BATCH {
-            send(shared, &mut wb, &mut outcome);
+        return;
+    }
+    // Clean from now: a write after the release faults and marks it again.
+    for p in first..end {
+        shared.states.release(p, 0, DIRTY, false);
+    }
+    if end - first >= ZERO_COPY_MIN_PAGES {
+        match send_run(shared, first, end) {
+            Ok(()) => out.written += (end - first) as u64,
+            Err(err) => {
+                out.failed += end - first;
+                out.first_error.get_or_insert(err);
+            }
+        }
+    } else {
+        for p in first..end {
+            if wb.index.len() == WRITEBACK_BATCH {
+                send_bounce(shared, wb, out);
+            }
+            copy_to_bounce(shared, wb, p);
         }
     }
-    send(shared, &mut wb, &mut outcome);
-    outcome.into_result()
+    for p in first..end {
+        shared.release(p, 0, LOCKED, false);
+    }
+}
+
+/// Copies page `p` (present, write-protected, locked) into the next slot of
+/// the bounce batch.
+fn copy_to_bounce(shared: &Shared, wb: &mut Writeback, p: usize) {
+    let slot = wb.index.len();
+    // SAFETY: the page is present and write-protected and we hold its lock
+    // (callers' contract), so nothing writes it while it is read.
+    let src = unsafe { shared.region.data_pages(p, p + 1) };
+    wb.pages[slot].copy_from_slice(&src[0]);
+    wb.index.push(p);
+    wb.gpas.push(shared.region.page_gpa(p));
+}
+
+/// Writes pages `[first, end)` (locked, present, write-protected) back from
+/// memory and waits for the acknowledgement; on failure marks them dirty.
+fn send_run(shared: &Shared, first: usize, end: usize) -> Result<(), TransportError> {
+    let mut gpas = [0u64; WRITEBACK_BATCH];
+    for (k, gpa) in gpas[..end - first].iter_mut().enumerate() {
+        *gpa = shared.region.page_gpa(first + k);
+    }
+    // SAFETY: the pages are present, write-protected and locked by us
+    // (callers' contract): a writer waits in its fault until we release
+    // them, so nothing writes them while the transport reads them.
+    let pages = unsafe { shared.region.data_pages(first, end) };
+    let result = shared.manager.write_pages(&gpas[..end - first], pages);
+    match &result {
+        Ok(()) => {
+            Counters::add(&shared.counters.pages_written_back, (end - first) as u64);
+            Counters::add(
+                &shared.counters.pages_written_in_place,
+                (end - first) as u64,
+            );
+        }
+        // Still present (we hold the locks): dirty again for the next try.
+        Err(_) => (first..end).for_each(|p| shared.states.set_bits(p, DIRTY)),
+    }
+    result
+}
+
+/// Writes the bounce batch; on failure marks its pages dirty again. Empties
+/// it.
+fn send_bounce(shared: &Shared, wb: &mut Writeback, out: &mut Outcome) {
+    let count = wb.index.len();
+    if count == 0 {
+        return;
+    }
+    match shared.manager.write_pages(&wb.gpas, &wb.pages[..count]) {
+        Ok(()) => {
+            out.written += count as u64;
+            Counters::add(&shared.counters.pages_written_back, count as u64);
+        }
+        Err(err) => {
+            for &page in &wb.index {
+                // Still present: only evict drops pages, and it waits for us.
+                shared.states.set_bits(page, DIRTY);
+            }
+            out.failed += count;
+            out.first_error.get_or_insert(err);
+        }
+    }
+    wb.index.clear();
+    wb.gpas.clear();
 }
 
 /// Writes back the pages `[first, end)` that are dirty, then drops them all.
@@ -77,72 +197,87 @@ pub(crate) fn evict(shared: &Shared, first: usize, end: usize) -> Result<u64, Gu
         for page in chunk..chunk_end {
             shared.states.lock_spin(page);
         }
-        let unlock_all = |shared: &Shared| {
+        let result = evict_chunk(shared, &mut wb, chunk, chunk_end);
+        if result.is_err() {
+            // Nothing is dropped: the pages stay mapped (and dirty: evict
+            // never clears the mark of a page it did not drop).
+            wb.index.clear();
+            wb.gpas.clear();
             for page in chunk..chunk_end {
                 shared.release(page, 0, LOCKED, false);
             }
-        };
-        // Stop writers of the chunk's dirty pages before copying them.
-        let base = shared.region.page_addr(chunk);
-        if let Err(err) = shared
-            .uffd
-            .write_protect(base, (chunk_end - chunk) * PAGE_SIZE)
-        {
-            unlock_all(shared);
-            return Err(GuestMemoryError::Userfaultfd {
-                op: "UFFDIO_WRITEPROTECT",
-                source: err,
-            });
         }
-        for page in chunk..chunk_end {
-            let s = shared.states.load(page);
-            if s & (DIRTY | PRESENT) == (DIRTY | PRESENT) {
-                let slot = wb.index.len();
-                // SAFETY: as in `flush`: present, write-protected, locked.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        shared.region.page_addr(page),
-                        wb.pages[slot].as_mut_ptr(),
-                        PAGE_SIZE,
-                    )
-                };
-                wb.index.push(page);
-                wb.gpas.push(shared.region.page_gpa(page));
-            }
-        }
-        let count = wb.index.len();
-        let result = match count {
-            0 => Ok(()),
-            _ => shared.manager.write_pages(&wb.gpas, &wb.pages[..count]),
-        };
-        wb.index.clear();
-        wb.gpas.clear();
-        if let Err(source) = result {
-            // Nothing is dropped: the pages stay mapped and dirty.
-            unlock_all(shared);
-            return Err(GuestMemoryError::WriteBack {
-                pages: count,
-                source,
-            });
-        }
-        Counters::add(&shared.counters.pages_written_back, count as u64);
-        if let Err(source) = shared.region.drop_pages(chunk, chunk_end) {
-            unlock_all(shared);
-            return Err(GuestMemoryError::Memory {
-                op: "madvise(MADV_DONTNEED)",
-                source,
-            });
-        }
-        for page in chunk..chunk_end {
-            let s = shared.states.load(page);
-            if s & (PRESENT | POISONED) != 0 {
-                dropped += 1;
-            }
-            shared.release(page, 0, LOCKED | PRESENT | DIRTY | POISONED, true);
-        }
+        dropped += result?;
         chunk = chunk_end;
     }
     Counters::add(&shared.counters.pages_evicted, dropped);
+    Ok(dropped)
+}
+
+/// Evicts the locked chunk `[chunk, end)`: write-protect (one ioctl), write
+/// back its dirty pages (long runs from memory, the rest in one bounce
+/// batch), drop, release. On error the chunk is left locked and mapped.
+fn evict_chunk(
+    shared: &Shared,
+    wb: &mut Writeback,
+    chunk: usize,
+    end: usize,
+) -> Result<u64, GuestMemoryError> {
+    let base = shared.region.page_addr(chunk);
+    shared
+        .uffd
+        .write_protect(base, (end - chunk) * PAGE_SIZE)
+        .map_err(|source| GuestMemoryError::Userfaultfd {
+            op: "UFFDIO_WRITEPROTECT",
+            source,
+        })?;
+    let dirty = |p: usize| shared.states.load(p) & (DIRTY | PRESENT) == (DIRTY | PRESENT);
+    let mut run = chunk;
+    while run < end {
+        if !dirty(run) {
+            run += 1;
+            continue;
+        }
+        let mut run_end = run + 1;
+        while run_end < end && dirty(run_end) {
+            run_end += 1;
+        }
+        if run_end - run >= ZERO_COPY_MIN_PAGES {
+            send_run(shared, run, run_end).map_err(|source| GuestMemoryError::WriteBack {
+                pages: run_end - run,
+                source,
+            })?;
+        } else {
+            (run..run_end).for_each(|p| copy_to_bounce(shared, wb, p));
+        }
+        run = run_end;
+    }
+    let count = wb.index.len();
+    let result = match count {
+        0 => Ok(()),
+        _ => shared.manager.write_pages(&wb.gpas, &wb.pages[..count]),
+    };
+    wb.index.clear();
+    wb.gpas.clear();
+    result.map_err(|source| GuestMemoryError::WriteBack {
+        pages: count,
+        source,
+    })?;
+    Counters::add(&shared.counters.pages_written_back, count as u64);
+    shared
+        .region
+        .drop_pages(chunk, end)
+        .map_err(|source| GuestMemoryError::Memory {
+            op: "madvise(MADV_DONTNEED)",
+            source,
+        })?;
+    let mut dropped = 0;
+    for page in chunk..end {
+        if shared.states.load(page) & (PRESENT | POISONED) != 0 {
+            dropped += 1;
+        }
+        shared.release(page, 0, LOCKED | PRESENT | DIRTY | POISONED, true);
+    }
     Ok(dropped)
 }
 
@@ -163,28 +298,4 @@ impl Outcome {
             }),
         }
     }
-}
-
-/// Writes the batch; on failure marks its pages dirty again. Empties it.
-fn send(shared: &Shared, wb: &mut Writeback, outcome: &mut Outcome) {
-    let count = wb.index.len();
-    if count == 0 {
-        return;
-    }
-    match shared.manager.write_pages(&wb.gpas, &wb.pages[..count]) {
-        Ok(()) => {
-            outcome.written += count as u64;
-            Counters::add(&shared.counters.pages_written_back, count as u64);
-        }
-        Err(err) => {
-            for &page in &wb.index {
-                // Still present: only evict drops pages, and it waits for us.
-                shared.states.set_bits(page, DIRTY);
-            }
-            outcome.failed += count;
-            outcome.first_error.get_or_insert(err);
-        }
-    }
-    wb.index.clear();
-    wb.gpas.clear();
 }

@@ -11,6 +11,29 @@ pub enum GuestMemoryError {
     /// Bad configuration (size, alignment, thread counts).
     #[error("invalid guest memory configuration: {0}")]
     Config(String),
+    /// The shared-memory file is smaller than the region's end.
+    #[error(
+        "the shared-memory file holds {file_bytes:#x} bytes, the region needs {needed_bytes:#x} \
+         (offset + size); ftruncate it first"
+    )]
+    FileTooSmall {
+        /// Size of the file.
+        file_bytes: u64,
+        /// `offset_bytes + size_bytes`.
+        needed_bytes: u64,
+    },
+    /// The descriptor is not a shared-memory file (memfd or tmpfs).
+    #[error(
+        "the descriptor is not shared memory (filesystem magic {fs_magic:#x}); \
+         pass a memfd or a tmpfs file"
+    )]
+    NotSharedMemory {
+        /// `statfs.f_type` of the file.
+        fs_magic: i64,
+    },
+    /// The shared-memory file is not open for reading and writing.
+    #[error("the shared-memory file must be open read-write (O_RDWR)")]
+    FileNotWritable,
     /// The kernel lacks a userfaultfd feature this module needs.
     #[error("unsupported by this kernel: {0}")]
     Unsupported(String),

@@ -5,6 +5,8 @@
 //!   ([`TransportManager::read_frame`](crate::TransportManager::read_frame)), then `UFFDIO_COPY` it in, clean
 //!   (write-protected) for a read, dirty (writable) for a write. EEXIST means
 //!   another thread installed it; EAGAIN is retried.
+//!   A shared region's MISSING and MINOR faults go to `minor.rs` instead:
+//!   fetched straight into the alias, mapped with `UFFDIO_CONTINUE`.
 //! - WP fault (first write to a clean page): mark it dirty and lift the
 //!   protection.
 //! - A page that is busy (being installed, prefetched, flushed or evicted)
@@ -118,7 +120,10 @@ impl Handler<'_> {
                     continue;
                 };
                 match kind {
-                    FaultKind::Missing => {
+                    // MINOR: a shared region's page in the page cache but
+                    // not mapped (dropped, or fetched and not mapped yet):
+                    // served like a missing one, from its owner.
+                    FaultKind::Missing | FaultKind::Minor => {
                         let now = Instant::now();
                         self.missing(PendingFault {
                             page,
@@ -176,6 +181,9 @@ impl Handler<'_> {
 
     /// Ok(true) when this call installed the page.
     fn resolve_missing(&self, page: usize, write: bool) -> Result<bool, TransportError> {
+        if self.shared.region.is_shared() {
+            return super::minor::resolve(self.shared, page, write);
+        }
         let shared = self.shared;
         let states = &shared.states;
         let addr = shared.region.page_addr(page);
@@ -196,6 +204,7 @@ impl Handler<'_> {
                 }
                 continue;
             }
+            Counters::add(&shared.counters.pages_fetched, 1);
             let frame = shared.manager.read_frame(shared.region.page_gpa(page))?;
             let Some(locked) = states.try_lock(page) else {
                 if states.defer(page, LOCKED) {

@@ -2,8 +2,11 @@
 //! fault path.
 //!
 //! A [`GuestMemory`] maps one guest RAM region (a GPA base and a size) as
-//! anonymous memory that is never populated locally and registers it with
-//! userfaultfd for MISSING and write-protect faults. The hypervisor hands
+//! anonymous memory that is never populated locally, or as a range of a
+//! shared-memory file the hypervisor owns ([`GuestBacking::SharedFile`],
+//! optionally with the hypervisor's own mapping and userfaultfd,
+//! [`HandedOverUffd`]), and registers it with userfaultfd for MISSING and
+//! write-protect faults (and MINOR ones for a shared file). The hypervisor hands
 //! [`GuestMemory::as_ptr`] to its vCPUs (e.g. as a KVM memory slot); every
 //! first touch of a page faults to one of the region's pinned handler
 //! threads, which fetches the page from its owner through the
@@ -16,6 +19,8 @@
 //! Files: `region.rs` (the mapping), `uffd.rs` (the region's userfaultfd,
 //! on [`crate::uffd`]),
 //! `state.rs` (per-page state words), `handler.rs` (fault threads),
+//! `file.rs` and `minor.rs` (a shared-memory file: its mappings, and its
+//! faults served through the alias with `UFFDIO_CONTINUE`),
 //! `dirty.rs` (write-back), `prefetch.rs` (read-ahead), `config.rs`.
 //! The design is in `docs/embedding.md`.
 //!
@@ -42,7 +47,9 @@
 mod config;
 mod dirty;
 mod error;
+mod file;
 mod handler;
+mod minor;
 mod prefetch;
 mod region;
 mod shared;
@@ -56,11 +63,13 @@ use std::thread::JoinHandle;
 use parking_lot::Mutex;
 
 use crate::manager::TransportManager;
-use crate::page::PAGE_SIZE;
 use crate::sys::cvt;
 
 pub use crate::uffd::FaultMode;
-pub use config::{FaultAction, FaultErrorHandler, FaultReport, GuestMemoryConfig, SigbusMethod};
+pub use config::{
+    FaultAction, FaultErrorHandler, FaultReport, GuestBacking, GuestMemoryConfig, HandedOverUffd,
+    SharedFile, SigbusMethod,
+};
 pub use error::GuestMemoryError;
 
 use shared::{Counters, Shared, Writeback, WRITEBACK_BATCH};
@@ -71,6 +80,12 @@ pub struct GuestMemoryStats {
     /// MISSING faults resolved by fetching the page (counted right after
     /// the copy that wakes the faulting thread, so it may trail it).
     pub missing_faults: u64,
+    /// Fetches started by fault handlers (read-ahead not included): one
+    /// per attempt, so a retried fault counts each try, and on anonymous
+    /// memory two handlers racing on one page may both fetch it (one copy
+    /// is thrown away). A shared region fetches a page once however many
+    /// threads fault on it.
+    pub pages_fetched: u64,
     /// First writes to clean pages.
     pub wp_faults: u64,
     /// Faults parked until another thread finished with the page.
@@ -85,6 +100,10 @@ pub struct GuestMemoryStats {
     pub sigbus_raised: u64,
     /// Pages written back to their owners.
     pub pages_written_back: u64,
+    /// Of those, pages sent straight from memory, without a copy (runs of
+    /// at least 16 consecutive dirty pages; the others go through a bounce
+    /// batch).
+    pub pages_written_in_place: u64,
     /// Pages dropped by `evict`.
     pub pages_evicted: u64,
 }
@@ -128,8 +147,24 @@ impl GuestMemory {
                 "fault_timeout_ms must be > 0".into(),
             ));
         }
-        let region = region::GuestRegion::new(config.gpa_base, config.size_bytes)?;
-        let uffd = uffd::RegionUffd::new(region.base(), region.len_bytes(), config.fault_mode)?;
+        let region = region::GuestRegion::new(config.gpa_base, config.size_bytes, &config.backing)?;
+        let uffd = match &config.backing {
+            GuestBacking::SharedFile(SharedFile {
+                handed_over: Some(handed_over),
+                ..
+            }) => uffd::RegionUffd::handed_over(
+                &handed_over.uffd,
+                region.base(),
+                region.len_bytes(),
+                config.fault_mode,
+            )?,
+            _ => uffd::RegionUffd::new(
+                region.base(),
+                region.len_bytes(),
+                config.fault_mode,
+                region.is_shared(),
+            )?,
+        };
         let sigbus = match config.sigbus_method {
             SigbusMethod::Auto if uffd.has_poison() => SigbusMethod::Poison,
             SigbusMethod::Auto => SigbusMethod::Tgkill,
@@ -165,7 +200,7 @@ impl GuestMemory {
             streams: prefetch::StreamTable::default(),
             prefetch: prefetch::PrefetchQueue::default(),
             writeback: Mutex::new(Writeback {
-                pages: vec![[0u8; PAGE_SIZE]; WRITEBACK_BATCH],
+                pages: vec![[0u8; crate::PAGE_SIZE]; WRITEBACK_BATCH],
                 gpas: Vec::with_capacity(WRITEBACK_BATCH),
                 index: Vec::with_capacity(WRITEBACK_BATCH),
             }),
@@ -328,6 +363,7 @@ impl GuestMemory {
         let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         GuestMemoryStats {
             missing_faults: get(&c.missing_faults),
+            pages_fetched: get(&c.pages_fetched),
             wp_faults: get(&c.wp_faults),
             deferred_faults: get(&c.deferred_faults),
             prefetched_pages: get(&c.prefetched_pages),
@@ -335,6 +371,7 @@ impl GuestMemory {
             fault_errors: get(&c.fault_errors),
             sigbus_raised: get(&c.sigbus_raised),
             pages_written_back: get(&c.pages_written_back),
+            pages_written_in_place: get(&c.pages_written_in_place),
             pages_evicted: get(&c.pages_evicted),
         }
     }

@@ -225,6 +225,10 @@ pub(crate) fn run(shared: &Arc<Shared>) {
 }
 
 fn install(shared: &Shared, batch: &Batch, gpas: &mut [u64; MAX_WINDOW], pages: &mut [Page]) {
+    if shared.region.is_shared() {
+        install_shared(shared, batch, gpas);
+        return;
+    }
     // The claimed pages in ascending order, with their bit in the batch.
     let mut claimed = [(0usize, 0usize); MAX_WINDOW];
     let mut n = 0;
@@ -311,6 +315,115 @@ fn install(shared: &Shared, batch: &Batch, gpas: &mut [u64; MAX_WINDOW], pages: 
     }
     Counters::add(&shared.counters.prefetched_pages, installed);
     Counters::add(&shared.counters.prefetch_batches, 1);
+}
+
+/// A shared region's batch, without a bounce: each run of consecutive
+/// claimed pages is received straight into the alias with one `read_pages`,
+/// then the pages still ours are mapped clean with one `UFFDIO_CONTINUE` per
+/// run. While claimed (`FETCHING`), faults on the pages wait for us and
+/// nothing else writes their alias (evict may drop them meanwhile: their
+/// generation changes and they are not mapped).
+fn install_shared(shared: &Shared, batch: &Batch, gpas: &mut [u64; MAX_WINDOW]) {
+    let mut claimed = [(0usize, 0usize); MAX_WINDOW];
+    let mut n = 0;
+    for_each_page(batch, |p, i| {
+        claimed[n] = (p, i);
+        n += 1;
+    });
+    let mut installed = 0u64;
+    let mut start = 0;
+    while start < n {
+        let mut end = start + 1;
+        while end < n && claimed[end].0 == claimed[end - 1].0 + 1 {
+            end += 1;
+        }
+        let (first, last) = (claimed[start].0, claimed[end - 1].0 + 1);
+        for (k, gpa) in gpas[..end - start].iter_mut().enumerate() {
+            *gpa = shared.region.page_gpa(first + k);
+        }
+        if let Err(err) = shared.region.populate_alias(first, last) {
+            tracing::debug!(%err, first, "populating the alias failed; pages fault in");
+        }
+        // SAFETY: every page of `[first, last)` is claimed `FETCHING` by
+        // this batch and absent from the guest mapping: faults on them wait
+        // for us, and no one else writes their alias.
+        let fetched = match unsafe { shared.region.alias_pages_mut(first, last) } {
+            Some(dst) => shared.manager.read_pages(&gpas[..end - start], dst),
+            None => Err(crate::TransportError::Config(
+                "shared region without alias".into(),
+            )),
+        };
+        if let Err(err) = fetched {
+            tracing::debug!(%err, first, "prefetch failed; faults will fetch");
+            for &(p, _) in &claimed[start..end] {
+                shared.release(p, 0, FETCHING, false);
+            }
+            start = end;
+            continue;
+        }
+        installed += continue_run(shared, batch, &claimed[start..end]);
+        start = end;
+    }
+    Counters::add(&shared.counters.prefetched_pages, installed);
+    Counters::add(&shared.counters.prefetch_batches, 1);
+}
+
+/// Locks the pages of a received run that are still ours (absent, at their
+/// claimed generation) and maps them clean: one `UFFDIO_CONTINUE` when all
+/// are, else one per page. Returns how many were mapped.
+fn continue_run(shared: &Shared, batch: &Batch, run: &[(usize, usize)]) -> u64 {
+    let mut ours = [false; MAX_WINDOW];
+    for (k, &(p, i)) in run.iter().enumerate() {
+        match shared.states.try_lock(p) {
+            None => shared.release(p, 0, FETCHING, false),
+            Some(s) if s & (PRESENT | POISONED) != 0 || generation(s) != batch.gens[i] => {
+                shared.release(p, 0, LOCKED | FETCHING, false);
+            }
+            Some(_) => ours[k] = true,
+        }
+    }
+    let all = ours[..run.len()].iter().all(|&o| o);
+    if all {
+        // SAFETY: consecutive pages of the registered range, locked by us,
+        // whose page cache holds what we just received into the alias.
+        let mapped = unsafe {
+            shared
+                .uffd
+                .continue_pages(shared.region.page_addr(run[0].0), run.len(), true)
+        };
+        if let Ok(CopyOutcome::Copied) = mapped {
+            for &(p, _) in run {
+                shared.release(p, PRESENT, LOCKED | FETCHING, false);
+            }
+            return run.len() as u64;
+        }
+    }
+    // Some pages are not ours, or the one call failed: page by page.
+    let mut installed = 0;
+    for (k, &(p, _)) in run.iter().enumerate() {
+        if !ours[k] {
+            continue;
+        }
+        // SAFETY: as above, for one page.
+        let set = match unsafe {
+            shared
+                .uffd
+                .continue_pages(shared.region.page_addr(p), 1, true)
+        } {
+            Ok(CopyOutcome::Copied) => PRESENT,
+            // Mapped without our knowledge: dirty, so a flush writes it.
+            Ok(CopyOutcome::Exists) => PRESENT | DIRTY,
+            Ok(CopyOutcome::Again) | Err(_) => 0,
+        };
+        shared.release(p, set, LOCKED | FETCHING, false);
+        if set & PRESENT != 0 {
+            installed += 1;
+        }
+        if set != PRESENT {
+            shared.wake(p);
+        }
+    }
+    installed
 }
 
 #[cfg(test)]

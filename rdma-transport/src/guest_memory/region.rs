@@ -3,23 +3,49 @@
 
 use std::io;
 
-use crate::page::{PAGE_SIZE, PAGE_SIZE_U64};
+use crate::page::{Page, PAGE_SIZE, PAGE_SIZE_U64};
 use crate::region::{MapOptions, MappedRegion};
 use crate::sys::cvt;
 
+use super::config::GuestBacking;
 use super::error::GuestMemoryError;
+use super::file::SharedMapping;
 
-/// An anonymous private mapping of 4 KiB pages, never populated by us:
-/// every first touch is a userfaultfd MISSING fault.
+/// What the guest mapping is.
+#[derive(Debug)]
+enum Map {
+    /// Private anonymous memory, never populated by us: every first touch
+    /// is a userfaultfd MISSING fault. Held to be unmapped on drop; its
+    /// address is `GuestRegion::base`.
+    Anonymous(#[allow(dead_code)] MappedRegion),
+    /// A shared-memory file mapped twice: a first touch is a MISSING fault
+    /// (a hole in the file) or a MINOR fault (in the page cache, not mapped
+    /// in the guest mapping); both are served through the alias.
+    Shared(SharedMapping),
+}
+
+/// The host mapping of a guest RAM region, of 4 KiB pages.
 #[derive(Debug)]
 pub(crate) struct GuestRegion {
-    map: MappedRegion,
+    map: Map,
+    base: *mut u8,
     gpa_base: u64,
     pages: usize,
 }
 
+// SAFETY: `base` points into `map`, which is Send and Sync and lives as long
+// as `self`; the bytes are only accessed through raw pointers under the
+// page-state protocol.
+unsafe impl Send for GuestRegion {}
+// SAFETY: as above.
+unsafe impl Sync for GuestRegion {}
+
 impl GuestRegion {
-    pub(crate) fn new(gpa_base: u64, size_bytes: usize) -> Result<Self, GuestMemoryError> {
+    pub(crate) fn new(
+        gpa_base: u64,
+        size_bytes: usize,
+        backing: &GuestBacking,
+    ) -> Result<Self, GuestMemoryError> {
         if size_bytes == 0 || size_bytes % PAGE_SIZE != 0 || gpa_base % PAGE_SIZE_U64 != 0 {
             return Err(GuestMemoryError::Config(format!(
                 "gpa_base {gpa_base:#x} and size_bytes {size_bytes:#x} must be page aligned and the size positive"
@@ -29,6 +55,15 @@ impl GuestRegion {
             return Err(GuestMemoryError::Config(
                 "gpa_base + size_bytes overflows".into(),
             ));
+        }
+        if let GuestBacking::SharedFile(file) = backing {
+            let shared = SharedMapping::new(file, size_bytes)?;
+            return Ok(Self {
+                base: shared.guest_ptr(),
+                map: Map::Shared(shared),
+                gpa_base,
+                pages: size_bytes / PAGE_SIZE,
+            });
         }
         let map = MappedRegion::new(
             size_bytes,
@@ -48,14 +83,104 @@ impl GuestRegion {
             source,
         })?;
         Ok(Self {
-            map,
+            base: map.as_ptr(),
+            map: Map::Anonymous(map),
             gpa_base,
             pages: size_bytes / PAGE_SIZE,
         })
     }
 
     pub(crate) fn base(&self) -> *mut u8 {
-        self.map.as_ptr()
+        self.base
+    }
+
+    /// True when the region is a shared-memory file (faults are resolved
+    /// through the alias with `UFFDIO_CONTINUE`).
+    pub(crate) fn is_shared(&self) -> bool {
+        matches!(self.map, Map::Shared(_))
+    }
+
+    /// The alias mapping of a shared region (address, length): the same
+    /// pages as the guest mapping, never registered with userfaultfd, so it
+    /// can be written before a page is mapped into the guest (e.g. an RDMA
+    /// memory region to read pages straight into).
+    #[allow(dead_code)] // for the RDMA data path, wired later
+    pub(crate) fn alias(&self) -> Option<(*mut u8, usize)> {
+        match &self.map {
+            Map::Shared(shared) => Some((shared.alias.as_ptr(), shared.alias.len_bytes())),
+            Map::Anonymous(_) => None,
+        }
+    }
+
+    /// Where the bytes of pages `[first, end)` are read and written by the
+    /// transport: the alias of a shared region, the guest mapping itself
+    /// of an anonymous one.
+    fn data_ptr(&self, page: usize) -> *mut u8 {
+        match &self.map {
+            Map::Shared(shared) => shared.alias.as_ptr().wrapping_add(page * PAGE_SIZE),
+            Map::Anonymous(_) => self.page_addr(page),
+        }
+    }
+
+    /// Pages `[first, end)` of a shared region's alias, to receive fetched
+    /// pages into. `None` for an anonymous region.
+    ///
+    /// # Safety
+    /// While the slice lives, nothing else may access these pages: they
+    /// must be absent from the guest mapping and held by the caller (page
+    /// `LOCKED`, or claimed `FETCHING`), so no fault maps them meanwhile.
+    // The alias is raw memory shared with the kernel, like a DMA buffer:
+    // exclusivity comes from the page states (the caller's contract), not
+    // from a `&mut self`, which handlers on several threads cannot have.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn alias_pages_mut(&self, first: usize, end: usize) -> Option<&mut [Page]> {
+        debug_assert!(first <= end && end <= self.pages);
+        let Map::Shared(shared) = &self.map else {
+            return None;
+        };
+        let ptr = shared.alias.as_ptr().wrapping_add(first * PAGE_SIZE);
+        // SAFETY: `Page` is `[u8; 4096]` (alignment 1, no padding, any bytes
+        // valid), and `ptr` is page aligned anyway; `end - first` pages from
+        // it are inside the live alias mapping, which outlives `&self`.
+        // Exclusive access is the caller's contract.
+        Some(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<Page>(), end - first) })
+    }
+
+    /// Allocates the file's pages `[first, end)` through the alias in one
+    /// call (`MADV_POPULATE_WRITE`, Linux >= 5.14), so receiving a batch
+    /// into them does not take a page fault per page. Contents are
+    /// unchanged (zeroes for a hole). No-op for an anonymous region.
+    pub(crate) fn populate_alias(&self, first: usize, end: usize) -> io::Result<()> {
+        let Map::Shared(shared) = &self.map else {
+            return Ok(());
+        };
+        let ptr = shared.alias.as_ptr().wrapping_add(first * PAGE_SIZE);
+        // SAFETY: the range is inside the live alias mapping; populating
+        // allocates pages without changing any byte of them.
+        let ret = unsafe {
+            libc::madvise(
+                ptr.cast(),
+                (end - first) * PAGE_SIZE,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
+        cvt(ret).map(|_| ())
+    }
+
+    /// Pages `[first, end)` as the transport reads them to write them back
+    /// (alias or guest mapping, see `data_ptr`), without a copy.
+    ///
+    /// # Safety
+    /// The pages must be present and stay unwritten while the slice lives:
+    /// write-protected in the guest mapping and `LOCKED` by the caller, so a
+    /// writer waits in its fault.
+    pub(crate) unsafe fn data_pages(&self, first: usize, end: usize) -> &[Page] {
+        debug_assert!(first <= end && end <= self.pages);
+        let ptr = self.data_ptr(first);
+        // SAFETY: as in `alias_pages_mut`: `[u8; 4096]` has alignment 1 and
+        // every byte pattern is valid; the range is inside the live mapping;
+        // no write happens while it is borrowed, by the caller's contract.
+        unsafe { std::slice::from_raw_parts(ptr.cast::<Page>(), end - first) }
     }
 
     pub(crate) fn len_bytes(&self) -> usize {
@@ -73,7 +198,7 @@ impl GuestRegion {
     /// Host address of page `page` (< `pages()`).
     pub(crate) fn page_addr(&self, page: usize) -> *mut u8 {
         debug_assert!(page < self.pages);
-        self.map.as_ptr().wrapping_add(page * PAGE_SIZE)
+        self.base.wrapping_add(page * PAGE_SIZE)
     }
 
     /// Guest-physical address of page `page`.
@@ -83,7 +208,7 @@ impl GuestRegion {
 
     /// Page index of a host address inside the region.
     pub(crate) fn page_of_addr(&self, addr: usize) -> Option<usize> {
-        let off = addr.checked_sub(self.map.as_ptr() as usize)?;
+        let off = addr.checked_sub(self.base as usize)?;
         (off < self.len_bytes()).then_some(off / PAGE_SIZE)
     }
 
@@ -109,14 +234,17 @@ impl GuestRegion {
     }
 
     /// Drops pages `[first, end)`: their memory is freed, poison markers go,
-    /// and the next touch faults again.
+    /// and the next touch faults again. A shared region's file gets a hole
+    /// there (after the guest mapping is cleared of its page table entries
+    /// and poison markers).
     pub(crate) fn drop_pages(&self, first: usize, end: usize) -> io::Result<()> {
         if first >= end {
             return Ok(());
         }
         // SAFETY: the range is inside our mapping (callers pass page indexes
         // < pages()); DONTNEED on private anonymous memory only discards
-        // contents, which is the point.
+        // contents, which is the point (on a shared mapping it only unmaps;
+        // the hole below discards them).
         let ret = unsafe {
             libc::madvise(
                 self.page_addr(first).cast(),
@@ -124,6 +252,10 @@ impl GuestRegion {
                 libc::MADV_DONTNEED,
             )
         };
-        cvt(ret).map(|_| ())
+        cvt(ret)?;
+        match &self.map {
+            Map::Shared(shared) => shared.punch_hole(first * PAGE_SIZE, (end - first) * PAGE_SIZE),
+            Map::Anonymous(_) => Ok(()),
+        }
     }
 }

@@ -16,13 +16,14 @@ use super::region::GuestRegion;
 use super::state::PageStates;
 use super::uffd::RegionUffd;
 
-/// Pages written back per round trip by flush and evict.
+/// Pages written back per round trip by flush and evict, at most.
 pub(crate) const WRITEBACK_BATCH: usize = 64;
 
 /// Counters; read with [`super::GuestMemory::stats`].
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub missing_faults: AtomicU64,
+    pub pages_fetched: AtomicU64,
     pub wp_faults: AtomicU64,
     pub deferred_faults: AtomicU64,
     pub prefetched_pages: AtomicU64,
@@ -30,6 +31,7 @@ pub(crate) struct Counters {
     pub fault_errors: AtomicU64,
     pub sigbus_raised: AtomicU64,
     pub pages_written_back: AtomicU64,
+    pub pages_written_in_place: AtomicU64,
     pub pages_evicted: AtomicU64,
 }
 
@@ -39,8 +41,9 @@ impl Counters {
     }
 }
 
-/// Buffers of flush and evict; the mutex around them also serialises the
-/// two, so one page never has two write-backs in flight.
+/// The bounce batch of flush and evict, for pages of short dirty runs
+/// (see `dirty.rs`); the mutex around it also serialises the two, so one
+/// page never has two write-backs in flight.
 #[derive(Debug)]
 pub(crate) struct Writeback {
     pub pages: Vec<Page>,
@@ -62,6 +65,7 @@ pub(crate) struct Shared {
     pub counters: Counters,
     pub streams: StreamTable,
     pub prefetch: PrefetchQueue,
+    /// Never taken by handlers or faulting threads.
     pub writeback: Mutex<Writeback>,
 }
 

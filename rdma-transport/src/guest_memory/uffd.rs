@@ -3,26 +3,47 @@
 //! the features it needs, and the page-sized calls the handlers make.
 
 use std::io;
+use std::os::fd::OwnedFd;
 
 use crate::page::PAGE_SIZE;
 use crate::uffd::{feature, EventBuffer, FaultMode, RegisterMode, Userfaultfd};
 
+use crate::sys::cvt;
+
 use super::error::GuestMemoryError;
+use super::file::FileMap;
 
 /// Features a guest region cannot work without: write-protect faults (dirty
 /// tracking) and thread ids (SIGBUS to the faulting thread).
 const REQUIRED: u64 = feature::PAGEFAULT_FLAG_WP | feature::THREAD_ID;
 
+/// Features a region in a shared-memory file needs on top of [`REQUIRED`]:
+/// MISSING faults on holes, MINOR faults on pages in the page cache
+/// (resolved with `UFFDIO_CONTINUE`), write-protect on shmem.
+const REQUIRED_SHMEM: u64 =
+    feature::MISSING_SHMEM | feature::MINOR_SHMEM | feature::WP_HUGETLBFS_SHMEM;
+
 /// The features to enable, given what the kernel `offered`: the required
-/// ones, plus poison when offered.
-pub(crate) fn features_to_enable(offered: u64) -> Result<u64, GuestMemoryError> {
+/// ones (and those of shared memory when `shared`), plus poison when
+/// offered.
+pub(crate) fn features_to_enable(offered: u64, shared: bool) -> Result<u64, GuestMemoryError> {
     if offered & REQUIRED != REQUIRED {
         return Err(GuestMemoryError::Unsupported(format!(
             "the kernel's userfaultfd lacks write-protect or thread ids \
              (features {offered:#x}; need Linux >= 5.7)"
         )));
     }
-    Ok(REQUIRED | (offered & feature::POISON))
+    let mut needed = REQUIRED;
+    if shared {
+        if offered & REQUIRED_SHMEM != REQUIRED_SHMEM {
+            return Err(GuestMemoryError::Unsupported(format!(
+                "the kernel's userfaultfd lacks minor faults or write-protect on shared memory \
+                 (features {offered:#x}; need Linux >= 6.2); use GuestBacking::Anonymous"
+            )));
+        }
+        needed |= REQUIRED_SHMEM;
+    }
+    Ok(needed | (offered & feature::POISON))
 }
 
 /// What it means that opening a userfaultfd for `wanted` failed with `err`:
@@ -47,6 +68,48 @@ pub(crate) fn probe_features(mode: FaultMode) -> io::Result<u64> {
     Userfaultfd::open(mode)?.enable(0)
 }
 
+/// Whether `UFFDIO_CONTINUE` takes `UFFDIO_CONTINUE_MODE_WP` (Linux >= 6.4),
+/// which a shared region needs to map clean pages write-protected: tried on
+/// a throw-away one-page memfd and user-mode-only descriptor. An older
+/// kernel answers `EINVAL`.
+pub(crate) fn probe_continue_wp() -> Result<bool, GuestMemoryError> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let probe = uffd_err("probing UFFDIO_CONTINUE_MODE_WP");
+    // SAFETY: the name is NUL-terminated; the result is checked.
+    let fd = cvt(unsafe { libc::memfd_create(c"uffd-probe".as_ptr(), libc::MFD_CLOEXEC) })
+        .map_err(&probe)?;
+    // SAFETY: just created, owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let page = [1u8; PAGE_SIZE];
+    // SAFETY: writes our live buffer to our memfd (fills its page cache).
+    let n = unsafe { libc::pwrite(fd.as_raw_fd(), page.as_ptr().cast(), PAGE_SIZE, 0) };
+    cvt(n).map_err(&probe)?;
+    let map = FileMap::new(&fd, 0, PAGE_SIZE)?;
+    let uffd = Userfaultfd::open(FaultMode::UserOnly).map_err(&probe)?;
+    uffd.enable(feature::MINOR_SHMEM | feature::WP_HUGETLBFS_SHMEM)
+        .map_err(&probe)?;
+    uffd.register(map.as_ptr(), PAGE_SIZE, RegisterMode::MISSING_MINOR_AND_WP)
+        .map_err(&probe)?;
+    // SAFETY: the probe's own registered page, in the page cache, which
+    // nothing reads.
+    match unsafe { uffd.continue_range(map.as_ptr(), PAGE_SIZE, true) } {
+        Ok(()) => Ok(true),
+        Err(err) if err.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+        Err(err) => Err(probe(err)),
+    }
+}
+
+fn require_continue_wp() -> Result<(), GuestMemoryError> {
+    if probe_continue_wp()? {
+        return Ok(());
+    }
+    Err(GuestMemoryError::Unsupported(
+        "UFFDIO_CONTINUE cannot map pages write-protected (UFFDIO_CONTINUE_MODE_WP, \
+         Linux >= 6.4), which dirty tracking of a shared region needs; use GuestBacking::Anonymous"
+            .into(),
+    ))
+}
+
 /// Outcome of one `UFFDIO_COPY`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum CopyOutcome {
@@ -68,19 +131,71 @@ pub(crate) struct RegionUffd {
 impl RegionUffd {
     /// Opens the descriptor for the faults of `mode`, enables WP and thread
     /// ids (and poison when offered), and registers `[start, start + len)`
-    /// for MISSING and WP faults.
+    /// for MISSING and WP faults, and MINOR ones when `shared` (a
+    /// shared-memory mapping).
     pub(crate) fn new(
         start: *mut u8,
         len: usize,
         mode: FaultMode,
+        shared: bool,
     ) -> Result<Self, GuestMemoryError> {
         let uffd = Userfaultfd::open(mode).map_err(|err| open_error(mode, err))?;
         let offered = probe_features(mode).map_err(|err| open_error(mode, err))?;
-        let features = features_to_enable(offered)?;
+        let features = features_to_enable(offered, shared)?;
+        if shared {
+            require_continue_wp()?;
+        }
         uffd.enable(features).map_err(uffd_err("UFFDIO_API"))?;
-        uffd.register(start, len, RegisterMode::MISSING_AND_WP)
+        let register = if shared {
+            RegisterMode::MISSING_MINOR_AND_WP
+        } else {
+            RegisterMode::MISSING_AND_WP
+        };
+        uffd.register(start, len, register)
             .map_err(uffd_err("UFFDIO_REGISTER"))?;
         Ok(Self { uffd, features })
+    }
+
+    /// Takes over the hypervisor's userfaultfd (a duplicate of `fd`) for its
+    /// shared-memory mapping `[start, start + len)`: checks the features its
+    /// handshake enabled and registers the range for MISSING, MINOR and WP
+    /// faults (it may have registered it already, with fewer modes).
+    pub(crate) fn handed_over(
+        fd: &OwnedFd,
+        start: *mut u8,
+        len: usize,
+        mode: FaultMode,
+    ) -> Result<Self, GuestMemoryError> {
+        let dup = fd.try_clone().map_err(uffd_err("dup(userfaultfd)"))?;
+        let uffd = Userfaultfd::from_handed_over(dup, mode).map_err(|source| {
+            GuestMemoryError::Config(format!(
+                "the handed-over descriptor is not a usable userfaultfd: {source}"
+            ))
+        })?;
+        let enabled = uffd
+            .enabled_features()
+            .map_err(uffd_err("reading /proc/self/fdinfo"))?
+            .ok_or_else(|| {
+                GuestMemoryError::Config(
+                    "the handed-over userfaultfd has not done its UFFDIO_API handshake".into(),
+                )
+            })?;
+        let needed = REQUIRED | REQUIRED_SHMEM;
+        if enabled & needed != needed {
+            return Err(GuestMemoryError::Unsupported(format!(
+                "the handed-over userfaultfd's UFFDIO_API enabled features {enabled:#x}; \
+                 it needs {needed:#x} (PAGEFAULT_FLAG_WP, THREAD_ID, MISSING_SHMEM, \
+                 MINOR_SHMEM, WP_HUGETLBFS_SHMEM), missing {:#x}",
+                needed & !enabled
+            )));
+        }
+        require_continue_wp()?;
+        uffd.register(start, len, RegisterMode::MISSING_MINOR_AND_WP)
+            .map_err(uffd_err("UFFDIO_REGISTER"))?;
+        Ok(Self {
+            uffd,
+            features: enabled,
+        })
     }
 
     pub(crate) fn raw_fd(&self) -> libc::c_int {
@@ -148,6 +263,33 @@ impl RegionUffd {
                     _ => Err(err.source),
                 }
             }
+        }
+    }
+
+    /// Maps `pages` pages at `dst` of a shared region from the file's page
+    /// cache (filled through the alias), write-protected when
+    /// `write_protect` (a clean page), and wakes their waiters.
+    ///
+    /// # Safety
+    /// `dst..` must be `pages` pages of the registered range whose page
+    /// cache holds the contents to map (written through the alias).
+    pub(crate) unsafe fn continue_pages(
+        &self,
+        dst: *mut u8,
+        pages: usize,
+        write_protect: bool,
+    ) -> io::Result<CopyOutcome> {
+        // SAFETY: forwarded from the caller.
+        match unsafe {
+            self.uffd
+                .continue_range(dst, pages * PAGE_SIZE, write_protect)
+        } {
+            Ok(()) => Ok(CopyOutcome::Copied),
+            Err(err) => match err.raw_os_error() {
+                Some(libc::EEXIST) => Ok(CopyOutcome::Exists),
+                Some(libc::EAGAIN) => Ok(CopyOutcome::Again),
+                _ => Err(err),
+            },
         }
     }
 

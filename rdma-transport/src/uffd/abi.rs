@@ -5,13 +5,14 @@
 
 pub(crate) use linux_raw_sys::general::{
     uffd_msg, uffd_msg__bindgen_ty_1, uffd_msg__bindgen_ty_1__bindgen_ty_5, uffdio_api,
-    uffdio_copy, uffdio_poison, uffdio_range, uffdio_register, uffdio_writeprotect, _UFFDIO_POISON,
-    UFFDIO_COPY_MODE_DONTWAKE, UFFDIO_COPY_MODE_WP, UFFDIO_REGISTER_MODE_MISSING,
-    UFFDIO_REGISTER_MODE_WP, UFFD_API, UFFD_EVENT_PAGEFAULT, UFFD_PAGEFAULT_FLAG_WP,
+    uffdio_continue, uffdio_copy, uffdio_poison, uffdio_range, uffdio_register,
+    uffdio_writeprotect, _UFFDIO_POISON, UFFDIO_COPY_MODE_DONTWAKE, UFFDIO_COPY_MODE_WP,
+    UFFDIO_REGISTER_MODE_MINOR, UFFDIO_REGISTER_MODE_MISSING, UFFDIO_REGISTER_MODE_WP, UFFD_API,
+    UFFD_EVENT_PAGEFAULT, UFFD_PAGEFAULT_FLAG_MINOR, UFFD_PAGEFAULT_FLAG_WP,
     UFFD_PAGEFAULT_FLAG_WRITE, UFFD_USER_MODE_ONLY, USERFAULTFD_IOC,
 };
 pub(crate) use linux_raw_sys::ioctl::{
-    UFFDIO_API, UFFDIO_COPY, UFFDIO_REGISTER, UFFDIO_WAKE, UFFDIO_WRITEPROTECT,
+    UFFDIO_API, UFFDIO_CONTINUE, UFFDIO_COPY, UFFDIO_REGISTER, UFFDIO_WAKE, UFFDIO_WRITEPROTECT,
 };
 
 /// `_IOC(dir, USERFAULTFD_IOC, nr, size)` of `<asm-generic/ioctl.h>`.
@@ -37,6 +38,10 @@ pub(crate) const USERFAULTFD_IOC_NEW: u32 = ioc(IOC_NONE, 0, 0);
 pub(crate) const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
 /// `UFFDIO_WRITEPROTECT_MODE_DONTWAKE`: clear without waking the waiters.
 pub(crate) const UFFDIO_WRITEPROTECT_MODE_DONTWAKE: u64 = 1 << 1;
+
+/// `UFFDIO_CONTINUE_MODE_WP` of `<linux/userfaultfd.h>` (Linux >= 6.2): map
+/// the pages write-protected.
+pub(crate) const UFFDIO_CONTINUE_MODE_WP: u64 = 1 << 1;
 
 #[cfg(test)]
 mod tests {

@@ -5,7 +5,7 @@ use std::fmt;
 
 use super::abi::{
     uffd_msg, uffd_msg__bindgen_ty_1, uffd_msg__bindgen_ty_1__bindgen_ty_5, UFFD_EVENT_PAGEFAULT,
-    UFFD_PAGEFAULT_FLAG_WP, UFFD_PAGEFAULT_FLAG_WRITE,
+    UFFD_PAGEFAULT_FLAG_MINOR, UFFD_PAGEFAULT_FLAG_WP, UFFD_PAGEFAULT_FLAG_WRITE,
 };
 
 /// Why a page fault was raised.
@@ -15,6 +15,9 @@ pub enum FaultKind {
     Missing,
     /// A write to a write-protected page (register mode `write_protect`).
     WriteProtect,
+    /// The page is in the page cache of the shared file but not mapped here
+    /// (register mode `minor`): resolve it with [`super::Userfaultfd::continue_range`].
+    Minor,
 }
 
 /// One page fault.
@@ -61,6 +64,8 @@ impl Event {
             addr: fault.address as usize,
             kind: if flags & u64::from(UFFD_PAGEFAULT_FLAG_WP) != 0 {
                 FaultKind::WriteProtect
+            } else if flags & u64::from(UFFD_PAGEFAULT_FLAG_MINOR) != 0 {
+                FaultKind::Minor
             } else {
                 FaultKind::Missing
             },

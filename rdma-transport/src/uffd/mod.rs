@@ -37,8 +37,8 @@ use crate::sys::cvt;
 pub use event::{Event, EventBuffer, FaultKind, Pagefault};
 
 use abi::{
-    uffd_msg, uffdio_api, uffdio_copy, uffdio_poison, uffdio_range, uffdio_register,
-    uffdio_writeprotect,
+    uffd_msg, uffdio_api, uffdio_continue, uffdio_copy, uffdio_poison, uffdio_range,
+    uffdio_register, uffdio_writeprotect,
 };
 
 /// `UFFD_FEATURE_*` bits, for [`Userfaultfd::enable`].
@@ -51,6 +51,16 @@ pub mod feature {
     pub const THREAD_ID: u64 = g::UFFD_FEATURE_THREAD_ID as u64;
     /// `UFFDIO_POISON` (Linux >= 6.6).
     pub const POISON: u64 = g::UFFD_FEATURE_POISON as u64;
+    /// MISSING faults on shared memory (shmem, memfd).
+    pub const MISSING_SHMEM: u64 = g::UFFD_FEATURE_MISSING_SHMEM as u64;
+    /// MISSING faults on hugetlbfs.
+    pub const MISSING_HUGETLBFS: u64 = g::UFFD_FEATURE_MISSING_HUGETLBFS as u64;
+    /// MINOR faults (`UFFDIO_CONTINUE`) on shared memory (Linux >= 5.14).
+    pub const MINOR_SHMEM: u64 = g::UFFD_FEATURE_MINOR_SHMEM as u64;
+    /// MINOR faults (`UFFDIO_CONTINUE`) on hugetlbfs (Linux >= 5.13).
+    pub const MINOR_HUGETLBFS: u64 = g::UFFD_FEATURE_MINOR_HUGETLBFS as u64;
+    /// Write-protect on shared memory and hugetlbfs (Linux >= 5.19).
+    pub const WP_HUGETLBFS_SHMEM: u64 = g::UFFD_FEATURE_WP_HUGETLBFS_SHMEM as u64;
 }
 
 /// Which faults a userfaultfd receives.
@@ -76,6 +86,9 @@ pub struct RegisterMode {
     pub missing: bool,
     /// Faults on writes to write-protected pages.
     pub write_protect: bool,
+    /// Faults on pages present in a shared file's page cache but not
+    /// mapped (shmem, hugetlbfs); resolved with `UFFDIO_CONTINUE`.
+    pub minor: bool,
 }
 
 impl RegisterMode {
@@ -83,11 +96,19 @@ impl RegisterMode {
     pub const MISSING: Self = Self {
         missing: true,
         write_protect: false,
+        minor: false,
     };
     /// Missing-page and write-protect faults.
     pub const MISSING_AND_WP: Self = Self {
         missing: true,
         write_protect: true,
+        minor: false,
+    };
+    /// Missing-page, minor and write-protect faults (shared memory).
+    pub const MISSING_MINOR_AND_WP: Self = Self {
+        missing: true,
+        write_protect: true,
+        minor: true,
     };
 
     fn bits(self) -> u64 {
@@ -97,6 +118,9 @@ impl RegisterMode {
         }
         if self.write_protect {
             bits |= u64::from(abi::UFFDIO_REGISTER_MODE_WP);
+        }
+        if self.minor {
+            bits |= u64::from(abi::UFFDIO_REGISTER_MODE_MINOR);
         }
         bits
     }
@@ -196,6 +220,42 @@ impl Userfaultfd {
             fd: unsafe { OwnedFd::from_raw_fd(fd) },
             kernel_faults: true,
         }
+    }
+
+    /// Takes over a userfaultfd created elsewhere, e.g. by the hypervisor
+    /// (which did `UFFDIO_API` and registered its guest mapping). `mode` is
+    /// what it was opened with, as its creator says: the kernel does not
+    /// tell. Makes the descriptor non-blocking (a flag of the open file,
+    /// so the creator's descriptor becomes non-blocking too).
+    ///
+    /// # Errors
+    /// `InvalidInput` when `fd` is not a userfaultfd; the OS error of
+    /// `fcntl(2)` or of reading `/proc/self/fdinfo`.
+    pub fn from_handed_over(fd: OwnedFd, mode: FaultMode) -> io::Result<Self> {
+        let uffd = Self {
+            fd,
+            kernel_faults: mode == FaultMode::KernelAndUser,
+        };
+        uffd.enabled_features()?;
+        // SAFETY: plain syscalls on a descriptor we own; no memory effects.
+        let flags = cvt(unsafe { libc::fcntl(uffd.raw(), libc::F_GETFL) })?;
+        if flags & libc::O_NONBLOCK == 0 {
+            // SAFETY: as above.
+            cvt(unsafe { libc::fcntl(uffd.raw(), libc::F_SETFL, flags | libc::O_NONBLOCK) })?;
+        }
+        Ok(uffd)
+    }
+
+    /// The features enabled by this descriptor's `UFFDIO_API` handshake, as
+    /// the kernel shows them in `/proc/self/fdinfo`; `None` before the
+    /// handshake.
+    ///
+    /// # Errors
+    /// `InvalidInput` when the descriptor is not a userfaultfd; the OS error
+    /// of reading `/proc/self/fdinfo`.
+    pub fn enabled_features(&self) -> io::Result<Option<u64>> {
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", self.raw()))?;
+        parse_fdinfo_features(&info)
     }
 
     /// True when faults taken in kernel mode reach this descriptor.
@@ -356,6 +416,42 @@ impl Userfaultfd {
         }
     }
 
+    /// Maps the pages of `[start, start + len_bytes)` that are already in
+    /// the shared file's page cache (`UFFDIO_CONTINUE`, register mode
+    /// `minor`), write-protected when `write_protect` (Linux >= 6.2), and
+    /// wakes their waiters. The page cache is filled beforehand through
+    /// another mapping of the same file.
+    ///
+    /// # Errors
+    /// The OS error of `UFFDIO_CONTINUE` (`EEXIST`: a page is mapped
+    /// already; `EFAULT`: a page is not in the page cache; `EAGAIN`: the
+    /// mapping changed, try again).
+    ///
+    /// # Safety
+    /// The range must be pages of a range registered with this descriptor
+    /// whose contents no Rust reference relies on (they change from
+    /// "missing" to the page cache's).
+    pub unsafe fn continue_range(
+        &self,
+        start: *mut u8,
+        len_bytes: usize,
+        write_protect: bool,
+    ) -> io::Result<()> {
+        let mut cont = uffdio_continue {
+            range: range(start, len_bytes),
+            mode: if write_protect {
+                abi::UFFDIO_CONTINUE_MODE_WP
+            } else {
+                0
+            },
+            mapped: 0,
+        };
+        // SAFETY: `cont` is a live `struct uffdio_continue`; the kernel only
+        // changes page tables of the registered range.
+        unsafe { ioctl(self.raw(), abi::UFFDIO_CONTINUE, &mut cont) }?;
+        Ok(())
+    }
+
     /// Installs poison markers on the missing pages of `[start, start +
     /// len_bytes)` (`UFFDIO_POISON`, Linux >= 6.6, feature
     /// [`feature::POISON`]) and wakes their waiters: every access then
@@ -395,6 +491,27 @@ impl AsRawFd for Userfaultfd {
     fn as_raw_fd(&self) -> RawFd {
         self.raw()
     }
+}
+
+/// `UFFD_FEATURE_INITIALIZED` of `fs/userfaultfd.c` (kernel-internal, shown
+/// in fdinfo): the `UFFDIO_API` handshake was done.
+const FEATURE_INITIALIZED: u64 = 1 << 31;
+
+/// The enabled features in a userfaultfd's fdinfo (line `API:\t<api>:<features>:<ioctls>`,
+/// hexadecimal); `None` before the handshake.
+fn parse_fdinfo_features(info: &str) -> io::Result<Option<u64>> {
+    let not_uffd = || io::Error::new(io::ErrorKind::InvalidInput, "not a userfaultfd");
+    let line = info
+        .lines()
+        .find_map(|l| l.strip_prefix("API:"))
+        .ok_or_else(not_uffd)?;
+    let features = line
+        .trim()
+        .split(':')
+        .nth(1)
+        .and_then(|f| u64::from_str_radix(f, 16).ok())
+        .ok_or_else(not_uffd)?;
+    Ok((features & FEATURE_INITIALIZED != 0).then_some(features & !FEATURE_INITIALIZED))
 }
 
 fn range(start: *mut u8, len_bytes: usize) -> uffdio_range {

@@ -207,3 +207,36 @@ fn nothing_pending_reads_zero_events() {
     assert_eq!(uffd.read_events(&mut events).expect("read"), 0);
     assert_eq!(events.events().len(), 0);
 }
+
+#[test]
+fn handed_over_descriptor_shows_its_enabled_features() {
+    let uffd = Userfaultfd::open(FaultMode::UserOnly).expect("userfaultfd");
+    assert_eq!(
+        uffd.enabled_features().expect("fdinfo"),
+        None,
+        "no handshake yet"
+    );
+    uffd.enable(feature::PAGEFAULT_FLAG_WP | feature::THREAD_ID)
+        .expect("UFFDIO_API");
+    let fd = uffd.fd.try_clone().expect("dup");
+    let taken = Userfaultfd::from_handed_over(fd, FaultMode::UserOnly).expect("a userfaultfd");
+    assert_eq!(
+        taken.enabled_features().expect("fdinfo"),
+        Some(feature::PAGEFAULT_FLAG_WP | feature::THREAD_ID)
+    );
+    assert!(!taken.handles_kernel_faults());
+
+    let not_uffd = OwnedFd::from(std::fs::File::open("/proc/self/stat").expect("a file"));
+    let err = Userfaultfd::from_handed_over(not_uffd, FaultMode::UserOnly).expect_err("a file");
+    assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+}
+
+#[test]
+fn fdinfo_features_parse() {
+    let info =
+        "pos:\t0\nflags:\t02004000\npending:\t0\ntotal:\t0\nAPI:\taa:80001521:80000000000001ff\n";
+    assert_eq!(parse_fdinfo_features(info).unwrap(), Some(0x1521));
+    let fresh = "API:\taa:0:80000000000001ff\n";
+    assert_eq!(parse_fdinfo_features(fresh).unwrap(), None);
+    assert!(parse_fdinfo_features("pos:\t0\n").is_err());
+}

@@ -1,0 +1,169 @@
+//! The measured loop of `--api async`: each thread keeps `depth` one-page
+//! submissions in flight on its own completion queue (a new one goes out as
+//! soon as one completes), the latency of each is submit to reap, and every
+//! page is checked as with the blocking API.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use indicatif::ProgressBar;
+use rand::{Rng, SeedableRng};
+use rdma_transport::{Page, Reap, TransportManager, PAGE_SIZE};
+
+use crate::pattern;
+use crate::workload::{new_histogram, AccessPattern, Op, Outcome, Spec, WorkingSet};
+
+/// Runs `spec` with the asynchronous API; writes use `seed`.
+pub fn run(
+    mgr: &TransportManager,
+    set: &WorkingSet,
+    spec: Spec,
+    seed: u64,
+    progress: &ProgressBar,
+) -> anyhow::Result<Outcome> {
+    let start = Instant::now();
+    let per_thread = spec.ops / spec.threads as u64;
+    let extra = spec.ops % spec.threads as u64;
+    let results: Vec<anyhow::Result<Outcome>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..spec.threads)
+            .map(|t| {
+                let ops = per_thread + u64::from((t as u64) < extra);
+                s.spawn(move || thread_loop(mgr, set, spec, ops, t, seed, progress))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("bench thread panicked")))
+            })
+            .collect()
+    });
+    let mut total = Outcome {
+        latency_ns: new_histogram(),
+        elapsed: start.elapsed(),
+        ops_done: 0,
+        errors: 0,
+        bad_pages: 0,
+        pages_checked: 0,
+        first_error: None,
+    };
+    for r in results {
+        let r = r?;
+        let _ = total.latency_ns.add(&r.latency_ns);
+        total.ops_done += r.ops_done;
+        total.errors += r.errors;
+        total.bad_pages += r.bad_pages;
+        total.pages_checked += r.pages_checked;
+        if total.first_error.is_none() {
+            total.first_error = r.first_error;
+        }
+    }
+    Ok(total)
+}
+
+fn thread_loop(
+    mgr: &TransportManager,
+    set: &WorkingSet,
+    spec: Spec,
+    ops: u64,
+    thread: usize,
+    seed: u64,
+    progress: &ProgressBar,
+) -> anyhow::Result<Outcome> {
+    let queue = mgr.completion_queue(Reap::Poll)?;
+    let mut rng =
+        rand::rngs::SmallRng::seed_from_u64(seed ^ (thread as u64).wrapping_mul(0x9e37_79b9));
+    let n = set.len();
+    let mut next_seq = (n / spec.threads.max(1)) * thread;
+    let mut hist = new_histogram();
+    // Per slot: the page index it moves and when it went out.
+    let depth = spec.depth.max(1);
+    let mut slots: Vec<(usize, Instant)> = vec![(0, Instant::now()); depth];
+    let mut buffers: VecDeque<Box<[Page]>> = (0..depth)
+        .map(|_| vec![[0u8; PAGE_SIZE]; 1].into_boxed_slice())
+        .collect();
+    let (mut submitted, mut done, mut errors, mut bad, mut checked) =
+        (0u64, 0u64, 0u64, 0u64, 0u64);
+    let mut first_error = None;
+    let mut completions = Vec::with_capacity(depth);
+    let mut free_slots: Vec<usize> = (0..depth).collect();
+    let mut since_tick = 0u64;
+    while done < ops {
+        while submitted < ops {
+            let Some(slot) = free_slots.pop() else { break };
+            let mut buf = buffers
+                .pop_front()
+                .ok_or_else(|| anyhow::anyhow!("no buffer for a free slot"))?;
+            let idx = match spec.pattern {
+                AccessPattern::Random => rng.gen_range(0..n),
+                AccessPattern::Seq => {
+                    let k = next_seq % n;
+                    next_seq += 1;
+                    k
+                }
+            };
+            let gpa = set.gpas[idx];
+            slots[slot] = (idx, Instant::now());
+            if spec.op == Op::Write {
+                pattern::fill(&mut buf[0], gpa, seed);
+                queue.submit_write(&[gpa], buf, slot as u64)?;
+            } else {
+                queue.submit_read(&[gpa], buf, slot as u64)?;
+            }
+            submitted += 1;
+        }
+        completions.clear();
+        queue.wait(&mut completions, 1, Duration::from_secs(60));
+        let reaped = Instant::now();
+        for c in completions.drain(..) {
+            let slot = c.user_data as usize;
+            let (idx, sent) = slots[slot];
+            free_slots.push(slot);
+            done += 1;
+            let pages = c
+                .pages
+                .ok_or_else(|| anyhow::anyhow!("a completion without its buffer"))?;
+            match c.result {
+                Ok(()) => {
+                    let latency_ns = reaped.duration_since(sent).as_nanos() as u64;
+                    let _ = hist.record(latency_ns.max(1));
+                    if spec.op == Op::Write {
+                        set.acked(idx, seed);
+                    } else {
+                        checked += 1;
+                        if !set.holds(idx, &pages[0]) {
+                            bad += 1;
+                        }
+                    }
+                }
+                Err(e) => {
+                    errors += 1;
+                    first_error.get_or_insert_with(|| e.to_string());
+                    if spec.op == Op::Write {
+                        set.maybe(idx, seed);
+                    }
+                }
+            }
+            buffers.push_back(pages);
+            since_tick += 1;
+        }
+        if since_tick >= 1024 {
+            progress.inc(since_tick);
+            since_tick = 0;
+        }
+        if errors > 1000 {
+            break;
+        }
+    }
+    progress.inc(since_tick);
+    Ok(Outcome {
+        latency_ns: hist,
+        elapsed: Duration::ZERO,
+        ops_done: done,
+        errors,
+        bad_pages: bad,
+        pages_checked: checked,
+        first_error,
+    })
+}

@@ -1,0 +1,165 @@
+//! The flush measurement of `--op fault`: dirty N pages of guest memory,
+//! time `GuestMemory::flush`, and read every written-back page from its
+//! owner to check it.
+//!
+//! Per backing and address order: `seq` dirties every page of the region
+//! (contiguous runs: one write-protect ioctl and one batch per 64 pages),
+//! `random` a random half of them (short runs). Each round rewrites the
+//! dirty set with a new seed (first writes to clean pages: write-protect
+//! faults), then flushes; `--ops` bounds the pages written back in all.
+//! In the table, `ops` is pages written back, `p50_us` the time of one
+//! `flush()` call, `pages/s` pages written back per second of flushing.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rdma_transport::guest_memory::GuestMemory;
+use rdma_transport::{Page, TransportManager, PAGE_SIZE};
+
+use crate::matrix::Backing;
+use crate::pattern;
+use crate::report::{fmt_us, Record};
+use crate::workload::{new_histogram, AccessPattern, Op, Outcome, Spec, WorkingSet};
+
+const SEED: u64 = 0xf1a5;
+/// Flushes per run at most (each of up to the whole region).
+const MAX_ROUNDS: u64 = 8;
+/// How the bench's regions track dirty pages (the library has one method).
+const DIRTY_TRACKING: &str = "wp-faults";
+
+/// Runs the flush measurement; returns the table's records and summary lines.
+pub fn run(
+    mgr: &Arc<TransportManager>,
+    set: &WorkingSet,
+    ops: u64,
+    backings: &[Backing],
+    patterns: &[AccessPattern],
+) -> anyhow::Result<(Vec<Record>, Vec<String>)> {
+    let gpa_base = set.gpas[0];
+    let pages = set.len();
+    let mut records = Vec::new();
+    let mut lines = Vec::new();
+    for &backing in backings {
+        for &pattern in patterns {
+            let ram = GuestMemory::new(
+                Arc::clone(mgr),
+                crate::guest::config(backing, gpa_base, pages * PAGE_SIZE)?,
+            )
+            .context("mapping guest memory")?;
+            let dirty = dirty_set(pages, pattern);
+            let outcome = flush_rounds(mgr, &ram, &dirty, ops)?;
+            let spec = Spec {
+                op: Op::Write,
+                ops,
+                threads: 1,
+                depth: 1,
+                pattern,
+            };
+            let label = match backing {
+                Backing::Anon => "flush",
+                Backing::Memfd => "flush+memfd",
+            };
+            let stats = ram.stats();
+            let mut record = Record::new(label, spec, 0, &outcome);
+            record.backing = Some(backing.name().into());
+            record.dirty_tracking = Some(DIRTY_TRACKING.into());
+            lines.push(format!(
+                "flush ({}, {DIRTY_TRACKING}), {pattern:?}: {} dirty pages per flush, p50 {} us per flush, {:.0} pages/s, {} of {} pages sent in place, {} write-protect faults",
+                backing.name(),
+                dirty.len(),
+                fmt_us(record.latency_us.p50),
+                record.throughput.pages_per_s,
+                stats.pages_written_in_place,
+                stats.pages_written_back,
+                stats.wp_faults,
+            ));
+            records.push(record);
+        }
+    }
+    Ok((records, lines))
+}
+
+/// The pages to dirty: all of them (seq) or a random half (random), in
+/// ascending order.
+fn dirty_set(pages: usize, pattern: AccessPattern) -> Vec<usize> {
+    match pattern {
+        AccessPattern::Seq => (0..pages).collect(),
+        AccessPattern::Random => {
+            let mut rng = rand::rngs::SmallRng::seed_from_u64(SEED);
+            let mut all: Vec<usize> = (0..pages).collect();
+            all.shuffle(&mut rng);
+            all.truncate(pages.div_ceil(2));
+            all.sort_unstable();
+            all
+        }
+    }
+}
+
+/// Rounds of: write the dirty set with the round's seed, flush (timed),
+/// read the pages back from their owners and check them.
+fn flush_rounds(
+    mgr: &TransportManager,
+    ram: &GuestMemory,
+    dirty: &[usize],
+    ops: u64,
+) -> anyhow::Result<Outcome> {
+    let mut total = Outcome {
+        latency_ns: new_histogram(),
+        elapsed: Duration::ZERO,
+        ops_done: 0,
+        errors: 0,
+        bad_pages: 0,
+        pages_checked: 0,
+        first_error: None,
+    };
+    let rounds = ops.div_ceil(dirty.len().max(1) as u64).clamp(1, MAX_ROUNDS);
+    let mut page: Page = [0u8; PAGE_SIZE];
+    let mut back = vec![[0u8; PAGE_SIZE]; 64];
+    for round in 0..rounds {
+        let seed = SEED + round;
+        for &i in dirty {
+            let gpa = ram.gpa_base() + (i * PAGE_SIZE) as u64;
+            pattern::fill(&mut page, gpa, seed);
+            ram.write(gpa, &page)?;
+        }
+        let t0 = Instant::now();
+        let written = ram.flush();
+        let took = t0.elapsed();
+        total.elapsed += took;
+        let _ = total.latency_ns.record((took.as_nanos() as u64).max(1));
+        match written {
+            Ok(n) => {
+                total.ops_done += n;
+                if n != dirty.len() as u64 {
+                    total.errors += 1;
+                    total.first_error.get_or_insert(format!(
+                        "flush wrote {n} pages, {} were dirty",
+                        dirty.len()
+                    ));
+                }
+            }
+            Err(err) => {
+                total.errors += 1;
+                total.first_error.get_or_insert(err.to_string());
+            }
+        }
+        for chunk in dirty.chunks(back.len()) {
+            let gpas: Vec<u64> = chunk
+                .iter()
+                .map(|&i| ram.gpa_base() + (i * PAGE_SIZE) as u64)
+                .collect();
+            mgr.read_pages(&gpas, &mut back[..chunk.len()])
+                .context("reading written-back pages")?;
+            for (gpa, got) in gpas.iter().zip(&back) {
+                total.pages_checked += 1;
+                if !pattern::check(got, *gpa, seed) {
+                    total.bad_pages += 1;
+                }
+            }
+        }
+    }
+    Ok(total)
+}
