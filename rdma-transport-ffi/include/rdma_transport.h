@@ -132,6 +132,17 @@ typedef enum RtDataPath {
   RT_DATA_PATH_RDMA = 2,
 } RtDataPath;
 
+// How a queue's completions reach the caller (`rt_queue_create`'s `mode`).
+typedef enum RtReapMode {
+  // The caller reaps with `rt_queue_poll` / `rt_queue_wait`.
+  RT_REAP_MODE_POLL = 0,
+  // As `RT_REAP_MODE_POLL`, and `rt_queue_eventfd` becomes readable when
+  // there is something to reap.
+  RT_REAP_MODE_EVENTFD = 1,
+  // The queue's own thread calls the callback for every completion.
+  RT_REAP_MODE_CALLBACK = 2,
+} RtReapMode;
+
 // An opaque handle to one 4096-byte frame of a manager's page pool holding
 // a page. The frame is the caller's until `rt_frame_release` gives it back
 // to the pool; it stays valid after its manager is destroyed.
@@ -142,6 +153,9 @@ typedef struct RtGuestMemory RtGuestMemory;
 
 // An opaque handle to a transport manager.
 typedef struct RtManager RtManager;
+
+// An opaque handle to a completion queue.
+typedef struct RtQueue RtQueue;
 
 // A fault that could not be served, as passed to the callback.
 typedef struct RtFaultReport {
@@ -311,6 +325,25 @@ typedef struct RtManagerConfig {
   // Bytes at `cluster_key`.
   size_t cluster_key_len;
 } RtManagerConfig;
+
+// The completion callback (`RT_REAP_MODE_CALLBACK`): called on the
+// queue's thread, once per submission, with the `callback_ctx` given to
+// `rt_queue_create`. During the call, `rt_last_error()` on that thread is
+// the message of a failed completion. It may submit to its own queue, but
+// must not destroy it, must not block for long (it holds up the other
+// completions of the queue) and must not unwind (C++ exceptions, longjmp).
+typedef void (*RtCompletionFn)(void *ctx, uint64_t user_data, int32_t status);
+
+// The outcome of one submission, as `rt_queue_poll` / `rt_queue_wait`
+// return it.
+typedef struct RtCompletion {
+  // The submitter's tag.
+  uint64_t user_data;
+  // An `RtStatus` value: `RT_STATUS_OK` when every page was moved, else
+  // the first error (the other pages may or may not have been moved), as
+  // the blocking calls return it.
+  int32_t status;
+} RtCompletion;
 
 // What a manager reports (`rt_manager_stats`). Set `struct_size` to
 // `sizeof(RtManagerStats)` before the call; the library fills the rest.
@@ -548,6 +581,127 @@ enum RtStatus rt_manager_write_pages(const struct RtManager *manager,
                                      const uint64_t *gpas,
                                      size_t count,
                                      const uint8_t *pages);
+
+// Creates a completion queue of `manager`; `*out` receives it (destroy it
+// with `rt_queue_destroy`). `mode` is an `RtReapMode` value. `callback` is
+// required in `RT_REAP_MODE_CALLBACK` and must be NULL in the other modes.
+//
+// The queue keeps the manager's connections alive: `rt_manager_destroy`
+// may come before `rt_queue_destroy` (the queue goes on working), and the
+// connections close when the last of them is destroyed. Many queues may
+// share a manager.
+//
+// Calls on one queue may come from any thread, but a queue is meant for
+// one reaping thread: `rt_last_error()` after a reap is per thread.
+//
+// # Safety
+// `manager` must be NULL or a live handle, `out` NULL or writable. In
+// callback mode, `callback` is called from the queue's own thread with
+// `callback_ctx` until `rt_queue_destroy` returns: whatever `callback_ctx`
+// points to must stay valid until then and be safe to use from that
+// thread.
+enum RtStatus rt_queue_create(const struct RtManager *manager,
+                              uint32_t mode,
+                              RtCompletionFn callback,
+                              void *callback_ctx,
+                              struct RtQueue **out);
+
+// Destroys a queue. What is still in flight is cancelled (no completion
+// is delivered for it, no callback called); it returns once nothing will
+// touch the pages of any submission any more, so the caller may free or
+// reuse them after it returns. It may wait up to one request timeout for
+// requests the blocking engine is running.
+//
+// Must not be called from the queue's own callback: that call is refused
+// (the queue stays live, `rt_last_error()` says why).
+//
+// # Safety
+// `queue` must be NULL or a handle from `rt_queue_create` not yet
+// destroyed, and no other thread may be using it.
+void rt_queue_destroy(struct RtQueue *queue);
+
+// Submits a read of the `count` pages at `gpas[0..count]` into `pages`
+// (page i at `pages + i * 4096`), all in flight at once; `user_data` comes
+// back in its completion. `gpas` is copied: it may be reused at once.
+// Errors of the transfer (unknown address, node down, ...) come in the
+// completion; this call only fails on bad arguments (`count` 0, a NULL
+// pointer).
+//
+// # Safety
+// `queue` must be NULL or a live handle; `gpas` must point to `count`
+// readable addresses. `pages` must point to `count * 4096` writable bytes
+// that stay valid, and that nobody else reads or writes, until this
+// submission's completion was returned by `rt_queue_poll` /
+// `rt_queue_wait` (or passed to the callback) or `rt_queue_destroy`
+// returned.
+enum RtStatus rt_queue_submit_read(struct RtQueue *queue,
+                                   const uint64_t *gpas,
+                                   size_t count,
+                                   void *pages,
+                                   uint64_t user_data);
+
+// Submits a write of the `count` pages at `pages` (page i at
+// `pages + i * 4096`) to `gpas[0..count]`; as `rt_queue_submit_read`.
+//
+// # Safety
+// `queue` must be NULL or a live handle; `gpas` must point to `count`
+// readable addresses. `pages` must point to `count * 4096` readable bytes
+// that stay valid, and that nobody writes, until this submission's
+// completion was returned by `rt_queue_poll` / `rt_queue_wait` (or passed
+// to the callback) or `rt_queue_destroy` returned.
+enum RtStatus rt_queue_submit_write(struct RtQueue *queue,
+                                    const uint64_t *gpas,
+                                    size_t count,
+                                    const void *pages,
+                                    uint64_t user_data);
+
+// Moves whatever is ready on (puts the next windows of large submissions
+// on the wire) and writes up to `max` completions to `out`, without
+// blocking; `*n` receives how many. Completions that do not fit stay in
+// the queue for the next call (in eventfd mode they keep the eventfd
+// readable). Not for callback mode (`RT_STATUS_INVALID_ARGUMENT`).
+//
+// Returns `RT_STATUS_OK` even when completions failed: their `status`
+// says so, and `rt_last_error()` on this thread is then the message of the
+// last failed completion in `out` (reap one at a time to see each).
+//
+// # Safety
+// `queue` must be NULL or a live handle; `out` must point to `max`
+// writable `RtCompletion`s (NULL when `max` is 0); `n` must be NULL or
+// writable.
+enum RtStatus rt_queue_poll(struct RtQueue *queue, struct RtCompletion *out, size_t max, size_t *n);
+
+// As `rt_queue_poll`, waiting up to `timeout_ms` until at least `min`
+// completions are ready (`min` at most `max`) or nothing is in flight any
+// more; `*n` may be less than `min` after the timeout. `min` 0 does not
+// wait.
+//
+// # Safety
+// As `rt_queue_poll`.
+enum RtStatus rt_queue_wait(struct RtQueue *queue,
+                            struct RtCompletion *out,
+                            size_t max,
+                            size_t min,
+                            uint32_t timeout_ms,
+                            size_t *n);
+
+// The queue's eventfd (`RT_REAP_MODE_EVENTFD`), or -1 (other modes, or
+// `queue` NULL). It is readable when `rt_queue_poll` has something to do:
+// add it to an epoll set with `EPOLLIN`; on readiness call `rt_queue_poll`
+// (it drains the eventfd). Owned by the queue: do not read, write or
+// close it; remove it from the epoll set before `rt_queue_destroy`.
+//
+// # Safety
+// `queue` must be NULL or a live handle.
+int rt_queue_eventfd(const struct RtQueue *queue);
+
+// Submissions whose completion was not yet returned to the caller (in
+// flight, or ready and held for the next `rt_queue_poll`); 0 for NULL. In
+// callback mode, a submission stops counting just before its callback.
+//
+// # Safety
+// `queue` must be NULL or a live handle.
+size_t rt_queue_in_flight(const struct RtQueue *queue);
 
 // Fills `*stats` (whose `struct_size` the caller set) with the manager's
 // statistics.

@@ -13,6 +13,7 @@ mod config;
 mod frame;
 mod guest;
 mod manager;
+mod queue;
 mod stats;
 mod status;
 
@@ -28,6 +29,11 @@ pub use guest::{
 pub use manager::{
     rt_manager_config_default, rt_manager_connect, rt_manager_destroy, rt_manager_read_page,
     rt_manager_read_pages, rt_manager_write_page, rt_manager_write_pages, RtManager,
+};
+pub use queue::{
+    rt_queue_create, rt_queue_destroy, rt_queue_eventfd, rt_queue_in_flight, rt_queue_poll,
+    rt_queue_submit_read, rt_queue_submit_write, rt_queue_wait, RtCompletion, RtCompletionFn,
+    RtQueue, RtReapMode,
 };
 pub use stats::{
     rt_manager_node_count, rt_manager_node_info, rt_manager_stats, RtDataPath, RtManagerStats,
