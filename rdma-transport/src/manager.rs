@@ -33,6 +33,7 @@ mod link;
 mod map_state;
 mod rdma_batch;
 mod rdma_single;
+mod registered;
 mod replicas;
 mod request;
 mod round;
@@ -44,6 +45,7 @@ mod tests;
 mod unwind_hook;
 
 pub use completion::{Completion, CompletionCallback, CompletionQueue, Reap};
+pub use registered::ZeroCopyStats;
 use link::{Link, RdmaSide};
 use map_state::{Install, MapState, Node};
 pub use stats::ManagerStats;
