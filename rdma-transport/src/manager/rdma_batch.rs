@@ -253,7 +253,10 @@ impl Inner {
             };
             outcome[g] = Some(code);
             if code != Some(0) && chunk.direct_groups & (1 << g) != 0 {
-                conn.fence();
+                let fenced = conn.fence();
+                if let Some(rdma) = &self.rdma {
+                    rdma.device.registry.count_drain(fenced);
+                }
             }
             if let Some(err) = self.rdma_error(code, conn, nodes[g]) {
                 first_error.get_or_insert(err);

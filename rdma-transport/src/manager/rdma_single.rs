@@ -210,7 +210,10 @@ impl Inner {
         }
         // The device may still be placing a READ response into the caller's
         // page: drain the QP before the page goes back to the caller.
-        conn.fence();
+        let fenced = conn.fence();
+        if let Some(rdma) = &self.rdma {
+            rdma.device.registry.count_drain(fenced);
+        }
         match self.rdma_error(code, conn, node) {
             Some(err) => Err(err),
             None => Ok(()),

@@ -21,6 +21,12 @@ pub struct ZeroCopyStats {
     pub direct_pages: u64,
     /// Pages RDMA moved through a pool frame (requests that succeeded).
     pub framed_pages: u64,
+    /// Failed requests on registered memory whose QP was drained (every
+    /// work request on it finished) before the call returned.
+    pub drains: u64,
+    /// Drains that could not be confirmed (marker not posted or not
+    /// completed in time: the device might still write those pages).
+    pub drain_failures: u64,
 }
 
 impl TransportManager {
@@ -79,6 +85,8 @@ impl TransportManager {
                     regions: registry.len(),
                     direct_pages: registry.direct_pages.load(Ordering::Relaxed),
                     framed_pages: registry.framed_pages.load(Ordering::Relaxed),
+                    drains: registry.drains.load(Ordering::Relaxed),
+                    drain_failures: registry.drain_failures.load(Ordering::Relaxed),
                 }
             }
             None => ZeroCopyStats::default(),

@@ -115,6 +115,10 @@ pub(crate) struct MemoryRegistry {
     pub(crate) direct_pages: AtomicU64,
     /// Pages moved by RDMA through a pool frame (bounce, or `read_frame`).
     pub(crate) framed_pages: AtomicU64,
+    /// Failed requests on caller memory whose QP was drained before the
+    /// call returned, and those whose drain could not be confirmed.
+    pub(crate) drains: AtomicU64,
+    pub(crate) drain_failures: AtomicU64,
 }
 
 impl MemoryRegistry {
@@ -173,6 +177,16 @@ impl MemoryRegistry {
         regions.remove(i);
         self.table.store(Arc::new(RegionTable { regions }));
         true
+    }
+
+    /// Counts one drain (`RdmaConnection::fence`) by its result.
+    pub(crate) fn count_drain(&self, fenced: bool) {
+        let counter = if fenced {
+            &self.drains
+        } else {
+            &self.drain_failures
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Regions registered now.
