@@ -57,6 +57,17 @@ impl Api {
     }
 }
 
+/// Whether worker threads register their page buffers with the transport
+/// (`--register-buffers`). Process-wide rather than a `Spec` field: it is
+/// set once from the command line and every run of the process uses it.
+static REGISTER_BUFFERS: AtomicBool = AtomicBool::new(false);
+
+/// Sets whether worker threads register their page buffers (zero-copy
+/// RDMA: reads land in them, writes go out of them, no pool frame).
+pub fn set_register_buffers(on: bool) {
+    REGISTER_BUFFERS.store(on, Ordering::Relaxed);
+}
+
 /// What to run.
 #[derive(Debug, Clone, Copy)]
 pub struct Spec {
@@ -365,6 +376,22 @@ fn thread_loop(ctx: &ThreadCtx<'_>, ops: u64, thread: usize, seed: u64) -> (Outc
     let mut idx = vec![0usize; spec.depth];
     let (mut done, mut errors, mut bad, mut checked) = (0u64, 0u64, 0u64, 0u64);
     let mut first_error = None;
+    let _registered = if REGISTER_BUFFERS.load(Ordering::Relaxed) {
+        // SAFETY: `pages` is neither moved nor resized for the rest of this
+        // function and outlives the handle (declared after it, so dropped
+        // first); the loop reads and writes it only between calls, each of
+        // which has returned.
+        match unsafe { mgr.register_memory(pages.as_mut_ptr().cast(), pages.len() * PAGE_SIZE) } {
+            Ok(handle) => Some(handle),
+            Err(e) => {
+                errors += 1;
+                first_error = Some(format!("registering the page buffers: {e}"));
+                None
+            }
+        }
+    } else {
+        None
+    };
     let mut since_tick = 0u64;
     while done < ops && !stop.load(Ordering::Relaxed) {
         let batch = spec.depth.min((ops - done) as usize);

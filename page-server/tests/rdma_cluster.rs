@@ -11,6 +11,8 @@
 mod common;
 #[path = "rdma_cluster/keys.rs"]
 mod keys;
+#[path = "rdma_cluster/zero_copy.rs"]
+mod zero_copy;
 
 use std::io::Write;
 use std::net::SocketAddr;

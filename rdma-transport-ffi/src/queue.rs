@@ -12,6 +12,7 @@
 use std::cell::Cell;
 use std::collections::VecDeque;
 use std::ffi::{c_int, c_void};
+use std::mem::MaybeUninit;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -54,7 +55,8 @@ pub struct RtCompletion {
 /// the message of a failed completion. It may submit to its own queue, but
 /// must not destroy it, must not block for long (it holds up the other
 /// completions of the queue) and must not unwind (C++ exceptions, longjmp).
-pub type RtCompletionFn = Option<unsafe extern "C" fn(ctx: *mut c_void, user_data: u64, status: i32)>;
+pub type RtCompletionFn =
+    Option<unsafe extern "C" fn(ctx: *mut c_void, user_data: u64, status: i32)>;
 
 /// An opaque handle to a completion queue.
 #[derive(Debug)]
@@ -120,15 +122,12 @@ impl RtQueue {
         self.reaped.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Moves up to `max` completions from the surplus to `out`; records the
-    /// message of the last failed one for `rt_last_error`. In eventfd mode,
-    /// what stays behind re-arms the eventfd.
-    ///
-    /// # Safety
-    /// `out` must be valid for writes of `max` completions (or `max` is 0).
-    unsafe fn deliver(&self, reaped: &mut Reaped, out: *mut RtCompletion, max: usize) -> usize {
+    /// Moves completions from the surplus to `out` while it has room;
+    /// records the message of the last failed one for `rt_last_error`. In
+    /// eventfd mode, what stays behind re-arms the eventfd.
+    fn deliver(&self, reaped: &mut Reaped, out: &mut [MaybeUninit<RtCompletion>]) -> usize {
         let mut n = 0;
-        while n < max {
+        for slot in out.iter_mut() {
             let Some(c) = reaped.surplus.pop_front() else {
                 break;
             };
@@ -136,13 +135,10 @@ impl RtQueue {
                 Ok(()) => RtStatus::Ok,
                 Err(e) => fail(transport_status(e), chain(e)),
             };
-            let value = RtCompletion {
+            slot.write(RtCompletion {
                 user_data: c.user_data,
                 status: status as i32,
-            };
-            // SAFETY: n < max, and `out` holds `max` writable completions
-            // (caller's contract).
-            unsafe { out.add(n).write(value) };
+            });
             n += 1;
         }
         if !reaped.surplus.is_empty() {
@@ -276,12 +272,10 @@ pub unsafe extern "C" fn rt_queue_create(
                     "callback is NULL in RT_REAP_MODE_CALLBACK",
                 )
             }
-            (_, Some(_)) => {
-                return fail(
-                    RtStatus::InvalidArgument,
-                    "callback is set but mode is not RT_REAP_MODE_CALLBACK (it would never be called)",
-                )
-            }
+            (_, Some(_)) => return fail(
+                RtStatus::InvalidArgument,
+                "callback is set but mode is not RT_REAP_MODE_CALLBACK (it would never be called)",
+            ),
         };
         match manager.inner.completion_queue(reap) {
             Ok(queue) => {
@@ -407,7 +401,10 @@ pub unsafe extern "C" fn rt_queue_submit_read(
         // (caller's contract); `RtQueue` drops the Rust queue on destroy and
         // keeps reaped completions until they are returned. A `Page` is
         // 4096 bytes of alignment 1.
-        match unsafe { q.queue.submit_read_raw(gpas, pages.cast::<Page>(), user_data) } {
+        match unsafe {
+            q.queue
+                .submit_read_raw(gpas, pages.cast::<Page>(), user_data)
+        } {
             Ok(()) => RtStatus::Ok,
             Err(e) => fail(transport_status(&e), chain(&e)),
         }
@@ -445,23 +442,28 @@ pub unsafe extern "C" fn rt_queue_submit_write(
         // SAFETY: `pages` holds `count` readable pages that nobody writes
         // until the completion is reaped or the queue destroyed (caller's
         // contract, kept as in `rt_queue_submit_read`).
-        match unsafe { q.queue.submit_write_raw(gpas, pages.cast::<Page>(), user_data) } {
+        match unsafe {
+            q.queue
+                .submit_write_raw(gpas, pages.cast::<Page>(), user_data)
+        } {
             Ok(()) => RtStatus::Ok,
             Err(e) => fail(transport_status(&e), chain(&e)),
         }
     })
 }
 
-/// Checks a reaping call's arguments; the queue, not in callback mode.
+/// The arguments of a reaping call, checked: the queue (not in callback
+/// mode) and the caller's array.
 ///
 /// # Safety
-/// `queue` must be NULL or a live handle.
+/// `queue` must be NULL or a live handle; `out` must be valid for writes of
+/// `max` completions for `'a` (or NULL with `max` 0).
 unsafe fn reaper<'a>(
     queue: *const RtQueue,
     out: *mut RtCompletion,
     max: usize,
     n: *mut usize,
-) -> Result<&'a RtQueue, RtStatus> {
+) -> Result<(&'a RtQueue, &'a mut [MaybeUninit<RtCompletion>]), RtStatus> {
     // SAFETY: the caller passes NULL or a live handle.
     let q = unsafe { queue_ref(queue) }?;
     if n.is_null() {
@@ -479,7 +481,15 @@ unsafe fn reaper<'a>(
             "the queue is in RT_REAP_MODE_CALLBACK: its completions go to the callback",
         ));
     }
-    Ok(q)
+    let out = match max {
+        0 => &mut [][..],
+        // SAFETY: non-null and `max` writable completions (caller's
+        // contract); `MaybeUninit` makes no claim on their contents.
+        max => unsafe {
+            std::slice::from_raw_parts_mut(out.cast::<MaybeUninit<RtCompletion>>(), max)
+        },
+    };
+    Ok((q, out))
 }
 
 /// Moves whatever is ready on (puts the next windows of large submissions
@@ -504,17 +514,17 @@ pub unsafe extern "C" fn rt_queue_poll(
     n: *mut usize,
 ) -> RtStatus {
     guard(|| {
-        // SAFETY: the caller passes NULL or a live handle.
-        let q = match unsafe { reaper(queue, out, max, n) } {
-            Ok(q) => q,
+        // SAFETY: the caller passes NULL or a live handle, and `max`
+        // writable completions at `out`.
+        let (q, out) = match unsafe { reaper(queue, out, max, n) } {
+            Ok(r) => r,
             Err(status) => return status,
         };
         let mut reaped = q.reaped();
         let reaped = &mut *reaped;
         q.queue.poll(&mut reaped.scratch);
         reaped.surplus.extend(reaped.scratch.drain(..));
-        // SAFETY: `out` holds `max` writable completions (caller's contract).
-        let got = unsafe { q.deliver(reaped, out, max) };
+        let got = q.deliver(reaped, out);
         // SAFETY: non-null (checked by `reaper`) and writable (caller's contract).
         unsafe { n.write(got) };
         RtStatus::Ok
@@ -538,9 +548,10 @@ pub unsafe extern "C" fn rt_queue_wait(
     n: *mut usize,
 ) -> RtStatus {
     guard(|| {
-        // SAFETY: the caller passes NULL or a live handle.
-        let q = match unsafe { reaper(queue, out, max, n) } {
-            Ok(q) => q,
+        // SAFETY: the caller passes NULL or a live handle, and `max`
+        // writable completions at `out`.
+        let (q, out) = match unsafe { reaper(queue, out, max, n) } {
+            Ok(r) => r,
             Err(status) => return status,
         };
         if min > max {
@@ -566,8 +577,7 @@ pub unsafe extern "C" fn rt_queue_wait(
         }
         let mut reaped = q.reaped();
         reaped.surplus.extend(got);
-        // SAFETY: `out` holds `max` writable completions (caller's contract).
-        let delivered = unsafe { q.deliver(&mut reaped, out, max) };
+        let delivered = q.deliver(&mut reaped, out);
         // SAFETY: non-null (checked by `reaper`) and writable (caller's contract).
         unsafe { n.write(delivered) };
         RtStatus::Ok

@@ -37,6 +37,8 @@ pub use error::TransportError;
 pub use gpa_map::GpaMap;
 pub use manager::{
     Completion, CompletionCallback, CompletionQueue, ManagerStats, Reap, TransportManager,
+    ZeroCopyStats,
 };
 pub use page::{Page, PAGE_SIZE};
 pub use pool::{PageFrame, PagePool};
+pub use rdma::{RegisterError, RegisteredMemory};

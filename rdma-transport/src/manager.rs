@@ -33,6 +33,7 @@ mod link;
 mod map_state;
 mod rdma_batch;
 mod rdma_single;
+mod registered;
 mod replicas;
 mod request;
 mod round;
@@ -47,6 +48,7 @@ mod unwind_hook;
 pub use completion::{Completion, CompletionCallback, CompletionQueue, Reap};
 use link::{Link, RdmaSide};
 use map_state::{Install, MapState, Node};
+pub use registered::ZeroCopyStats;
 pub use stats::ManagerStats;
 
 /// Shortest time between two attempts to reach the same unreachable node, or

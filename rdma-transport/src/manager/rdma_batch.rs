@@ -1,14 +1,18 @@
 //! One chunk's requests to RDMA nodes: each node's pages become one batch of
-//! RDMA READs into (or WRITEs from) pool frames, and after the wait each
-//! frame is copied out, handed back, or quarantined.
+//! RDMA READs into (or WRITEs from) the caller's pages when they lie in
+//! registered memory (`TransportManager::register_memory`), else pool
+//! frames; after the wait each frame is copied out, handed back, or
+//! quarantined, and a failed batch that named caller pages has its QP
+//! drained (`RdmaConnection::fence`) before the pages go back.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::{Inner, Node};
 use crate::error::TransportError;
 use crate::page::PAGE_SIZE;
 use crate::pool::PageFrame;
-use crate::rdma::{code_status, Deadline, PageOp, RdmaConnection, MAX_BATCH};
+use crate::rdma::{code_status, Deadline, PageOp, RdmaConnection, RegionTable, MAX_BATCH};
 use crate::tcp::{Request, Waiter, CODE_CONN_LOST, MAX_CHUNK};
 use crate::wire::Status;
 
@@ -27,6 +31,13 @@ pub(super) struct RdmaChunk {
     pub(super) conns: [Option<Arc<RdmaConnection>>; MAX_CHUNK],
     ids: [Option<u64>; MAX_CHUNK],
     pub(super) groups: usize,
+    /// Requests posted straight on the caller's (registered) page.
+    direct_reqs: u64,
+    /// Groups with at least one such request (drained when they fail).
+    direct_groups: u64,
+    /// The registered regions the direct requests were found in, held
+    /// until they are settled (keeps their MRs, and lkeys, valid).
+    regions: Option<Arc<RegionTable>>,
 }
 
 impl RdmaChunk {
@@ -38,6 +49,9 @@ impl RdmaChunk {
             conns: [const { None }; MAX_CHUNK],
             ids: [None; MAX_CHUNK],
             groups: 0,
+            direct_reqs: 0,
+            direct_groups: 0,
+            regions: None,
         }
     }
 }
@@ -50,6 +64,9 @@ impl RdmaChunk {
             *c = None;
         }
         self.groups = 0;
+        self.direct_reqs = 0;
+        self.direct_groups = 0;
+        self.regions = None;
     }
 }
 
@@ -58,19 +75,21 @@ impl Drop for RdmaChunk {
     /// submit and completion: each such batch is cancelled; one still in
     /// flight has its QP torn down and its frames, which the device may
     /// still write, quarantined with the connection (freed with the QP)
-    /// instead of going back to the pool.
+    /// instead of going back to the pool. A failed batch that named the
+    /// caller's pages has its QP drained before the unwinding goes on.
     fn drop(&mut self) {
         let mut in_flight = [false; MAX_CHUNK];
         let groups = self.conns.iter().zip(self.ids.iter_mut()).take(self.groups);
-        for ((conn, id), in_flight) in groups.zip(in_flight.iter_mut()) {
+        for (g, ((conn, id), in_flight)) in groups.zip(in_flight.iter_mut()).enumerate() {
             if let (Some(conn), Some(id)) = (conn, id.take()) {
-                match conn.inflight.cancel(id) {
-                    Some(0) => {}
-                    Some(_) => conn.mark_broken(CODE_CONN_LOST),
-                    None => {
-                        conn.mark_broken(CODE_CONN_LOST);
-                        *in_flight = true;
-                    }
+                let code = conn.inflight.cancel(id);
+                if code == Some(0) {
+                    continue;
+                }
+                conn.mark_broken(CODE_CONN_LOST);
+                *in_flight = code.is_none();
+                if self.direct_groups & (1 << g) != 0 {
+                    conn.fence();
                 }
             }
         }
@@ -96,9 +115,10 @@ pub(super) struct Pages<'a> {
 
 impl Inner {
     /// Posts `reqs` (request `members[i]` of the chunk is `reqs[i]`) to
-    /// `conn` as group `group` of the chunk, each page through a pool frame.
-    /// Returns the first error; requests not posted get no frame and their
-    /// bit in `failed`.
+    /// `conn` as group `group` of the chunk, each page straight from or
+    /// into the caller's page when it lies in registered memory, else
+    /// through a pool frame. Returns the first error; requests not posted
+    /// get no frame and their bit in `failed`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn submit_rdma(
         &self,
@@ -117,8 +137,17 @@ impl Inner {
         let mut ops = [PageOp {
             offset: 0,
             local: std::ptr::null_mut(),
+            lkey: 0,
         }; MAX_CHUNK];
         let mut k = 0;
+        // `read_frame` brings its own (registered) frame.
+        if pages.frame.is_none() && chunk.regions.is_none() {
+            if let Some(rdma) = &self.rdma {
+                if !rdma.device.registry.is_empty() {
+                    chunk.regions = Some(rdma.device.registry.snapshot());
+                }
+            }
+        }
         for (req, &j) in reqs.iter().zip(members) {
             let in_range = req
                 .offset
@@ -130,6 +159,22 @@ impl Inner {
                     node: conn.node_id.clone(),
                     status: Status::OutOfRange,
                 });
+                continue;
+            }
+            let lkey = chunk
+                .regions
+                .as_ref()
+                .and_then(|t| t.lkey(req.page, PAGE_SIZE));
+            if let Some(lkey) = lkey {
+                ops[k] = PageOp {
+                    offset: req.offset,
+                    local: req.page,
+                    lkey,
+                };
+                k += 1;
+                chunk.direct_reqs |= 1 << j;
+                chunk.direct_groups |= 1 << group;
+                chunk.group_of[j] = group;
                 continue;
             }
             let frame = match pages.frame.as_mut().and_then(|f| f.take()) {
@@ -154,6 +199,7 @@ impl Inner {
             ops[k] = PageOp {
                 offset: req.offset,
                 local: frame.as_ptr(),
+                lkey: conn.pool_lkey(),
             };
             k += 1;
             chunk.frames[j] = Some(frame);
@@ -180,7 +226,9 @@ impl Inner {
 
     /// After the wait: collects every batch's outcome, copies READ pages to
     /// the caller (or hands the frame back), and quarantines the frames of
-    /// failed batches. A timed-out or failed batch tears its QP down. Sets
+    /// failed batches. A timed-out or failed batch tears its QP down; one
+    /// that named the caller's pages also drains it (`fence`) first, so
+    /// the device writes none of them once this returns. Sets
     /// the bit in `failed` of every request that did not complete, and in
     /// `lost` of those whose connection died first.
     #[allow(clippy::too_many_arguments)]
@@ -207,23 +255,39 @@ impl Inner {
                 conn.inflight.cancel(id)
             };
             outcome[g] = Some(code);
+            if code != Some(0) && chunk.direct_groups & (1 << g) != 0 {
+                let fenced = conn.fence();
+                if let Some(rdma) = &self.rdma {
+                    rdma.device.registry.count_drain(fenced);
+                }
+            }
             if let Some(err) = self.rdma_error(code, conn, nodes[g]) {
                 first_error.get_or_insert(err);
             }
         }
+        let direct_reqs = std::mem::take(&mut chunk.direct_reqs);
+        let (mut direct_ok, mut framed_ok) = (0u64, 0u64);
         for (j, slot) in chunk.frames.iter_mut().enumerate() {
-            let Some(frame) = slot.take() else {
+            let frame = slot.take();
+            let direct = direct_reqs & (1 << j) != 0;
+            if frame.is_none() && !direct {
                 continue;
-            };
+            }
             let g = chunk.group_of[j];
             match outcome[g] {
-                Some(Some(0)) => {}
+                Some(Some(0)) if direct => direct_ok += 1,
+                Some(Some(0)) => framed_ok += 1,
                 Some(Some(CODE_CONN_LOST)) => {
                     *failed |= 1 << j;
                     *lost |= 1 << j;
                 }
                 _ => *failed |= 1 << j,
             }
+            // A direct page needs nothing more: it completed in place, or
+            // its batch failed and the QP was drained above.
+            let Some(frame) = frame else {
+                continue;
+            };
             match outcome[g] {
                 Some(Some(0)) if !write => match pages.frame.as_mut() {
                     Some(direct) => **direct = Some(frame),
@@ -241,6 +305,19 @@ impl Inner {
                     Some(conn) => conn.quarantine(frame),
                     None => std::mem::forget(frame),
                 },
+            }
+        }
+        if let Some(rdma) = &self.rdma {
+            let registry = &rdma.device.registry;
+            if direct_ok > 0 {
+                registry
+                    .direct_pages
+                    .fetch_add(direct_ok, Ordering::Relaxed);
+            }
+            if framed_ok > 0 {
+                registry
+                    .framed_pages
+                    .fetch_add(framed_ok, Ordering::Relaxed);
             }
         }
         first_error

@@ -1,19 +1,22 @@
 //! The one-page fast path over RDMA (`read_page`, `write_page`,
-//! `read_frame`, one-page batches): one bounce frame, one work request, no
-//! chunk bookkeeping. Under emulation (the SoftRoCE VM) clearing the chunk
+//! `read_frame`, one-page batches): one work request, no chunk bookkeeping,
+//! and no bounce frame when the caller's page lies in registered memory
+//! (`TransportManager::register_memory`): the READ lands in it, the WRITE
+//! goes out of it. Otherwise the page goes through one pool frame. Under emulation (the SoftRoCE VM) clearing the chunk
 //! path's stack arrays costs a sizeable part of a round trip; here nothing
 //! is cleared and the clock is read once.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::link::Link;
-use super::Inner;
+use super::{Inner, Node};
 use crate::config::PollMode;
 use crate::error::TransportError;
 use crate::page::{is_page_aligned, PAGE_SIZE};
 use crate::pool::PageFrame;
-use crate::rdma::{Deadline, PageOp, RdmaConnection};
+use crate::rdma::{Deadline, PageOp, RdmaConnection, RegionTable};
 use crate::tcp::Waiter;
 use crate::tcp::CODE_CONN_LOST;
 use crate::wire::{Opcode, Status};
@@ -30,7 +33,7 @@ impl Inner {
         page: *mut u8,
         frame: &mut Option<&mut Option<PageFrame>>,
     ) -> Option<Result<(), TransportError>> {
-        self.rdma.as_ref()?;
+        let rdma = self.rdma.as_ref()?;
         if !is_page_aligned(gpa) {
             return None;
         }
@@ -65,6 +68,24 @@ impl Inner {
         // Fixed only if the request has to wait (see `Deadline`).
         let deadline = Deadline::lazy(self.config.request_timeout());
         let mut direct = frame.take();
+        let registry = &rdma.device.registry;
+        // The caller's page in registered memory: no frame (`read_frame`
+        // brings its own, already registered, frame).
+        if direct.is_none() && !registry.is_empty() {
+            let regions = registry.snapshot();
+            if let Some(lkey) = regions.lkey(page, PAGE_SIZE) {
+                let op = PageOp {
+                    offset: loc.remote_offset,
+                    local: page,
+                    lkey,
+                };
+                let result = self.run_single_direct(write, op, regions, conn, node, &deadline);
+                if result.is_ok() {
+                    registry.direct_pages.fetch_add(1, Ordering::Relaxed);
+                }
+                return Some(result);
+            }
+        }
         let buf = match direct.as_mut().and_then(|slot| slot.take()) {
             Some(f) => f,
             None => match self.alloc_frame(&deadline) {
@@ -85,6 +106,7 @@ impl Inner {
         let op = PageOp {
             offset: loc.remote_offset,
             local: buf.as_ptr(),
+            lkey: conn.pool_lkey(),
         };
         let id = match conn.submit(write, &[op], &waiter, &deadline) {
             Ok(id) => id,
@@ -106,6 +128,7 @@ impl Inner {
             conn,
             id: Some(id),
             frame: Some(buf),
+            caller_page: None,
         };
         #[cfg(any(test, feature = "test-hooks"))]
         super::unwind_hook::maybe_panic_after_submit();
@@ -131,21 +154,85 @@ impl Inner {
                     None => unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), page, PAGE_SIZE) },
                 }
             }
+            registry.framed_pages.fetch_add(1, Ordering::Relaxed);
             return Some(Ok(()));
         }
         // The device may still touch the frame until the QP is gone.
         conn.quarantine(buf);
         self.rdma_error(code, conn, node).map(Err)
     }
+
+    /// One page straight from or into the caller's page `op.local`, which
+    /// lies in a registered region of `regions` (held until the request is
+    /// settled, so its lkey stays valid). A failed or timed-out request
+    /// drains the QP (`RdmaConnection::fence`) before this returns: the
+    /// device then writes nothing more into the caller's page.
+    fn run_single_direct(
+        &self,
+        write: bool,
+        op: PageOp,
+        regions: Arc<RegionTable>,
+        conn: &Arc<RdmaConnection>,
+        node: &Node,
+        deadline: &Deadline,
+    ) -> Result<(), TransportError> {
+        let waiter = Waiter::new();
+        let id = match conn.submit(write, &[op], &waiter, deadline) {
+            Ok(id) => id,
+            Err(err) => match err.armed {
+                Some(id) => id,
+                // Never posted: the device never saw the page.
+                None => {
+                    return Err(TransportError::NodeDown {
+                        node: node.id.clone(),
+                        reason: err.reason,
+                    })
+                }
+            },
+        };
+        let pending = Pending {
+            conn,
+            id: Some(id),
+            frame: None,
+            caller_page: Some(regions),
+        };
+        #[cfg(any(test, feature = "test-hooks"))]
+        super::unwind_hook::maybe_panic_after_submit();
+        let spin = match self.config.poll_mode {
+            PollMode::Busy => Duration::from_micros(self.config.wait_spin_us),
+            PollMode::Event => Duration::ZERO,
+        };
+        let conns = [Some(Arc::clone(conn))];
+        let answered = crate::rdma::wait(&waiter, &conns, spin, deadline);
+        let (code, _) = pending.settle(answered);
+        if code == Some(0) {
+            return Ok(());
+        }
+        // The device may still be placing a READ response into the caller's
+        // page: drain the QP before the page goes back to the caller.
+        let fenced = conn.fence();
+        if let Some(rdma) = &self.rdma {
+            rdma.device.registry.count_drain(fenced);
+        }
+        match self.rdma_error(code, conn, node) {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
+    }
 }
 
 /// One posted page until its outcome is known. Dropped unsettled (the caller
 /// unwound while it was in flight), it cancels the request, tears the QP
-/// down and quarantines the frame, which the device may still write.
+/// down and quarantines the frame, which the device may still write, or,
+/// on the caller's registered page, drains the QP before the unwinding
+/// goes on.
 struct Pending<'a> {
     conn: &'a Arc<RdmaConnection>,
     id: Option<u64>,
     frame: Option<PageFrame>,
+    /// Set when the request names the caller's page: the registered
+    /// regions it was found in (keeps the MR, and its lkey, alive).
+    caller_page: Option<Arc<RegionTable>>,
 }
 
 impl Pending<'_> {
@@ -168,19 +255,28 @@ impl Drop for Pending<'_> {
         };
         let frame = self.frame.take();
         match self.conn.inflight.cancel(id) {
-            // Completed: the device is done with the frame.
+            // Completed: the device is done with the frame. A failure code
+            // may come from a teardown (`fail_all`) while the page was
+            // still on the wire: drain before the caller's page is left.
             Some(code) => {
                 if code != 0 {
                     self.conn.mark_broken(CODE_CONN_LOST);
+                    if self.caller_page.is_some() {
+                        self.conn.fence();
+                    }
                 }
                 drop(frame);
             }
             // Still in flight: stop the QP, keep the frame from the pool
-            // until the QP is destroyed.
+            // until the QP is destroyed; the caller's page cannot wait that
+            // long: drain the QP now.
             None => {
                 self.conn.mark_broken(CODE_CONN_LOST);
                 if let Some(frame) = frame {
                     self.conn.quarantine(frame);
+                }
+                if self.caller_page.is_some() {
+                    self.conn.fence();
                 }
             }
         }

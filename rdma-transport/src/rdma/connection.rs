@@ -91,17 +91,30 @@ pub(crate) struct RdmaConnection {
     /// while there are any.
     pub(crate) parking: Parking<PollerHandle>,
     broken: AtomicBool,
+    /// The fence marker was posted (once per QP).
+    fence_posted: AtomicBool,
+    /// The fence marker's completion was polled: every request posted
+    /// before it is finished and the device touches none of their pages.
+    fenced: AtomicBool,
     pub(crate) ack: HelloAck,
     quarantine: Mutex<Vec<PageFrame>>,
 }
 
-/// One page of a batch: its offset in the peer's region and the pool frame
-/// it is read into or written from.
+/// One page of a batch: its offset in the peer's region and the local page
+/// it is read into or written from (a pool frame, or registered caller
+/// memory) with that memory's lkey.
 #[derive(Clone, Copy)]
 pub(crate) struct PageOp {
     pub(crate) offset: u64,
     pub(crate) local: *mut u8,
+    pub(crate) lkey: u32,
 }
+
+/// `wr_id` of the marker that `fence` posts after the teardown; request ids
+/// (`generation << SLOT_BITS | slot`) never reach it.
+const FENCE_WR_ID: u64 = u64::MAX;
+/// Longest a teardown waits for the device to flush the QP's requests.
+const FENCE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A failed submission. When `armed` is set the batch holds an inflight
 /// slot that the caller must still `finish` or `cancel`.
@@ -153,10 +166,13 @@ pub(crate) fn dial_rdma(
         lkey: device.lkey(),
         inflight: Inflight::new(),
         batch_wrs: (0..crate::tcp::SLOTS).map(|_| AtomicU32::new(0)).collect(),
-        sq_free: AtomicIsize::new(isize::try_from(sq_depth).unwrap_or(0)),
+        // One slot stays free for the fence marker.
+        sq_free: AtomicIsize::new(isize::try_from(sq_depth).unwrap_or(0) - 1),
         poll: Mutex::new([WorkCompletion::default(); POLL_BATCH]),
         parking: Parking::new(),
         broken: AtomicBool::new(false),
+        fence_posted: AtomicBool::new(false),
+        fenced: AtomicBool::new(false),
         ack,
         quarantine: Mutex::new(Vec::new()),
     })))
@@ -167,6 +183,11 @@ impl RdmaConnection {
     #[cfg(feature = "test-hooks")]
     pub(crate) fn qpn(&self) -> u32 {
         self.qp.qpn()
+    }
+
+    /// The lkey of the page pool (for `PageOp`s on pool frames).
+    pub(crate) fn pool_lkey(&self) -> u32 {
+        self.lkey
     }
 
     /// Bytes the peer exports: offsets must stay below this.
@@ -190,6 +211,43 @@ impl RdmaConnection {
             let _ = self.control.shutdown(std::net::Shutdown::Both);
         }
         self.inflight.fail_all(code);
+    }
+
+    /// Tears the QP down (`mark_broken`) and waits until the device is done
+    /// with every work request posted on it, so that the pages they name
+    /// (registered caller memory) can go back to the caller.
+    ///
+    /// `mark_broken` alone only moves the QP to the error state: the verbs
+    /// contract frees a work request's buffers at its completion, and a
+    /// READ response being placed while the state changes may still land.
+    /// As `ib_drain_qp` does in the kernel, this posts one marker after the
+    /// teardown (a signaled zero-length WRITE, which an errored QP completes
+    /// with a flush status) and polls the CQ until the marker's completion:
+    /// send-queue completions come in order, so every request before it is
+    /// finished. True once fenced; false when the marker could not be
+    /// posted or did not complete within `FENCE_TIMEOUT` (logged: the
+    /// caller's pages may then still be written).
+    pub(crate) fn fence(&self) -> bool {
+        self.mark_broken(CODE_CONN_LOST);
+        if !self.fence_posted.swap(true, Ordering::SeqCst) {
+            let mut wr = [SendWr::rdma_write(FENCE_WR_ID, &[], 0, 0).signaled()];
+            if let Err(err) = self.qp.post_send(&mut wr) {
+                tracing::warn!(node = %self.node_id, %err, "posting the fence marker failed; registered caller pages of failed requests may still be written");
+                return false;
+            }
+        }
+        let deadline = Instant::now() + FENCE_TIMEOUT;
+        let mut spins = 0u32;
+        while !self.fenced.load(Ordering::Acquire) {
+            self.progress();
+            spins = spins.wrapping_add(1);
+            if spins % 16 == 0 && Instant::now() >= deadline {
+                tracing::warn!(node = %self.node_id, "the QP was not drained within {FENCE_TIMEOUT:?}; registered caller pages of failed requests may still be written");
+                return false;
+            }
+            std::thread::yield_now();
+        }
+        true
     }
 
     /// Keeps `frame` until the QP is destroyed: a request on it failed or
@@ -259,8 +317,10 @@ impl RdmaConnection {
 
     /// Posts one batch (at most [`MAX_BATCH`] pages) and returns its request
     /// id; the caller waits on `waiter`, then calls `inflight.finish` or
-    /// `inflight.cancel` with it. Every `local` must be a pool frame that
-    /// stays untouched until then.
+    /// `inflight.cancel` with it. Every `local` must be a pool frame or
+    /// registered memory (its `lkey`) that stays untouched until then, or,
+    /// when the batch failed, until `fence` (caller memory) or the QP's
+    /// destruction (quarantined frames).
     pub(crate) fn submit(
         &self,
         write: bool,
@@ -328,7 +388,7 @@ impl RdmaConnection {
         let n = ops.len().min(N);
         let mut sges = [Sge::default(); N];
         for (sge, op) in sges.iter_mut().zip(ops) {
-            *sge = Sge::new(op.local as u64, PAGE_SIZE as u32, self.lkey);
+            *sge = Sge::new(op.local as u64, PAGE_SIZE as u32, op.lkey);
         }
         let rkey = self.rkey.load(Ordering::Relaxed);
         let mut wrs: [SendWr<'_>; N] = std::array::from_fn(|i| {
@@ -403,6 +463,10 @@ impl RdmaConnection {
 
     fn on_completion(&self, wc: &WorkCompletion) {
         let id = wc.wr_id();
+        if id == FENCE_WR_ID {
+            self.fenced.store(true, Ordering::Release);
+            return;
+        }
         if wc.is_success() {
             if let Claim::Live { slot, .. } = self.inflight.claim(id) {
                 let wrs = self.batch_wrs[slot].load(Ordering::Relaxed);

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use super::port::{PortInfo, QpTimeouts};
+use super::registry::{MemoryRegistry, RegisterError};
 use crate::config::ManagerConfig;
 use crate::pool::PagePool;
 use crate::verbs::{
@@ -29,6 +30,9 @@ pub(crate) struct ClientDevice {
     ctx: Context,
     pub(crate) port: PortInfo,
     pub(crate) timeouts: QpTimeouts,
+    /// Caller memory registered on `pd` (each region keeps its MR, and
+    /// with it the PD, alive).
+    pub(crate) registry: Arc<MemoryRegistry>,
     _pool: PagePool,
 }
 
@@ -84,6 +88,7 @@ impl ClientDevice {
             ctx,
             port,
             timeouts,
+            registry: Arc::new(MemoryRegistry::default()),
             _pool: pool.clone(),
         }))
     }
@@ -91,6 +96,41 @@ impl ClientDevice {
     /// The local key of the page pool.
     pub(crate) fn lkey(&self) -> u32 {
         self.pool_mr.lkey()
+    }
+
+    /// Registers `len` bytes at `ptr` (LOCAL_WRITE: RDMA READs land in
+    /// it) and adds them to the registry. Returns the region's id.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` stays mapped until the region is removed from the
+    /// registry and no request in flight refers to it any more (requests
+    /// hold a snapshot of the table); between requests the device does not
+    /// touch it.
+    ///
+    /// # Errors
+    /// [`RegisterError`] for a bad or overlapping range, or when the device
+    /// refuses the registration.
+    pub(crate) unsafe fn register(&self, ptr: *mut u8, len: usize) -> Result<u64, RegisterError> {
+        let start = ptr as usize;
+        // Checked before registering (cheap) and again when inserting
+        // (authoritative: another thread may register meanwhile).
+        self.registry.snapshot().check_free(start, len)?;
+        // SAFETY: the caller keeps the range mapped for as long as the MR
+        // lives (this function's contract; the MR lives in the registry
+        // entry and in request snapshots). The device writes the range only
+        // while an RDMA READ into it is posted, and the data path hands the
+        // caller's page back only after that READ completed or its QP was
+        // drained (`RdmaConnection::fence`).
+        let mr =
+            unsafe { self.pd.register_raw(ptr, len, AccessFlags::LOCAL_WRITE) }.map_err(|e| {
+                RegisterError::Device {
+                    start,
+                    len,
+                    reason: format!("{}: {e}", self.ctx.name()),
+                }
+            })?;
+        let lkey = mr.lkey();
+        self.registry.insert(start, len, lkey, Some(mr))
     }
 
     /// A completion channel for a poller thread.

@@ -9,6 +9,9 @@
 //! gone, retry exceeded) fails the requests it affects with a typed error and
 //! tears the QP down on both sides; the next request builds a new one.
 //!
+//! Caller memory registered with `TransportManager::register_memory` is
+//! read into and written from directly (`registry.rs`): no pool frame.
+//!
 //! [`PortInfo`] and [`connect_qp`] are public so that the page-server sets
 //! its QPs up with exactly the same parameters.
 
@@ -17,6 +20,7 @@ mod deadline;
 mod device;
 mod poller;
 mod port;
+mod registry;
 
 pub(crate) use connection::{
     code_status, dial_rdma, wait, DialError, Dialed, PageOp, RdmaConnection, MAX_BATCH,
@@ -28,3 +32,5 @@ pub use port::{
     connect_qp, random_psn, PortInfo, QpTimeouts, ReadDepths, MAX_RD_ATOMIC, QP_MIN_RNR_TIMER,
     QP_RETRY_CNT, QP_RNR_RETRY, QP_TIMEOUT,
 };
+pub(crate) use registry::RegionTable;
+pub use registry::{RegisterError, RegisteredMemory};
