@@ -218,6 +218,10 @@ impl Inner {
                     lane.round_end = end;
                     let mut pages = super::rdma_batch::Pages { frame: None };
                     lane.round.opcode = batch.opcode;
+                    // Held across the submission: answers from the first
+                    // nodes of the round must not look like the end of it
+                    // (and queue it) while later nodes are still to go.
+                    lane.waiter.add(1);
                     self.submit_round(
                         &mut lane.round,
                         &state,
@@ -228,6 +232,7 @@ impl Inner {
                     );
                     lane.state = Some(state);
                     lane.phase = Phase::Round;
+                    lane.waiter.release_hold();
                     return Next::Wait;
                 }
             }

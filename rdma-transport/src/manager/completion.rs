@@ -128,13 +128,12 @@ impl ReadyHook for Shared {
 
 impl Shared {
     fn wake(&self) {
-        match self.mode {
-            Mode::Eventfd => self.signal_eventfd(),
-            Mode::Poll | Mode::Callback => {
-                if let Some(t) = self.sleeper.lock().as_ref() {
-                    t.unpark();
-                }
-            }
+        if self.mode == Mode::Eventfd {
+            self.signal_eventfd();
+        }
+        // A thread in `wait` (any mode but callback) or the callback thread.
+        if let Some(t) = self.sleeper.lock().as_ref() {
+            t.unpark();
         }
     }
 
@@ -376,7 +375,9 @@ impl Inner {
 /// mode: signals the eventfd when a deadline passes (answers signal it
 /// themselves).
 fn service(shared: &Arc<Shared>) {
-    *shared.sleeper.lock() = Some(std::thread::current());
+    if shared.mode == Mode::Callback {
+        *shared.sleeper.lock() = Some(std::thread::current());
+    }
     while !shared.stop.load(Ordering::Acquire) {
         let earliest = if shared.mode == Mode::Callback {
             let earliest = shared.step();

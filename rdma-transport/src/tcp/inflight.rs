@@ -118,6 +118,14 @@ impl Waiter {
         self.remaining.load(Ordering::Acquire) == 0
     }
 
+    /// Drops a count taken with `add(1)` that stands for no request (one
+    /// held while a round is being submitted, so that answers to its first
+    /// requests cannot bring the count to zero before the last is armed);
+    /// tells the owner if that was the last.
+    pub(crate) fn release_hold(&self) {
+        self.complete_one();
+    }
+
     fn complete_one(&self) {
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
             match &self.notify {
