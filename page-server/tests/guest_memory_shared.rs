@@ -315,6 +315,11 @@ fn bad_shared_files_are_refused_with_their_reason() {
         matches!(&err, GuestMemoryError::Config(m) if m.contains("offset")),
         "{err:?}"
     );
+    let err = new(shared_config(&fd, 0, 0, NODE_BYTES + 100)).unwrap_err();
+    assert!(
+        matches!(&err, GuestMemoryError::Config(m) if m.contains("page aligned")),
+        "{err:?}"
+    );
     let err = new(shared_config(&fd, 2 * NODE, 0, PAGE_SIZE)).unwrap_err();
     assert!(
         matches!(err, GuestMemoryError::FileTooSmall { .. }),
