@@ -6,6 +6,7 @@
 //! checked, prints a table, and tears the cluster down.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+mod async_loop;
 mod baseline;
 mod cluster;
 mod compare;
@@ -133,9 +134,11 @@ struct Args {
     /// `none` (not pinned: the library's default), or a list like `1,3`.
     #[arg(long, default_value = "last", value_parser = parse_cpus)]
     poller_cpus: PollerCpus,
-    /// The library call of read runs: copy (`read_pages` into the bench's
-    /// buffers) or frame (`read_frame`, each page checked in its pool
-    /// frame; one page per call, so --depth 1). Writes always copy.
+    /// The library call: copy (`read_pages`/`write_pages` with the bench's
+    /// buffers, one batch of --depth at a time), frame (reads with
+    /// `read_frame`, each page checked in its pool frame; one page per
+    /// call, so --depth 1; writes copy) or async (a completion queue per
+    /// thread keeping --depth one-page submissions in flight).
     #[arg(long, value_enum, default_value = "copy")]
     api: workload::Api,
     /// Poller threads.
@@ -250,8 +253,14 @@ fn run() -> anyhow::Result<()> {
     if args.api == workload::Api::Frame && args.depth > 1 {
         bail!("--api frame reads one page per call: use --depth 1");
     }
-    if args.api == workload::Api::Frame && args.op == Some(Op::Fault) {
+    if args.api != workload::Api::Copy && args.op == Some(Op::Fault) {
         bail!("--api applies to --op read and write");
+    }
+    if args.api == workload::Api::Async && args.register_buffers {
+        bail!("--api async moves pages in buffers it hands to the queue: --register-buffers applies to --api copy");
+    }
+    if args.api == workload::Api::Async && args.fail_node_after_ms.is_some() {
+        bail!("--fail-node-after-ms measures the blocking API: use --api copy");
     }
     if args.memory < PAGE_SIZE * args.nodes {
         bail!("--memory must hold at least one page per node");

@@ -45,6 +45,9 @@ pub enum Api {
     /// `read_frame`: each page is read into a pool frame and checked there
     /// (one page per call); writes stay `write_pages`.
     Frame,
+    /// The completion queue: each thread keeps `--depth` one-page
+    /// submissions in flight, a new one going out as each completes.
+    Async,
 }
 
 impl Api {
@@ -53,6 +56,7 @@ impl Api {
         match self {
             Api::Copy => "copy",
             Api::Frame => "frame",
+            Api::Async => "async",
         }
     }
 }
@@ -144,8 +148,19 @@ impl WorkingSet {
         }
     }
 
+    /// Page `idx` was written with `seed` and acknowledged.
+    pub fn acked(&self, idx: usize, seed: u64) {
+        self.seeds[idx].store(seed, Ordering::Relaxed);
+        self.maybe_seeds[idx].store(0, Ordering::Relaxed);
+    }
+
+    /// A write of `seed` to page `idx` failed: the page may hold it.
+    pub fn maybe(&self, idx: usize, seed: u64) {
+        self.maybe_seeds[idx].store(seed, Ordering::Relaxed);
+    }
+
     /// Whether `page` holds what page `idx` may hold now.
-    fn holds(&self, idx: usize, page: &Page) -> bool {
+    pub fn holds(&self, idx: usize, page: &Page) -> bool {
         let gpa = self.gpas[idx];
         let maybe = self.maybe_seeds[idx].load(Ordering::Relaxed);
         pattern::check(page, gpa, self.seeds[idx].load(Ordering::Relaxed))
@@ -251,6 +266,19 @@ pub fn run_api(
     progress: &ProgressBar,
     api: Api,
 ) -> Outcome {
+    if api == Api::Async {
+        return crate::async_loop::run(mgr, set, spec, seed, progress).unwrap_or_else(|e| {
+            Outcome {
+                latency_ns: new_histogram(),
+                elapsed: Duration::ZERO,
+                ops_done: 0,
+                errors: 1,
+                bad_pages: 0,
+                pages_checked: 0,
+                first_error: Some(format!("{e:#}")),
+            }
+        });
+    }
     run_observed(mgr, set, spec, seed, progress, None, api).0
 }
 
@@ -343,7 +371,8 @@ fn read_batch(
     frames: &mut Vec<rdma_transport::PageFrame>,
 ) -> Result<(), rdma_transport::TransportError> {
     match api {
-        Api::Copy => mgr.read_pages(gpas, pages),
+        // (`Async` runs in async_loop.rs, never here.)
+        Api::Copy | Api::Async => mgr.read_pages(gpas, pages),
         Api::Frame => {
             frames.clear();
             for &gpa in gpas {

@@ -219,6 +219,9 @@ fn pages_the_vmm_left_in_the_file_are_fetched_not_trusted() {
         assert!(page == page_for(p * 4096, 5), "page {p} is the owner's");
         assert!(vmm.page(p as usize) == page_for(p * 4096, 5));
     }
+    // `missing_faults` is counted right after the CONTINUE that wakes the
+    // reader, so it may trail the last read by a moment.
+    wait_until(Duration::from_secs(5), || ram.stats().missing_faults >= 4);
     let stats = ram.stats();
     assert_eq!(
         (stats.missing_faults, stats.pages_fetched),
