@@ -206,7 +206,8 @@ typedef struct RtGuestMemoryConfig {
   uint32_t sigbus_method;
   // An `RtFaultMode` value (0, the default: kernel- and user-mode faults).
   uint32_t fault_mode;
-  // 1: pin handlers to the first CPUs of the host; 0: no pinning.
+  // 1: pin handlers to the first CPUs of the host; 0 (the default): no
+  // pinning.
   uint32_t pin_handlers;
   // Called for every fault that cannot be served; NULL: SIGBUS.
   RtFaultErrorFn on_fault_error;
@@ -288,7 +289,8 @@ typedef struct RtManagerConfig {
   // An `RtPollMode` value.
   uint32_t poll_mode;
   // CPUs to pin pollers to (poller i on `poller_cpus[i % len]`), with
-  // `pin_pollers` = 1; NULL and 0: the last CPUs of the host.
+  // `pin_pollers` = 1 (default 0: no pinning); NULL and 0: the last CPUs
+  // of the host.
   const uint32_t *poller_cpus;
   // Entries of `poller_cpus`.
   size_t poller_cpus_len;

@@ -82,7 +82,8 @@ pub struct RtManagerConfig {
     /// An `RtPollMode` value.
     pub poll_mode: u32,
     /// CPUs to pin pollers to (poller i on `poller_cpus[i % len]`), with
-    /// `pin_pollers` = 1; NULL and 0: the last CPUs of the host.
+    /// `pin_pollers` = 1 (default 0: no pinning); NULL and 0: the last CPUs
+    /// of the host.
     pub poller_cpus: *const u32,
     /// Entries of `poller_cpus`.
     pub poller_cpus_len: usize,
@@ -138,7 +139,7 @@ impl CConfig for RtManagerConfig {
             connect_timeout_ms: d.connect_timeout_ms,
             pool_size_bytes: d.pool_size_bytes as u64,
             wait_spin_us: d.wait_spin_us,
-            pin_pollers: 1,
+            pin_pollers: 0,
             insecure: 0,
             cluster_key_file: std::ptr::null(),
             transport: match d.transport {
@@ -349,7 +350,8 @@ mod tests {
             pool_size_bytes: 8 * 4096,
             wait_spin_us: 9,
             transport: RtTransportKind::Tcp as u32,
-            poll_mode: RtPollMode::Event as u32,
+            poll_mode: RtPollMode::Busy as u32,
+            pin_pollers: 1,
             poller_cpus: cpus.as_ptr(),
             poller_cpus_len: cpus.len(),
             poll_idle_spin_us: 11,
@@ -372,7 +374,7 @@ mod tests {
         assert_eq!(r.coordinator_token.as_deref(), Some("tok"));
         assert_eq!(r.cluster_key.unwrap().to_hex(), "07".repeat(32));
         assert_eq!(r.transport, TransportKind::Tcp);
-        assert_eq!(r.poll_mode, PollMode::Event);
+        assert_eq!(r.poll_mode, PollMode::Busy);
         assert_eq!(r.poller_cpus, Some(vec![0, 1]));
         assert_eq!(
             (r.poller_threads, r.pool_size_bytes, r.wait_spin_us),

@@ -109,7 +109,8 @@ pub struct RtGuestMemoryConfig {
     pub sigbus_method: u32,
     /// An `RtFaultMode` value (0, the default: kernel- and user-mode faults).
     pub fault_mode: u32,
-    /// 1: pin handlers to the first CPUs of the host; 0: no pinning.
+    /// 1: pin handlers to the first CPUs of the host; 0 (the default): no
+    /// pinning.
     pub pin_handlers: u32,
     /// Called for every fault that cannot be served; NULL: SIGBUS.
     pub on_fault_error: RtFaultErrorFn,
@@ -127,7 +128,7 @@ impl CConfig for RtGuestMemoryConfig {
             gpa_base: 0,
             size_bytes: 0,
             handler_threads: d.handler_threads as u32,
-            pin_handlers: 1,
+            pin_handlers: 0,
             fault_timeout_ms: d.fault_timeout_ms,
             retry_interval_ms: d.retry_interval_ms,
             prefetch_max_pages: d.prefetch_max_pages as u32,

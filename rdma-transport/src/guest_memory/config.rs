@@ -162,7 +162,8 @@ pub struct GuestMemoryConfig {
     pub handler_threads: usize,
     /// CPUs to pin handlers to (handler i on `cpus[i % len]`). `None`: the
     /// first CPUs of the host, away from the transport's pollers on the last
-    /// ones. `Some(vec![])`: no pinning.
+    /// ones. `Some(vec![])` (the default: placement is the VMM's choice): no
+    /// pinning.
     pub handler_cpus: Option<Vec<usize>>,
     /// How long a fault may wait for its page, retries included, before it
     /// is reported as failed.
@@ -207,7 +208,7 @@ impl Default for GuestMemoryConfig {
             gpa_base: 0,
             size_bytes: 0,
             handler_threads: 1,
-            handler_cpus: None,
+            handler_cpus: Some(vec![]),
             fault_timeout_ms: 1000,
             retry_interval_ms: 50,
             prefetch_max_pages: 32,
