@@ -544,7 +544,9 @@ impl CompletionQueue {
                 return got;
             }
             if now.duration_since(start) < spin {
-                std::hint::spin_loop();
+                // On a small host whoever answers may be queued behind us
+                // on this CPU: let it run (see tcp/receive.rs).
+                std::thread::yield_now();
                 continue;
             }
             // Sleep: the pollers read the lanes' answers meanwhile.
