@@ -39,6 +39,6 @@ pub use manager::{
     Completion, CompletionCallback, CompletionQueue, ManagerStats, Reap, TransportManager,
     ZeroCopyStats,
 };
-pub use rdma::{RegisterError, RegisteredMemory};
 pub use page::{Page, PAGE_SIZE};
 pub use pool::{PageFrame, PagePool};
+pub use rdma::{RegisterError, RegisteredMemory};

@@ -45,9 +45,9 @@ mod tests;
 mod unwind_hook;
 
 pub use completion::{Completion, CompletionCallback, CompletionQueue, Reap};
-pub use registered::ZeroCopyStats;
 use link::{Link, RdmaSide};
 use map_state::{Install, MapState, Node};
+pub use registered::ZeroCopyStats;
 pub use stats::ManagerStats;
 
 /// Shortest time between two attempts to reach the same unreachable node, or

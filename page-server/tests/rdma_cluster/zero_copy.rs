@@ -4,7 +4,7 @@
 //! the pool; a failure on registered memory drains the QP before the call
 //! returns, so the device writes nothing into the caller's pages after.
 
-use rdma_transport::{Page, RegisterError, Reap, ZeroCopyStats};
+use rdma_transport::{Page, Reap, RegisterError, ZeroCopyStats};
 
 use super::*;
 
@@ -41,7 +41,10 @@ fn zero_copy_round_trip(test: &str, mode: PollMode) {
     assert!(src_reg.is_rdma() && dst_reg.is_rdma());
     // SAFETY: refused before anything is registered.
     let overlap = unsafe { mgr.register_memory(dst.as_mut_ptr().add(1).cast(), PAGE_SIZE) };
-    assert!(matches!(overlap, Err(RegisterError::Overlap { .. })), "{overlap:?}");
+    assert!(
+        matches!(overlap, Err(RegisterError::Overlap { .. })),
+        "{overlap:?}"
+    );
     let s0 = mgr.zero_copy_stats();
     assert_eq!(s0.regions, 2);
 
@@ -54,7 +57,10 @@ fn zero_copy_round_trip(test: &str, mode: PollMode) {
     let mut plain: Vec<Page> = vec![[0u8; PAGE_SIZE]; N];
     mgr.read_pages(&gpas, &mut plain).unwrap();
     for i in 0..N {
-        assert!(plain[i] == src[i], "{test}: page {i} read back through the pool");
+        assert!(
+            plain[i] == src[i],
+            "{test}: page {i} read back through the pool"
+        );
     }
     let s2 = mgr.zero_copy_stats();
     assert_eq!(stats_delta(s2, s1), (0, N as u64), "{test}: bounced reads");
@@ -65,7 +71,10 @@ fn zero_copy_round_trip(test: &str, mode: PollMode) {
     assert_eq!(held.len(), mgr.pool().capacity());
     mgr.read_page(gpas[2], &mut dst[2]).unwrap();
     assert!(dst[2] == src[2], "{test}: one-page read");
-    assert!(dst[3] == [SENTINEL; PAGE_SIZE], "{test}: only page 2 was read");
+    assert!(
+        dst[3] == [SENTINEL; PAGE_SIZE],
+        "{test}: only page 2 was read"
+    );
     mgr.read_pages(&gpas, &mut dst).unwrap();
     for i in 0..N {
         assert!(dst[i] == src[i], "{test}: batch page {i}");
@@ -168,7 +177,9 @@ fn rdma_zero_copy_failure_drains_the_qp_and_leaves_the_caller_pages_untouched() 
             mgr.read_pages(&gpas[1..], &mut dst[1..]).unwrap_err()
         };
         let took = started.elapsed();
-        say(&format!("{test}: round {round} ({how}): {err} after {took:?}"));
+        say(&format!(
+            "{test}: round {round} ({how}): {err} after {took:?}"
+        ));
         match &err {
             TransportError::RdmaCompletion { node, status } => {
                 assert_eq!(node, "a");
@@ -186,15 +197,25 @@ fn rdma_zero_copy_failure_drains_the_qp_and_leaves_the_caller_pages_untouched() 
         assert_eq!(after.drain_failures, 0, "{test}: round {round}");
         assert_eq!(after.direct_pages, before.direct_pages);
         for (i, p) in dst.iter().enumerate() {
-            assert!(p == &[SENTINEL; PAGE_SIZE], "{test}: round {round}: page {i} was written");
+            assert!(
+                p == &[SENTINEL; PAGE_SIZE],
+                "{test}: round {round}: page {i} was written"
+            );
         }
         // A new QP reads into the same registered memory.
         mgr.read_page(gpas[0], &mut dst[0]).unwrap();
         assert!(dst[0] == pages[0], "{test}: round {round}");
-        assert_ne!(mgr.rdma_qpn_for_test("a").unwrap(), qpn, "{test}: QP not rebuilt");
+        assert_ne!(
+            mgr.rdma_qpn_for_test("a").unwrap(),
+            qpn,
+            "{test}: QP not rebuilt"
+        );
         assert_eq!(mgr.zero_copy_stats().direct_pages, before.direct_pages + 1);
         for (i, p) in dst.iter().enumerate().skip(1) {
-            assert!(p == &[SENTINEL; PAGE_SIZE], "{test}: round {round}: page {i} written late");
+            assert!(
+                p == &[SENTINEL; PAGE_SIZE],
+                "{test}: round {round}: page {i} written late"
+            );
         }
         dst[0].fill(SENTINEL);
     }
@@ -204,7 +225,10 @@ fn rdma_zero_copy_failure_drains_the_qp_and_leaves_the_caller_pages_untouched() 
     assert!(mgr.corrupt_rkey_for_test("a"));
     let drains = mgr.zero_copy_stats().drains;
     let err = mgr.write_page(gpas[5], &dst[5]).unwrap_err();
-    assert!(matches!(err, TransportError::RdmaCompletion { .. }), "{err:?}");
+    assert!(
+        matches!(err, TransportError::RdmaCompletion { .. }),
+        "{err:?}"
+    );
     assert_eq!(mgr.zero_copy_stats().drains, drains + 1);
     let mut back = [0u8; PAGE_SIZE];
     mgr.read_page(gpas[5], &mut back).unwrap();

@@ -161,7 +161,10 @@ impl Inner {
                 });
                 continue;
             }
-            let lkey = chunk.regions.as_ref().and_then(|t| t.lkey(req.page, PAGE_SIZE));
+            let lkey = chunk
+                .regions
+                .as_ref()
+                .and_then(|t| t.lkey(req.page, PAGE_SIZE));
             if let Some(lkey) = lkey {
                 ops[k] = PageOp {
                     offset: req.offset,
@@ -307,10 +310,14 @@ impl Inner {
         if let Some(rdma) = &self.rdma {
             let registry = &rdma.device.registry;
             if direct_ok > 0 {
-                registry.direct_pages.fetch_add(direct_ok, Ordering::Relaxed);
+                registry
+                    .direct_pages
+                    .fetch_add(direct_ok, Ordering::Relaxed);
             }
             if framed_ok > 0 {
-                registry.framed_pages.fetch_add(framed_ok, Ordering::Relaxed);
+                registry
+                    .framed_pages
+                    .fetch_add(framed_ok, Ordering::Relaxed);
             }
         }
         first_error

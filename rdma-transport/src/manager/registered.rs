@@ -68,7 +68,11 @@ impl TransportManager {
         // SAFETY: this function's contract is `register`'s: the range stays
         // mapped until the handle is dropped and no request refers to it.
         let id = unsafe { device.register(ptr, len) }?;
-        tracing::debug!(addr = start, len, "caller memory registered for zero-copy RDMA");
+        tracing::debug!(
+            addr = start,
+            len,
+            "caller memory registered for zero-copy RDMA"
+        );
         Ok(RegisteredMemory::new(
             Some((Arc::clone(&device.registry), id)),
             start,

@@ -121,13 +121,14 @@ impl ClientDevice {
         // while an RDMA READ into it is posted, and the data path hands the
         // caller's page back only after that READ completed or its QP was
         // drained (`RdmaConnection::fence`).
-        let mr = unsafe { self.pd.register_raw(ptr, len, AccessFlags::LOCAL_WRITE) }.map_err(
-            |e| RegisterError::Device {
-                start,
-                len,
-                reason: format!("{}: {e}", self.ctx.name()),
-            },
-        )?;
+        let mr =
+            unsafe { self.pd.register_raw(ptr, len, AccessFlags::LOCAL_WRITE) }.map_err(|e| {
+                RegisterError::Device {
+                    start,
+                    len,
+                    reason: format!("{}: {e}", self.ctx.name()),
+                }
+            })?;
         let lkey = mr.lkey();
         self.registry.insert(start, len, lkey, Some(mr))
     }

@@ -28,9 +28,9 @@ pub(crate) use connection::{
 pub(crate) use deadline::Deadline;
 pub(crate) use device::ClientDevice;
 pub(crate) use poller::RdmaPollers;
-pub(crate) use registry::RegionTable;
-pub use registry::{RegisterError, RegisteredMemory};
 pub use port::{
     connect_qp, random_psn, PortInfo, QpTimeouts, ReadDepths, MAX_RD_ATOMIC, QP_MIN_RNR_TIMER,
     QP_RETRY_CNT, QP_RNR_RETRY, QP_TIMEOUT,
 };
+pub(crate) use registry::RegionTable;
+pub use registry::{RegisterError, RegisteredMemory};

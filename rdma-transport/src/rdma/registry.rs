@@ -60,7 +60,11 @@ impl RegionTable {
         };
         let i = self.regions.partition_point(|r| r.start < start);
         let neighbours = [i.checked_sub(1), Some(i)];
-        for r in neighbours.into_iter().flatten().filter_map(|k| self.regions.get(k)) {
+        for r in neighbours
+            .into_iter()
+            .flatten()
+            .filter_map(|k| self.regions.get(k))
+        {
             if r.start < end && start < r.start + r.len {
                 return Err(RegisterError::Overlap {
                     start,
