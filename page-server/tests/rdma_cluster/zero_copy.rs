@@ -39,8 +39,10 @@ fn zero_copy_round_trip(test: &str, mode: PollMode) {
     // SAFETY: as above.
     let dst_reg = unsafe { mgr.register_memory(dst.as_mut_ptr().cast(), N * PAGE_SIZE) }.unwrap();
     assert!(src_reg.is_rdma() && dst_reg.is_rdma());
-    // SAFETY: refused before anything is registered.
-    let overlap = unsafe { mgr.register_memory(dst.as_mut_ptr().add(1).cast(), PAGE_SIZE) };
+    let inside = dst[1..].as_mut_ptr().cast::<u8>();
+    // SAFETY: a page inside `dst`, which outlives this call; the overlap
+    // is refused before anything is registered.
+    let overlap = unsafe { mgr.register_memory(inside, PAGE_SIZE) };
     assert!(
         matches!(overlap, Err(RegisterError::Overlap { .. })),
         "{overlap:?}"
