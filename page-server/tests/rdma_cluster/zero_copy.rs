@@ -39,9 +39,10 @@ fn zero_copy_round_trip(test: &str, mode: PollMode) {
     // SAFETY: as above.
     let dst_reg = unsafe { mgr.register_memory(dst.as_mut_ptr().cast(), N * PAGE_SIZE) }.unwrap();
     assert!(src_reg.is_rdma() && dst_reg.is_rdma());
-    let inside = dst[1..].as_mut_ptr();
-    // SAFETY: refused before anything is registered.
-    let overlap = unsafe { mgr.register_memory(inside.cast(), PAGE_SIZE) };
+    let inside = dst[1..].as_mut_ptr().cast::<u8>();
+    // SAFETY: a page inside `dst`, which outlives this call; the overlap
+    // is refused before anything is registered.
+    let overlap = unsafe { mgr.register_memory(inside, PAGE_SIZE) };
     assert!(
         matches!(overlap, Err(RegisterError::Overlap { .. })),
         "{overlap:?}"
@@ -234,5 +235,38 @@ fn rdma_zero_copy_failure_drains_the_qp_and_leaves_the_caller_pages_untouched() 
     let mut back = [0u8; PAGE_SIZE];
     mgr.read_page(gpas[5], &mut back).unwrap();
     assert!(back == pages[5], "{test}: a failed write changed the page");
+    drop(reg);
+}
+
+/// Without RDMA (TCP transport) registration is accepted and does nothing:
+/// pages still move straight between the socket and the caller's memory.
+#[test]
+fn registered_memory_over_tcp_is_accepted_and_pages_move() {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator(&db);
+    let _a = server(&coord.url(), "a", 0, false);
+    let mgr = TransportManager::connect(config(&coord.url(), TransportKind::Tcp, PollMode::Busy))
+        .expect("manager connects");
+    let gpas = gpas();
+    let mut buf: Vec<Page> = gpas.iter().map(|&g| page_for(g, 51)).collect();
+    // SAFETY: `buf` is neither moved nor resized and outlives the handle
+    // (dropped at the end); the test reads it only between calls.
+    let reg = unsafe { mgr.register_memory(buf.as_mut_ptr().cast(), N * PAGE_SIZE) }.unwrap();
+    assert!(!reg.is_rdma());
+    assert_eq!(reg.len_bytes(), N * PAGE_SIZE);
+    // SAFETY: refused before anything is registered.
+    let empty = unsafe { mgr.register_memory(std::ptr::null_mut(), PAGE_SIZE) };
+    assert!(
+        matches!(empty, Err(RegisterError::InvalidRange { .. })),
+        "{empty:?}"
+    );
+    mgr.write_pages(&gpas, &buf).unwrap();
+    buf.iter_mut().for_each(|p| p.fill(SENTINEL));
+    mgr.read_pages(&gpas, &mut buf).unwrap();
+    mgr.read_page(gpas[3], &mut buf[3]).unwrap();
+    for (i, &g) in gpas.iter().enumerate() {
+        assert!(buf[i] == page_for(g, 51), "page {i}");
+    }
+    assert_eq!(mgr.zero_copy_stats(), ZeroCopyStats::default());
     drop(reg);
 }

@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# Zero-copy RDMA against perftest, in ONE SoftRoCE VM boot: per round,
+# perftest's ib_read_lat, `ib_write_bw -s 4096 -t 1` (a write with its
+# completion: per-operation time = 1 / message rate) and `ib_read_bw -t 16`,
+# then the bench with registered buffers (`--register-buffers`: READs land
+# in the caller's buffer, WRITEs go out of it, no pool frame) and without
+# (the bounce through a pool frame), one in flight and at depth 16.
+#
+#   deploy/softroce/run-zero-copy-bench.sh [--rounds N] [--ops N] [run-in-vm.sh OPTIONS]
+#
+# Prints per round, then the medians of the per-round ratios and the
+# best-of ratios (best of ours over best of perftest's):
+#   READ p50 / ib_read_lat t_typical, WRITE mean / ib_write_bw per-op time,
+#   depth-16 READ pages/s / ib_read_bw -t 16 msg/s.
+# Every bench run checks every page it moves; a run that is not verified
+# fails the script. Builds the bench (release, baseline x86-64) first.
+# shellcheck source-path=SCRIPTDIR
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+# shellcheck source=lib.sh
+. "$here/lib.sh"
+
+rounds=3
+ops=5000
+vm_opts=()
+while (($#)); do
+    case "$1" in
+        --rounds) rounds="${2:?--rounds needs N}"; shift ;;
+        --ops) ops="${2:?--ops needs N}"; shift ;;
+        -h | --help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) vm_opts+=("$1") ;;
+    esac
+    shift
+done
+[[ "$rounds" =~ ^[1-9][0-9]*$ && "$ops" =~ ^[1-9][0-9]*$ ]] || softroce_die "--rounds and --ops take positive integers"
+
+cd "$repo"
+softroce_log "building the bench (release)"
+cargo build --release --quiet -p bench
+bench_exe="${CARGO_TARGET_DIR:-$repo/target}/release/bench"
+[[ -x "$bench_exe" ]] || softroce_die "no $bench_exe after the build"
+
+work="$(mktemp -d "${TMPDIR:-/tmp}/softroce-zc.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+runner="$work/vm-zero-copy.sh"
+b="$(softroce_shell_quote "$bench_exe")"
+{
+    echo '#!/bin/sh'
+    echo 'failed=0'
+    cat <<'VMEOF'
+# PERFBW <test> tx_depth=N msg_per_s=..: perftest's bandwidth tests, 4096 B.
+bw() {
+    args="-d $RDMA_DEVICE -x $RXE_GID_INDEX -s 4096 -n 5000 -t $2 -F -p $3"
+    # shellcheck disable=SC2086
+    timeout 120 "$1" $args >/tmp/bw.server 2>&1 &
+    tries=0
+    until netstat -ltn 2>/dev/null | grep -q ":$3 " || [ "$tries" -gt 200 ]; do
+        tries=$((tries + 1)); usleep 50000
+    done
+    # shellcheck disable=SC2086
+    timeout 120 "$1" $args 127.0.0.1 >/tmp/bw.client 2>&1
+    awk -v t="$2" -v test="$1" '$1 == 4096 && NF == 5 { printf "PERFBW %s tx_depth=%s msg_per_s=%.0f\n", test, t, $5 * 1e6; found = 1 }
+         END { if (!found) print "PERFBW " test " tx_depth=" t " error=client_failed" }' /tmp/bw.client
+    wait
+}
+VMEOF
+    for ((r = 1; r <= rounds; r++)); do
+        printf 'PERFTEST_ITERS=%s %s ib_read_lat || failed=1\n' "$ops" "$(softroce_shell_quote "$here/vm-perftest.sh")"
+        printf 'bw ib_write_bw 1 %s\n' "$((18700 + 2 * r))"
+        printf 'bw ib_read_bw 16 %s\n' "$((18701 + 2 * r))"
+        for run in "zc$r|--register-buffers --ops $ops" "bounce$r|--ops $ops" \
+            "zc16_$r|--register-buffers --op read --depth 16 --ops $((ops * 4))" \
+            "bounce16_$r|--op read --depth 16 --ops $((ops * 4))"; do
+            name="${run%%|*}"
+            printf 'if %s --transport rdma --memory 16MiB --json /tmp/%s.json %s 2>/tmp/%s.err; then\n' "$b" "$name" "${run#*|}" "$name"
+            printf '    grep -a "^zero-copy" /tmp/%s.err | sed "s/^/ZC %s /"\n' "$name" "$name"
+            # shellcheck disable=SC2016 # expanded by the generated script
+            printf '    echo "BENCHJSON %s $(tr -d %s </tmp/%s.json)"\n' "$name" "'\\n '" "$name"
+            printf 'else tail -n 5 /tmp/%s.err; echo "RDMABENCH FAILED %s"; failed=1; fi\n' "$name" "$name"
+        done
+    done
+    # shellcheck disable=SC2016 # expanded by the generated script
+    echo 'exit "$failed"'
+} >"$runner"
+chmod +x "$runner"
+
+rc=0
+# shellcheck disable=SC2086 # SOFTROCE_VM_OPTS is a list of words on purpose
+"$here/run-in-vm.sh" --timeout 900 --copy "$here/vm-perftest.sh" --copy "$bench_exe" \
+    ${SOFTROCE_VM_OPTS:-} "${vm_opts[@]}" -- "$runner" | tee "$work/out.txt" || rc=$?
+out="$work/out.txt"
+
+field() { printf '%s\n' "$2" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
+json() { printf '%s\n' "$2" | grep -o "\"$1\":[^,}]*" | head -n 1 | sed 's/^[^:]*://; s/"//g'; }
+record() {
+    sed -n "s/^BENCHJSON $1 //p" "$out" | sed 's/},{"transport"/}\n{"transport"/g' |
+        grep "\"op\":\"$2\"" | head -n 1
+}
+fmt1() { awk -v v="$1" 'BEGIN { printf "%.1f", v }'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
+median() { tr ' ' '\n' | grep -v '^$' | LC_ALL=C sort -g | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
+minimum() { tr ' ' '\n' | grep -v '^$' | LC_ALL=C sort -g | head -n 1; }
+maximum() { tr ' ' '\n' | grep -v '^$' | LC_ALL=C sort -g | tail -n 1; }
+
+failed=0
+grep -q '^RDMABENCH FAILED' "$out" && failed=1
+echo
+echo "==== zero-copy RDMA vs perftest (same boot) ===="
+printf '%-6s | %-28s | %-30s | %-28s\n' round "READ p50 us zc/bounce/perf" "WRITE mean us zc/bounce/perf" "depth16 pages/s zc/bounce/perf"
+declare -A all=()
+for ((r = 1; r <= rounds; r++)); do
+    perf="$(grep '^PERFTEST ib_read_lat .*t_typical_us=' "$out" | sed -n "${r}p")"
+    wbw="$(grep '^PERFBW ib_write_bw .*msg_per_s=' "$out" | sed -n "${r}p")"
+    rbw="$(grep '^PERFBW ib_read_bw .*msg_per_s=' "$out" | sed -n "${r}p")"
+    p_read="$(field t_typical_us "$perf")"
+    p_write="$(awk -v m="$(field msg_per_s "$wbw")" 'BEGIN { if (m > 0) printf "%.1f", 1e6 / m }')"
+    p_bw="$(field msg_per_s "$rbw")"
+    for side in zc bounce; do
+        rec_r="$(record "$side$r" read)" rec_w="$(record "$side$r" write)" rec_d="$(record "${side}16_$r" read)"
+        for rec in "$rec_r" "$rec_w" "$rec_d"; do
+            if [[ -z "$rec" || "$(json verified "$rec")" != true || "$(json transport "$rec")" != rdma ]]; then
+                echo "round $r $side: a bench run is missing or not verified"
+                failed=1
+            fi
+        done
+        all[$side.read.$r]="$(fmt1 "$(json p50 "$rec_r")")"
+        all[$side.write.$r]="$(fmt1 "$(json mean "$rec_w")")"
+        all[$side.d16.$r]="$(awk -v v="$(json pages_per_s "$rec_d")" 'BEGIN { printf "%.0f", v }')"
+    done
+    all[perf.read.$r]="$p_read" all[perf.write.$r]="$p_write" all[perf.d16.$r]="$p_bw"
+    printf '%-6s | %-28s | %-30s | %-28s\n' "$r" \
+        "${all[zc.read.$r]}/${all[bounce.read.$r]}/$p_read" \
+        "${all[zc.write.$r]}/${all[bounce.write.$r]}/$p_write" \
+        "${all[zc.d16.$r]}/${all[bounce.d16.$r]}/$p_bw"
+done
+summary() { # summary KIND SIDE: median of per-round ratios, and best-of
+    local kind="$1" side="$2" ratios="" ours="" theirs=""
+    for ((r = 1; r <= rounds; r++)); do
+        ratios+=" $(ratio "${all[$side.$kind.$r]}" "${all[perf.$kind.$r]}")"
+        ours+=" ${all[$side.$kind.$r]}" theirs+=" ${all[perf.$kind.$r]}"
+    done
+    local best
+    if [[ "$kind" == d16 ]]; then
+        best="$(ratio "$(maximum <<<"$ours")" "$(maximum <<<"$theirs")")"
+    else
+        best="$(ratio "$(minimum <<<"$ours")" "$(minimum <<<"$theirs")")"
+    fi
+    printf '%s/perftest %-6s: per-round%s; median %s; best-of %s\n' "$side" "$kind" "$ratios" "$(median <<<"$ratios")" "$best"
+}
+for kind in read write d16; do
+    for side in zc bounce; do
+        summary "$kind" "$side"
+    done
+done
+grep '^ZC ' "$out" | sed 's/^ZC /bench /' || true
+((rc == 0)) || exit "$rc"
+exit "$failed"
