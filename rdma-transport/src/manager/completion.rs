@@ -207,8 +207,9 @@ impl Shared {
         match next {
             Next::Wait => {
                 let lane = &mut st.lanes[token];
-                if self.mode != Mode::Poll {
-                    // Nobody polls these connections: their pollers must.
+                if self.mode != Mode::Poll || self.sleeper.lock().is_some() {
+                    // Nobody polls these connections (or the reaper sleeps
+                    // in `wait`): their pollers must.
                     lane.round.park(true);
                 }
                 st.active.push(token);
