@@ -218,6 +218,7 @@ impl Inner {
                     lane.round_end = end;
                     let mut pages = super::rdma_batch::Pages { frame: None };
                     lane.round.opcode = batch.opcode;
+                    lane.round.deferred = true;
                     // Held across the submission: answers from the first
                     // nodes of the round must not look like the end of it
                     // (and queue it) while later nodes are still to go.

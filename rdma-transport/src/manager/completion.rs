@@ -161,6 +161,8 @@ impl Shared {
     /// deadline of the lanes still on the wire.
     fn step(self: &Arc<Self>) -> Option<Instant> {
         let mut st = self.stepper.lock();
+        // The doorbell: what was submitted since the last reap goes out.
+        self.flush(&mut st);
         // Read what the lanes' connections have, each connection once.
         let mut seen = std::mem::take(&mut st.seen);
         seen.clear();
@@ -198,7 +200,21 @@ impl Shared {
             earliest = Some(earliest.map_or(lane.deadline, |e| e.min(lane.deadline)));
             i += 1;
         }
+        // The next windows of the lanes settled above.
+        self.flush(&mut st);
         earliest
+    }
+
+    /// Writes the requests the active lanes queued on their connections
+    /// (one `writev` per connection).
+    fn flush(&self, st: &mut Stepper) {
+        let deadline = Instant::now() + self.inner.config.request_timeout();
+        let mut seen = std::mem::take(&mut st.seen);
+        seen.clear();
+        for &token in &st.active {
+            st.lanes[token].round.flush(&mut seen, deadline);
+        }
+        st.seen = seen;
     }
 
     /// Books a lane's next step.
@@ -302,6 +318,12 @@ impl Shared {
             lane.batch = Some(Arc::clone(&batch));
             let next = self.inner.advance(lane);
             self.after(&mut st, token, next);
+        }
+        if self.mode != Mode::Poll {
+            // Nobody may reap before an answer: ring the doorbell now. (In
+            // poll mode the next `poll` or `wait` does, so a burst of
+            // submissions goes out with one write per connection.)
+            self.flush(&mut st);
         }
         Ok(())
     }
@@ -605,6 +627,9 @@ impl Drop for CompletionQueue {
         // Cancel every round still on the wire: nothing may write into the
         // pages or signal a lane after this.
         let mut st = self.shared.stepper.lock();
+        // Queued requests go out first (they are cancelled just below): a
+        // queue must never keep pointers into pages it no longer owns.
+        self.shared.flush(&mut st);
         let active = std::mem::take(&mut st.active);
         for token in active {
             self.shared.inner.cancel_lane(&mut st.lanes[token]);

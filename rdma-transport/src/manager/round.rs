@@ -31,6 +31,9 @@ pub(super) struct Round {
     /// Failures found while submitting (before any wait).
     early: Outcome,
     pub(super) opcode: Opcode,
+    /// TCP requests are queued on their connections for `flush` (the
+    /// completion queue's doorbell) instead of written at once.
+    pub(super) deferred: bool,
     /// Whether the round is parked on its connections (`park`).
     parked: bool,
 }
@@ -44,6 +47,7 @@ impl Round {
             group_count: 0,
             early: Outcome::default(),
             opcode: Opcode::Read,
+            deferred: false,
             parked: false,
         }
     }
@@ -73,6 +77,18 @@ impl Round {
                 c.parking.enter();
             } else {
                 c.parking.leave();
+            }
+        }
+    }
+
+    /// Writes the requests queued on the round's TCP connections (see
+    /// `deferred`); `seen` as for `progress`.
+    pub(super) fn flush(&self, seen: &mut Vec<usize>, deadline: Instant) {
+        for c in self.tcp.groups[..self.group_count].iter().flatten() {
+            let key = std::sync::Arc::as_ptr(c) as usize;
+            if !seen.contains(&key) {
+                seen.push(key);
+                c.flush_deferred(deadline);
             }
         }
     }
@@ -194,7 +210,11 @@ impl Inner {
             round.group_count += 1;
             round.group_nodes[group] = node_index;
             let mut ids = [0u64; MAX_CHUNK];
-            let result = conn.submit(opcode, &reqs[..m], &mut ids, waiter, deadline);
+            let result = if round.deferred {
+                conn.submit_deferred(opcode, &reqs[..m], &mut ids, waiter, deadline)
+            } else {
+                conn.submit(opcode, &reqs[..m], &mut ids, waiter, deadline)
+            };
             let armed = match &result {
                 Ok(()) => m,
                 Err((armed, _)) => *armed,

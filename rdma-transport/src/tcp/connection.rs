@@ -54,7 +54,9 @@ pub(crate) struct ClientAuth<'a> {
 pub(crate) struct TcpConnection {
     pub(crate) node_id: String,
     stream: TcpStream,
-    send_lock: Mutex<()>,
+    pub(super) send_lock: Mutex<()>,
+    /// Requests armed but not written yet (`submit_deferred`).
+    pub(super) deferred: Mutex<super::deferred::Deferred>,
     pub(crate) inflight: Inflight,
     /// Bytes read but not parsed; held by whoever is reading answers.
     pub(crate) recv: Mutex<RecvBuf>,
@@ -107,6 +109,7 @@ impl TcpConnection {
             node_id: node_id.to_owned(),
             stream,
             send_lock: Mutex::new(()),
+            deferred: Mutex::new(super::deferred::Deferred::default()),
             inflight: Inflight::new(),
             recv: Mutex::new(RecvBuf::new()),
             parking: Parking::new(),
@@ -151,29 +154,11 @@ impl TcpConnection {
         let mut headers = [[0u8; HEADER_LEN]; MAX_CHUNK];
         let _guard = self.send_lock.lock();
         for (i, req) in reqs.iter().enumerate() {
-            let dst = if opcode == Opcode::Read {
-                req.page
-            } else {
-                std::ptr::null_mut()
-            };
-            let id = loop {
-                if let Some(id) = self.inflight.arm(dst, req.offset, waiter) {
-                    break id;
-                }
-                if Instant::now() >= deadline {
-                    return Err((i, io::Error::from(io::ErrorKind::TimedOut)));
-                }
-                std::thread::yield_now();
-            };
+            let (id, header) = self
+                .arm_one(opcode, req, waiter, deadline)
+                .map_err(|e| (i, e))?;
             ids[i] = id;
-            let mut header = Header::request(opcode, id, req.offset, PAGE_SIZE as u32);
-            if opcode == Opcode::Write && self.ack.checksums {
-                // SAFETY: for WRITE, `page` points at a caller-owned page that
-                // stays borrowed for the whole call.
-                let page: &Page = unsafe { &*req.page.cast::<Page>() };
-                header = header.with_checksum(page_checksum(page));
-            }
-            headers[i] = header.encode();
+            headers[i] = header;
         }
         // The poller sets `broken` before failing pending slots; checking it
         // after arming closes the window where a slot armed after that sweep
@@ -206,7 +191,40 @@ impl TcpConnection {
             })
     }
 
-    fn write_all_vectored(
+    /// Arms a slot for `req` (waiting for a free one until `deadline`) and
+    /// encodes its header.
+    pub(super) fn arm_one(
+        &self,
+        opcode: Opcode,
+        req: &Request,
+        waiter: &Waiter,
+        deadline: Instant,
+    ) -> io::Result<(u64, [u8; HEADER_LEN])> {
+        let dst = if opcode == Opcode::Read {
+            req.page
+        } else {
+            std::ptr::null_mut()
+        };
+        let id = loop {
+            if let Some(id) = self.inflight.arm(dst, req.offset, waiter) {
+                break id;
+            }
+            if Instant::now() >= deadline {
+                return Err(io::Error::from(io::ErrorKind::TimedOut));
+            }
+            std::thread::yield_now();
+        };
+        let mut header = Header::request(opcode, id, req.offset, PAGE_SIZE as u32);
+        if opcode == Opcode::Write && self.ack.checksums {
+            // SAFETY: for WRITE, `page` points at a caller-owned page that
+            // stays borrowed until the request is answered or cancelled.
+            let page: &Page = unsafe { &*req.page.cast::<Page>() };
+            header = header.with_checksum(page_checksum(page));
+        }
+        Ok((id, header.encode()))
+    }
+
+    pub(super) fn write_all_vectored(
         &self,
         mut bufs: &mut [IoSlice<'_>],
         deadline: Instant,

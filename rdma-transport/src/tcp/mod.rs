@@ -2,6 +2,7 @@
 //! answers (by waiting callers or pollers) and the poller threads.
 
 mod connection;
+mod deferred;
 mod inflight;
 mod poller;
 mod receive;

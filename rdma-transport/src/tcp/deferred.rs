@@ -1,0 +1,113 @@
+//! Deferred submission (a doorbell): requests of asynchronous rounds are
+//! armed at once but written later, all those of a connection with one
+//! `writev`, when the completion queue is reaped (or at the end of a
+//! submission in eventfd and callback modes). One system call then carries
+//! every request a VMM thread submitted since the last reap, as a bare
+//! pipelined client would send them.
+
+use std::io::{self, IoSlice};
+use std::time::Instant;
+
+use super::connection::{Request, TcpConnection};
+use super::inflight::{Waiter, CODE_CONN_LOST};
+use crate::page::PAGE_SIZE;
+use crate::wire::{Opcode, HEADER_LEN};
+
+/// Iovecs per `writev` (below the kernel's IOV_MAX of 1024).
+const IOVECS_PER_WRITE: usize = 512;
+
+/// A WRITE request's page, kept until the flush.
+#[derive(Debug, Clone, Copy)]
+struct Payload(*const u8);
+
+// SAFETY: the page belongs to a submission that stays in flight (so its
+// memory stays lent to us) until the request is answered or cancelled, and
+// a cancelled request is never flushed after its submission is gone (see
+// `flush_deferred`'s caller contract).
+unsafe impl Send for Payload {}
+
+/// The requests of one connection armed but not yet written.
+#[derive(Debug, Default)]
+pub(crate) struct Deferred {
+    headers: Vec<[u8; HEADER_LEN]>,
+    /// Per header: the WRITE payload, or null.
+    payloads: Vec<Payload>,
+}
+
+impl TcpConnection {
+    /// Arms a slot for every request and queues it for the next
+    /// `flush_deferred`. On success `ids[i]` is request i's id. On error,
+    /// ids already armed are in `ids[..armed]` (queued, and still to be
+    /// finished or cancelled by the caller).
+    pub(crate) fn submit_deferred(
+        &self,
+        opcode: Opcode,
+        reqs: &[Request],
+        ids: &mut [u64],
+        waiter: &Waiter,
+        deadline: Instant,
+    ) -> Result<(), (usize, io::Error)> {
+        for (i, req) in reqs.iter().enumerate() {
+            // Armed outside the queue's lock: waiting for a free slot must
+            // not hold up a flush (which frees slots).
+            let (id, header) = self
+                .arm_one(opcode, req, waiter, deadline)
+                .map_err(|e| (i, e))?;
+            ids[i] = id;
+            let mut queue = self.deferred.lock();
+            queue.headers.push(header);
+            queue.payloads.push(Payload(if opcode == Opcode::Write {
+                req.page.cast_const()
+            } else {
+                std::ptr::null()
+            }));
+        }
+        if self.is_broken() {
+            // As in `submit`: a sweep that ran before these slots were
+            // armed did not fail them.
+            self.inflight.fail_all(CODE_CONN_LOST);
+            return Err((reqs.len(), io::Error::from(io::ErrorKind::NotConnected)));
+        }
+        Ok(())
+    }
+
+    /// Writes every queued request. A failed write breaks the connection,
+    /// which fails every request in flight on it (their owners see it lost).
+    ///
+    /// The owners of the queued WRITE pages must not have settled their
+    /// requests yet: callers flush before they settle (the completion
+    /// queue flushes under its lock, before it reaps).
+    pub(crate) fn flush_deferred(&self, deadline: Instant) {
+        let mut queue = self.deferred.lock();
+        if queue.headers.is_empty() {
+            return;
+        }
+        let _send = self.send_lock.lock();
+        let q = &mut *queue;
+        let mut result = Ok(());
+        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(IOVECS_PER_WRITE);
+        for (header, payload) in q.headers.iter().zip(&q.payloads) {
+            iov.push(IoSlice::new(header));
+            if !payload.0.is_null() {
+                // SAFETY: a queued WRITE's page stays lent until its request
+                // is settled, which happens only after this flush (see above).
+                let page = unsafe { std::slice::from_raw_parts(payload.0, PAGE_SIZE) };
+                iov.push(IoSlice::new(page));
+            }
+            if iov.len() + 2 > IOVECS_PER_WRITE {
+                result = result.and_then(|()| self.write_all_vectored(&mut iov, deadline));
+                iov.clear();
+            }
+        }
+        if !iov.is_empty() {
+            result = result.and_then(|()| self.write_all_vectored(&mut iov, deadline));
+        }
+        drop(iov);
+        q.headers.clear();
+        q.payloads.clear();
+        if let Err(e) = result {
+            tracing::debug!(node = %self.node_id, err = %e, "writing deferred requests failed");
+            self.mark_broken(CODE_CONN_LOST);
+        }
+    }
+}
