@@ -529,9 +529,11 @@ impl CompletionQueue {
         ))
     }
 
-    /// Moves whatever is ready on (settles answered rounds, puts the next
-    /// windows on the wire) and appends the completions to `out`, without
-    /// blocking. Returns how many it appended. (Callback mode: always 0,
+    /// Moves whatever is ready on (writes what was submitted since the
+    /// last reap, settles answered rounds, puts the next windows on the
+    /// wire) and appends the completions to `out`, without blocking. In
+    /// [`Reap::Poll`] mode, TCP requests go out here (or in `wait`): a burst
+    /// of submissions costs one `writev` per connection. Returns how many it appended. (Callback mode: always 0,
     /// the callback gets them.)
     pub fn poll(&self, out: &mut Vec<Completion>) -> usize {
         if self.shared.mode == Mode::Callback {
