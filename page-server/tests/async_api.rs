@@ -291,3 +291,63 @@ fn dropping_a_queue_with_requests_in_flight_cancels_them() {
     mgr.read_page(0, &mut page).unwrap();
     assert!(page == page_for(0, 1));
 }
+
+#[test]
+fn more_requests_than_a_connection_has_slots_go_out_before_the_first_reap() {
+    // One node, one connection: 8 submissions of 600 pages each (up to
+    // 512 in flight each) want ~4000 request slots of the connection's
+    // 1024 before this thread reaps anything. Requests are queued until a
+    // reap (the doorbell): a submitter that finds the table full must send
+    // what is queued and read what came, or it waits for its deadline.
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let _a = page_server(&coord.url(), "a", 0);
+    let mgr = manager(&coord.url());
+    let page = |i: u64| (i % 128) * PAGE_SIZE as u64;
+    let read_gpas: Vec<u64> = (0..600u64)
+        .map(|i| page(i) + 128 * PAGE_SIZE as u64)
+        .collect();
+    let write_gpas: Vec<u64> = (0..600u64).map(page).collect();
+    let distinct: Vec<u64> = read_gpas[..128].to_vec();
+    fill(&mgr, &distinct, 8);
+    let queue = mgr.completion_queue(Reap::Poll).unwrap();
+    for k in 0..4u64 {
+        let pages: Box<[Page]> = write_gpas.iter().map(|&g| page_for(g, 9)).collect();
+        queue.submit_write(&write_gpas, pages, k).unwrap();
+        queue
+            .submit_read(&read_gpas, zeroed(read_gpas.len()), 100 + k)
+            .unwrap();
+    }
+    let mut done = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while done.len() < 8 {
+        assert!(
+            Instant::now() < deadline,
+            "only {} of 8 completed",
+            done.len()
+        );
+        queue.wait(&mut done, 8, Duration::from_secs(5));
+    }
+    for c in done {
+        assert!(
+            c.result.is_ok(),
+            "submission {}: {:?}",
+            c.user_data,
+            c.result
+        );
+        if c.user_data >= 100 {
+            let back = c.pages.unwrap();
+            for (i, &gpa) in read_gpas.iter().enumerate() {
+                assert!(back[i] == page_for(gpa, 8), "read {i} at {gpa:#x} differs");
+            }
+        }
+    }
+    let mut one = [0u8; PAGE_SIZE];
+    for &gpa in &write_gpas[..128] {
+        mgr.read_page(gpa, &mut one).unwrap();
+        assert!(one == page_for(gpa, 9), "written page {gpa:#x} differs");
+    }
+}

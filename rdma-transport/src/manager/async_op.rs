@@ -131,6 +131,8 @@ pub(super) struct Lane {
     pub(super) deadline: Instant,
     pub(super) seq: u64,
     pub(super) phase: Phase,
+    /// Requests this lane counts in its queue's total (see `requests`).
+    pub(super) counted: usize,
     /// A fallback's result, set by its worker thread.
     pub(super) fallback: Option<Result<(), TransportError>>,
 }
@@ -166,7 +168,17 @@ impl Lane {
             deadline: Instant::now(),
             seq: 0,
             phase: Phase::Free,
+            counted: 0,
             fallback: None,
+        }
+    }
+
+    /// Requests of the round on the wire.
+    pub(super) fn requests(&self) -> usize {
+        if self.phase == Phase::Round {
+            self.n
+        } else {
+            0
         }
     }
 

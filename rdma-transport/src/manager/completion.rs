@@ -115,9 +115,18 @@ struct Stepper {
     free: Vec<usize>,
     /// Lanes in `Phase::Round`.
     active: Vec<usize>,
+    /// Requests of the active lanes (at most `MAX_REQUESTS`).
+    requests: usize,
+    /// Lanes with a submission that wait for room under `MAX_REQUESTS`.
+    waiting: std::collections::VecDeque<usize>,
     /// Scratch: connections read in this step.
     seen: Vec<usize>,
 }
+
+/// Requests one queue keeps on the wire at most: half a connection's
+/// request table. Its requests hold their slots until the queue is
+/// reaped, so more could fill a table that only this thread can empty.
+const MAX_REQUESTS: usize = crate::tcp::SLOTS / 2;
 
 impl ReadyHook for Shared {
     fn ready(&self, token: usize, seq: u64) {
@@ -200,9 +209,23 @@ impl Shared {
             earliest = Some(earliest.map_or(lane.deadline, |e| e.min(lane.deadline)));
             i += 1;
         }
-        // The next windows of the lanes settled above.
+        // Lanes that waited for room, then the next windows of the lanes
+        // settled above.
+        self.start_waiting(&mut st);
         self.flush(&mut st);
         earliest
+    }
+
+    /// Puts waiting lanes on the wire while there is room for a whole
+    /// window.
+    fn start_waiting(self: &Arc<Self>, st: &mut Stepper) {
+        while st.requests + crate::tcp::MAX_CHUNK <= MAX_REQUESTS {
+            let Some(token) = st.waiting.pop_front() else {
+                break;
+            };
+            let next = self.inner.advance(&mut st.lanes[token]);
+            self.after(st, token, next);
+        }
     }
 
     /// Writes the requests the active lanes queued on their connections
@@ -219,9 +242,16 @@ impl Shared {
 
     /// Books a lane's next step.
     fn after(self: &Arc<Self>, st: &mut Stepper, token: usize, next: Next) {
-        st.active.retain(|&t| t != token);
+        if let Some(at) = st.active.iter().position(|&t| t == token) {
+            st.active.swap_remove(at);
+            st.requests -= st.lanes[token].counted;
+            st.lanes[token].counted = 0;
+        }
         match next {
             Next::Wait => {
+                let counted = st.lanes[token].requests();
+                st.requests += counted;
+                st.lanes[token].counted = counted;
                 let lane = &mut st.lanes[token];
                 if self.mode != Mode::Poll || self.sleeper.lock().is_some() {
                     // Nobody polls these connections (or the reaper sleeps
@@ -314,11 +344,10 @@ impl Shared {
                     token
                 }
             };
-            let lane = &mut st.lanes[token];
-            lane.batch = Some(Arc::clone(&batch));
-            let next = self.inner.advance(lane);
-            self.after(&mut st, token, next);
+            st.lanes[token].batch = Some(Arc::clone(&batch));
+            st.waiting.push_back(token);
         }
+        self.start_waiting(&mut st);
         if self.mode != Mode::Poll {
             // Nobody may reap before an answer: ring the doorbell now. (In
             // poll mode the next `poll` or `wait` does, so a burst of
@@ -367,6 +396,8 @@ impl Inner {
                 lanes: Vec::new(),
                 free: Vec::new(),
                 active: Vec::new(),
+                requests: 0,
+                waiting: std::collections::VecDeque::new(),
                 seen: Vec::new(),
             }),
             in_flight: AtomicUsize::new(0),

@@ -155,7 +155,7 @@ impl TcpConnection {
         let _guard = self.send_lock.lock();
         for (i, req) in reqs.iter().enumerate() {
             let (id, header) = self
-                .arm_one(opcode, req, waiter, deadline)
+                .arm_one(opcode, req, waiter, deadline, false)
                 .map_err(|e| (i, e))?;
             ids[i] = id;
             headers[i] = header;
@@ -192,13 +192,16 @@ impl TcpConnection {
     }
 
     /// Arms a slot for `req` (waiting for a free one until `deadline`) and
-    /// encodes its header.
+    /// encodes its header. `drain`: while the table is full, write the
+    /// deferred requests and read the answers that came, so slots can free
+    /// up (a deferred submitter may hold every slot itself).
     pub(super) fn arm_one(
         &self,
         opcode: Opcode,
         req: &Request,
         waiter: &Waiter,
         deadline: Instant,
+        drain: bool,
     ) -> io::Result<(u64, [u8; HEADER_LEN])> {
         let dst = if opcode == Opcode::Read {
             req.page
@@ -211,6 +214,12 @@ impl TcpConnection {
             }
             if Instant::now() >= deadline {
                 return Err(io::Error::from(io::ErrorKind::TimedOut));
+            }
+            if drain {
+                self.flush_deferred(deadline);
+                if let Some(mut rb) = self.recv.try_lock() {
+                    let _ = self.progress(&mut rb);
+                }
             }
             std::thread::yield_now();
         };
@@ -401,7 +410,7 @@ fn receive(stream: &mut TcpStream, opcode: Opcode, addr: &str) -> Result<Vec<u8>
     Ok(payload)
 }
 
-fn wait_writable(stream: &TcpStream, deadline: Instant) -> io::Result<()> {
+pub(super) fn wait_writable(stream: &TcpStream, deadline: Instant) -> io::Result<()> {
     let remaining = deadline.saturating_duration_since(Instant::now());
     if remaining.is_zero() {
         return Err(io::Error::from(io::ErrorKind::TimedOut));

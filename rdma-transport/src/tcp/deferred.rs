@@ -5,8 +5,8 @@
 //! every request a VMM thread submitted since the last reap, as a bare
 //! pipelined client would send them.
 
-use std::io::{self, IoSlice};
-use std::time::Instant;
+use std::io::{self, IoSlice, Write};
+use std::time::{Duration, Instant};
 
 use super::connection::{Request, TcpConnection};
 use super::inflight::{Waiter, CODE_CONN_LOST};
@@ -51,7 +51,7 @@ impl TcpConnection {
             // Armed outside the queue's lock: waiting for a free slot must
             // not hold up a flush (which frees slots).
             let (id, header) = self
-                .arm_one(opcode, req, waiter, deadline)
+                .arm_one(opcode, req, waiter, deadline, true)
                 .map_err(|e| (i, e))?;
             ids[i] = id;
             let mut queue = self.deferred.lock();
@@ -95,12 +95,12 @@ impl TcpConnection {
                 iov.push(IoSlice::new(page));
             }
             if iov.len() + 2 > IOVECS_PER_WRITE {
-                result = result.and_then(|()| self.write_all_vectored(&mut iov, deadline));
+                result = result.and_then(|()| self.write_draining(&mut iov, deadline));
                 iov.clear();
             }
         }
         if !iov.is_empty() {
-            result = result.and_then(|()| self.write_all_vectored(&mut iov, deadline));
+            result = result.and_then(|()| self.write_draining(&mut iov, deadline));
         }
         drop(iov);
         q.headers.clear();
@@ -109,5 +109,35 @@ impl TcpConnection {
             tracing::debug!(node = %self.node_id, err = %e, "writing deferred requests failed");
             self.mark_broken(CODE_CONN_LOST);
         }
+    }
+
+    /// Writes all of `bufs` by `deadline`. While the socket is full it
+    /// reads the answers that came meanwhile: a flush can be megabytes, and
+    /// a page-server whose answers nobody reads stops reading requests.
+    fn write_draining(&self, mut bufs: &mut [IoSlice<'_>], deadline: Instant) -> io::Result<()> {
+        while !bufs.is_empty() {
+            match self.stream().write_vectored(bufs) {
+                Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+                Ok(written) => IoSlice::advance_slices(&mut bufs, written),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if let Some(mut rb) = self.recv.try_lock() {
+                        let _ = self.progress(&mut rb);
+                    }
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(io::Error::from(io::ErrorKind::TimedOut));
+                    }
+                    let soon = deadline.min(now + Duration::from_millis(1));
+                    match super::connection::wait_writable(self.stream(), soon) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == io::ErrorKind::TimedOut => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 }
