@@ -221,8 +221,8 @@ typedef struct RtGuestMemoryStats {
   // `sizeof(RtGuestMemoryStats)`, set by the caller (see
   // docs/embedding.md).
   uint32_t struct_size;
-  // MISSING faults resolved by fetching the page (counted right after
-  // the copy that wakes the faulting thread, so it may trail it).
+  // MISSING faults resolved by fetching the page (counted just before
+  // the install that wakes the faulting thread).
   uint64_t missing_faults;
   // First writes to clean pages.
   uint64_t wp_faults;

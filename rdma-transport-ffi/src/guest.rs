@@ -151,8 +151,8 @@ pub struct RtGuestMemoryStats {
     /// `sizeof(RtGuestMemoryStats)`, set by the caller (see
     /// docs/embedding.md).
     pub struct_size: u32,
-    /// MISSING faults resolved by fetching the page (counted right after
-    /// the copy that wakes the faulting thread, so it may trail it).
+    /// MISSING faults resolved by fetching the page (counted just before
+    /// the install that wakes the faulting thread).
     pub missing_faults: u64,
     /// First writes to clean pages.
     pub wp_faults: u64,

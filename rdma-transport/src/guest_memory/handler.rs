@@ -171,7 +171,6 @@ impl Handler<'_> {
         match self.resolve_missing(fault.page, fault.write) {
             Ok(installed) => {
                 if installed {
-                    Counters::add(&self.shared.counters.missing_faults, 1);
                     super::prefetch::after_fault(self.shared, fault.page);
                 }
             }
@@ -226,6 +225,9 @@ impl Handler<'_> {
             if write {
                 states.set_bits(page, DIRTY);
             }
+            // Counted before the copy wakes the faulting thread (and taken
+            // back if it fails), so a reader of the stats never misses it.
+            Counters::add(&shared.counters.missing_faults, 1);
             let mut again = 0;
             let (set, woken) = loop {
                 // SAFETY: the frame is a live 4 KiB pool frame; `addr` is a
@@ -249,6 +251,9 @@ impl Handler<'_> {
                     }
                 }
             };
+            if set & PRESENT == 0 {
+                Counters::sub(&shared.counters.missing_faults, 1);
+            }
             let clear = if set & PRESENT == 0 {
                 LOCKED | DIRTY
             } else {

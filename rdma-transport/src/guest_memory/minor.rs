@@ -76,7 +76,13 @@ pub(crate) fn resolve(shared: &Shared, page: usize, write: bool) -> Result<bool,
         if write {
             states.set_bits(page, DIRTY);
         }
+        // Counted before the CONTINUE wakes the faulting thread (and taken
+        // back if it fails), so a reader of the stats never misses it.
+        Counters::add(&shared.counters.missing_faults, 1);
         let set = map_page(shared, page, write);
+        if set & PRESENT == 0 {
+            Counters::sub(&shared.counters.missing_faults, 1);
+        }
         let clear = if set & PRESENT == 0 {
             LOCKED | FETCHING | DIRTY
         } else {

@@ -77,8 +77,8 @@ use shared::{Counters, Shared, Writeback, WRITEBACK_BATCH};
 /// Counters of one region since it was created.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GuestMemoryStats {
-    /// MISSING faults resolved by fetching the page (counted right after
-    /// the copy that wakes the faulting thread, so it may trail it).
+    /// MISSING faults resolved by fetching the page (counted just before
+    /// the install that wakes the faulting thread).
     pub missing_faults: u64,
     /// Fetches started by fault handlers (read-ahead not included): one
     /// per attempt, so a retried fault counts each try, and on anonymous

@@ -39,6 +39,11 @@ impl Counters {
     pub(crate) fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
     }
+
+    /// Takes back an `add` whose event did not happen after all.
+    pub(crate) fn sub(counter: &AtomicU64, n: u64) {
+        counter.fetch_sub(n, Ordering::Relaxed);
+    }
 }
 
 /// The bounce batch of flush and evict, for pages of short dirty runs
