@@ -14,7 +14,7 @@ use super::link::Link;
 use super::{Inner, Node};
 use crate::config::PollMode;
 use crate::error::TransportError;
-use crate::page::{is_page_aligned, PAGE_SIZE};
+use crate::page::PAGE_SIZE;
 use crate::pool::PageFrame;
 use crate::rdma::{Deadline, PageOp, RdmaConnection, RegionTable};
 use crate::tcp::Waiter;
@@ -34,26 +34,11 @@ impl Inner {
         frame: &mut Option<&mut Option<PageFrame>>,
     ) -> Option<Result<(), TransportError>> {
         let rdma = self.rdma.as_ref()?;
-        if !is_page_aligned(gpa) {
-            return None;
-        }
-        let state = self.state.load();
-        let loc = state.map.lookup(gpa)?;
-        // Replicated ranges (failover, writes to every replica) and ranges
-        // whose holder does not serve take the general path.
-        if loc.replicated || !loc.state.serves_reads() {
-            return None;
-        }
+        let (state, loc, link) = self.single_holder(gpa)?;
         let node = state.nodes.get(loc.node_index)?;
-        let link = node.conn.load_full()?;
         let Link::Rdma(conn) = &*link else {
             return None;
         };
-        // A server in another epoch than the range's: the general path
-        // refreshes the map and fails with `DataLost` if it still is.
-        if conn.is_broken() || !super::epoch::serves(loc.valid_epoch, conn.ack.epoch) {
-            return None;
-        }
         let in_range = loc
             .remote_offset
             .checked_add(PAGE_SIZE as u64)

@@ -11,11 +11,39 @@ use super::tcp_chunk::Sent;
 use super::Inner;
 use crate::config::PollMode;
 use crate::error::TransportError;
-use crate::page::is_page_aligned;
 use crate::tcp::{Request, TcpConnection, Waiter};
 use crate::wire::Opcode;
 
 impl Inner {
+    /// The one holder of `gpa` and its node's live connection, when a
+    /// one-page request may take a fast path: an aligned address in a
+    /// single-holder range that serves, on a connection to the server in
+    /// the range's epoch. `None` sends the request down the general path
+    /// (which refreshes the map on a miss, fails over replicas, dials, or
+    /// fails with `DataLost` for a server in another epoch).
+    pub(super) fn single_holder(
+        &self,
+        gpa: u64,
+    ) -> Option<(
+        arc_swap::Guard<Arc<super::map_state::MapState>>,
+        crate::gpa_map::Location,
+        Arc<Link>,
+    )> {
+        if !crate::page::is_page_aligned(gpa) {
+            return None;
+        }
+        let state = self.state.load();
+        let loc = state.map.lookup(gpa)?;
+        if loc.replicated || !loc.state.serves_reads() {
+            return None;
+        }
+        let link = state.nodes.get(loc.node_index)?.conn.load_full()?;
+        if link.is_broken() || !super::epoch::serves(loc.valid_epoch, link.epoch()) {
+            return None;
+        }
+        Some((state, loc, link))
+    }
+
     /// Runs one page over the node's live TCP connection. `None` when the
     /// general path must do it: a replicated range, no connection yet, a
     /// map miss, a bad address, a server in another epoch than the range's.
@@ -25,22 +53,11 @@ impl Inner {
         gpa: u64,
         page: *mut u8,
     ) -> Option<Result<(), TransportError>> {
-        if !is_page_aligned(gpa) {
-            return None;
-        }
-        let state = self.state.load();
-        let loc = state.map.lookup(gpa)?;
-        if loc.replicated || !loc.state.serves_reads() {
-            return None;
-        }
+        let (state, loc, link) = self.single_holder(gpa)?;
         let node = state.nodes.get(loc.node_index)?;
-        let link = node.conn.load_full()?;
         let Link::Tcp(conn) = &*link else {
             return None;
         };
-        if conn.is_broken() || !super::epoch::serves(loc.valid_epoch, conn.ack.epoch) {
-            return None;
-        }
         let deadline = Instant::now() + self.config.request_timeout();
         // Declared before the guard, which cancels the request (so nothing
         // refers to the waiter or the page) if this thread unwinds.
