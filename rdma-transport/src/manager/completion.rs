@@ -50,7 +50,10 @@ pub enum Reap {
     /// As `Poll`, and [`CompletionQueue::eventfd`] becomes readable when
     /// there is something to poll (an answer came, or a deadline passed).
     Eventfd,
-    /// The queue's own thread runs the callback for every completion.
+    /// The queue's own thread runs the callback for every completion. The
+    /// callback may submit to the queue, but must not drop it (dropping
+    /// joins that thread) and should return quickly: it holds up the
+    /// queue's other completions.
     Callback(CompletionCallback),
 }
 
