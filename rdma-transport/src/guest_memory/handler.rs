@@ -188,20 +188,10 @@ impl Handler<'_> {
         let addr = shared.region.page_addr(page);
         loop {
             let s = states.load(page);
-            if s & (PRESENT | POISONED) != 0 {
-                // Resolved since the fault was raised; make sure it is awake.
-                shared.wake(page);
-                return Ok(false);
-            }
-            if s & (LOCKED | FETCHING) != 0 {
-                if states.defer(page, LOCKED | FETCHING) {
-                    Counters::add(&shared.counters.deferred_faults, 1);
-                    if s & FETCHING != 0 {
-                        super::prefetch::after_deferred(shared, page);
-                    }
-                    return Ok(false);
-                }
-                continue;
+            match before_fetch(shared, page, s) {
+                BeforeFetch::Done => return Ok(false),
+                BeforeFetch::Again => continue,
+                BeforeFetch::Fetch => {}
             }
             Counters::add(&shared.counters.pages_fetched, 1);
             let frame = shared.manager.read_frame(shared.region.page_gpa(page))?;
@@ -354,6 +344,38 @@ impl Handler<'_> {
             }
         }
     }
+}
+
+/// What a MISSING fault on `page`, whose state word was `s`, needs before
+/// anything is fetched.
+pub(super) enum BeforeFetch {
+    /// Resolved since it was raised (its thread is woken), or deferred
+    /// behind whoever works on the page: nothing to do.
+    Done,
+    /// The page changed under us: look again.
+    Again,
+    /// Nobody has it or works on it: fetch it.
+    Fetch,
+}
+
+/// Shared by both backings' fault paths (see [`BeforeFetch`]).
+pub(super) fn before_fetch(shared: &Shared, page: usize, s: u32) -> BeforeFetch {
+    if s & (PRESENT | POISONED) != 0 {
+        // Resolved since the fault was raised; make sure it is awake.
+        shared.wake(page);
+        return BeforeFetch::Done;
+    }
+    if s & (LOCKED | FETCHING) != 0 {
+        if !shared.states.defer(page, LOCKED | FETCHING) {
+            return BeforeFetch::Again;
+        }
+        Counters::add(&shared.counters.deferred_faults, 1);
+        if s & FETCHING != 0 {
+            super::prefetch::after_deferred(shared, page);
+        }
+        return BeforeFetch::Done;
+    }
+    BeforeFetch::Fetch
 }
 
 /// Makes the thread faulting on `page` take SIGBUS, with the region's

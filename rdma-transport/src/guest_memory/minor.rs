@@ -12,6 +12,7 @@
 
 use crate::error::TransportError;
 
+use super::handler::BeforeFetch;
 use super::shared::{Counters, Shared};
 use super::state::{generation, DIRTY, FETCHING, LOCKED, POISONED, PRESENT};
 use super::uffd::CopyOutcome;
@@ -24,20 +25,10 @@ pub(crate) fn resolve(shared: &Shared, page: usize, write: bool) -> Result<bool,
     let states = &shared.states;
     loop {
         let s = states.load(page);
-        if s & (PRESENT | POISONED) != 0 {
-            // Resolved since the fault was raised; make sure it is awake.
-            shared.wake(page);
-            return Ok(false);
-        }
-        if s & (LOCKED | FETCHING) != 0 {
-            if states.defer(page, LOCKED | FETCHING) {
-                Counters::add(&shared.counters.deferred_faults, 1);
-                if s & FETCHING != 0 {
-                    super::prefetch::after_deferred(shared, page);
-                }
-                return Ok(false);
-            }
-            continue;
+        match super::handler::before_fetch(shared, page, s) {
+            BeforeFetch::Done => return Ok(false),
+            BeforeFetch::Again => continue,
+            BeforeFetch::Fetch => {}
         }
         let Some(gen) = states.try_start_fetch(page) else {
             continue;
