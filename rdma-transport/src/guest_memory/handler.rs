@@ -1,41 +1,53 @@
 //! Fault handler threads: read fault messages from the region's
-//! userfaultfd and resolve them.
+//! userfaultfd and resolve them, many at a time.
 //!
-//! - MISSING fault: fetch the page from its owner into a pool frame
-//!   ([`TransportManager::read_frame`](crate::TransportManager::read_frame)), then `UFFDIO_COPY` it in, clean
-//!   (write-protected) for a read, dirty (writable) for a write. EEXIST means
-//!   another thread installed it; EAGAIN is retried.
-//!   A shared region's MISSING and MINOR faults go to `minor.rs` instead:
-//!   fetched straight into the alias, mapped with `UFFDIO_CONTINUE`.
+//! - MISSING fault (MINOR too, on a shared region): claim the page
+//!   (`FETCHING`), submit its read to the thread's own completion queue and
+//!   go on serving other faults; the queue's eventfd sits in the thread's
+//!   poll set next to the userfaultfd. When the page arrives it is put in
+//!   place (`install.rs`): `UFFDIO_COPY` from the receive buffer, or, on a
+//!   shared region, received straight into the alias and mapped with
+//!   `UFFDIO_CONTINUE`. So a hung node delays only the faults that need
+//!   it, and one thread keeps many fetches in flight.
 //! - WP fault (first write to a clean page): mark it dirty and lift the
 //!   protection.
-//! - A page that is busy (being installed, prefetched, flushed or evicted)
-//!   is not waited for: the fault is left parked in the kernel and whoever
-//!   releases the page wakes it, so the thread re-faults.
+//! - A page that is busy (being fetched, installed, prefetched, flushed or
+//!   evicted) is not waited for: the fault is left parked in the kernel and
+//!   whoever releases the page wakes it, so the thread re-faults. Concurrent
+//!   faults on one page thus fetch it once.
 //! - A fetch that fails with a transient error is retried every
 //!   `retry_interval_ms` from a per-thread list (the handler keeps serving
 //!   other faults meanwhile) until `fault_timeout_ms`; then the fault is
 //!   reported through the embedder's callback and, by default, the thread
 //!   gets SIGBUS (see [`SigbusMethod`]).
 //!
-//! The loop allocates nothing after start-up: the event buffer and the
-//! retry list are allocated once.
+//! Buffers, fetch slots and the retry list are reused: a steady stream of
+//! faults allocates only what a submission to the queue does.
 
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::TransportError;
+use crate::manager::{Completion, CompletionQueue};
+use crate::page::{Page, PAGE_SIZE};
+use crate::tcp::TcpConnection;
 use crate::uffd::{Event, EventBuffer, FaultKind, Pagefault};
 
 use super::config::{FaultAction, FaultReport, SigbusMethod};
+use super::install::{self, Installed};
 use super::shared::{is_transient, Counters, Shared};
-use super::state::{generation, DIRTY, FETCHING, LOCKED, POISONED, PRESENT};
-use super::uffd::CopyOutcome;
+use super::state::{DIRTY, FETCHING, LOCKED, POISONED, PRESENT};
 
 const EVENTS_PER_READ: usize = 16;
+/// The userfaultfd, the stop eventfd and the queue's eventfd; the sockets
+/// of the fetches in flight follow.
+const FIXED_FDS: usize = 3;
 const RETRY_SLOTS: usize = 256;
-const COPY_AGAIN_LIMIT: u32 = 1000;
+/// Fetches one handler thread keeps in flight at most; a fault beyond them
+/// waits one retry interval.
+const MAX_FETCHES: usize = 256;
 
 /// A fault whose page could not be fetched yet.
 #[derive(Debug, Clone, Copy)]
@@ -48,30 +60,53 @@ struct PendingFault {
     attempts: u32,
 }
 
-/// Runs one handler thread until `shared.stop` is set.
-pub(crate) fn run(shared: &Arc<Shared>) {
+/// A fetch in flight: the fault it serves and the generation its page was
+/// claimed at.
+#[derive(Debug, Clone, Copy)]
+struct Fetch {
+    fault: PendingFault,
+    gen: u32,
+}
+
+/// Runs one handler thread until `shared.stop` is set. `queue` is the
+/// thread's own, made with [`crate::manager::Reap::Eventfd`].
+pub(crate) fn run(shared: &Arc<Shared>, queue: CompletionQueue) {
     let mut events = EventBuffer::new(EVENTS_PER_READ);
-    let mut pending: Vec<PendingFault> = Vec::with_capacity(RETRY_SLOTS);
-    let mut fds = [
-        libc::pollfd {
-            fd: shared.uffd.raw_fd(),
+    queue.read_tcp_myself();
+    let queue_fd = queue.eventfd().map_or(-1, |fd| fd.as_raw_fd());
+    let mut fds: Vec<libc::pollfd> = [shared.uffd.raw_fd(), shared.stop_fd, queue_fd]
+        .into_iter()
+        .map(|fd| libc::pollfd {
+            // A negative fd (no eventfd) is ignored by poll.
+            fd,
             events: libc::POLLIN,
             revents: 0,
-        },
-        libc::pollfd {
-            fd: shared.stop_fd,
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
+        })
+        .collect();
+    let mut sockets: Vec<Option<Arc<TcpConnection>>> = Vec::new();
     let mut handler = Handler {
         shared,
-        pending: &mut pending,
+        pending: Vec::with_capacity(RETRY_SLOTS),
+        queue,
+        fetches: Vec::with_capacity(MAX_FETCHES),
+        free: Vec::with_capacity(MAX_FETCHES),
+        frames: Vec::new(),
+        done: Vec::with_capacity(MAX_FETCHES),
     };
     while !shared.stop.load(Ordering::Acquire) {
         let timeout_ms = handler.next_retry_in_ms();
-        // SAFETY: `fds` is a live array of two pollfds.
-        let ret = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+        // The sockets our fetches wait on are read here, not by their
+        // pollers: an answer wakes this thread directly.
+        sockets.clear();
+        handler.queue.tcp_connections(&mut sockets);
+        fds.truncate(FIXED_FDS);
+        fds.extend(sockets.iter().flatten().map(|c| libc::pollfd {
+            fd: c.stream().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }));
+        // SAFETY: `fds` is a live, correctly sized array of pollfds.
+        let ret = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
         if ret < 0 {
             let err = std::io::Error::last_os_error();
             if err.kind() != std::io::ErrorKind::Interrupted {
@@ -82,16 +117,27 @@ pub(crate) fn run(shared: &Arc<Shared>) {
         if shared.stop.load(Ordering::Acquire) {
             break;
         }
+        if fds[2..].iter().any(|f| f.revents != 0) {
+            handler.complete();
+        }
         if fds[0].revents & libc::POLLIN != 0 {
             handler.drain(&mut events);
         }
         handler.run_due_retries();
     }
+    handler.abandon();
 }
 
 struct Handler<'a> {
     shared: &'a Shared,
-    pending: &'a mut Vec<PendingFault>,
+    pending: Vec<PendingFault>,
+    queue: CompletionQueue,
+    /// Fetches in flight, by `user_data`.
+    fetches: Vec<Option<Fetch>>,
+    free: Vec<usize>,
+    /// Spare receive buffers of one page (anonymous region).
+    frames: Vec<Box<[Page]>>,
+    done: Vec<Completion>,
 }
 
 impl Handler<'_> {
@@ -165,95 +211,126 @@ impl Handler<'_> {
         }
     }
 
-    /// Resolves (or defers, or schedules a retry for) a MISSING fault.
-    fn missing(&mut self, mut fault: PendingFault) {
-        fault.attempts += 1;
-        match self.resolve_missing(fault.page, fault.write) {
-            Ok(installed) => {
-                if installed {
-                    super::prefetch::after_fault(self.shared, fault.page);
-                }
-            }
-            Err(err) => self.failed(fault, err),
-        }
-    }
-
-    /// Ok(true) when this call installed the page.
-    fn resolve_missing(&self, page: usize, write: bool) -> Result<bool, TransportError> {
-        if self.shared.region.is_shared() {
-            return super::minor::resolve(self.shared, page, write);
-        }
+    /// Starts the fetch a MISSING fault needs (or defers the fault behind
+    /// whoever works on its page).
+    fn missing(&mut self, fault: PendingFault) {
         let shared = self.shared;
-        let states = &shared.states;
-        let addr = shared.region.page_addr(page);
-        loop {
-            let s = states.load(page);
+        let page = fault.page;
+        let gen = loop {
+            let s = shared.states.load(page);
             match before_fetch(shared, page, s) {
-                BeforeFetch::Done => return Ok(false),
+                BeforeFetch::Done => return,
                 BeforeFetch::Again => continue,
                 BeforeFetch::Fetch => {}
             }
-            Counters::add(&shared.counters.pages_fetched, 1);
-            let frame = shared.manager.read_frame(shared.region.page_gpa(page))?;
-            let Some(locked) = states.try_lock(page) else {
-                if states.defer(page, LOCKED) {
-                    Counters::add(&shared.counters.deferred_faults, 1);
-                    return Ok(false);
-                }
+            if let Some(gen) = shared.states.try_start_fetch(page) {
+                break gen;
+            }
+        };
+        if self.free.is_empty() && self.fetches.len() >= MAX_FETCHES {
+            // Full: give the claim back and come again later.
+            shared.release(page, 0, FETCHING, false);
+            self.retry_later(fault);
+            return;
+        }
+        let mut fault = fault;
+        fault.attempts += 1;
+        let slot = match self.free.pop() {
+            Some(slot) => slot,
+            None => {
+                self.fetches.push(None);
+                self.fetches.len() - 1
+            }
+        };
+        self.fetches[slot] = Some(Fetch { fault, gen });
+        Counters::add(&shared.counters.pages_fetched, 1);
+        let gpa = [shared.region.page_gpa(page)];
+        let submitted = if shared.region.is_shared() {
+            // SAFETY: the page is claimed `FETCHING` by us and absent from
+            // the guest mapping: no fault maps it and nobody else writes
+            // its alias until the completion releases the claim (a dropped
+            // queue cancels the read first).
+            match unsafe { shared.region.alias_pages_mut(page, page + 1) } {
+                // SAFETY: the alias page stays mapped while the region
+                // lives, which outlives this thread and its queue.
+                Some(dst) => unsafe {
+                    self.queue
+                        .submit_read_raw(&gpa, dst.as_mut_ptr(), slot as u64)
+                },
+                None => Err(TransportError::Config("shared region without alias".into())),
+            }
+        } else {
+            let frame = self
+                .frames
+                .pop()
+                .unwrap_or_else(|| vec![[0u8; PAGE_SIZE]; 1].into_boxed_slice());
+            self.queue.submit_read(&gpa, frame, slot as u64)
+        };
+        if let Err(err) = submitted {
+            self.fetches[slot] = None;
+            self.free.push(slot);
+            shared.release(page, 0, FETCHING, false);
+            self.failed(fault, err);
+        }
+    }
+
+    /// Puts the pages whose fetches completed in place.
+    fn complete(&mut self) {
+        let mut done = std::mem::take(&mut self.done);
+        self.queue.poll(&mut done);
+        for completion in done.drain(..) {
+            let slot = completion.user_data as usize;
+            let Some(fetch) = self.fetches.get_mut(slot).and_then(Option::take) else {
+                tracing::warn!(slot, "completion of an unknown fetch");
                 continue;
             };
-            if locked & (PRESENT | POISONED | FETCHING) != 0 || generation(locked) != generation(s)
-            {
-                // Installed, or dropped after a write-back, while we fetched:
-                // our copy may be stale. Look again.
-                shared.release(page, 0, LOCKED, false);
-                continue;
-            }
-            // Dirty before writable: flush skips pages not marked dirty
-            // without taking their lock, so the mark must come before any
-            // write can land.
-            if write {
-                states.set_bits(page, DIRTY);
-            }
-            // Counted before the copy wakes the faulting thread (and taken
-            // back if it fails), so a reader of the stats never misses it.
-            Counters::add(&shared.counters.missing_faults, 1);
-            let mut again = 0;
-            let (set, woken) = loop {
-                // SAFETY: the frame is a live 4 KiB pool frame; `addr` is a
-                // page of the registered region.
-                match unsafe { shared.uffd.copy_page(frame.as_ptr(), addr, !write) } {
-                    Ok(CopyOutcome::Copied) => break (PRESENT, true),
-                    // Present without our knowledge: treat it as dirty so a
-                    // flush write-protects and writes it.
-                    Ok(CopyOutcome::Exists) => break (PRESENT | DIRTY, false),
-                    Ok(CopyOutcome::Again) if again < COPY_AGAIN_LIMIT => {
-                        again += 1;
-                        std::hint::spin_loop();
-                    }
-                    Ok(CopyOutcome::Again) => {
-                        tracing::warn!(page, "UFFDIO_COPY kept answering EAGAIN; will refault");
-                        break (0, false);
-                    }
-                    Err(err) => {
-                        tracing::warn!(%err, page, "UFFDIO_COPY failed");
-                        break (0, false);
-                    }
+            self.free.push(slot);
+            let page = fetch.fault.page;
+            let outcome = match completion.result {
+                Ok(()) => {
+                    let frame = completion.pages.as_deref().and_then(|p| p.first());
+                    Ok(install::fetched(
+                        self.shared,
+                        page,
+                        fetch.gen,
+                        fetch.fault.write,
+                        frame,
+                    ))
+                }
+                Err(err) => {
+                    self.shared.release(page, 0, FETCHING, false);
+                    Err(err)
                 }
             };
-            if set & PRESENT == 0 {
-                Counters::sub(&shared.counters.missing_faults, 1);
+            if let Some(frame) = completion.pages {
+                self.frames.push(frame);
             }
-            let clear = if set & PRESENT == 0 {
-                LOCKED | DIRTY
-            } else {
-                LOCKED
-            };
-            shared.release(page, set, clear, false);
-            if !woken {
-                shared.wake(page);
+            match outcome {
+                Ok(Installed::Mapped) => super::prefetch::after_fault(self.shared, page),
+                Ok(Installed::Settled) => {}
+                Ok(Installed::Again) => self.missing(fetch.fault),
+                Err(err) => self.failed(fetch.fault, err),
             }
-            return Ok(set & PRESENT != 0);
+        }
+        self.done = done;
+    }
+
+    /// Gives the claims of the fetches still in flight back (the thread
+    /// stops; dropping the queue cancels the reads).
+    fn abandon(&mut self) {
+        for fetch in self.fetches.iter_mut().filter_map(Option::take) {
+            self.shared.release(fetch.fault.page, 0, FETCHING, false);
+        }
+    }
+
+    fn retry_later(&mut self, mut fault: PendingFault) {
+        let retry = Duration::from_millis(self.shared.config.retry_interval_ms.max(1));
+        fault.due = Instant::now() + retry;
+        if self.pending.len() < RETRY_SLOTS {
+            self.pending.push(fault);
+        } else {
+            // No room anywhere: the thread faults again when woken.
+            self.shared.wake(fault.page);
         }
     }
 
@@ -276,7 +353,7 @@ impl Handler<'_> {
                 shared.wake(page);
                 return;
             }
-            // Dirty before writable (see `resolve_missing`).
+            // Dirty before writable (see `install::fetched`).
             states.set_bits(page, DIRTY);
             let woken = match shared
                 .uffd

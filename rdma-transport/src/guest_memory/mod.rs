@@ -18,9 +18,9 @@
 //!
 //! Files: `region.rs` (the mapping), `uffd.rs` (the region's userfaultfd,
 //! on [`crate::uffd`]),
-//! `state.rs` (per-page state words), `handler.rs` (fault threads),
-//! `file.rs` and `minor.rs` (a shared-memory file: its mappings, and its
-//! faults served through the alias with `UFFDIO_CONTINUE`),
+//! `state.rs` (per-page state words), `handler.rs` (fault threads, each
+//! with many fetches in flight), `install.rs` (a fetched page put in
+//! place), `file.rs` (a shared-memory file's mappings),
 //! `dirty.rs` (write-back), `prefetch.rs` (read-ahead), `config.rs`.
 //! The design is in `docs/embedding.md`.
 //!
@@ -49,7 +49,7 @@ mod dirty;
 mod error;
 mod file;
 mod handler;
-mod minor;
+mod install;
 mod prefetch;
 mod region;
 mod shared;
@@ -214,13 +214,19 @@ impl GuestMemory {
         for i in 0..shared.config.handler_threads {
             let cpu = (!cpus.is_empty()).then(|| cpus[i % cpus.len()]);
             let thread_shared = Arc::clone(&shared);
+            let queue = shared
+                .manager
+                .completion_queue(crate::manager::Reap::Eventfd)
+                .map_err(|err| {
+                    GuestMemoryError::Config(format!("cannot make a fault handler's queue: {err}"))
+                })?;
             memory.spawn(format!("uffd-handler-{i}"), move || {
                 if let Some(id) = cpu {
                     if !core_affinity::set_for_current(core_affinity::CoreId { id }) {
                         tracing::warn!(cpu = id, "cannot pin fault handler");
                     }
                 }
-                handler::run(&thread_shared);
+                handler::run(&thread_shared, queue);
             })?;
         }
         if shared.config.prefetch_max_pages > 0 {

@@ -100,6 +100,10 @@ pub(super) struct Shared {
     sleeper: Mutex<Option<Thread>>,
     stop: AtomicBool,
     callback: Mutex<Option<CompletionCallback>>,
+    /// The reaper waits on the TCP sockets itself
+    /// ([`CompletionQueue::read_tcp_myself`]): rounds are not parked on
+    /// them.
+    reaper_reads_tcp: AtomicBool,
 }
 
 impl std::fmt::Debug for Shared {
@@ -131,10 +135,20 @@ struct Stepper {
 /// reaped, so more could fill a table that only this thread can empty.
 const MAX_REQUESTS: usize = crate::tcp::SLOTS / 2;
 
+thread_local! {
+    /// The queue whose `Shared::step` this thread is in, reading
+    /// connections: the answers of that queue it reads are settled by the
+    /// same step, nobody needs waking. (Answers of other queues or callers
+    /// on the same connections wake them as usual.)
+    static STEPPING: std::cell::Cell<*const Shared> = const { std::cell::Cell::new(std::ptr::null()) };
+}
+
 impl ReadyHook for Shared {
     fn ready(&self, token: usize, seq: u64) {
         self.ready.push((token, seq));
-        self.wake();
+        if !std::ptr::eq(STEPPING.with(std::cell::Cell::get), self) {
+            self.wake();
+        }
     }
 }
 
@@ -178,9 +192,11 @@ impl Shared {
         // Read what the lanes' connections have, each connection once.
         let mut seen = std::mem::take(&mut st.seen);
         seen.clear();
+        STEPPING.with(|s| s.set(Arc::as_ptr(self)));
         for &token in &st.active {
             st.lanes[token].round.progress(&mut seen);
         }
+        STEPPING.with(|s| s.set(std::ptr::null()));
         st.seen = seen;
         while let Some((token, seq)) = self.ready.pop() {
             let Some(lane) = st.lanes.get_mut(token) else {
@@ -258,8 +274,10 @@ impl Shared {
                 let lane = &mut st.lanes[token];
                 if self.mode != Mode::Poll || self.sleeper.lock().is_some() {
                     // Nobody polls these connections (or the reaper sleeps
-                    // in `wait`): their pollers must.
-                    lane.round.park(true);
+                    // in `wait`): their pollers must (the RDMA ones only,
+                    // when the reaper waits on the sockets itself).
+                    let tcp = !self.reaper_reads_tcp.load(Ordering::Relaxed);
+                    lane.round.park_some(true, tcp);
                 }
                 st.active.push(token);
             }
@@ -410,6 +428,7 @@ impl Inner {
             sleeper: Mutex::new(None),
             stop: AtomicBool::new(false),
             callback: Mutex::new(callback),
+            reaper_reads_tcp: AtomicBool::new(false),
         });
         let thread = match mode {
             Mode::Poll => None,
@@ -628,6 +647,26 @@ impl CompletionQueue {
             for &t in &st.active {
                 st.lanes[t].round.park(false);
             }
+        }
+    }
+
+    /// From now on the reaper waits on the TCP sockets of the rounds on
+    /// the wire itself ([`CompletionQueue::tcp_connections`], in its own
+    /// poll loop next to the eventfd) and calls [`CompletionQueue::poll`]
+    /// when one is readable: their pollers are not asked to read them, and
+    /// an answer costs one wake-up instead of the poller's plus the
+    /// eventfd's. The eventfd still signals RDMA answers, fallbacks and
+    /// deadlines. The fault handlers do this.
+    pub(crate) fn read_tcp_myself(&self) {
+        self.shared.reaper_reads_tcp.store(true, Ordering::Relaxed);
+    }
+
+    /// The TCP connections the queue's rounds on the wire wait on (see
+    /// [`CompletionQueue::read_tcp_myself`]).
+    pub(crate) fn tcp_connections(&self, out: &mut Vec<Option<Arc<crate::tcp::TcpConnection>>>) {
+        let st = self.shared.stepper.lock();
+        for &t in &st.active {
+            st.lanes[t].round.tcp_connections(out);
         }
     }
 

@@ -18,7 +18,7 @@ use super::request::{connection_lost, Outcome, Target};
 use super::tcp_chunk::{Sent, TcpChunk};
 use super::{Inner, Node};
 use crate::config::PollMode;
-use crate::tcp::{Request, Waiter, MAX_CHUNK};
+use crate::tcp::{Request, TcpConnection, Waiter, MAX_CHUNK};
 use crate::wire::Opcode;
 
 /// The requests of one round that are (or were) on the wire.
@@ -36,6 +36,8 @@ pub(super) struct Round {
     pub(super) deferred: bool,
     /// Whether the round is parked on its connections (`park`).
     parked: bool,
+    /// Whether that parking includes the TCP connections.
+    parked_tcp: bool,
 }
 
 impl Round {
@@ -49,6 +51,7 @@ impl Round {
             opcode: Opcode::Read,
             deferred: false,
             parked: false,
+            parked_tcp: false,
         }
     }
 
@@ -60,16 +63,27 @@ impl Round {
     /// Parks (`enter`) or unparks an asynchronous round on its
     /// connections, so their pollers read its answers. Idempotent.
     pub(super) fn park(&mut self, enter: bool) {
+        self.park_some(enter, true);
+    }
+
+    /// As `park`; with `tcp` false, only on its RDMA connections (the
+    /// reaper reads the TCP sockets itself). Unparking undoes what parking
+    /// did.
+    pub(super) fn park_some(&mut self, enter: bool, tcp: bool) {
         if self.parked == enter {
             return;
         }
         self.parked = enter;
-        let tcp = self.tcp.groups[..self.group_count].iter().flatten();
-        for c in tcp {
-            if enter {
-                c.parking.enter();
-            } else {
-                c.parking.leave();
+        if enter {
+            self.parked_tcp = tcp;
+        }
+        if self.parked_tcp {
+            for c in self.tcp.groups[..self.group_count].iter().flatten() {
+                if enter {
+                    c.parking.enter();
+                } else {
+                    c.parking.leave();
+                }
             }
         }
         for c in self.rdma.conns[..self.rdma.groups].iter().flatten() {
@@ -89,6 +103,15 @@ impl Round {
             if !seen.contains(&key) {
                 seen.push(key);
                 c.flush_deferred(deadline);
+            }
+        }
+    }
+
+    /// Adds the round's TCP connections that `out` does not hold yet.
+    pub(super) fn tcp_connections(&self, out: &mut Vec<Option<std::sync::Arc<TcpConnection>>>) {
+        for c in self.tcp.groups[..self.group_count].iter().flatten() {
+            if !out.iter().flatten().any(|o| std::sync::Arc::ptr_eq(o, c)) {
+                out.push(Some(std::sync::Arc::clone(c)));
             }
         }
     }

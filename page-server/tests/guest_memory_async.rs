@@ -1,0 +1,138 @@
+//! A fault handler thread keeps many fetches in flight: a node that hangs
+//! delays only the faults that need its pages.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use rdma_transport::guest_memory::{GuestBacking, GuestMemory, GuestMemoryConfig, SharedFile};
+use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
+
+const NODE: u64 = NODE_BYTES as u64;
+/// Faulting threads on node a's pages, and pages each touches.
+const THREADS: usize = 4;
+const PAGES_EACH: usize = 8;
+
+#[test]
+fn a_hung_node_delays_only_the_faults_that_need_it() {
+    hung_node_delays_only_its_faults(false);
+}
+
+#[test]
+fn shared_a_hung_node_delays_only_the_faults_that_need_it() {
+    hung_node_delays_only_its_faults(true);
+}
+
+/// One handler thread. Node b is SIGSTOPped (connected, silent) while a
+/// fault on its page is in flight; faults on node a's pages from four
+/// threads must all be served before b comes back. The request timeout is
+/// a minute, so a handler that waited for b's answer would serve none of
+/// them in time. Then b resumes and its fault is served with its page.
+fn hung_node_delays_only_its_faults(shared: bool) {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let _a = page_server(&coord.url(), "a", 0);
+    let b = ChildServer::start(&coord.url(), "b", NODE);
+    let mgr = Arc::new(
+        TransportManager::connect(ManagerConfig {
+            coordinator_url: coord.url(),
+            request_timeout_ms: 60_000,
+            connect_timeout_ms: 500,
+            poller_cpus: Some(vec![]),
+            ..ManagerConfig::default()
+        })
+        .expect("manager connects"),
+    );
+    assert!(wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().len() == 2
+    }));
+    let gpa_b = NODE + 5 * PAGE_SIZE as u64;
+    let gpas_a: Vec<u64> = (0..THREADS * PAGES_EACH)
+        .map(|i| (3 * i * PAGE_SIZE) as u64)
+        .collect();
+    for &gpa in gpas_a.iter().chain([&gpa_b]) {
+        mgr.write_page(gpa, &page_for(gpa, 9)).unwrap();
+    }
+    let backing = if shared {
+        GuestBacking::SharedFile(SharedFile::new(memfd(2 * NODE_BYTES), 0))
+    } else {
+        GuestBacking::Anonymous
+    };
+    let ram = Arc::new(
+        GuestMemory::new(
+            Arc::clone(&mgr),
+            GuestMemoryConfig {
+                handler_threads: 1,
+                handler_cpus: Some(vec![]),
+                prefetch_max_pages: 0,
+                fault_timeout_ms: 120_000,
+                backing,
+                ..GuestMemoryConfig::new(0, 2 * NODE_BYTES)
+            },
+        )
+        .unwrap(),
+    );
+
+    b.pause();
+    let hung = {
+        let ram = Arc::clone(&ram);
+        std::thread::spawn(move || {
+            let mut page = vec![0u8; PAGE_SIZE];
+            ram.read(gpa_b, &mut page).unwrap();
+            page
+        })
+    };
+    // b's fetch is on the wire (counted when submitted).
+    assert!(wait_until(Duration::from_secs(10), || ram
+        .stats()
+        .pages_fetched
+        >= 1));
+    let (done_tx, done_rx) = mpsc::channel();
+    let readers: Vec<_> = gpas_a
+        .chunks(PAGES_EACH)
+        .map(|gpas| {
+            let ram = Arc::clone(&ram);
+            let gpas = gpas.to_vec();
+            let done = done_tx.clone();
+            std::thread::spawn(move || {
+                let mut page = vec![0u8; PAGE_SIZE];
+                for gpa in gpas {
+                    ram.read(gpa, &mut page).unwrap();
+                    assert!(page[..] == page_for(gpa, 9)[..], "page {gpa:#x} differs");
+                }
+                done.send(()).unwrap();
+            })
+        })
+        .collect();
+    let served = (0..THREADS).all(|_| done_rx.recv_timeout(Duration::from_secs(20)).is_ok());
+    let hung_meanwhile = !hung.is_finished();
+    b.resume();
+    assert!(
+        served,
+        "faults on node a waited for the hung node b (stats {:?})",
+        ram.stats()
+    );
+    assert!(
+        hung_meanwhile,
+        "the fault on b's page was served while b was stopped"
+    );
+    for r in readers {
+        r.join().unwrap();
+    }
+    let page = hung.join().unwrap();
+    assert!(page[..] == page_for(gpa_b, 9)[..], "b's page differs");
+    let stats = ram.stats();
+    assert_eq!(stats.missing_faults, (THREADS * PAGES_EACH + 1) as u64);
+    assert_eq!(
+        stats.pages_fetched, stats.missing_faults,
+        "one fetch per page"
+    );
+    assert_eq!((stats.fault_errors, stats.sigbus_raised), (0, 0));
+}
