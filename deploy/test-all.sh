@@ -50,6 +50,18 @@ step "cargo test --workspace (host)"
 cargo test --workspace
 ok
 
+step "guest memory on hugetlbfs (reserves 2 MiB huge pages, then runs the tests a plain cargo test ignores)"
+want_huge=16
+if (($(cat /proc/sys/vm/nr_hugepages) < want_huge)); then
+    echo "$want_huge" > /proc/sys/vm/nr_hugepages || { echo "cannot reserve huge pages (needs root)"; false; }
+fi
+if (($(cat /proc/sys/vm/nr_hugepages) < want_huge)); then
+    echo "the kernel reserved only $(cat /proc/sys/vm/nr_hugepages) of $want_huge huge pages (memory fragmented?)"
+    false
+fi
+cargo test -p page-server --test guest_memory_hugetlbfs -- --ignored
+ok
+
 step "bench: local cluster, TCP, every page checked"
 cargo run --release --quiet -p bench -- --ops 20000 --depth 8 --json target/bench-smoke.json
 ok

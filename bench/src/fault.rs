@@ -8,7 +8,9 @@
 //! (`--pattern`: random, seq, or all, the default) with each selected
 //! prefetch setting (`--prefetch`: on, off, or both, the default), prefetch
 //! first, with each selected backing (`--backing`: anon, the default,
-//! memfd, or all; labels `uffd`, `uffd-nopf`, with `+memfd` for a memfd).
+//! memfd, hugetlbfs, or all = anon and memfd; labels `uffd`, `uffd-nopf`,
+//! with `+memfd` for a memfd, `+huge` for hugetlbfs, where read-ahead is
+//! always off and a fault brings a whole 2 MiB page).
 //! Then flush.rs measures write-back of dirty pages with each backing.
 //!
 //! With `--baseline`, in the same run, for each address order: a
@@ -152,6 +154,9 @@ pub fn run(
                     (false, Backing::Anon) => ("uffd-nopf", 0),
                     (true, Backing::Memfd) => ("uffd+memfd", default_window),
                     (false, Backing::Memfd) => ("uffd-nopf+memfd", 0),
+                    // No read-ahead on huge pages: a fault brings 2 MiB.
+                    (true, Backing::Hugetlbfs) => ("uffd+huge", 0),
+                    (false, Backing::Hugetlbfs) => ("uffd-nopf+huge", 0),
                 };
                 let ram = GuestMemory::new(
                     Arc::clone(mgr),

@@ -25,6 +25,9 @@ use crate::report::{fmt_us, Record};
 use crate::workload::{new_histogram, AccessPattern, Op, Outcome, Spec, WorkingSet};
 
 const SEED: u64 = 0xf1a5;
+/// What the pages of a huge page that the bench does not dirty hold (they
+/// are written back with the huge page, and checked too).
+const BASE_SEED: u64 = 0xba5e;
 /// Flushes per run at most (each of up to the whole region).
 const MAX_ROUNDS: u64 = 8;
 /// How the bench's regions track dirty pages (the library has one method).
@@ -44,13 +47,16 @@ pub fn run(
     let mut lines = Vec::new();
     for &backing in backings {
         for &pattern in patterns {
+            if backing.unit_pages() > 1 {
+                set.fill(mgr, BASE_SEED).context("filling remote memory")?;
+            }
             let ram = GuestMemory::new(
                 Arc::clone(mgr),
                 crate::guest::config(backing, gpa_base, pages * PAGE_SIZE)?,
             )
             .context("mapping guest memory")?;
             let dirty = dirty_set(pages, pattern);
-            let outcome = flush_rounds(mgr, &ram, &dirty, ops)?;
+            let outcome = flush_rounds(mgr, &ram, &dirty, ops, backing.unit_pages())?;
             let spec = Spec {
                 op: Op::Write,
                 ops,
@@ -61,6 +67,7 @@ pub fn run(
             let label = match backing {
                 Backing::Anon => "flush",
                 Backing::Memfd => "flush+memfd",
+                Backing::Hugetlbfs => "flush+huge",
             };
             let stats = ram.stats();
             let mut record = Record::new(label, spec, 0, &outcome);
@@ -99,13 +106,23 @@ fn dirty_set(pages: usize, pattern: AccessPattern) -> Vec<usize> {
 }
 
 /// Rounds of: write the dirty set with the round's seed, flush (timed),
-/// read the pages back from their owners and check them.
+/// read the pages back from their owners and check them. `unit_pages`: the
+/// region tracks and writes back units of that many pages (huge pages).
 fn flush_rounds(
     mgr: &TransportManager,
     ram: &GuestMemory,
     dirty: &[usize],
     ops: u64,
+    unit_pages: usize,
 ) -> anyhow::Result<Outcome> {
+    let mut units: Vec<usize> = dirty.iter().map(|&i| i / unit_pages).collect();
+    units.dedup();
+    let expected = (units.len() * unit_pages) as u64;
+    // Every page written back: the dirty ones and the rest of their units.
+    let sent: Vec<usize> = units
+        .iter()
+        .flat_map(|&u| u * unit_pages..(u + 1) * unit_pages)
+        .collect();
     let mut total = Outcome {
         latency_ns: new_histogram(),
         elapsed: Duration::ZERO,
@@ -133,12 +150,11 @@ fn flush_rounds(
         match written {
             Ok(n) => {
                 total.ops_done += n;
-                if n != dirty.len() as u64 {
+                if n != expected {
                     total.errors += 1;
-                    total.first_error.get_or_insert(format!(
-                        "flush wrote {n} pages, {} were dirty",
-                        dirty.len()
-                    ));
+                    total
+                        .first_error
+                        .get_or_insert(format!("flush wrote {n} pages, {expected} were dirty"));
                 }
             }
             Err(err) => {
@@ -146,16 +162,21 @@ fn flush_rounds(
                 total.first_error.get_or_insert(err.to_string());
             }
         }
-        for chunk in dirty.chunks(back.len()) {
+        for chunk in sent.chunks(back.len()) {
             let gpas: Vec<u64> = chunk
                 .iter()
                 .map(|&i| ram.gpa_base() + (i * PAGE_SIZE) as u64)
                 .collect();
             mgr.read_pages(&gpas, &mut back[..chunk.len()])
                 .context("reading written-back pages")?;
-            for (gpa, got) in gpas.iter().zip(&back) {
+            for ((gpa, got), i) in gpas.iter().zip(&back).zip(chunk) {
                 total.pages_checked += 1;
-                if !pattern::check(got, *gpa, seed) {
+                let want = if dirty.binary_search(i).is_ok() {
+                    seed
+                } else {
+                    BASE_SEED
+                };
+                if !pattern::check(got, *gpa, want) {
                     total.bad_pages += 1;
                 }
             }

@@ -65,7 +65,8 @@ struct Args {
     prefetch: Option<PrefetchChoice>,
     /// --op fault only: what guest memory is made of: anon (private
     /// anonymous memory), memfd (shared memory, faults resolved with
-    /// UFFDIO_CONTINUE), or all (one run of each) [default: anon].
+    /// UFFDIO_CONTINUE), hugetlbfs (a MFD_HUGETLB memfd: 2 MiB per fault;
+    /// needs reserved huge pages), or all (anon and memfd) [default: anon].
     #[arg(long, value_enum)]
     backing: Option<BackingChoice>,
     /// Page-servers in the local cluster.

@@ -35,7 +35,12 @@ pub enum BackingChoice {
     /// A memfd (shared memory): pages received straight into the region's
     /// alias, mapped with `UFFDIO_CONTINUE`.
     Memfd,
-    /// Anon, then memfd (one run each, same cluster, same run).
+    /// An `MFD_HUGETLB` memfd (hugetlbfs): a fault brings a whole 2 MiB
+    /// huge page, mapped with `UFFDIO_CONTINUE`. Needs reserved huge pages
+    /// (`/proc/sys/vm/nr_hugepages`).
+    Hugetlbfs,
+    /// Anon, then memfd (one run each, same cluster, same run; not
+    /// hugetlbfs, which needs reserved huge pages).
     All,
 }
 
@@ -44,6 +49,7 @@ pub enum BackingChoice {
 pub enum Backing {
     Anon,
     Memfd,
+    Hugetlbfs,
 }
 
 impl Backing {
@@ -52,6 +58,15 @@ impl Backing {
         match self {
             Backing::Anon => "anon",
             Backing::Memfd => "memfd",
+            Backing::Hugetlbfs => "hugetlbfs",
+        }
+    }
+
+    /// 4 KiB pages in the unit of dirty tracking and write-back.
+    pub fn unit_pages(self) -> usize {
+        match self {
+            Backing::Anon | Backing::Memfd => 1,
+            Backing::Hugetlbfs => 512,
         }
     }
 }
@@ -65,6 +80,7 @@ pub fn backings(ops: &[Op], choice: Option<BackingChoice>) -> anyhow::Result<Vec
     Ok(match choice.unwrap_or(BackingChoice::Anon) {
         BackingChoice::Anon => vec![Backing::Anon],
         BackingChoice::Memfd => vec![Backing::Memfd],
+        BackingChoice::Hugetlbfs => vec![Backing::Hugetlbfs],
         BackingChoice::All => vec![Backing::Anon, Backing::Memfd],
     })
 }

@@ -343,27 +343,6 @@ fn bad_shared_files_are_refused_with_their_reason() {
         "{err:?}"
     );
 
-    // hugetlbfs: refused as such (not yet supported), not as "not shared".
-    // SAFETY: the name is NUL-terminated; the result is checked.
-    let huge = unsafe {
-        libc::memfd_create(
-            c"guest-ram-huge".as_ptr(),
-            libc::MFD_CLOEXEC | libc::MFD_HUGETLB,
-        )
-    };
-    assert!(
-        huge >= 0,
-        "memfd_create(MFD_HUGETLB): {}",
-        std::io::Error::last_os_error()
-    );
-    // SAFETY: just created, owned by nobody else.
-    let huge = Arc::new(unsafe { OwnedFd::from_raw_fd(huge) });
-    let err = new(shared_config(&huge, 0, 0, NODE_BYTES)).unwrap_err();
-    assert!(
-        matches!(&err, GuestMemoryError::Unsupported(m) if m.contains("hugetlbfs")),
-        "{err:?}"
-    );
-
     // The memfd opened read-only.
     let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
     let read_only = Arc::new(OwnedFd::from(std::fs::File::open(path).unwrap()));

@@ -72,11 +72,15 @@ pub enum GuestBacking {
     /// are resolved by copying the fetched page in (`UFFDIO_COPY`).
     #[default]
     Anonymous,
-    /// A shared-memory file the hypervisor owns (a memfd or tmpfs file),
-    /// mapped `MAP_SHARED`, so that vhost-user back-ends, KVM memory slots
-    /// and snapshots see the same pages. Faults are resolved without a
-    /// bounce: the page is fetched straight into a second mapping of the
-    /// file and mapped into guest memory with `UFFDIO_CONTINUE`.
+    /// A shared-memory file the hypervisor owns (a memfd or tmpfs file, or
+    /// a hugetlbfs file or `MFD_HUGETLB` memfd), mapped `MAP_SHARED`, so
+    /// that vhost-user back-ends, KVM memory slots and snapshots see the
+    /// same pages. Faults are resolved without a bounce: the page is
+    /// fetched straight into a second mapping of the file and mapped into
+    /// guest memory with `UFFDIO_CONTINUE`. On hugetlbfs the unit of
+    /// faults, dirty tracking, write-back and eviction is the huge page: a
+    /// fault fetches all its 4 KiB pages at once (read-ahead is off), and
+    /// the offset, size and evicted ranges must be multiples of it.
     SharedFile(SharedFile),
 }
 
@@ -88,7 +92,8 @@ pub struct SharedFile {
     /// The file, opened read-write (e.g. from `memfd_create(2)`). The
     /// region keeps it open while it lives.
     pub fd: Arc<OwnedFd>,
-    /// Where the region starts in the file (a multiple of 4096).
+    /// Where the region starts in the file (a multiple of 4096, or of the
+    /// huge page size on hugetlbfs).
     pub offset_bytes: u64,
     /// The hypervisor's own mapping of the range and its userfaultfd, when
     /// it made them (see [`HandedOverUffd`]); `None`: the region maps the

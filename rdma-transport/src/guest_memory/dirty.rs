@@ -38,9 +38,12 @@
 //!
 //! Flush and evict are serialised by one mutex (never taken by faulting
 //! threads or handlers), so a page never has two write-backs in flight.
+//!
+//! On hugetlbfs a page of the region is a huge page (see `region.rs`): it
+//! is tracked, write-protected, written back (always in place, as its
+//! 4 KiB pages) and dropped whole, one per run.
 
 use crate::error::TransportError;
-use crate::page::PAGE_SIZE;
 
 use super::error::GuestMemoryError;
 use super::shared::{Counters, Shared, Writeback, WRITEBACK_BATCH};
@@ -50,11 +53,19 @@ use super::state::{DIRTY, LOCKED, POISONED, PRESENT};
 /// bounce batch (one round trip for up to `WRITEBACK_BATCH` pages).
 pub(crate) const ZERO_COPY_MIN_PAGES: usize = 16;
 
-/// Writes every dirty page back to its owner; returns how many were written.
+/// Pages of the region in one run or evict chunk: `WRITEBACK_BATCH` 4 KiB
+/// pages, or one huge page.
+fn max_run(shared: &Shared) -> usize {
+    (WRITEBACK_BATCH / shared.region.unit_pages()).max(1)
+}
+
+/// Writes every dirty page back to its owner; returns how many 4 KiB pages
+/// were written.
 pub(crate) fn flush(shared: &Shared) -> Result<u64, GuestMemoryError> {
     let mut wb = shared.writeback.lock();
     let states = &shared.states;
     let pages = states.len();
+    let max_run = max_run(shared);
     let mut outcome = Outcome::default();
     let mut page = 0;
     while page < pages {
@@ -65,7 +76,7 @@ pub(crate) fn flush(shared: &Shared) -> Result<u64, GuestMemoryError> {
         // Lock the run of dirty, present pages from here.
         let first = page;
         let mut end = first;
-        while end < pages && end - first < WRITEBACK_BATCH && states.load(end) & DIRTY != 0 {
+        while end < pages && end - first < max_run && states.load(end) & DIRTY != 0 {
             let s = states.lock_spin(end);
             if s & (DIRTY | PRESENT) != (DIRTY | PRESENT) {
                 shared.release(end, 0, LOCKED, false);
@@ -88,7 +99,7 @@ pub(crate) fn flush(shared: &Shared) -> Result<u64, GuestMemoryError> {
 /// writes it back from memory (long run) or copies it into the bounce batch
 /// (short run); releases it.
 fn flush_run(shared: &Shared, wb: &mut Writeback, first: usize, end: usize, out: &mut Outcome) {
-    let len_bytes = (end - first) * PAGE_SIZE;
+    let len_bytes = (end - first) * shared.region.unit_bytes();
     if let Err(err) = shared
         .uffd
         .write_protect(shared.region.page_addr(first), len_bytes)
@@ -103,11 +114,12 @@ fn flush_run(shared: &Shared, wb: &mut Writeback, first: usize, end: usize, out:
     for p in first..end {
         shared.states.release(p, 0, DIRTY, false);
     }
-    if end - first >= ZERO_COPY_MIN_PAGES {
+    let run_pages = (end - first) * shared.region.unit_pages();
+    if run_pages >= ZERO_COPY_MIN_PAGES {
         match send_run(shared, first, end) {
-            Ok(()) => out.written += (end - first) as u64,
+            Ok(()) => out.written += run_pages as u64,
             Err(err) => {
-                out.failed += end - first;
+                out.failed += run_pages;
                 out.first_error.get_or_insert(err);
             }
         }
@@ -125,8 +137,9 @@ fn flush_run(shared: &Shared, wb: &mut Writeback, first: usize, end: usize, out:
 }
 
 /// Copies page `p` (present, write-protected, locked) into the next slot of
-/// the bounce batch.
+/// the bounce batch. 4 KiB pages only: longer ones always go in place.
 fn copy_to_bounce(shared: &Shared, wb: &mut Writeback, p: usize) {
+    debug_assert_eq!(shared.region.unit_pages(), 1);
     let slot = wb.index.len();
     // SAFETY: the page is present and write-protected and we hold its lock
     // (callers' contract), so nothing writes it while it is read.
@@ -139,22 +152,17 @@ fn copy_to_bounce(shared: &Shared, wb: &mut Writeback, p: usize) {
 /// Writes pages `[first, end)` (locked, present, write-protected) back from
 /// memory and waits for the acknowledgement; on failure marks them dirty.
 fn send_run(shared: &Shared, first: usize, end: usize) -> Result<(), TransportError> {
-    let mut gpas = [0u64; WRITEBACK_BATCH];
-    for (k, gpa) in gpas[..end - first].iter_mut().enumerate() {
-        *gpa = shared.region.page_gpa(first + k);
-    }
+    let mut gpas = Vec::new();
+    shared.region.gpas_of(first, end, &mut gpas);
     // SAFETY: the pages are present, write-protected and locked by us
     // (callers' contract): a writer waits in its fault until we release
     // them, so nothing writes them while the transport reads them.
     let pages = unsafe { shared.region.data_pages(first, end) };
-    let result = shared.manager.write_pages(&gpas[..end - first], pages);
+    let result = shared.manager.write_pages(&gpas, pages);
     match &result {
         Ok(()) => {
-            Counters::add(&shared.counters.pages_written_back, (end - first) as u64);
-            Counters::add(
-                &shared.counters.pages_written_in_place,
-                (end - first) as u64,
-            );
+            Counters::add(&shared.counters.pages_written_back, gpas.len() as u64);
+            Counters::add(&shared.counters.pages_written_in_place, gpas.len() as u64);
         }
         // Still present (we hold the locks): dirty again for the next try.
         Err(_) => (first..end).for_each(|p| shared.states.set_bits(p, DIRTY)),
@@ -188,12 +196,14 @@ fn send_bounce(shared: &Shared, wb: &mut Writeback, out: &mut Outcome) {
 }
 
 /// Writes back the pages `[first, end)` that are dirty, then drops them all.
+/// Returns how many 4 KiB pages were dropped.
 pub(crate) fn evict(shared: &Shared, first: usize, end: usize) -> Result<u64, GuestMemoryError> {
     let mut wb = shared.writeback.lock();
     let mut dropped = 0u64;
     let mut chunk = first;
+    let max_run = max_run(shared);
     while chunk < end {
-        let chunk_end = (chunk + WRITEBACK_BATCH).min(end);
+        let chunk_end = (chunk + max_run).min(end);
         for page in chunk..chunk_end {
             shared.states.lock_spin(page);
         }
@@ -226,7 +236,7 @@ fn evict_chunk(
     let base = shared.region.page_addr(chunk);
     shared
         .uffd
-        .write_protect(base, (end - chunk) * PAGE_SIZE)
+        .write_protect(base, (end - chunk) * shared.region.unit_bytes())
         .map_err(|source| GuestMemoryError::Userfaultfd {
             op: "UFFDIO_WRITEPROTECT",
             source,
@@ -242,7 +252,7 @@ fn evict_chunk(
         while run_end < end && dirty(run_end) {
             run_end += 1;
         }
-        if run_end - run >= ZERO_COPY_MIN_PAGES {
+        if (run_end - run) * shared.region.unit_pages() >= ZERO_COPY_MIN_PAGES {
             send_run(shared, run, run_end).map_err(|source| GuestMemoryError::WriteBack {
                 pages: run_end - run,
                 source,
@@ -274,7 +284,7 @@ fn evict_chunk(
     let mut dropped = 0;
     for page in chunk..end {
         if shared.states.load(page) & (PRESENT | POISONED) != 0 {
-            dropped += 1;
+            dropped += shared.region.unit_pages() as u64;
         }
         shared.release(page, 0, LOCKED | PRESENT | DIRTY | POISONED, true);
     }

@@ -1,5 +1,5 @@
-//! Guest RAM in a shared-memory file the hypervisor owns (a memfd or a tmpfs
-//! file): the checks on the file, its two `MAP_SHARED` mappings (the guest's,
+//! Guest RAM in a shared-memory file the hypervisor owns (a memfd, a tmpfs
+//! file, or a hugetlbfs file or `MFD_HUGETLB` memfd): the checks on the file, its two `MAP_SHARED` mappings (the guest's,
 //! registered with userfaultfd, and our alias, which is not), and freeing
 //! pages by punching holes.
 //!
@@ -12,7 +12,6 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crate::page::PAGE_SIZE_U64;
 use crate::sys::cvt;
 
 use super::config::SharedFile;
@@ -25,6 +24,10 @@ pub(crate) struct SharedMapping {
     offset_bytes: u64,
     guest: GuestMap,
     pub(crate) alias: FileMap,
+    /// The file's page size: 4 KiB (tmpfs), or its huge page size
+    /// (hugetlbfs), which is then the unit of faults, write protection,
+    /// write-back and eviction.
+    pub(crate) unit_bytes: usize,
 }
 
 /// The guest mapping: ours, or the hypervisor's (handed over with its
@@ -39,20 +42,26 @@ impl SharedMapping {
     /// Checks `file` for a region of `len_bytes` and maps it twice (once
     /// when the hypervisor handed its own guest mapping over).
     pub(crate) fn new(file: &SharedFile, len_bytes: usize) -> Result<Self, GuestMemoryError> {
-        check(file, len_bytes as u64)?;
+        let unit_bytes = check(file, len_bytes as u64)?;
         let guest = match &file.handed_over {
             Some(handed_over) => {
-                check_mapping(file, handed_over.mapping, len_bytes)?;
+                check_mapping(file, handed_over.mapping, len_bytes, unit_bytes)?;
                 GuestMap::HandedOver(handed_over.mapping)
             }
-            None => GuestMap::Owned(FileMap::new(&file.fd, file.offset_bytes, len_bytes)?),
+            None => GuestMap::Owned(FileMap::new(
+                &file.fd,
+                file.offset_bytes,
+                len_bytes,
+                unit_bytes,
+            )?),
         };
-        let alias = FileMap::new(&file.fd, file.offset_bytes, len_bytes)?;
+        let alias = FileMap::new(&file.fd, file.offset_bytes, len_bytes, unit_bytes)?;
         Ok(Self {
             fd: Arc::clone(&file.fd),
             offset_bytes: file.offset_bytes,
             guest,
             alias,
+            unit_bytes,
         })
     }
 
@@ -83,23 +92,28 @@ impl SharedMapping {
 }
 
 /// The checks of a region's file: shared memory, read-write, aligned, large
-/// enough. Each failure is its own error.
-fn check(file: &SharedFile, len_bytes: u64) -> Result<(), GuestMemoryError> {
+/// enough. Each failure is its own error. Returns the file's page size (4
+/// KiB, or the huge page size of a hugetlbfs file).
+fn check(file: &SharedFile, len_bytes: u64) -> Result<usize, GuestMemoryError> {
     let fd = file.fd.as_raw_fd();
     let syscall = |op| move |source| GuestMemoryError::Memory { op, source };
     // SAFETY: `statfs` is plain data the kernel fills in; zeroes are valid.
     let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: `fs` is a live, writable `struct statfs`.
     cvt(unsafe { libc::fstatfs(fd, &mut fs) }).map_err(syscall("fstatfs"))?;
-    if fs.f_type == libc::HUGETLBFS_MAGIC {
-        // Minor faults, write protection and holes there work on whole huge
-        // pages (2 MiB), which the per-4-KiB page states do not model yet.
-        return Err(GuestMemoryError::Unsupported(
-            "hugetlbfs files are not supported yet; pass a memfd without MFD_HUGETLB or a tmpfs file"
-                .into(),
-        ));
+    // Minor faults, write protection and holes on hugetlbfs work on whole
+    // huge pages: they become the region's unit.
+    let unit_bytes = if fs.f_type == libc::HUGETLBFS_MAGIC {
+        usize::try_from(fs.f_bsize).unwrap_or(0)
+    } else {
+        crate::PAGE_SIZE
+    };
+    if unit_bytes < crate::PAGE_SIZE || !unit_bytes.is_power_of_two() {
+        return Err(GuestMemoryError::Config(format!(
+            "the hugetlbfs file reports a page size of {unit_bytes:#x} bytes"
+        )));
     }
-    if fs.f_type != libc::TMPFS_MAGIC {
+    if fs.f_type != libc::TMPFS_MAGIC && fs.f_type != libc::HUGETLBFS_MAGIC {
         #[allow(clippy::unnecessary_cast)] // f_type's width differs per libc
         let fs_magic = fs.f_type as i64;
         return Err(GuestMemoryError::NotSharedMemory { fs_magic });
@@ -109,9 +123,11 @@ fn check(file: &SharedFile, len_bytes: u64) -> Result<(), GuestMemoryError> {
     if flags & libc::O_ACCMODE != libc::O_RDWR {
         return Err(GuestMemoryError::FileNotWritable);
     }
-    if file.offset_bytes % PAGE_SIZE_U64 != 0 {
+    let unit = unit_bytes as u64;
+    if file.offset_bytes % unit != 0 || len_bytes % unit != 0 {
         return Err(GuestMemoryError::Config(format!(
-            "offset_bytes {:#x} of the shared file must be a multiple of 4096",
+            "offset_bytes {:#x} and size_bytes {len_bytes:#x} must be multiples of the file's \
+             page size {unit:#x}",
             file.offset_bytes
         )));
     }
@@ -130,19 +146,26 @@ fn check(file: &SharedFile, len_bytes: u64) -> Result<(), GuestMemoryError> {
             needed_bytes,
         });
     }
-    Ok(())
+    Ok(unit_bytes)
 }
 
 /// Checks that `[addr, addr + len_bytes)` is mapped read-write and shared,
 /// from `file` at its offset, by the lines of `/proc/self/maps` covering it.
-fn check_mapping(file: &SharedFile, addr: usize, len_bytes: usize) -> Result<(), GuestMemoryError> {
+fn check_mapping(
+    file: &SharedFile,
+    addr: usize,
+    len_bytes: usize,
+    unit_bytes: usize,
+) -> Result<(), GuestMemoryError> {
     let wrong = |why: String| {
         GuestMemoryError::Config(format!(
             "the handed-over mapping at {addr:#x} (+{len_bytes:#x}) {why}"
         ))
     };
-    if addr % PAGE_SIZE_U64 as usize != 0 {
-        return Err(wrong("is not page aligned".into()));
+    if addr % unit_bytes != 0 {
+        return Err(wrong(format!(
+            "is not aligned to the file's page size {unit_bytes:#x}"
+        )));
     }
     // SAFETY: `stat` is plain data the kernel fills in; zeroes are valid.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -228,10 +251,14 @@ unsafe impl Send for FileMap {}
 unsafe impl Sync for FileMap {}
 
 impl FileMap {
+    /// Maps `len_bytes` of `fd` from `offset_bytes`; `unit_bytes` is the
+    /// file's page size (transparent huge pages are kept out of a 4 KiB
+    /// one).
     pub(crate) fn new(
         fd: &OwnedFd,
         offset_bytes: u64,
         len_bytes: usize,
+        unit_bytes: usize,
     ) -> Result<Self, GuestMemoryError> {
         // SAFETY: a new shared mapping of a file we hold, with no address
         // hint: it touches no existing memory; the result is checked.
@@ -256,6 +283,9 @@ impl FileMap {
             source: io::Error::other("mmap returned null"),
         })?;
         let map = Self { base, len_bytes };
+        if unit_bytes != crate::PAGE_SIZE {
+            return Ok(map);
+        }
         // 4 KiB faults, write protection and eviction: no transparent huge
         // pages (shmem may have them, per /sys/kernel/mm/transparent_hugepage/shmem_enabled).
         // SAFETY: advice on a mapping we own; it changes no contents.

@@ -91,6 +91,7 @@ pub(crate) fn run(shared: &Arc<Shared>, queue: CompletionQueue) {
         fetches: Vec::with_capacity(MAX_FETCHES),
         free: Vec::with_capacity(MAX_FETCHES),
         frames: Vec::new(),
+        gpas: Vec::with_capacity(shared.region.unit_pages()),
         done: Vec::with_capacity(MAX_FETCHES),
     };
     while !shared.stop.load(Ordering::Acquire) {
@@ -137,6 +138,8 @@ struct Handler<'a> {
     free: Vec<usize>,
     /// Spare receive buffers of one page (anonymous region).
     frames: Vec<Box<[Page]>>,
+    /// The GPAs of the page being submitted (one, or a huge page's).
+    gpas: Vec<u64>,
     done: Vec<Completion>,
 }
 
@@ -243,8 +246,12 @@ impl Handler<'_> {
             }
         };
         self.fetches[slot] = Some(Fetch { fault, gen });
-        Counters::add(&shared.counters.pages_fetched, 1);
-        let gpa = [shared.region.page_gpa(page)];
+        Counters::add(
+            &shared.counters.pages_fetched,
+            shared.region.unit_pages() as u64,
+        );
+        shared.region.gpas_of(page, page + 1, &mut self.gpas);
+        let gpa = &self.gpas[..];
         let submitted = if shared.region.is_shared() {
             // SAFETY: the page is claimed `FETCHING` by us and absent from
             // the guest mapping: no fault maps it and nobody else writes
@@ -255,7 +262,7 @@ impl Handler<'_> {
                 // lives, which outlives this thread and its queue.
                 Some(dst) => unsafe {
                     self.queue
-                        .submit_read_raw(&gpa, dst.as_mut_ptr(), slot as u64)
+                        .submit_read_raw(gpa, dst.as_mut_ptr(), slot as u64)
                 },
                 None => Err(TransportError::Config("shared region without alias".into())),
             }
@@ -264,7 +271,7 @@ impl Handler<'_> {
                 .frames
                 .pop()
                 .unwrap_or_else(|| vec![[0u8; PAGE_SIZE]; 1].into_boxed_slice());
-            self.queue.submit_read(&gpa, frame, slot as u64)
+            self.queue.submit_read(gpa, frame, slot as u64)
         };
         if let Err(err) = submitted {
             self.fetches[slot] = None;
@@ -357,7 +364,7 @@ impl Handler<'_> {
             states.set_bits(page, DIRTY);
             let woken = match shared
                 .uffd
-                .unprotect(shared.region.page_addr(page), crate::PAGE_SIZE)
+                .unprotect(shared.region.page_addr(page), shared.region.unit_bytes())
             {
                 Ok(()) => true,
                 Err(err) => {

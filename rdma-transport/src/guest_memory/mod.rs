@@ -80,11 +80,10 @@ pub struct GuestMemoryStats {
     /// MISSING faults resolved by fetching the page (counted just before
     /// the install that wakes the faulting thread).
     pub missing_faults: u64,
-    /// Fetches started by fault handlers (read-ahead not included): one
-    /// per attempt, so a retried fault counts each try, and on anonymous
-    /// memory two handlers racing on one page may both fetch it (one copy
-    /// is thrown away). A shared region fetches a page once however many
-    /// threads fault on it.
+    /// 4 KiB pages fetched by fault handlers (read-ahead not included):
+    /// counted per attempt, so a retried fault counts each try; a huge page
+    /// (hugetlbfs) counts all its 4 KiB pages. A page is fetched once
+    /// however many threads fault on it.
     pub pages_fetched: u64,
     /// First writes to clean pages.
     pub wp_faults: u64,
@@ -157,14 +156,22 @@ impl GuestMemory {
                 region.base(),
                 region.len_bytes(),
                 config.fault_mode,
+                region.memory(),
+                region.unit_bytes(),
             )?,
             _ => uffd::RegionUffd::new(
                 region.base(),
                 region.len_bytes(),
                 config.fault_mode,
-                region.is_shared(),
+                region.memory(),
+                region.unit_bytes(),
             )?,
         };
+        let mut config = config;
+        if region.unit_pages() > 1 {
+            // A fault brings a whole huge page already.
+            config.prefetch_max_pages = 0;
+        }
         let sigbus = match config.sigbus_method {
             SigbusMethod::Auto if uffd.has_poison() => SigbusMethod::Poison,
             SigbusMethod::Auto => SigbusMethod::Tgkill,
@@ -336,7 +343,7 @@ impl GuestMemory {
     }
 
     /// Writes every dirty page back to its owner and waits for the
-    /// acknowledgements; returns the number of pages written. Safe to call
+    /// acknowledgements; returns the number of 4 KiB pages written. Safe to call
     /// while vCPUs run and fault: every write that completed before the
     /// call is written back, and writes racing with it leave their page
     /// dirty for the next flush.
@@ -351,11 +358,13 @@ impl GuestMemory {
     /// Writes back the dirty pages of `[gpa, gpa + len_bytes)`, waits for
     /// the acknowledgements, then drops every page of the range
     /// (`MADV_DONTNEED`): the next touch fetches it again. Also clears
-    /// poisoned pages. Returns the number of pages dropped. No page is
-    /// dropped before its write-back is acknowledged.
+    /// poisoned pages. Returns the number of 4 KiB pages dropped. No page
+    /// is dropped before its write-back is acknowledged.
     ///
     /// # Errors
-    /// [`GuestMemoryError::OutOfRange`] for an unaligned or outside range;
+    /// [`GuestMemoryError::OutOfRange`] for an outside range, or one not
+    /// aligned to the region's page size (4 KiB, or the huge page size of
+    /// a hugetlbfs backing);
     /// [`GuestMemoryError::WriteBack`] when a write-back failed: pages of
     /// that batch and after stay mapped and dirty.
     pub fn evict(&self, gpa: u64, len_bytes: u64) -> Result<u64, GuestMemoryError> {

@@ -1,5 +1,10 @@
 //! The host mapping behind a guest RAM region, and the arithmetic between
 //! page index, host address and guest-physical address.
+//!
+//! A "page" of the region is its unit of faults, write protection,
+//! write-back and eviction: 4 KiB, or the huge page of a hugetlbfs file
+//! (`unit_bytes`, 2 MiB usually). The transport still moves 4 KiB pages:
+//! one unit is `unit_pages()` of them, at consecutive GPAs.
 
 use std::io;
 
@@ -24,13 +29,15 @@ enum Map {
     Shared(SharedMapping),
 }
 
-/// The host mapping of a guest RAM region, of 4 KiB pages.
+/// The host mapping of a guest RAM region, of `pages` units of
+/// `unit_bytes`.
 #[derive(Debug)]
 pub(crate) struct GuestRegion {
     map: Map,
     base: *mut u8,
     gpa_base: u64,
     pages: usize,
+    unit_bytes: usize,
 }
 
 // SAFETY: `base` points into `map`, which is Send and Sync and lives as long
@@ -58,11 +65,13 @@ impl GuestRegion {
         }
         if let GuestBacking::SharedFile(file) = backing {
             let shared = SharedMapping::new(file, size_bytes)?;
+            let unit_bytes = shared.unit_bytes;
             return Ok(Self {
                 base: shared.guest_ptr(),
                 map: Map::Shared(shared),
                 gpa_base,
-                pages: size_bytes / PAGE_SIZE,
+                pages: size_bytes / unit_bytes,
+                unit_bytes,
             });
         }
         let map = MappedRegion::new(
@@ -87,11 +96,32 @@ impl GuestRegion {
             map: Map::Anonymous(map),
             gpa_base,
             pages: size_bytes / PAGE_SIZE,
+            unit_bytes: PAGE_SIZE,
         })
     }
 
     pub(crate) fn base(&self) -> *mut u8 {
         self.base
+    }
+
+    /// Bytes of one page of the region (see the module docs).
+    pub(crate) fn unit_bytes(&self) -> usize {
+        self.unit_bytes
+    }
+
+    /// 4 KiB pages in one page of the region.
+    pub(crate) fn unit_pages(&self) -> usize {
+        self.unit_bytes / PAGE_SIZE
+    }
+
+    /// What the guest mapping is made of, for userfaultfd.
+    pub(crate) fn memory(&self) -> super::uffd::Memory {
+        use super::uffd::Memory;
+        match &self.map {
+            Map::Anonymous(_) => Memory::Anonymous,
+            Map::Shared(_) if self.unit_bytes != PAGE_SIZE => Memory::Hugetlbfs,
+            Map::Shared(_) => Memory::Shmem,
+        }
     }
 
     /// True when the region is a shared-memory file (faults are resolved
@@ -117,13 +147,13 @@ impl GuestRegion {
     /// of an anonymous one.
     fn data_ptr(&self, page: usize) -> *mut u8 {
         match &self.map {
-            Map::Shared(shared) => shared.alias.as_ptr().wrapping_add(page * PAGE_SIZE),
+            Map::Shared(shared) => shared.alias.as_ptr().wrapping_add(page * self.unit_bytes),
             Map::Anonymous(_) => self.page_addr(page),
         }
     }
 
-    /// Pages `[first, end)` of a shared region's alias, to receive fetched
-    /// pages into. `None` for an anonymous region.
+    /// Pages `[first, end)` of a shared region's alias (as 4 KiB pages), to
+    /// receive fetched pages into. `None` for an anonymous region.
     ///
     /// # Safety
     /// While the slice lives, nothing else may access these pages: they
@@ -138,12 +168,13 @@ impl GuestRegion {
         let Map::Shared(shared) = &self.map else {
             return None;
         };
-        let ptr = shared.alias.as_ptr().wrapping_add(first * PAGE_SIZE);
+        let ptr = shared.alias.as_ptr().wrapping_add(first * self.unit_bytes);
+        let len = (end - first) * self.unit_pages();
         // SAFETY: `Page` is `[u8; 4096]` (alignment 1, no padding, any bytes
-        // valid), and `ptr` is page aligned anyway; `end - first` pages from
+        // valid), and `ptr` is page aligned anyway; `len` 4 KiB pages from
         // it are inside the live alias mapping, which outlives `&self`.
         // Exclusive access is the caller's contract.
-        Some(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<Page>(), end - first) })
+        Some(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<Page>(), len) })
     }
 
     /// Allocates the file's pages `[first, end)` through the alias in one
@@ -154,21 +185,22 @@ impl GuestRegion {
         let Map::Shared(shared) = &self.map else {
             return Ok(());
         };
-        let ptr = shared.alias.as_ptr().wrapping_add(first * PAGE_SIZE);
+        let ptr = shared.alias.as_ptr().wrapping_add(first * self.unit_bytes);
         // SAFETY: the range is inside the live alias mapping; populating
         // allocates pages without changing any byte of them.
         let ret = unsafe {
             libc::madvise(
                 ptr.cast(),
-                (end - first) * PAGE_SIZE,
+                (end - first) * self.unit_bytes,
                 libc::MADV_POPULATE_WRITE,
             )
         };
         cvt(ret).map(|_| ())
     }
 
-    /// Pages `[first, end)` as the transport reads them to write them back
-    /// (alias or guest mapping, see `data_ptr`), without a copy.
+    /// Pages `[first, end)` (as 4 KiB pages) as the transport reads them to
+    /// write them back (alias or guest mapping, see `data_ptr`), without a
+    /// copy.
     ///
     /// # Safety
     /// The pages must be present and stay unwritten while the slice lives:
@@ -180,11 +212,11 @@ impl GuestRegion {
         // SAFETY: as in `alias_pages_mut`: `[u8; 4096]` has alignment 1 and
         // every byte pattern is valid; the range is inside the live mapping;
         // no write happens while it is borrowed, by the caller's contract.
-        unsafe { std::slice::from_raw_parts(ptr.cast::<Page>(), end - first) }
+        unsafe { std::slice::from_raw_parts(ptr.cast::<Page>(), (end - first) * self.unit_pages()) }
     }
 
     pub(crate) fn len_bytes(&self) -> usize {
-        self.pages * PAGE_SIZE
+        self.pages * self.unit_bytes
     }
 
     pub(crate) fn pages(&self) -> usize {
@@ -198,18 +230,25 @@ impl GuestRegion {
     /// Host address of page `page` (< `pages()`).
     pub(crate) fn page_addr(&self, page: usize) -> *mut u8 {
         debug_assert!(page < self.pages);
-        self.base.wrapping_add(page * PAGE_SIZE)
+        self.base.wrapping_add(page * self.unit_bytes)
     }
 
-    /// Guest-physical address of page `page`.
+    /// Guest-physical address of page `page` (of its first 4 KiB page).
     pub(crate) fn page_gpa(&self, page: usize) -> u64 {
-        self.gpa_base + (page * PAGE_SIZE) as u64
+        self.gpa_base + (page * self.unit_bytes) as u64
+    }
+
+    /// The GPAs of the 4 KiB pages of pages `[first, end)`, in `out`.
+    pub(crate) fn gpas_of(&self, first: usize, end: usize, out: &mut Vec<u64>) {
+        out.clear();
+        let start = self.page_gpa(first);
+        out.extend((0..(end - first) * self.unit_pages()).map(|k| start + (k * PAGE_SIZE) as u64));
     }
 
     /// Page index of a host address inside the region.
     pub(crate) fn page_of_addr(&self, addr: usize) -> Option<usize> {
         let off = addr.checked_sub(self.base as usize)?;
-        (off < self.len_bytes()).then_some(off / PAGE_SIZE)
+        (off < self.len_bytes()).then_some(off / self.unit_bytes)
     }
 
     /// Page range `[first, end)` of a GPA range, when aligned and inside.
@@ -219,7 +258,8 @@ impl GuestRegion {
         len_bytes: u64,
     ) -> Result<(usize, usize), GuestMemoryError> {
         let out = || GuestMemoryError::OutOfRange { gpa, len_bytes };
-        if gpa % PAGE_SIZE_U64 != 0 || len_bytes % PAGE_SIZE_U64 != 0 {
+        let unit = self.unit_bytes as u64;
+        if gpa % unit != 0 || len_bytes % unit != 0 {
             return Err(out());
         }
         let off = gpa.checked_sub(self.gpa_base).ok_or_else(out)?;
@@ -227,10 +267,7 @@ impl GuestRegion {
         if end > self.len_bytes() as u64 {
             return Err(out());
         }
-        Ok((
-            (off / PAGE_SIZE_U64) as usize,
-            (end / PAGE_SIZE_U64) as usize,
-        ))
+        Ok(((off / unit) as usize, (end / unit) as usize))
     }
 
     /// Drops pages `[first, end)`: their memory is freed, poison markers go,
@@ -248,13 +285,15 @@ impl GuestRegion {
         let ret = unsafe {
             libc::madvise(
                 self.page_addr(first).cast(),
-                (end - first) * PAGE_SIZE,
+                (end - first) * self.unit_bytes,
                 libc::MADV_DONTNEED,
             )
         };
         cvt(ret)?;
         match &self.map {
-            Map::Shared(shared) => shared.punch_hole(first * PAGE_SIZE, (end - first) * PAGE_SIZE),
+            Map::Shared(shared) => {
+                shared.punch_hole(first * self.unit_bytes, (end - first) * self.unit_bytes)
+            }
             Map::Anonymous(_) => Ok(()),
         }
     }

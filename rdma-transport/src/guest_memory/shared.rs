@@ -8,7 +8,7 @@ use parking_lot::Mutex;
 
 use crate::error::TransportError;
 use crate::manager::TransportManager;
-use crate::page::{Page, PAGE_SIZE};
+use crate::page::Page;
 
 use super::config::{GuestMemoryConfig, SigbusMethod};
 use super::prefetch::{PrefetchQueue, StreamTable};
@@ -77,7 +77,8 @@ pub(crate) struct Shared {
 impl Shared {
     /// Wakes the threads waiting on page `page`.
     pub(crate) fn wake(&self, page: usize) {
-        self.uffd.wake(self.region.page_addr(page), PAGE_SIZE);
+        self.uffd
+            .wake(self.region.page_addr(page), self.region.unit_bytes());
     }
 
     /// Releases page `page` (see [`PageStates::release`]) and wakes the

@@ -23,10 +23,44 @@ const REQUIRED: u64 = feature::PAGEFAULT_FLAG_WP | feature::THREAD_ID;
 const REQUIRED_SHMEM: u64 =
     feature::MISSING_SHMEM | feature::MINOR_SHMEM | feature::WP_HUGETLBFS_SHMEM;
 
+/// The same for a hugetlbfs file.
+const REQUIRED_HUGETLBFS: u64 =
+    feature::MISSING_HUGETLBFS | feature::MINOR_HUGETLBFS | feature::WP_HUGETLBFS_SHMEM;
+
+/// What the guest mapping is made of, as far as userfaultfd cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Memory {
+    /// Private anonymous memory.
+    Anonymous,
+    /// A tmpfs file or memfd.
+    Shmem,
+    /// A hugetlbfs file or `MFD_HUGETLB` memfd.
+    Hugetlbfs,
+}
+
+impl Memory {
+    /// Features needed on top of [`REQUIRED`].
+    fn required(self) -> u64 {
+        match self {
+            Self::Anonymous => 0,
+            Self::Shmem => REQUIRED_SHMEM,
+            Self::Hugetlbfs => REQUIRED_HUGETLBFS,
+        }
+    }
+
+    /// The names of the features of `required`, for error messages.
+    fn feature_names(self) -> &'static str {
+        match self {
+            Self::Anonymous => "",
+            Self::Shmem => ", MISSING_SHMEM, MINOR_SHMEM, WP_HUGETLBFS_SHMEM",
+            Self::Hugetlbfs => ", MISSING_HUGETLBFS, MINOR_HUGETLBFS, WP_HUGETLBFS_SHMEM",
+        }
+    }
+}
+
 /// The features to enable, given what the kernel `offered`: the required
-/// ones (and those of shared memory when `shared`), plus poison when
-/// offered.
-pub(crate) fn features_to_enable(offered: u64, shared: bool) -> Result<u64, GuestMemoryError> {
+/// ones (and those of a shared-memory file), plus poison when offered.
+pub(crate) fn features_to_enable(offered: u64, memory: Memory) -> Result<u64, GuestMemoryError> {
     if offered & REQUIRED != REQUIRED {
         return Err(GuestMemoryError::Unsupported(format!(
             "the kernel's userfaultfd lacks write-protect or thread ids \
@@ -34,14 +68,15 @@ pub(crate) fn features_to_enable(offered: u64, shared: bool) -> Result<u64, Gues
         )));
     }
     let mut needed = REQUIRED;
-    if shared {
-        if offered & REQUIRED_SHMEM != REQUIRED_SHMEM {
+    let file = memory.required();
+    if file != 0 {
+        if offered & file != file {
             return Err(GuestMemoryError::Unsupported(format!(
-                "the kernel's userfaultfd lacks minor faults or write-protect on shared memory \
+                "the kernel's userfaultfd lacks minor faults or write-protect on {memory:?} \
                  (features {offered:#x}; need Linux >= 6.2); use GuestBacking::Anonymous"
             )));
         }
-        needed |= REQUIRED_SHMEM;
+        needed |= file;
     }
     Ok(needed | (offered & feature::POISON))
 }
@@ -84,7 +119,7 @@ pub(crate) fn probe_continue_wp() -> Result<bool, GuestMemoryError> {
     // SAFETY: writes our live buffer to our memfd (fills its page cache).
     let n = unsafe { libc::pwrite(fd.as_raw_fd(), page.as_ptr().cast(), PAGE_SIZE, 0) };
     cvt(n).map_err(&probe)?;
-    let map = FileMap::new(&fd, 0, PAGE_SIZE)?;
+    let map = FileMap::new(&fd, 0, PAGE_SIZE, PAGE_SIZE)?;
     let uffd = Userfaultfd::open(FaultMode::UserOnly).map_err(&probe)?;
     uffd.enable(feature::MINOR_SHMEM | feature::WP_HUGETLBFS_SHMEM)
         .map_err(&probe)?;
@@ -126,22 +161,26 @@ pub(crate) enum CopyOutcome {
 pub(crate) struct RegionUffd {
     uffd: Userfaultfd,
     pub(crate) features: u64,
+    /// Bytes of one page of the region (4 KiB, or a huge page).
+    unit_bytes: usize,
 }
 
 impl RegionUffd {
     /// Opens the descriptor for the faults of `mode`, enables WP and thread
     /// ids (and poison when offered), and registers `[start, start + len)`
-    /// for MISSING and WP faults, and MINOR ones when `shared` (a
-    /// shared-memory mapping).
+    /// for MISSING and WP faults, and MINOR ones for a shared-memory file.
+    /// `unit_bytes` is the region's page size.
     pub(crate) fn new(
         start: *mut u8,
         len: usize,
         mode: FaultMode,
-        shared: bool,
+        memory: Memory,
+        unit_bytes: usize,
     ) -> Result<Self, GuestMemoryError> {
         let uffd = Userfaultfd::open(mode).map_err(|err| open_error(mode, err))?;
         let offered = probe_features(mode).map_err(|err| open_error(mode, err))?;
-        let features = features_to_enable(offered, shared)?;
+        let features = features_to_enable(offered, memory)?;
+        let shared = memory != Memory::Anonymous;
         if shared {
             require_continue_wp()?;
         }
@@ -153,7 +192,11 @@ impl RegionUffd {
         };
         uffd.register(start, len, register)
             .map_err(uffd_err("UFFDIO_REGISTER"))?;
-        Ok(Self { uffd, features })
+        Ok(Self {
+            uffd,
+            features,
+            unit_bytes,
+        })
     }
 
     /// Takes over the hypervisor's userfaultfd (a duplicate of `fd`) for its
@@ -165,6 +208,8 @@ impl RegionUffd {
         start: *mut u8,
         len: usize,
         mode: FaultMode,
+        memory: Memory,
+        unit_bytes: usize,
     ) -> Result<Self, GuestMemoryError> {
         let dup = fd.try_clone().map_err(uffd_err("dup(userfaultfd)"))?;
         let uffd = Userfaultfd::from_handed_over(dup, mode).map_err(|source| {
@@ -180,12 +225,12 @@ impl RegionUffd {
                     "the handed-over userfaultfd has not done its UFFDIO_API handshake".into(),
                 )
             })?;
-        let needed = REQUIRED | REQUIRED_SHMEM;
+        let needed = REQUIRED | memory.required();
         if enabled & needed != needed {
             return Err(GuestMemoryError::Unsupported(format!(
                 "the handed-over userfaultfd's UFFDIO_API enabled features {enabled:#x}; \
-                 it needs {needed:#x} (PAGEFAULT_FLAG_WP, THREAD_ID, MISSING_SHMEM, \
-                 MINOR_SHMEM, WP_HUGETLBFS_SHMEM), missing {:#x}",
+                 it needs {needed:#x} (PAGEFAULT_FLAG_WP, THREAD_ID{}), missing {:#x}",
+                memory.feature_names(),
                 needed & !enabled
             )));
         }
@@ -195,6 +240,7 @@ impl RegionUffd {
         Ok(Self {
             uffd,
             features: enabled,
+            unit_bytes,
         })
     }
 
@@ -266,9 +312,10 @@ impl RegionUffd {
         }
     }
 
-    /// Maps `pages` pages at `dst` of a shared region from the file's page
-    /// cache (filled through the alias), write-protected when
-    /// `write_protect` (a clean page), and wakes their waiters.
+    /// Maps `pages` pages (of the region's page size) at `dst` of a shared
+    /// region from the file's page cache (filled through the alias),
+    /// write-protected when `write_protect` (a clean page), and wakes their
+    /// waiters.
     ///
     /// # Safety
     /// `dst..` must be `pages` pages of the registered range whose page
@@ -282,7 +329,7 @@ impl RegionUffd {
         // SAFETY: forwarded from the caller.
         match unsafe {
             self.uffd
-                .continue_range(dst, pages * PAGE_SIZE, write_protect)
+                .continue_range(dst, pages * self.unit_bytes, write_protect)
         } {
             Ok(()) => Ok(CopyOutcome::Copied),
             Err(err) => match err.raw_os_error() {
@@ -299,7 +346,7 @@ impl RegionUffd {
     pub(crate) fn poison_page(&self, dst: *mut u8) -> io::Result<()> {
         // SAFETY: `dst` is a page of the registered guest range, raw memory
         // whose accesses are meant to fail once its fetch failed.
-        match unsafe { self.uffd.poison(dst, PAGE_SIZE) } {
+        match unsafe { self.uffd.poison(dst, self.unit_bytes) } {
             // Already present or already poisoned: nothing to do.
             Err(err) if err.raw_os_error() == Some(libc::EEXIST) => Ok(()),
             other => other,

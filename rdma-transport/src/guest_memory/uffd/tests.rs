@@ -14,27 +14,28 @@ fn kernel_offers_write_protect_and_thread_ids_in_both_modes() {
 
 #[test]
 fn features_need_write_protect_and_thread_ids_and_take_poison_when_offered() {
-    let err = features_to_enable(feature::THREAD_ID, false).expect_err("no WP");
+    let err = features_to_enable(feature::THREAD_ID, Memory::Anonymous).expect_err("no WP");
     assert!(matches!(err, GuestMemoryError::Unsupported(_)), "{err:?}");
     assert_eq!(
-        features_to_enable(REQUIRED | 1 << 40, false).unwrap(),
+        features_to_enable(REQUIRED | 1 << 40, Memory::Anonymous).unwrap(),
         REQUIRED
     );
     assert_eq!(
-        features_to_enable(REQUIRED | feature::POISON, false).unwrap(),
+        features_to_enable(REQUIRED | feature::POISON, Memory::Anonymous).unwrap(),
         REQUIRED | feature::POISON
     );
 }
 
 #[test]
 fn shared_memory_needs_minor_and_shmem_write_protect() {
-    let err = features_to_enable(REQUIRED | feature::MISSING_SHMEM, true).expect_err("no MINOR");
+    let err =
+        features_to_enable(REQUIRED | feature::MISSING_SHMEM, Memory::Shmem).expect_err("no MINOR");
     assert!(
         matches!(&err, GuestMemoryError::Unsupported(m) if m.contains("minor faults")),
         "{err:?}"
     );
     assert_eq!(
-        features_to_enable(REQUIRED | REQUIRED_SHMEM, true).unwrap(),
+        features_to_enable(REQUIRED | REQUIRED_SHMEM, Memory::Shmem).unwrap(),
         REQUIRED | REQUIRED_SHMEM
     );
     let offered = probe_features(FaultMode::UserOnly).expect("userfaultfd(2) works on this host");
@@ -105,8 +106,10 @@ fn unprivileged_kernel_and_user_mode_fails_and_user_only_works() {
     .expect("mmap");
     let (addr, len) = (region.as_ptr() as usize, region.len_bytes());
     let (kernel_and_user, user_only) = as_unprivileged_thread(move || {
-        let open =
-            |mode| RegionUffd::new(addr as *mut u8, len, mode, false).map(|u| u.kernel_faults());
+        let open = |mode| {
+            RegionUffd::new(addr as *mut u8, len, mode, Memory::Anonymous, 4096)
+                .map(|u| u.kernel_faults())
+        };
         (open(FaultMode::KernelAndUser), open(FaultMode::UserOnly))
     });
     if sysctl.trim() == "0" {
