@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
-use rdma_transport::guest_memory::GuestMemory;
+use rdma_transport::guest_memory::{DirtyTracking, GuestMemory, GuestMemoryConfig};
 use rdma_transport::{Page, TransportManager, PAGE_SIZE};
 
 use crate::matrix::Backing;
@@ -30,8 +30,22 @@ const SEED: u64 = 0xf1a5;
 const BASE_SEED: u64 = 0xba5e;
 /// Flushes per run at most (each of up to the whole region).
 const MAX_ROUNDS: u64 = 8;
-/// How the bench's regions track dirty pages (the library has one method).
-const DIRTY_TRACKING: &str = "wp-faults";
+
+/// The dirty-tracking methods to measure for `backing`: a memfd (4 KiB
+/// shared memory) can use either, the others write-protect faults only.
+fn trackings(backing: Backing) -> &'static [DirtyTracking] {
+    match backing {
+        Backing::Memfd => &[DirtyTracking::PagemapScan, DirtyTracking::WriteFaults],
+        Backing::Anon | Backing::Hugetlbfs => &[DirtyTracking::WriteFaults],
+    }
+}
+
+fn tracking_name(tracking: DirtyTracking) -> &'static str {
+    match tracking {
+        DirtyTracking::PagemapScan => "pagemap-scan",
+        _ => "wp-faults",
+    }
+}
 
 /// Runs the flush measurement; returns the table's records and summary lines.
 pub fn run(
@@ -46,17 +60,24 @@ pub fn run(
     let mut records = Vec::new();
     let mut lines = Vec::new();
     for &backing in backings {
-        for &pattern in patterns {
+        for (&tracking, &pattern) in trackings(backing)
+            .iter()
+            .flat_map(|t| patterns.iter().map(move |p| (t, p)))
+        {
             if backing.unit_pages() > 1 {
                 set.fill(mgr, BASE_SEED).context("filling remote memory")?;
             }
             let ram = GuestMemory::new(
                 Arc::clone(mgr),
-                crate::guest::config(backing, gpa_base, pages * PAGE_SIZE)?,
+                GuestMemoryConfig {
+                    dirty_tracking: tracking,
+                    ..crate::guest::config(backing, gpa_base, pages * PAGE_SIZE)?
+                },
             )
             .context("mapping guest memory")?;
+            let tracking = tracking_name(ram.dirty_tracking());
             let dirty = dirty_set(pages, pattern);
-            let outcome = flush_rounds(mgr, &ram, &dirty, ops, backing.unit_pages())?;
+            let (outcome, per_write) = flush_rounds(mgr, &ram, &dirty, ops, backing.unit_pages())?;
             let spec = Spec {
                 op: Op::Write,
                 ops,
@@ -64,23 +85,25 @@ pub fn run(
                 depth: 1,
                 pattern,
             };
-            let label = match backing {
-                Backing::Anon => "flush",
-                Backing::Memfd => "flush+memfd",
-                Backing::Hugetlbfs => "flush+huge",
+            let label = match (backing, tracking) {
+                (Backing::Anon, _) => "flush",
+                (Backing::Memfd, "pagemap-scan") => "flush+memfd/scan",
+                (Backing::Memfd, _) => "flush+memfd",
+                (Backing::Hugetlbfs, _) => "flush+huge",
             };
             let stats = ram.stats();
             let mut record = Record::new(label, spec, 0, &outcome);
             record.backing = Some(backing.name().into());
-            record.dirty_tracking = Some(DIRTY_TRACKING.into());
+            record.dirty_tracking = Some(tracking.into());
             lines.push(format!(
-                "flush ({}, {DIRTY_TRACKING}), {pattern:?}: {} dirty pages per flush, p50 {} us per flush, {:.0} pages/s, {} of {} pages sent in place, {} write-protect faults",
+                "flush ({}, {tracking}), {pattern:?}: {} dirty pages per flush, p50 {} us per flush, {:.0} pages/s, {} of {} pages sent in place; dirtying them (first writes to clean pages): {:.2} us per page, {} write-protect faults",
                 backing.name(),
                 dirty.len(),
                 fmt_us(record.latency_us.p50),
                 record.throughput.pages_per_s,
                 stats.pages_written_in_place,
                 stats.pages_written_back,
+                per_write.as_secs_f64() * 1e6,
                 stats.wp_faults,
             ));
             records.push(record);
@@ -108,13 +131,15 @@ fn dirty_set(pages: usize, pattern: AccessPattern) -> Vec<usize> {
 /// Rounds of: write the dirty set with the round's seed, flush (timed),
 /// read the pages back from their owners and check them. `unit_pages`: the
 /// region tracks and writes back units of that many pages (huge pages).
+/// Also returns the mean time of one write of the dirtying (the first round
+/// includes fetching the pages).
 fn flush_rounds(
     mgr: &TransportManager,
     ram: &GuestMemory,
     dirty: &[usize],
     ops: u64,
     unit_pages: usize,
-) -> anyhow::Result<Outcome> {
+) -> anyhow::Result<(Outcome, Duration)> {
     let mut units: Vec<usize> = dirty.iter().map(|&i| i / unit_pages).collect();
     units.dedup();
     let expected = (units.len() * unit_pages) as u64;
@@ -135,12 +160,17 @@ fn flush_rounds(
     let rounds = ops.div_ceil(dirty.len().max(1) as u64).clamp(1, MAX_ROUNDS);
     let mut page: Page = [0u8; PAGE_SIZE];
     let mut back = vec![[0u8; PAGE_SIZE]; 64];
+    let mut dirtying = Duration::ZERO;
     for round in 0..rounds {
         let seed = SEED + round;
         for &i in dirty {
             let gpa = ram.gpa_base() + (i * PAGE_SIZE) as u64;
             pattern::fill(&mut page, gpa, seed);
+            // Timed: the first write to a clean page is what the tracking
+            // method costs the guest (a fault, or none).
+            let t0 = Instant::now();
             ram.write(gpa, &page)?;
+            dirtying += t0.elapsed();
         }
         let t0 = Instant::now();
         let written = ram.flush();
@@ -182,5 +212,6 @@ fn flush_rounds(
             }
         }
     }
-    Ok(total)
+    let writes = (rounds as u32).saturating_mul(dirty.len().max(1) as u32);
+    Ok((total, dirtying / writes.max(1)))
 }

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use rdma_transport::guest_memory::{
-    FaultAction, FaultMode, GuestBacking, GuestMemory, GuestMemoryConfig, GuestMemoryError,
-    SharedFile, SigbusMethod,
+    DirtyTracking, FaultAction, FaultMode, GuestBacking, GuestMemory, GuestMemoryConfig,
+    GuestMemoryError, SharedFile, SigbusMethod,
 };
 use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
 
@@ -206,15 +206,20 @@ fn two_regions_on_two_nodes() {
 
 #[test]
 fn flush_while_faults_are_in_flight_loses_no_write() {
-    flush_while_faults_are_in_flight(false);
+    flush_while_faults_are_in_flight(false, DirtyTracking::WriteFaults);
 }
 
 #[test]
 fn shared_flush_while_faults_are_in_flight_loses_no_write() {
-    flush_while_faults_are_in_flight(true);
+    flush_while_faults_are_in_flight(true, DirtyTracking::WriteFaults);
 }
 
-fn flush_while_faults_are_in_flight(shared: bool) {
+#[test]
+fn shared_scan_flush_while_faults_are_in_flight_loses_no_write() {
+    flush_while_faults_are_in_flight(true, DirtyTracking::PagemapScan);
+}
+
+fn flush_while_faults_are_in_flight(shared: bool, dirty_tracking: DirtyTracking) {
     let (_db, coord) = cluster_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let mgr = Arc::new(manager(&coord.url()));
@@ -224,6 +229,7 @@ fn flush_while_faults_are_in_flight(shared: bool) {
             GuestMemoryConfig {
                 handler_threads: 2,
                 backing: backing(shared, NODE_BYTES),
+                dirty_tracking,
                 ..config(0, NODE_BYTES)
             },
         )
@@ -304,7 +310,13 @@ fn flush_while_faults_are_in_flight(shared: bool) {
     check(&remote, &vec![ROUNDS; PAGES_PER_NODE], true);
     let stats = ram.stats();
     assert!(flushes >= 2, "{flushes} flushes ran during the writes");
-    assert!(stats.wp_faults > 0 && stats.pages_evicted > 0, "{stats:?}");
+    assert!(stats.pages_evicted > 0, "{stats:?}");
+    // Write-protect faults track dirty pages, unless PAGEMAP_SCAN does.
+    assert_eq!(
+        stats.wp_faults > 0,
+        dirty_tracking == DirtyTracking::WriteFaults,
+        "{stats:?}"
+    );
 }
 
 /// Child side of the SIGBUS test: touches a page of a dead node. Run only

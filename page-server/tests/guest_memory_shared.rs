@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use common::*;
 use rdma_transport::guest_memory::{
-    GuestBacking, GuestMemory, GuestMemoryConfig, GuestMemoryError, HandedOverUffd, SharedFile,
+    DirtyTracking, GuestBacking, GuestMemory, GuestMemoryConfig, GuestMemoryError, HandedOverUffd,
+    SharedFile,
 };
 use rdma_transport::uffd::{feature, FaultMode, RegisterMode, Userfaultfd};
 use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
@@ -111,9 +112,14 @@ fn memfd_pages_fault_in_write_back_and_evict_frees_the_file() {
     // The region is the file's second half: offsets are honoured.
     let fd = memfd(4 * NODE_BYTES);
     let offset = 2 * NODE;
+    // Write-protect faults track dirty pages here (guest_memory_scan.rs
+    // covers PAGEMAP_SCAN).
     let ram = GuestMemory::new(
         Arc::clone(&mgr),
-        shared_config(&fd, offset, 0, 2 * NODE_BYTES),
+        GuestMemoryConfig {
+            dirty_tracking: DirtyTracking::WriteFaults,
+            ..shared_config(&fd, offset, 0, 2 * NODE_BYTES)
+        },
     )
     .unwrap();
     let vmm = VmmView::new(&fd, 4 * NODE_BYTES);
@@ -497,6 +503,9 @@ fn long_dirty_runs_go_out_in_place_and_scattered_pages_in_one_batch() {
             GuestMemoryConfig {
                 backing,
                 prefetch_max_pages: 0,
+                // In place vs bounce is the write-fault method's split
+                // (guest_memory_scan.rs covers the other).
+                dirty_tracking: DirtyTracking::WriteFaults,
                 ..shared_config(&fd, 0, 0, NODE_BYTES)
             },
         )

@@ -325,6 +325,7 @@ fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryConfig, RtStatus> {
         on_fault_error,
         // The C API has no shared-memory backing yet.
         backing: rdma_transport::guest_memory::GuestBacking::Anonymous,
+        dirty_tracking: rdma_transport::guest_memory::DirtyTracking::Auto,
     })
 }
 

@@ -156,6 +156,26 @@ impl HandedOverUffd {
     }
 }
 
+/// How a region finds the pages written since their last write-back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DirtyTracking {
+    /// [`DirtyTracking::PagemapScan`] where it works (a shared-memory file
+    /// of 4 KiB pages, the region's own userfaultfd, Linux >= 6.7), else
+    /// [`DirtyTracking::WriteFaults`].
+    #[default]
+    Auto,
+    /// Synchronous userfaultfd write protection: the first write to a clean
+    /// page faults once to a handler, which marks it dirty.
+    WriteFaults,
+    /// Asynchronous write protection (`UFFD_FEATURE_WP_ASYNC`): the kernel
+    /// lets the first write through without a fault, and flush and evict
+    /// find written pages with `PAGEMAP_SCAN` and `/proc/self/pagemap`.
+    /// Shared-memory files of 4 KiB pages only; refused with
+    /// `Unsupported` elsewhere.
+    PagemapScan,
+}
+
 /// Settings of a [`super::GuestMemory`].
 #[derive(Clone)]
 pub struct GuestMemoryConfig {
@@ -193,6 +213,8 @@ pub struct GuestMemoryConfig {
     /// What guest RAM is made of: anonymous memory (the default) or a
     /// shared-memory file the hypervisor provides.
     pub backing: GuestBacking,
+    /// How dirty pages are found (see [`DirtyTracking`]).
+    pub dirty_tracking: DirtyTracking,
 }
 
 impl GuestMemoryConfig {
@@ -221,6 +243,7 @@ impl Default for GuestMemoryConfig {
             fault_mode: FaultMode::KernelAndUser,
             on_fault_error: None,
             backing: GuestBacking::Anonymous,
+            dirty_tracking: DirtyTracking::Auto,
         }
     }
 }
@@ -237,6 +260,7 @@ impl fmt::Debug for GuestMemoryConfig {
             .field("prefetch_max_pages", &self.prefetch_max_pages)
             .field("sigbus_method", &self.sigbus_method)
             .field("fault_mode", &self.fault_mode)
+            .field("dirty_tracking", &self.dirty_tracking)
             .field("on_fault_error", &self.on_fault_error.is_some())
             .field("backing", &self.backing)
             .finish()

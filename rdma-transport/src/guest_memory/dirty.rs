@@ -62,6 +62,9 @@ fn max_run(shared: &Shared) -> usize {
 /// Writes every dirty page back to its owner; returns how many 4 KiB pages
 /// were written.
 pub(crate) fn flush(shared: &Shared) -> Result<u64, GuestMemoryError> {
+    if let Some(pagemap) = &shared.pagemap {
+        return super::dirty_scan::flush(shared, pagemap);
+    }
     let mut wb = shared.writeback.lock();
     let states = &shared.states;
     let pages = states.len();
@@ -198,6 +201,9 @@ fn send_bounce(shared: &Shared, wb: &mut Writeback, out: &mut Outcome) {
 /// Writes back the pages `[first, end)` that are dirty, then drops them all.
 /// Returns how many 4 KiB pages were dropped.
 pub(crate) fn evict(shared: &Shared, first: usize, end: usize) -> Result<u64, GuestMemoryError> {
+    if let Some(pagemap) = &shared.pagemap {
+        return super::dirty_scan::evict(shared, pagemap, first, end);
+    }
     let mut wb = shared.writeback.lock();
     let mut dropped = 0u64;
     let mut chunk = first;
@@ -292,14 +298,14 @@ fn evict_chunk(
 }
 
 #[derive(Default)]
-struct Outcome {
-    written: u64,
-    failed: usize,
-    first_error: Option<TransportError>,
+pub(super) struct Outcome {
+    pub(super) written: u64,
+    pub(super) failed: usize,
+    pub(super) first_error: Option<TransportError>,
 }
 
 impl Outcome {
-    fn into_result(self) -> Result<u64, GuestMemoryError> {
+    pub(super) fn into_result(self) -> Result<u64, GuestMemoryError> {
         match self.first_error {
             None => Ok(self.written),
             Some(source) => Err(GuestMemoryError::WriteBack {

@@ -46,6 +46,7 @@
 
 mod config;
 mod dirty;
+mod dirty_scan;
 mod error;
 mod file;
 mod handler;
@@ -67,8 +68,8 @@ use crate::sys::cvt;
 
 pub use crate::uffd::FaultMode;
 pub use config::{
-    FaultAction, FaultErrorHandler, FaultReport, GuestBacking, GuestMemoryConfig, HandedOverUffd,
-    SharedFile, SigbusMethod,
+    DirtyTracking, FaultAction, FaultErrorHandler, FaultReport, GuestBacking, GuestMemoryConfig,
+    HandedOverUffd, SharedFile, SigbusMethod,
 };
 pub use error::GuestMemoryError;
 
@@ -147,6 +148,7 @@ impl GuestMemory {
             ));
         }
         let region = region::GuestRegion::new(config.gpa_base, config.size_bytes, &config.backing)?;
+        let scan = scan_dirty_tracking(&config, &region)?;
         let uffd = match &config.backing {
             GuestBacking::SharedFile(SharedFile {
                 handed_over: Some(handed_over),
@@ -165,7 +167,18 @@ impl GuestMemory {
                 config.fault_mode,
                 region.memory(),
                 region.unit_bytes(),
+                scan,
             )?,
+        };
+        let pagemap = if scan {
+            Some(
+                crate::uffd::Pagemap::open().map_err(|source| GuestMemoryError::Memory {
+                    op: "open(/proc/self/pagemap)",
+                    source,
+                })?,
+            )
+        } else {
+            None
         };
         let mut config = config;
         if region.unit_pages() > 1 {
@@ -206,6 +219,7 @@ impl GuestMemory {
             counters: Counters::default(),
             streams: prefetch::StreamTable::default(),
             prefetch: prefetch::PrefetchQueue::default(),
+            pagemap,
             writeback: Mutex::new(Writeback {
                 pages: vec![[0u8; crate::PAGE_SIZE]; WRITEBACK_BATCH],
                 gpas: Vec::with_capacity(WRITEBACK_BATCH),
@@ -289,6 +303,15 @@ impl GuestMemory {
     pub fn host_addr(&self, gpa: u64) -> Option<*mut u8> {
         let off = gpa.checked_sub(self.gpa_base())?;
         (off < self.size_bytes() as u64).then(|| self.as_ptr().wrapping_add(off as usize))
+    }
+
+    /// How the region finds dirty pages (`Auto` resolved).
+    pub fn dirty_tracking(&self) -> DirtyTracking {
+        if self.shared.pagemap.is_some() {
+            DirtyTracking::PagemapScan
+        } else {
+            DirtyTracking::WriteFaults
+        }
     }
 
     /// How a failed fault turns into SIGBUS on this host (`Auto` resolved).
@@ -417,6 +440,45 @@ impl Drop for GuestMemory {
             if handle.join().is_err() {
                 tracing::error!("a guest memory thread panicked");
             }
+        }
+    }
+}
+
+/// Whether the region tracks dirty pages with `PAGEMAP_SCAN` (see
+/// [`DirtyTracking`]): possible for a shared-memory file of 4 KiB pages
+/// with the region's own userfaultfd, on a kernel that offers
+/// `UFFD_FEATURE_WP_ASYNC` (which came with `PAGEMAP_SCAN`, Linux 6.7).
+fn scan_dirty_tracking(
+    config: &GuestMemoryConfig,
+    region: &region::GuestRegion,
+) -> Result<bool, GuestMemoryError> {
+    let handed_over = matches!(
+        &config.backing,
+        GuestBacking::SharedFile(SharedFile {
+            handed_over: Some(_),
+            ..
+        })
+    );
+    let possible = || -> Result<bool, GuestMemoryError> {
+        if region.memory() != uffd::Memory::Shmem || handed_over {
+            return Ok(false);
+        }
+        let offered = uffd::probe_features(config.fault_mode)
+            .map_err(|err| uffd::open_error(config.fault_mode, err))?;
+        Ok(offered & crate::uffd::feature::WP_ASYNC != 0)
+    };
+    match config.dirty_tracking {
+        DirtyTracking::WriteFaults => Ok(false),
+        DirtyTracking::Auto => possible(),
+        DirtyTracking::PagemapScan => {
+            if possible()? {
+                return Ok(true);
+            }
+            Err(GuestMemoryError::Unsupported(
+                "DirtyTracking::PagemapScan needs a shared-memory file of 4 KiB pages, the \
+                 region's own userfaultfd, and UFFD_FEATURE_WP_ASYNC (Linux >= 6.7)"
+                    .into(),
+            ))
         }
     }
 }

@@ -145,7 +145,7 @@ impl GuestRegion {
     /// Where the bytes of pages `[first, end)` are read and written by the
     /// transport: the alias of a shared region, the guest mapping itself
     /// of an anonymous one.
-    fn data_ptr(&self, page: usize) -> *mut u8 {
+    pub(crate) fn data_ptr(&self, page: usize) -> *mut u8 {
         match &self.map {
             Map::Shared(shared) => shared.alias.as_ptr().wrapping_add(page * self.unit_bytes),
             Map::Anonymous(_) => self.page_addr(page),
@@ -278,10 +278,19 @@ impl GuestRegion {
         if first >= end {
             return Ok(());
         }
+        self.unmap_guest(first, end)?;
+        self.punch(first, end)
+    }
+
+    /// Clears pages `[first, end)` from the guest mapping (`MADV_DONTNEED`):
+    /// the next touch faults. A shared region's file keeps their contents
+    /// (and pages that were write-protected keep a marker that says so,
+    /// see [`crate::uffd::Pagemap::protected`]); an anonymous region's are
+    /// discarded.
+    pub(crate) fn unmap_guest(&self, first: usize, end: usize) -> io::Result<()> {
         // SAFETY: the range is inside our mapping (callers pass page indexes
         // < pages()); DONTNEED on private anonymous memory only discards
-        // contents, which is the point (on a shared mapping it only unmaps;
-        // the hole below discards them).
+        // contents, which is the point (on a shared mapping it only unmaps).
         let ret = unsafe {
             libc::madvise(
                 self.page_addr(first).cast(),
@@ -289,7 +298,12 @@ impl GuestRegion {
                 libc::MADV_DONTNEED,
             )
         };
-        cvt(ret)?;
+        cvt(ret).map(|_| ())
+    }
+
+    /// Frees the file's pages `[first, end)` of a shared region (a hole,
+    /// which discards their contents); no-op for an anonymous one.
+    pub(crate) fn punch(&self, first: usize, end: usize) -> io::Result<()> {
         match &self.map {
             Map::Shared(shared) => {
                 shared.punch_hole(first * self.unit_bytes, (end - first) * self.unit_bytes)

@@ -72,6 +72,9 @@ pub(crate) struct Shared {
     pub prefetch: PrefetchQueue,
     /// Never taken by handlers or faulting threads.
     pub writeback: Mutex<Writeback>,
+    /// `Some` when dirty pages are found with `PAGEMAP_SCAN` (asynchronous
+    /// write protection, `dirty_scan.rs`); `None`: write-protect faults.
+    pub pagemap: Option<crate::uffd::Pagemap>,
 }
 
 impl Shared {

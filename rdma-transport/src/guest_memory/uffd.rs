@@ -169,17 +169,23 @@ impl RegionUffd {
     /// Opens the descriptor for the faults of `mode`, enables WP and thread
     /// ids (and poison when offered), and registers `[start, start + len)`
     /// for MISSING and WP faults, and MINOR ones for a shared-memory file.
-    /// `unit_bytes` is the region's page size.
+    /// `unit_bytes` is the region's page size; `wp_async`: asynchronous
+    /// write protection (see [`feature::WP_ASYNC`]; the caller checked the
+    /// kernel offers it).
     pub(crate) fn new(
         start: *mut u8,
         len: usize,
         mode: FaultMode,
         memory: Memory,
         unit_bytes: usize,
+        wp_async: bool,
     ) -> Result<Self, GuestMemoryError> {
         let uffd = Userfaultfd::open(mode).map_err(|err| open_error(mode, err))?;
         let offered = probe_features(mode).map_err(|err| open_error(mode, err))?;
-        let features = features_to_enable(offered, memory)?;
+        let mut features = features_to_enable(offered, memory)?;
+        if wp_async {
+            features |= feature::WP_ASYNC;
+        }
         let shared = memory != Memory::Anonymous;
         if shared {
             require_continue_wp()?;

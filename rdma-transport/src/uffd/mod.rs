@@ -27,6 +27,7 @@
 
 mod abi;
 mod event;
+mod pagemap;
 
 use std::ffi::CStr;
 use std::io;
@@ -35,6 +36,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use crate::sys::cvt;
 
 pub use event::{Event, EventBuffer, FaultKind, Pagefault};
+pub use pagemap::Pagemap;
 
 use abi::{
     uffd_msg, uffdio_api, uffdio_continue, uffdio_copy, uffdio_poison, uffdio_range,
@@ -61,6 +63,11 @@ pub mod feature {
     pub const MINOR_HUGETLBFS: u64 = g::UFFD_FEATURE_MINOR_HUGETLBFS as u64;
     /// Write-protect on shared memory and hugetlbfs (Linux >= 5.19).
     pub const WP_HUGETLBFS_SHMEM: u64 = g::UFFD_FEATURE_WP_HUGETLBFS_SHMEM as u64;
+    /// Asynchronous write protection (Linux >= 6.7): a write to a
+    /// write-protected page is resolved by the kernel, which only clears
+    /// the protection; no fault reaches the descriptor. Dirty pages are
+    /// then found with `PAGEMAP_SCAN` ([`super::Pagemap`]).
+    pub const WP_ASYNC: u64 = g::UFFD_FEATURE_WP_ASYNC as u64;
 }
 
 /// Which faults a userfaultfd receives.

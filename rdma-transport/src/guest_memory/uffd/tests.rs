@@ -107,7 +107,7 @@ fn unprivileged_kernel_and_user_mode_fails_and_user_only_works() {
     let (addr, len) = (region.as_ptr() as usize, region.len_bytes());
     let (kernel_and_user, user_only) = as_unprivileged_thread(move || {
         let open = |mode| {
-            RegionUffd::new(addr as *mut u8, len, mode, Memory::Anonymous, 4096)
+            RegionUffd::new(addr as *mut u8, len, mode, Memory::Anonymous, 4096, false)
                 .map(|u| u.kernel_faults())
         };
         (open(FaultMode::KernelAndUser), open(FaultMode::UserOnly))
