@@ -189,8 +189,9 @@ typedef uint32_t (*RtFaultErrorFn)(void *user, const struct RtFaultReport *repor
 typedef struct RtGuestMemoryConfig {
   // `sizeof(RtGuestMemoryConfig)`, set by
   // `rt_guest_memory_config_default`: lets the struct grow (see
-  // docs/embedding.md). Other sizes are refused with
-  // `RT_STATUS_STRUCT_SIZE`.
+  // docs/embedding.md). The first layout's 72 bytes (up to
+  // `on_fault_error_user`) are still accepted, with anonymous memory;
+  // other sizes are refused with `RT_STATUS_STRUCT_SIZE`.
   uint32_t struct_size;
   // Fault handler threads.
   uint32_t handler_threads;

@@ -92,8 +92,9 @@ pub type RtFaultErrorFn =
 pub struct RtGuestMemoryConfig {
     /// `sizeof(RtGuestMemoryConfig)`, set by
     /// `rt_guest_memory_config_default`: lets the struct grow (see
-    /// docs/embedding.md). Other sizes are refused with
-    /// `RT_STATUS_STRUCT_SIZE`.
+    /// docs/embedding.md). The first layout's 72 bytes (up to
+    /// `on_fault_error_user`) are still accepted, with anonymous memory;
+    /// other sizes are refused with `RT_STATUS_STRUCT_SIZE`.
     pub struct_size: u32,
     /// Fault handler threads.
     pub handler_threads: u32,

@@ -18,6 +18,7 @@
 #define _GNU_SOURCE
 #include "rdma_transport.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -93,6 +94,29 @@ static int holds(const volatile uint8_t *p, uint64_t page, uint64_t round, const
   }
   return 1;
 }
+
+/* How many descriptors of this process are `target` (a /proc/self/fd link
+ * such as "/memfd:c-guest-ram (deleted)" or "anon_inode:[userfaultfd]"),
+ * -1 on error. */
+static int open_fds_of(const char *target) {
+  DIR *dir = opendir("/proc/self/fd");
+  if (dir == NULL) return -1;
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(dir)) != NULL) {
+    if (e->d_name[0] == '.') continue;
+    char link[256];
+    ssize_t len = readlinkat(dirfd(dir), e->d_name, link, sizeof link - 1);
+    if (len < 0) continue; /* the directory's own descriptor, gone already */
+    link[len] = '\0';
+    if (strcmp(link, target) == 0) n++;
+  }
+  closedir(dir);
+  return n;
+}
+
+#define MEMFD_LINK "/memfd:c-guest-ram (deleted)"
+#define UFFD_LINK "anon_inode:[userfaultfd]"
 
 /* The VMM's own userfaultfd with the features a handed-over one needs,
  * its `len` bytes at `mapping` registered for MISSING faults; -1 on error. */
@@ -204,7 +228,24 @@ int main(int argc, char **argv) {
     EXPECT(strstr(rt_last_error(), "handed_over_mapping is NULL") != NULL);
     gc.handed_over_mapping = vmm_map;
   }
+  /* Every refused config closed the duplicates it made. */
+  EXPECT(open_fds_of(MEMFD_LINK) == 1);
+  EXPECT(open_fds_of(UFFD_LINK) == (handover ? 1 : 0));
+  /* The caller's descriptors stay the caller's: created from copies that
+   * are closed right after the call, the region keeps its own. */
+  int fd_copy = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  SYS(fd_copy);
+  gc.shared_fd = fd_copy;
+  int uffd_copy = -1;
+  if (handover) {
+    uffd_copy = fcntl(uffd, F_DUPFD_CLOEXEC, 0);
+    SYS(uffd_copy);
+    gc.handed_over_uffd = uffd_copy;
+  }
   CHECK(rt_guest_memory_create(m, &gc, &g));
+  close(fd_copy);
+  if (handover) close(uffd_copy);
+  EXPECT(open_fds_of(MEMFD_LINK) >= 2);
   volatile uint8_t *ram = rt_guest_memory_host_addr(g);
   EXPECT(ram != NULL && rt_guest_memory_size(g) == size);
   if (handover) EXPECT(ram == vmm_map);
@@ -266,8 +307,11 @@ int main(int argc, char **argv) {
   EXPECT(stats.fault_errors == 0 && stats.sigbus_raised == 0);
 
   rt_guest_memory_destroy(g);
-  /* The program's descriptors are still its own, and the file keeps the
-   * last round. */
+  /* The region closed its duplicates (and its own userfaultfd); the
+   * program's descriptors are still open, and the file keeps the last
+   * round. */
+  EXPECT(open_fds_of(MEMFD_LINK) == 1);
+  EXPECT(open_fds_of(UFFD_LINK) == (handover ? 1 : 0));
   SYS(fcntl(fd, F_GETFD));
   if (handover) SYS(fcntl(uffd, F_GETFD));
   EXPECT(holds(view_ram + last * PAGE, last, 3, "memfd after destroy"));
