@@ -6,7 +6,9 @@
  * memfd: the region maps the program's memfd (at an offset) itself.
  * handover: the program opens its own userfaultfd (UFFDIO_API with the
  * features the region needs), maps the memfd MAP_SHARED, registers the
- * mapping and hands both over; guest memory is that mapping.
+ * mapping and hands both over; guest memory is that mapping. A descriptor
+ * without the features, one that is no userfaultfd and a mapping of the
+ * wrong part of the file are refused first.
  *
  * Every page of [0, bytes) is first written to its owner through the
  * manager, then read through guest memory (faulted in from the owner) and
@@ -118,9 +120,10 @@ static int open_fds_of(const char *target) {
 #define MEMFD_LINK "/memfd:c-guest-ram (deleted)"
 #define UFFD_LINK "anon_inode:[userfaultfd]"
 
-/* The VMM's own userfaultfd with the features a handed-over one needs,
- * its `len` bytes at `mapping` registered for MISSING faults; -1 on error. */
-static int vmm_uffd(void *mapping, uint64_t len) {
+/* The VMM's own userfaultfd with `features` enabled, its `len` bytes at
+ * `mapping` registered for MISSING faults (`mapping` NULL: not
+ * registered); -1 on error. */
+static int vmm_uffd(uint64_t features, void *mapping, uint64_t len) {
   /* Kernel-mode faults too (no UFFD_USER_MODE_ONLY): fault_mode stays
    * RT_FAULT_MODE_KERNEL_AND_USER. */
   int uffd = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
@@ -128,23 +131,30 @@ static int vmm_uffd(void *mapping, uint64_t len) {
     perror("userfaultfd");
     return -1;
   }
-  struct uffdio_api api = {
-      .api = UFFD_API,
-      .features = UFFD_FEATURE_PAGEFAULT_FLAG_WP | UFFD_FEATURE_THREAD_ID |
-                  UFFD_FEATURE_MISSING_SHMEM | UFFD_FEATURE_MINOR_SHMEM |
-                  UFFD_FEATURE_WP_HUGETLBFS_SHMEM,
-  };
+  struct uffdio_api api = {.api = UFFD_API, .features = features};
+  if (ioctl(uffd, UFFDIO_API, &api) < 0) {
+    perror("UFFDIO_API");
+    close(uffd);
+    return -1;
+  }
   struct uffdio_register reg = {
       .range = {.start = (uintptr_t)mapping, .len = len},
       .mode = UFFDIO_REGISTER_MODE_MISSING,
   };
-  if (ioctl(uffd, UFFDIO_API, &api) < 0 || ioctl(uffd, UFFDIO_REGISTER, &reg) < 0) {
-    perror("UFFDIO_API/UFFDIO_REGISTER");
+  if (mapping != NULL && ioctl(uffd, UFFDIO_REGISTER, &reg) < 0) {
+    perror("UFFDIO_REGISTER");
     close(uffd);
     return -1;
   }
   return uffd;
 }
+
+/* What a handed-over userfaultfd must have enabled (POISON only for
+ * RT_SIGBUS_METHOD_POISON; the default falls back to tgkill without it). */
+#define HANDOVER_FEATURES                                                    \
+  (UFFD_FEATURE_PAGEFAULT_FLAG_WP | UFFD_FEATURE_THREAD_ID |                 \
+   UFFD_FEATURE_MISSING_SHMEM | UFFD_FEATURE_MINOR_SHMEM |                   \
+   UFFD_FEATURE_WP_HUGETLBFS_SHMEM)
 
 int main(int argc, char **argv) {
   if (argc != 5 || (strcmp(argv[4], "memfd") != 0 && strcmp(argv[4], "handover") != 0)) {
@@ -220,10 +230,29 @@ int main(int argc, char **argv) {
   if (handover) {
     vmm_map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, OFFSET);
     EXPECT(vmm_map != MAP_FAILED);
-    uffd = vmm_uffd(vmm_map, size);
+    /* A handshake without the shared-memory features: the kernel may have
+     * them, this descriptor does not. */
+    int basic = vmm_uffd(UFFD_FEATURE_PAGEFAULT_FLAG_WP | UFFD_FEATURE_THREAD_ID, NULL, 0);
+    EXPECT(basic >= 0);
+    gc.handed_over_uffd = basic;
+    gc.handed_over_mapping = vmm_map;
+    EXPECT(rt_guest_memory_create(m, &gc, &g) == RT_STATUS_UNSUPPORTED && g == NULL);
+    EXPECT(strstr(rt_last_error(), "MINOR_SHMEM") != NULL);
+    close(basic);
+    /* Not a userfaultfd at all. */
+    gc.handed_over_uffd = fd;
+    EXPECT(rt_guest_memory_create(m, &gc, &g) == RT_STATUS_INVALID_ARGUMENT && g == NULL);
+    EXPECT(strstr(rt_last_error(), "not a usable userfaultfd") != NULL);
+
+    uffd = vmm_uffd(HANDOVER_FEATURES, vmm_map, size);
     EXPECT(uffd >= 0);
     gc.handed_over_uffd = uffd;
+    /* A mapping of the file at another offset (0, not OFFSET). */
+    gc.handed_over_mapping = view;
+    EXPECT(rt_guest_memory_create(m, &gc, &g) == RT_STATUS_INVALID_ARGUMENT && g == NULL);
+    EXPECT(strstr(rt_last_error(), "not the shared file") != NULL);
     /* The mapping is required with the userfaultfd. */
+    gc.handed_over_mapping = NULL;
     EXPECT(rt_guest_memory_create(m, &gc, &g) == RT_STATUS_INVALID_ARGUMENT && g == NULL);
     EXPECT(strstr(rt_last_error(), "handed_over_mapping is NULL") != NULL);
     gc.handed_over_mapping = vmm_map;
