@@ -18,7 +18,9 @@
 typedef enum RtStatus {
   // Success.
   RT_STATUS_OK = 0,
-  // A null pointer, bad size or bad configuration value.
+  // A null pointer, bad size or bad configuration value (including a
+  // shared file guest RAM cannot live in: not shared memory, not open
+  // read-write, or too small).
   RT_STATUS_INVALID_ARGUMENT = 1,
   // No node owns the guest-physical address.
   RT_STATUS_UNKNOWN_GPA = 2,
@@ -187,8 +189,9 @@ typedef uint32_t (*RtFaultErrorFn)(void *user, const struct RtFaultReport *repor
 typedef struct RtGuestMemoryConfig {
   // `sizeof(RtGuestMemoryConfig)`, set by
   // `rt_guest_memory_config_default`: lets the struct grow (see
-  // docs/embedding.md). Other sizes are refused with
-  // `RT_STATUS_STRUCT_SIZE`.
+  // docs/embedding.md). The first layout's 72 bytes (up to
+  // `on_fault_error_user`) are still accepted, with anonymous memory;
+  // other sizes are refused with `RT_STATUS_STRUCT_SIZE`.
   uint32_t struct_size;
   // Fault handler threads.
   uint32_t handler_threads;
@@ -213,6 +216,32 @@ typedef struct RtGuestMemoryConfig {
   RtFaultErrorFn on_fault_error;
   // Passed to `on_fault_error`; must stay valid while the region lives.
   void *on_fault_error_user;
+  // Guest RAM in a shared-memory file the caller owns: a memfd, tmpfs
+  // or hugetlbfs file (`MFD_HUGETLB` memfd), open read-write and at
+  // least `shared_offset_bytes + size_bytes` long. -1 (the default):
+  // anonymous memory the region maps itself. The library keeps its own
+  // duplicate (`F_DUPFD_CLOEXEC`) while the region lives: the caller
+  // keeps its descriptor and may close it after the call.
+  int32_t shared_fd;
+  // A userfaultfd the caller opened itself (`userfaultfd(2)` and
+  // `UFFDIO_API` with `UFFD_FEATURE_PAGEFAULT_FLAG_WP`, `_THREAD_ID`,
+  // `_MISSING_SHMEM`, `_MINOR_SHMEM`, `_WP_HUGETLBFS_SHMEM`, and
+  // `_POISON` for `RT_SIGBUS_METHOD_POISON`), handed over with
+  // `handed_over_mapping`; needs `shared_fd`. -1 (the default): the
+  // region opens its own. The library duplicates it like `shared_fd`
+  // (the duplicate shares the open file: the library makes it
+  // non-blocking, and the caller must not read it while the region
+  // lives). Set `fault_mode` to the mode it was opened with.
+  int32_t handed_over_uffd;
+  // Where the region starts in the file of `shared_fd` (a multiple of
+  // 4096, or of the huge page size on hugetlbfs); 0 without `shared_fd`.
+  uint64_t shared_offset_bytes;
+  // The caller's own mapping of the file's range (`MAP_SHARED`,
+  // read-write, `size_bytes` of `shared_fd` from `shared_offset_bytes`):
+  // required with `handed_over_uffd`, NULL without. It becomes the
+  // region's guest memory (`rt_guest_memory_host_addr` returns it) and
+  // must stay mapped while the region lives.
+  void *handed_over_mapping;
 } RtGuestMemoryConfig;
 
 // Counters of a region (`rt_guest_memory_stats`). Set `struct_size` to
@@ -439,13 +468,24 @@ void rt_guest_memory_config_default(struct RtGuestMemoryConfig *config);
 // `manager` reaches, and starts its fault handler threads. `*out` receives
 // the region; its memory is at `rt_guest_memory_host_addr`.
 //
-// The config is checked first (`struct_size`, flags, enum values), then the
-// other arguments.
+// With `shared_fd` set, guest RAM is that shared-memory file (mapped by
+// the region, or the caller's `handed_over_mapping` served through its
+// `handed_over_uffd`); the library keeps duplicates of both descriptors
+// while the region lives, the caller keeps its own. A file that is not
+// shared memory, not open read-write or too small is refused with
+// `RT_STATUS_INVALID_ARGUMENT`, a kernel without the userfaultfd features
+// the file needs with `RT_STATUS_UNSUPPORTED`; `rt_last_error` says why.
+//
+// The config is checked first (`struct_size`, flags, enum values, the
+// shared-file fields), then the other arguments.
 //
 // # Safety
 // `manager` must be NULL or a live handle, `config` NULL or an
 // `RtGuestMemoryConfig` (at least `struct_size` readable bytes), `out`
-// NULL or writable.
+// NULL or writable. With `handed_over_uffd` set, `handed_over_mapping`
+// must stay mapped, as that mapping of the file, until
+// `rt_guest_memory_destroy`, and nothing else may resolve faults of the
+// userfaultfd or change its registrations meanwhile.
 enum RtStatus rt_guest_memory_create(const struct RtManager *manager,
                                      const struct RtGuestMemoryConfig *config,
                                      struct RtGuestMemory **out);

@@ -1,11 +1,13 @@
 //! `RtGuestMemory`: guest RAM backed by remote pages through userfaultfd.
 
 use std::ffi::{c_char, c_void, CString};
+use std::mem::{offset_of, size_of};
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::Arc;
 
 use rdma_transport::guest_memory::{
-    FaultAction, FaultMode, FaultReport, GuestMemory, GuestMemoryConfig, GuestMemoryError,
-    GuestMemoryStats, SigbusMethod,
+    FaultAction, FaultMode, FaultReport, GuestBacking, GuestMemory, GuestMemoryConfig,
+    GuestMemoryError, GuestMemoryStats, HandedOverUffd, SharedFile, SigbusMethod,
 };
 
 use crate::abi::{flag, read_config, struct_size, write_out, CConfig, COut};
@@ -90,8 +92,9 @@ pub type RtFaultErrorFn =
 pub struct RtGuestMemoryConfig {
     /// `sizeof(RtGuestMemoryConfig)`, set by
     /// `rt_guest_memory_config_default`: lets the struct grow (see
-    /// docs/embedding.md). Other sizes are refused with
-    /// `RT_STATUS_STRUCT_SIZE`.
+    /// docs/embedding.md). The first layout's 72 bytes (up to
+    /// `on_fault_error_user`) are still accepted, with anonymous memory;
+    /// other sizes are refused with `RT_STATUS_STRUCT_SIZE`.
     pub struct_size: u32,
     /// Fault handler threads.
     pub handler_threads: u32,
@@ -116,10 +119,49 @@ pub struct RtGuestMemoryConfig {
     pub on_fault_error: RtFaultErrorFn,
     /// Passed to `on_fault_error`; must stay valid while the region lives.
     pub on_fault_error_user: *mut c_void,
+    /// Guest RAM in a shared-memory file the caller owns: a memfd, tmpfs
+    /// or hugetlbfs file (`MFD_HUGETLB` memfd), open read-write and at
+    /// least `shared_offset_bytes + size_bytes` long. -1 (the default):
+    /// anonymous memory the region maps itself. The library keeps its own
+    /// duplicate (`F_DUPFD_CLOEXEC`) while the region lives: the caller
+    /// keeps its descriptor and may close it after the call.
+    pub shared_fd: i32,
+    /// A userfaultfd the caller opened itself (`userfaultfd(2)` and
+    /// `UFFDIO_API` with `UFFD_FEATURE_PAGEFAULT_FLAG_WP`, `_THREAD_ID`,
+    /// `_MISSING_SHMEM`, `_MINOR_SHMEM`, `_WP_HUGETLBFS_SHMEM`, and
+    /// `_POISON` for `RT_SIGBUS_METHOD_POISON`), handed over with
+    /// `handed_over_mapping`; needs `shared_fd`. -1 (the default): the
+    /// region opens its own. The library duplicates it like `shared_fd`
+    /// (the duplicate shares the open file: the library makes it
+    /// non-blocking, and the caller must not read it while the region
+    /// lives). Set `fault_mode` to the mode it was opened with.
+    pub handed_over_uffd: i32,
+    /// Where the region starts in the file of `shared_fd` (a multiple of
+    /// 4096, or of the huge page size on hugetlbfs); 0 without `shared_fd`.
+    pub shared_offset_bytes: u64,
+    /// The caller's own mapping of the file's range (`MAP_SHARED`,
+    /// read-write, `size_bytes` of `shared_fd` from `shared_offset_bytes`):
+    /// required with `handed_over_uffd`, NULL without. It becomes the
+    /// region's guest memory (`rt_guest_memory_host_addr` returns it) and
+    /// must stay mapped while the region lives.
+    pub handed_over_mapping: *mut c_void,
 }
+
+/// `struct_size` of the first layout (up to `on_fault_error_user`), still
+/// accepted: the shared-file fields take their defaults (anonymous memory).
+const FIRST_LAYOUT_BYTES: usize = 72;
+const _: () = assert!(offset_of!(RtGuestMemoryConfig, shared_fd) == FIRST_LAYOUT_BYTES);
+// No padding in the grown tail: each field starts where the last one ends.
+const _: () = assert!(
+    offset_of!(RtGuestMemoryConfig, handed_over_uffd) == FIRST_LAYOUT_BYTES + 4
+        && offset_of!(RtGuestMemoryConfig, shared_offset_bytes) == FIRST_LAYOUT_BYTES + 8
+        && offset_of!(RtGuestMemoryConfig, handed_over_mapping) == FIRST_LAYOUT_BYTES + 16
+        && size_of::<RtGuestMemoryConfig>() == FIRST_LAYOUT_BYTES + 16 + size_of::<usize>()
+);
 
 impl CConfig for RtGuestMemoryConfig {
     const NAME: &'static str = "RtGuestMemoryConfig";
+    const OLD_SIZES: &'static [usize] = &[FIRST_LAYOUT_BYTES];
 
     fn defaults() -> Self {
         let d = GuestMemoryConfig::default();
@@ -139,6 +181,10 @@ impl CConfig for RtGuestMemoryConfig {
             },
             on_fault_error: None,
             on_fault_error_user: std::ptr::null_mut(),
+            shared_fd: -1,
+            handed_over_uffd: -1,
+            shared_offset_bytes: 0,
+            handed_over_mapping: std::ptr::null_mut(),
         }
     }
 }
@@ -234,13 +280,24 @@ impl Callback {
 /// `manager` reaches, and starts its fault handler threads. `*out` receives
 /// the region; its memory is at `rt_guest_memory_host_addr`.
 ///
-/// The config is checked first (`struct_size`, flags, enum values), then the
-/// other arguments.
+/// With `shared_fd` set, guest RAM is that shared-memory file (mapped by
+/// the region, or the caller's `handed_over_mapping` served through its
+/// `handed_over_uffd`); the library keeps duplicates of both descriptors
+/// while the region lives, the caller keeps its own. A file that is not
+/// shared memory, not open read-write or too small is refused with
+/// `RT_STATUS_INVALID_ARGUMENT`, a kernel without the userfaultfd features
+/// the file needs with `RT_STATUS_UNSUPPORTED`; `rt_last_error` says why.
+///
+/// The config is checked first (`struct_size`, flags, enum values, the
+/// shared-file fields), then the other arguments.
 ///
 /// # Safety
 /// `manager` must be NULL or a live handle, `config` NULL or an
 /// `RtGuestMemoryConfig` (at least `struct_size` readable bytes), `out`
-/// NULL or writable.
+/// NULL or writable. With `handed_over_uffd` set, `handed_over_mapping`
+/// must stay mapped, as that mapping of the file, until
+/// `rt_guest_memory_destroy`, and nothing else may resolve faults of the
+/// userfaultfd or change its registrations meanwhile.
 #[no_mangle]
 pub unsafe extern "C" fn rt_guest_memory_create(
     manager: *const RtManager,
@@ -253,7 +310,8 @@ pub unsafe extern "C" fn rt_guest_memory_create(
             Ok(c) => c,
             Err(status) => return status,
         };
-        let config = match rust_config(&c) {
+        // SAFETY: `handed_over_mapping` meets this function's contract.
+        let config = match unsafe { rust_config(&c) } {
             Ok(config) => config,
             Err(status) => return status,
         };
@@ -277,7 +335,11 @@ pub unsafe extern "C" fn rt_guest_memory_create(
 }
 
 /// The Rust config of a C one, every value checked.
-fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryConfig, RtStatus> {
+///
+/// # Safety
+/// With `handed_over_uffd` set, `handed_over_mapping` must meet the
+/// contract of `rt_guest_memory_create`.
+unsafe fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryConfig, RtStatus> {
     const NAME: &str = RtGuestMemoryConfig::NAME;
     let pin_handlers = flag(c.pin_handlers, NAME, "pin_handlers")?;
     let Ok(size_bytes) = usize::try_from(c.size_bytes) else {
@@ -312,6 +374,8 @@ fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryConfig, RtStatus> {
         Arc::new(move |r: &FaultReport| cb.call(r))
             as rdma_transport::guest_memory::FaultErrorHandler
     });
+    // SAFETY: this function's contract.
+    let backing = unsafe { backing(c) }?;
     Ok(GuestMemoryConfig {
         gpa_base: c.gpa_base,
         size_bytes,
@@ -323,10 +387,98 @@ fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryConfig, RtStatus> {
         sigbus_method,
         fault_mode,
         on_fault_error,
-        // The C API has no shared-memory backing yet.
-        backing: rdma_transport::guest_memory::GuestBacking::Anonymous,
+        backing,
         dirty_tracking: rdma_transport::guest_memory::DirtyTracking::Auto,
     })
+}
+
+/// The backing of a C config: anonymous memory, or the caller's shared
+/// file (with its userfaultfd and mapping), whose descriptors are
+/// duplicated here.
+///
+/// # Safety
+/// As `rust_config`.
+unsafe fn backing(c: &RtGuestMemoryConfig) -> Result<GuestBacking, RtStatus> {
+    const NAME: &str = RtGuestMemoryConfig::NAME;
+    for (field, fd) in [
+        ("shared_fd", c.shared_fd),
+        ("handed_over_uffd", c.handed_over_uffd),
+    ] {
+        if fd < -1 {
+            return Err(fail(
+                RtStatus::InvalidArgument,
+                format!("{NAME}.{field} is {fd}; it must be a descriptor or -1 (none)"),
+            ));
+        }
+    }
+    let has_mapping = !c.handed_over_mapping.is_null();
+    let refuse = |why: String| Err(fail(RtStatus::InvalidArgument, format!("{NAME}.{why}")));
+    match (c.shared_fd, c.handed_over_uffd, has_mapping) {
+        (-1, -1, false) if c.shared_offset_bytes == 0 => return Ok(GuestBacking::Anonymous),
+        (-1, -1, false) => {
+            return refuse(format!(
+                "shared_offset_bytes is {:#x} but shared_fd is -1 (anonymous memory)",
+                c.shared_offset_bytes
+            ))
+        }
+        (_, -1, true) => {
+            return refuse(
+                "handed_over_mapping is given but handed_over_uffd is -1: hand over both or \
+                 neither"
+                    .into(),
+            )
+        }
+        (-1, uffd, _) if uffd >= 0 => {
+            return refuse(format!(
+                "handed_over_uffd is {uffd} but shared_fd is -1: a handed-over userfaultfd \
+                 needs the shared file it serves"
+            ))
+        }
+        (_, uffd, false) if uffd >= 0 => {
+            return refuse(format!(
+                "handed_over_mapping is NULL but handed_over_uffd is {uffd}: pass the mapping \
+                 the userfaultfd serves"
+            ))
+        }
+        _ => {}
+    }
+    let fd = Arc::new(dup_fd(c.shared_fd, "shared_fd")?);
+    let file = SharedFile::new(fd, c.shared_offset_bytes);
+    if c.handed_over_uffd == -1 {
+        return Ok(GuestBacking::SharedFile(file));
+    }
+    let uffd = Arc::new(dup_fd(c.handed_over_uffd, "handed_over_uffd")?);
+    // SAFETY: the caller of `rt_guest_memory_create` promises that the
+    // mapping stays mapped, as that mapping of the file, while the region
+    // lives, and that nothing else resolves the userfaultfd's faults or
+    // changes its registrations meanwhile (its # Safety section).
+    let handed = unsafe { HandedOverUffd::new(uffd, c.handed_over_mapping.cast()) };
+    Ok(GuestBacking::SharedFile(file.with_uffd(handed)))
+}
+
+/// The library's own duplicate of the caller's descriptor `fd` (field
+/// `field`), close-on-exec; the caller's stays the caller's.
+fn dup_fd(fd: i32, field: &str) -> Result<OwnedFd, RtStatus> {
+    // SAFETY: F_DUPFD_CLOEXEC reads no memory; an fd that is not open
+    // fails with EBADF.
+    let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if dup < 0 {
+        let err = std::io::Error::last_os_error();
+        let status = if err.raw_os_error() == Some(libc::EBADF) {
+            RtStatus::InvalidArgument
+        } else {
+            RtStatus::System
+        };
+        return Err(fail(
+            status,
+            format!(
+                "{}.{field} {fd} cannot be duplicated: {err}",
+                RtGuestMemoryConfig::NAME
+            ),
+        ));
+    }
+    // SAFETY: `dup` is a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(dup) })
 }
 
 fn guest_fail(e: &GuestMemoryError) -> RtStatus {

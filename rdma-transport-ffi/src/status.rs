@@ -15,7 +15,9 @@ use rdma_transport::TransportError;
 pub enum RtStatus {
     /// Success.
     Ok = 0,
-    /// A null pointer, bad size or bad configuration value.
+    /// A null pointer, bad size or bad configuration value (including a
+    /// shared file guest RAM cannot live in: not shared memory, not open
+    /// read-write, or too small).
     InvalidArgument = 1,
     /// No node owns the guest-physical address.
     UnknownGpa = 2,
@@ -140,7 +142,11 @@ pub(crate) fn transport_status(err: &TransportError) -> RtStatus {
 
 pub(crate) fn guest_status(err: &GuestMemoryError) -> RtStatus {
     match err {
-        GuestMemoryError::Config(_) => RtStatus::InvalidArgument,
+        // The caller's shared file is not one guest RAM can live in.
+        GuestMemoryError::Config(_)
+        | GuestMemoryError::NotSharedMemory { .. }
+        | GuestMemoryError::FileNotWritable
+        | GuestMemoryError::FileTooSmall { .. } => RtStatus::InvalidArgument,
         GuestMemoryError::Unsupported(_) => RtStatus::Unsupported,
         GuestMemoryError::OutOfRange { .. } => RtStatus::OutOfRange,
         GuestMemoryError::WriteBack { .. } => RtStatus::WriteBack,
@@ -221,6 +227,22 @@ mod tests {
         let name = unsafe { CStr::from_ptr(rt_status_str(RtStatus::Permission as i32)) };
         assert_eq!(name.to_str().unwrap(), "not permitted");
         assert!(chain(&err).contains("/dev/userfaultfd"));
+    }
+
+    #[test]
+    fn a_shared_file_guest_ram_cannot_live_in_is_an_invalid_argument() {
+        for err in [
+            GuestMemoryError::NotSharedMemory { fs_magic: 0x1234 },
+            GuestMemoryError::FileNotWritable,
+            GuestMemoryError::FileTooSmall {
+                file_bytes: 4096,
+                needed_bytes: 8192,
+            },
+        ] {
+            assert_eq!(guest_status(&err), RtStatus::InvalidArgument, "{err}");
+        }
+        let err = GuestMemoryError::Unsupported("MINOR_SHMEM".into());
+        assert_eq!(guest_status(&err), RtStatus::Unsupported);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! functions, before anything else is looked at.
 
 use std::ffi::CStr;
+use std::os::fd::AsRawFd;
 
 use rdma_transport_ffi::{
     rt_guest_memory_config_default, rt_guest_memory_create, rt_last_error,
@@ -50,6 +51,175 @@ fn defaults_carry_their_struct_size() {
         create(&c),
         (RtStatus::InvalidArgument, "manager is NULL".to_owned())
     );
+}
+
+#[test]
+fn guest_defaults_are_anonymous_memory() {
+    let c = guest_defaults();
+    assert_eq!((c.shared_fd, c.handed_over_uffd), (-1, -1));
+    assert_eq!(c.shared_offset_bytes, 0);
+    assert!(c.handed_over_mapping.is_null());
+}
+
+/// The first layout of `RtGuestMemoryConfig` (72 bytes, up to
+/// `on_fault_error_user`), in a buffer of the current size whose tail is
+/// 0xff bytes: the tail is not read and takes its defaults (anonymous
+/// memory), so the config passes its checks and reaches the NULL manager.
+#[test]
+fn guest_config_of_the_first_layout_still_works() {
+    const FIRST: usize = 72;
+    let defaults = RtGuestMemoryConfig {
+        struct_size: FIRST as u32,
+        ..guest_defaults()
+    };
+    let mut buf = std::mem::MaybeUninit::<RtGuestMemoryConfig>::uninit();
+    let bytes = buf.as_mut_ptr().cast::<u8>();
+    // SAFETY: `buf` has room for a whole config.
+    unsafe { std::ptr::write_bytes(bytes, 0xff, std::mem::size_of::<RtGuestMemoryConfig>()) };
+    // SAFETY: FIRST < size_of::<RtGuestMemoryConfig>() bytes, from a live
+    // config (no padding in its first layout) into `buf`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(std::ptr::from_ref(&defaults).cast::<u8>(), bytes, FIRST)
+    };
+    // SAFETY: every byte of `buf` is initialised, and every field is valid
+    // for any bytes (the pointer past FIRST is never dereferenced).
+    let old = unsafe { buf.assume_init() };
+    assert_eq!(
+        create(&old),
+        (RtStatus::InvalidArgument, "manager is NULL".to_owned())
+    );
+    // The fields of the first layout are still checked.
+    let (status, message) = create(&RtGuestMemoryConfig {
+        pin_handlers: 2,
+        ..old
+    });
+    assert_eq!(status, RtStatus::InvalidArgument);
+    assert!(message.contains("pin_handlers must be 0 or 1"), "{message}");
+    // The whole struct with the same tail is refused: it is read.
+    let (status, message) = create(&RtGuestMemoryConfig {
+        struct_size: std::mem::size_of::<RtGuestMemoryConfig>() as u32,
+        ..old
+    });
+    assert_eq!(status, RtStatus::InvalidArgument);
+    assert!(
+        message.contains("handed_over_mapping is given"),
+        "{message}"
+    );
+}
+
+/// Every bad combination of the shared-file fields is refused with
+/// `RT_STATUS_INVALID_ARGUMENT` and a message naming it, before the
+/// manager is looked at.
+#[test]
+fn bad_shared_file_fields_are_refused_with_a_clear_message() {
+    let file = tempfile::tempfile().unwrap();
+    let fd = file.as_raw_fd();
+    let mut mapped = [0u8; 8];
+    let mapping = mapped.as_mut_ptr().cast::<std::ffi::c_void>();
+    let d = guest_defaults();
+    let uffd_without_file = format!("handed_over_uffd is {fd} but shared_fd is -1");
+    let uffd_without_mapping = format!("handed_over_mapping is NULL but handed_over_uffd is {fd}");
+    let cases: Vec<(RtGuestMemoryConfig, &str)> = vec![
+        (
+            RtGuestMemoryConfig { shared_fd: -2, ..d },
+            "shared_fd is -2; it must be a descriptor or -1",
+        ),
+        (
+            RtGuestMemoryConfig {
+                shared_fd: fd,
+                handed_over_uffd: -7,
+                handed_over_mapping: mapping,
+                ..d
+            },
+            "handed_over_uffd is -7; it must be a descriptor or -1",
+        ),
+        (
+            RtGuestMemoryConfig {
+                shared_offset_bytes: 4096,
+                ..d
+            },
+            "shared_offset_bytes is 0x1000 but shared_fd is -1",
+        ),
+        (
+            RtGuestMemoryConfig {
+                handed_over_mapping: mapping,
+                ..d
+            },
+            "handed_over_mapping is given but handed_over_uffd is -1",
+        ),
+        (
+            RtGuestMemoryConfig {
+                shared_fd: fd,
+                handed_over_mapping: mapping,
+                ..d
+            },
+            "handed_over_mapping is given but handed_over_uffd is -1",
+        ),
+        (
+            RtGuestMemoryConfig {
+                handed_over_uffd: fd,
+                handed_over_mapping: mapping,
+                ..d
+            },
+            &uffd_without_file,
+        ),
+        (
+            RtGuestMemoryConfig {
+                shared_fd: fd,
+                handed_over_uffd: fd,
+                ..d
+            },
+            &uffd_without_mapping,
+        ),
+        (
+            RtGuestMemoryConfig {
+                shared_fd: i32::MAX,
+                ..d
+            },
+            "shared_fd 2147483647 cannot be duplicated",
+        ),
+        (
+            RtGuestMemoryConfig {
+                shared_fd: fd,
+                handed_over_uffd: i32::MAX,
+                handed_over_mapping: mapping,
+                ..d
+            },
+            "handed_over_uffd 2147483647 cannot be duplicated",
+        ),
+    ];
+    for (config, expected) in cases {
+        let (status, message) = create(&config);
+        assert_eq!(status, RtStatus::InvalidArgument, "{expected}: {message}");
+        assert!(
+            message.contains(expected),
+            "{expected:?} not in {message:?}"
+        );
+    }
+    // Good combinations pass every check and reach the NULL manager.
+    for config in [
+        RtGuestMemoryConfig {
+            shared_fd: fd,
+            shared_offset_bytes: 4096,
+            ..d
+        },
+        RtGuestMemoryConfig {
+            shared_fd: fd,
+            handed_over_uffd: fd,
+            handed_over_mapping: mapping,
+            ..d
+        },
+    ] {
+        assert_eq!(
+            create(&config),
+            (RtStatus::InvalidArgument, "manager is NULL".to_owned())
+        );
+    }
+    // The caller's descriptor is still its own: the library closed only
+    // its duplicates.
+    // SAFETY: F_GETFD reads no memory.
+    assert!(unsafe { libc::fcntl(fd, libc::F_GETFD) } >= 0);
+    drop(file);
 }
 
 #[test]
