@@ -13,8 +13,9 @@
 //! Nothing written before the flush is missed: a listed page the region
 //! does not hold yet may be an install between its `UFFDIO_CONTINUE` and
 //! its release, whose write completed already, so its lock is waited for
-//! (a short section) and it is sent if it turned out present. Holes stay
-//! protected (a marker), so they are listed once.
+//! (a short section) and it is sent if it turned out present. Holes (not
+//! mapped at the walk) are skipped: they now carry a protection marker, and
+//! whoever maps them later decides whether they are written.
 //!
 //! `evict` holds a chunk's locks (faults on it wait), unmaps the chunk from
 //! the guest mapping first, then reads the pages' pagemap entries: a page
@@ -50,7 +51,12 @@ pub(super) fn flush(shared: &Shared, pagemap: &Pagemap) -> Result<u64, GuestMemo
             source,
         })?;
     let mut out = Outcome::default();
-    for (start, end) in runs {
+    for (start, end, mapped) in runs {
+        if !mapped {
+            // Holes (now carrying a protection marker): a page mapped later
+            // is protected or not as its install decides.
+            continue;
+        }
         let (first, end) = ((start - base) / PAGE_SIZE, (end - base) / PAGE_SIZE);
         for page in first..end {
             if wb.index.len() == WRITEBACK_BATCH {
@@ -60,11 +66,9 @@ pub(super) fn flush(shared: &Shared, pagemap: &Pagemap) -> Result<u64, GuestMemo
                 copy_to_bounce(shared, &mut wb, page);
                 continue;
             }
-            // Not ours (yet): a hole, a fetch in flight, or an install
-            // between its UFFDIO_CONTINUE and its release, whose write may
-            // have completed already. The lock waits for such an install.
-            // A page still absent then is left protected: its next
-            // mapping decides whether it is written.
+            // Mapped and written, but not ours yet: an install between its
+            // UFFDIO_CONTINUE and its release, whose write may have
+            // completed already. Its lock waits for the release.
             let s = shared.states.lock_spin(page);
             if s & PRESENT != 0 {
                 copy_to_bounce(shared, &mut wb, page);

@@ -16,7 +16,8 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 
 use linux_raw_sys::general::{
-    page_region, pm_scan_arg, PAGE_IS_WRITTEN, PM_SCAN_CHECK_WPASYNC, PM_SCAN_WP_MATCHING,
+    page_region, pm_scan_arg, PAGE_IS_PRESENT, PAGE_IS_WRITTEN, PM_SCAN_CHECK_WPASYNC,
+    PM_SCAN_WP_MATCHING,
 };
 
 use crate::page::PAGE_SIZE;
@@ -49,12 +50,13 @@ impl Pagemap {
         Ok(Self { fd: file.into() })
     }
 
-    /// Appends to `out` the runs `(start, end)` of `[start, end)` (page
-    /// aligned addresses) written since they were last write-protected,
-    /// and write-protects them again, atomically with the walk. Needs a
-    /// userfaultfd with [`super::feature::WP_ASYNC`] registered for
-    /// write-protect on the range; unpopulated pages count as written (and
-    /// are protected).
+    /// Appends to `out` the runs `(start, end, mapped)` of `[start, end)`
+    /// (page aligned addresses) written since they were last
+    /// write-protected, and write-protects them again, atomically with the
+    /// walk. Needs a userfaultfd with [`super::feature::WP_ASYNC`]
+    /// registered for write-protect on the range. Unpopulated pages count
+    /// as written too (and get a protection marker): their runs have
+    /// `mapped` false.
     ///
     /// # Errors
     /// The OS error of the ioctl (`ENOTTY`/`EINVAL` on kernels without it).
@@ -62,7 +64,7 @@ impl Pagemap {
         &self,
         start: usize,
         end: usize,
-        out: &mut Vec<(usize, usize)>,
+        out: &mut Vec<(usize, usize, bool)>,
     ) -> io::Result<()> {
         let zero = page_region {
             start: 0,
@@ -84,17 +86,16 @@ impl Pagemap {
                 category_inverted: 0,
                 category_mask: u64::from(PAGE_IS_WRITTEN),
                 category_anyof_mask: 0,
-                return_mask: u64::from(PAGE_IS_WRITTEN),
+                return_mask: u64::from(PAGE_IS_WRITTEN | PAGE_IS_PRESENT),
             };
             // SAFETY: `arg` is a live `struct pm_scan_arg` whose `vec` points
             // to `regions`, `vec_len` entries the kernel may fill.
             let ret = unsafe { libc::ioctl(self.fd.as_raw_fd(), PAGEMAP_SCAN as _, &mut arg) };
             let filled = cvt(ret)? as usize;
-            out.extend(
-                regions[..filled.min(REGIONS_PER_SCAN)]
-                    .iter()
-                    .map(|r| (r.start as usize, r.end as usize)),
-            );
+            out.extend(regions[..filled.min(REGIONS_PER_SCAN)].iter().map(|r| {
+                let mapped = r.categories & u64::from(PAGE_IS_PRESENT) != 0;
+                (r.start as usize, r.end as usize, mapped)
+            }));
             let walked = arg.walk_end as usize;
             if walked <= at {
                 return Err(io::Error::other("PAGEMAP_SCAN made no progress"));
