@@ -10,22 +10,25 @@
 //! settles it under `stepper`, puts its next window on the wire, and
 //! delivers the submission's completion after its last window.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::thread::{JoinHandle, Thread};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::SegQueue;
 use parking_lot::{Condvar, Mutex};
 
-use super::async_op::{Batch, Lane, Next, Phase};
+use super::async_op::Batch;
 use super::Inner;
 use crate::error::TransportError;
 use crate::page::Page;
 use crate::sys::cvt;
-use crate::tcp::{ReadyHook, Waiter};
 use crate::wire::Opcode;
+
+mod stepper;
+
+use stepper::{service, Mode, Shared, Stepper};
 
 /// The outcome of one submission.
 #[derive(Debug)]
@@ -75,317 +78,6 @@ impl std::fmt::Debug for Reap {
 pub struct CompletionQueue {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    Poll,
-    Eventfd,
-    Callback,
-}
-
-pub(super) struct Shared {
-    inner: Arc<Inner>,
-    mode: Mode,
-    ready: SegQueue<(usize, u64)>,
-    done: SegQueue<Completion>,
-    stepper: Mutex<Stepper>,
-    /// Submissions not yet delivered.
-    in_flight: AtomicUsize,
-    /// Fallback jobs running on worker threads.
-    fallbacks: Mutex<usize>,
-    fallbacks_done: Condvar,
-    eventfd: Option<OwnedFd>,
-    /// A thread waiting in `wait` (poll mode) or the callback thread.
-    sleeper: Mutex<Option<Thread>>,
-    stop: AtomicBool,
-    callback: Mutex<Option<CompletionCallback>>,
-    /// The reaper waits on the TCP sockets itself
-    /// ([`CompletionQueue::read_tcp_myself`]): rounds are not parked on
-    /// them.
-    reaper_reads_tcp: AtomicBool,
-}
-
-impl std::fmt::Debug for Shared {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CompletionQueue")
-            .field("mode", &self.mode)
-            .field("in_flight", &self.in_flight)
-            .finish_non_exhaustive()
-    }
-}
-
-/// The lanes (each boxed: its round and waiter never move) and which of
-/// them have a round on the wire.
-struct Stepper {
-    lanes: Vec<Box<Lane>>,
-    free: Vec<usize>,
-    /// Lanes in `Phase::Round`.
-    active: Vec<usize>,
-    /// Requests of the active lanes (at most `MAX_REQUESTS`).
-    requests: usize,
-    /// Lanes with a submission that wait for room under `MAX_REQUESTS`.
-    waiting: std::collections::VecDeque<usize>,
-    /// Scratch: connections read in this step.
-    seen: Vec<usize>,
-}
-
-/// Requests one queue keeps on the wire at most: half a connection's
-/// request table. Its requests hold their slots until the queue is
-/// reaped, so more could fill a table that only this thread can empty.
-const MAX_REQUESTS: usize = crate::tcp::SLOTS / 2;
-
-thread_local! {
-    /// The queue whose `Shared::step` this thread is in, reading
-    /// connections: the answers of that queue it reads are settled by the
-    /// same step, nobody needs waking. (Answers of other queues or callers
-    /// on the same connections wake them as usual.)
-    static STEPPING: std::cell::Cell<*const Shared> = const { std::cell::Cell::new(std::ptr::null()) };
-}
-
-impl ReadyHook for Shared {
-    fn ready(&self, token: usize, seq: u64) {
-        self.ready.push((token, seq));
-        if !std::ptr::eq(STEPPING.with(std::cell::Cell::get), self) {
-            self.wake();
-        }
-    }
-}
-
-impl Shared {
-    fn wake(&self) {
-        if self.mode == Mode::Eventfd {
-            self.signal_eventfd();
-        }
-        // A thread in `wait` (any mode but callback) or the callback thread.
-        if let Some(t) = self.sleeper.lock().as_ref() {
-            t.unpark();
-        }
-    }
-
-    fn signal_eventfd(&self) {
-        if let Some(fd) = &self.eventfd {
-            let one = 1u64.to_ne_bytes();
-            // SAFETY: writes 8 bytes from a live buffer to an eventfd we own.
-            let ret = unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), one.len()) };
-            if ret < 0 {
-                tracing::debug!(err = %std::io::Error::last_os_error(), "completion eventfd write failed");
-            }
-        }
-    }
-
-    fn drain_eventfd(&self) {
-        if let Some(fd) = &self.eventfd {
-            let mut buf = [0u8; 8];
-            // SAFETY: reads at most 8 bytes into a live buffer; the fd is non-blocking.
-            let _ = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-        }
-    }
-
-    /// Settles every lane that is ready or past its deadline, puts the next
-    /// rounds on the wire and queues the completions. Returns the earliest
-    /// deadline of the lanes still on the wire.
-    fn step(self: &Arc<Self>) -> Option<Instant> {
-        let mut st = self.stepper.lock();
-        // The doorbell: what was submitted since the last reap goes out.
-        self.flush(&mut st);
-        // Read what the lanes' connections have, each connection once.
-        let mut seen = std::mem::take(&mut st.seen);
-        seen.clear();
-        STEPPING.with(|s| s.set(Arc::as_ptr(self)));
-        for &token in &st.active {
-            st.lanes[token].round.progress(&mut seen);
-        }
-        STEPPING.with(|s| s.set(std::ptr::null()));
-        st.seen = seen;
-        while let Some((token, seq)) = self.ready.pop() {
-            let Some(lane) = st.lanes.get_mut(token) else {
-                continue;
-            };
-            let next = match lane.phase {
-                Phase::Round if lane.seq == seq => self.inner.settle_lane(lane),
-                Phase::Fallback if seq == u64::MAX && lane.fallback.is_some() => {
-                    self.inner.fallback_done(lane)
-                }
-                _ => continue,
-            };
-            self.after(&mut st, token, next);
-        }
-        let now = Instant::now();
-        let mut earliest = None::<Instant>;
-        let mut i = 0;
-        while i < st.active.len() {
-            let token = st.active[i];
-            let lane = &mut st.lanes[token];
-            if lane.phase == Phase::Round && (lane.waiter.is_done() || now >= lane.deadline) {
-                let next = self.inner.settle_lane(lane);
-                self.after(&mut st, token, next);
-                // `after` may have removed or re-added it: look again.
-                i = 0;
-                earliest = None;
-                continue;
-            }
-            earliest = Some(earliest.map_or(lane.deadline, |e| e.min(lane.deadline)));
-            i += 1;
-        }
-        // Lanes that waited for room, then the next windows of the lanes
-        // settled above.
-        self.start_waiting(&mut st);
-        self.flush(&mut st);
-        earliest
-    }
-
-    /// Puts waiting lanes on the wire while there is room for a whole
-    /// window.
-    fn start_waiting(self: &Arc<Self>, st: &mut Stepper) {
-        while st.requests + crate::tcp::MAX_CHUNK <= MAX_REQUESTS {
-            let Some(token) = st.waiting.pop_front() else {
-                break;
-            };
-            let next = self.inner.advance(&mut st.lanes[token]);
-            self.after(st, token, next);
-        }
-    }
-
-    /// Writes the requests the active lanes queued on their connections
-    /// (one `writev` per connection).
-    fn flush(&self, st: &mut Stepper) {
-        let deadline = Instant::now() + self.inner.config.request_timeout();
-        let mut seen = std::mem::take(&mut st.seen);
-        seen.clear();
-        for &token in &st.active {
-            st.lanes[token].round.flush(&mut seen, deadline);
-        }
-        st.seen = seen;
-    }
-
-    /// Books a lane's next step.
-    fn after(self: &Arc<Self>, st: &mut Stepper, token: usize, next: Next) {
-        if let Some(at) = st.active.iter().position(|&t| t == token) {
-            st.active.swap_remove(at);
-            st.requests -= st.lanes[token].counted;
-            st.lanes[token].counted = 0;
-        }
-        match next {
-            Next::Wait => {
-                let counted = st.lanes[token].requests();
-                st.requests += counted;
-                st.lanes[token].counted = counted;
-                let lane = &mut st.lanes[token];
-                if self.mode != Mode::Poll || self.sleeper.lock().is_some() {
-                    // Nobody polls these connections (or the reaper sleeps
-                    // in `wait`): their pollers must (the RDMA ones only,
-                    // when the reaper waits on the sockets itself).
-                    let tcp = !self.reaper_reads_tcp.load(Ordering::Relaxed);
-                    lane.round.park_some(true, tcp);
-                }
-                st.active.push(token);
-            }
-            Next::Fallback => self.start_fallback(st, token),
-            Next::Idle(complete) => {
-                if let Some(batch) = complete {
-                    self.deliver(&batch);
-                }
-                st.lanes[token].batch = None;
-                st.free.push(token);
-            }
-        }
-    }
-
-    fn deliver(&self, batch: &Batch) {
-        let result = batch.result();
-        self.inner
-            .counters
-            .record(batch.opcode, batch.gpas.len(), &result);
-        let completion = Completion {
-            user_data: batch.user_data,
-            result,
-            pages: batch.owned.lock().take(),
-        };
-        self.done.push(completion);
-        self.in_flight.fetch_sub(1, Ordering::AcqRel);
-    }
-
-    fn start_fallback(self: &Arc<Self>, st: &mut Stepper, token: usize) {
-        let lane = &mut st.lanes[token];
-        let Some(batch) = lane.batch.clone() else {
-            return;
-        };
-        let (from, end) = lane.fallback_range();
-        *self.fallbacks.lock() += 1;
-        let shared = Arc::clone(self);
-        let job = move || {
-            let result = shared.inner.run_fallback(&batch, from, end);
-            {
-                let mut st = shared.stepper.lock();
-                if let Some(lane) = st.lanes.get_mut(token) {
-                    lane.fallback = Some(result);
-                }
-            }
-            shared.ready.push((token, u64::MAX));
-            shared.wake();
-            let mut running = shared.fallbacks.lock();
-            *running -= 1;
-            shared.fallbacks_done.notify_all();
-        };
-        if let Err(err) = std::thread::Builder::new()
-            .name("page-fallback".into())
-            .spawn(job)
-        {
-            // The job was dropped unrun: fail its window.
-            tracing::warn!(%err, "cannot start a fallback thread");
-            *self.fallbacks.lock() -= 1;
-            lane.fallback = Some(Err(TransportError::Config(format!(
-                "cannot start a fallback thread: {err}"
-            ))));
-            self.ready.push((token, u64::MAX));
-        }
-    }
-
-    fn submit(self: &Arc<Self>, batch: Batch) -> Result<(), TransportError> {
-        if batch.gpas.is_empty() {
-            return Err(TransportError::Config(
-                "a submission needs at least one page".into(),
-            ));
-        }
-        let batch = Arc::new(batch);
-        self.in_flight.fetch_add(1, Ordering::AcqRel);
-        let mut st = self.stepper.lock();
-        for _ in 0..batch.lanes() {
-            let token = match st.free.pop() {
-                Some(t) => t,
-                None => {
-                    let token = st.lanes.len();
-                    let shared: *const Shared = Arc::as_ptr(self);
-                    let hook: *const (dyn ReadyHook + 'static) = shared;
-                    // SAFETY: every lane lives in `Shared`, which is the
-                    // hook: it outlives every request of the lane.
-                    let waiter = unsafe { Waiter::for_queue(hook, token) };
-                    st.lanes.push(Box::new(Lane::new(waiter)));
-                    token
-                }
-            };
-            st.lanes[token].batch = Some(Arc::clone(&batch));
-            st.waiting.push_back(token);
-        }
-        self.start_waiting(&mut st);
-        if self.mode != Mode::Poll {
-            // Nobody may reap before an answer: ring the doorbell now. (In
-            // poll mode the next `poll` or `wait` does, so a burst of
-            // submissions goes out with one write per connection.)
-            self.flush(&mut st);
-        }
-        Ok(())
-    }
-
-    fn take_done(&self, out: &mut Vec<Completion>) -> usize {
-        let mut n = 0;
-        while let Some(c) = self.done.pop() {
-            out.push(c);
-            n += 1;
-        }
-        n
-    }
 }
 
 impl Inner {
@@ -444,48 +136,6 @@ impl Inner {
             }
         };
         Ok(CompletionQueue { shared, thread })
-    }
-}
-
-/// The queue's thread. Callback mode: reaps and runs the callback. Eventfd
-/// mode: signals the eventfd when a deadline passes (answers signal it
-/// themselves).
-fn service(shared: &Arc<Shared>) {
-    if shared.mode == Mode::Callback {
-        *shared.sleeper.lock() = Some(std::thread::current());
-    }
-    while !shared.stop.load(Ordering::Acquire) {
-        let earliest = if shared.mode == Mode::Callback {
-            let earliest = shared.step();
-            let mut out = Vec::new();
-            shared.take_done(&mut out);
-            if !out.is_empty() {
-                if let Some(cb) = shared.callback.lock().as_mut() {
-                    for c in out {
-                        cb(c);
-                    }
-                }
-            }
-            earliest
-        } else {
-            let st = shared.stepper.lock();
-            st.active.iter().map(|&t| st.lanes[t].deadline).min()
-        };
-        if !shared.ready.is_empty() {
-            continue;
-        }
-        let now = Instant::now();
-        match earliest {
-            Some(d) if d <= now => {
-                if shared.mode == Mode::Eventfd {
-                    shared.signal_eventfd();
-                    // Give the VMM time to poll before signalling again.
-                    std::thread::park_timeout(Duration::from_millis(1));
-                }
-            }
-            Some(d) => std::thread::park_timeout(d - now),
-            None => std::thread::park_timeout(Duration::from_millis(100)),
-        }
     }
 }
 

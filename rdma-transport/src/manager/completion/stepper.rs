@@ -1,0 +1,372 @@
+//! A completion queue's state and the step that moves it on: settle the
+//! lanes whose rounds were answered or timed out, put their next windows
+//! (and lanes waiting for room) on the wire, deliver completions; plus the
+//! queue's own thread (`service`).
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::Thread;
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::SegQueue;
+use parking_lot::{Condvar, Mutex};
+
+use super::{Completion, CompletionCallback};
+use crate::error::TransportError;
+use crate::manager::async_op::{Batch, Lane, Next, Phase};
+use crate::manager::Inner;
+use crate::tcp::{ReadyHook, Waiter};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Mode {
+    Poll,
+    Eventfd,
+    Callback,
+}
+
+pub(super) struct Shared {
+    pub(super) inner: Arc<Inner>,
+    pub(super) mode: Mode,
+    pub(super) ready: SegQueue<(usize, u64)>,
+    pub(super) done: SegQueue<Completion>,
+    pub(super) stepper: Mutex<Stepper>,
+    /// Submissions not yet delivered.
+    pub(super) in_flight: AtomicUsize,
+    /// Fallback jobs running on worker threads.
+    pub(super) fallbacks: Mutex<usize>,
+    pub(super) fallbacks_done: Condvar,
+    pub(super) eventfd: Option<OwnedFd>,
+    /// A thread waiting in `wait` (poll mode) or the callback thread.
+    pub(super) sleeper: Mutex<Option<Thread>>,
+    pub(super) stop: AtomicBool,
+    pub(super) callback: Mutex<Option<CompletionCallback>>,
+    /// The reaper waits on the TCP sockets itself
+    /// ([`CompletionQueue::read_tcp_myself`]): rounds are not parked on
+    /// them.
+    pub(super) reaper_reads_tcp: AtomicBool,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompletionQueue")
+            .field("mode", &self.mode)
+            .field("in_flight", &self.in_flight)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The lanes (each boxed: its round and waiter never move) and which of
+/// them have a round on the wire.
+pub(super) struct Stepper {
+    pub(super) lanes: Vec<Box<Lane>>,
+    pub(super) free: Vec<usize>,
+    /// Lanes in `Phase::Round`.
+    pub(super) active: Vec<usize>,
+    /// Requests of the active lanes (at most `MAX_REQUESTS`).
+    pub(super) requests: usize,
+    /// Lanes with a submission that wait for room under `MAX_REQUESTS`.
+    pub(super) waiting: std::collections::VecDeque<usize>,
+    /// Scratch: connections read in this step.
+    pub(super) seen: Vec<usize>,
+}
+
+/// Requests one queue keeps on the wire at most: half a connection's
+/// request table. Its requests hold their slots until the queue is
+/// reaped, so more could fill a table that only this thread can empty.
+const MAX_REQUESTS: usize = crate::tcp::SLOTS / 2;
+
+thread_local! {
+    /// The queue whose `Shared::step` this thread is in, reading
+    /// connections: the answers of that queue it reads are settled by the
+    /// same step, nobody needs waking. (Answers of other queues or callers
+    /// on the same connections wake them as usual.)
+    static STEPPING: std::cell::Cell<*const Shared> = const { std::cell::Cell::new(std::ptr::null()) };
+}
+
+impl ReadyHook for Shared {
+    fn ready(&self, token: usize, seq: u64) {
+        self.ready.push((token, seq));
+        if !std::ptr::eq(STEPPING.with(std::cell::Cell::get), self) {
+            self.wake();
+        }
+    }
+}
+
+impl Shared {
+    pub(super) fn wake(&self) {
+        if self.mode == Mode::Eventfd {
+            self.signal_eventfd();
+        }
+        // A thread in `wait` (any mode but callback) or the callback thread.
+        if let Some(t) = self.sleeper.lock().as_ref() {
+            t.unpark();
+        }
+    }
+
+    pub(super) fn signal_eventfd(&self) {
+        if let Some(fd) = &self.eventfd {
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: writes 8 bytes from a live buffer to an eventfd we own.
+            let ret = unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+            if ret < 0 {
+                tracing::debug!(err = %std::io::Error::last_os_error(), "completion eventfd write failed");
+            }
+        }
+    }
+
+    pub(super) fn drain_eventfd(&self) {
+        if let Some(fd) = &self.eventfd {
+            let mut buf = [0u8; 8];
+            // SAFETY: reads at most 8 bytes into a live buffer; the fd is non-blocking.
+            let _ = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        }
+    }
+
+    /// Settles every lane that is ready or past its deadline, puts the next
+    /// rounds on the wire and queues the completions. Returns the earliest
+    /// deadline of the lanes still on the wire.
+    pub(super) fn step(self: &Arc<Self>) -> Option<Instant> {
+        let mut st = self.stepper.lock();
+        // The doorbell: what was submitted since the last reap goes out.
+        self.flush(&mut st);
+        // Read what the lanes' connections have, each connection once.
+        let mut seen = std::mem::take(&mut st.seen);
+        seen.clear();
+        STEPPING.with(|s| s.set(Arc::as_ptr(self)));
+        for &token in &st.active {
+            st.lanes[token].round.progress(&mut seen);
+        }
+        STEPPING.with(|s| s.set(std::ptr::null()));
+        st.seen = seen;
+        while let Some((token, seq)) = self.ready.pop() {
+            let Some(lane) = st.lanes.get_mut(token) else {
+                continue;
+            };
+            let next = match lane.phase {
+                Phase::Round if lane.seq == seq => self.inner.settle_lane(lane),
+                Phase::Fallback if seq == u64::MAX && lane.fallback.is_some() => {
+                    self.inner.fallback_done(lane)
+                }
+                _ => continue,
+            };
+            self.after(&mut st, token, next);
+        }
+        let now = Instant::now();
+        let mut earliest = None::<Instant>;
+        let mut i = 0;
+        while i < st.active.len() {
+            let token = st.active[i];
+            let lane = &mut st.lanes[token];
+            if lane.phase == Phase::Round && (lane.waiter.is_done() || now >= lane.deadline) {
+                let next = self.inner.settle_lane(lane);
+                self.after(&mut st, token, next);
+                // `after` may have removed or re-added it: look again.
+                i = 0;
+                earliest = None;
+                continue;
+            }
+            earliest = Some(earliest.map_or(lane.deadline, |e| e.min(lane.deadline)));
+            i += 1;
+        }
+        // Lanes that waited for room, then the next windows of the lanes
+        // settled above.
+        self.start_waiting(&mut st);
+        self.flush(&mut st);
+        earliest
+    }
+
+    /// Puts waiting lanes on the wire while there is room for a whole
+    /// window.
+    pub(super) fn start_waiting(self: &Arc<Self>, st: &mut Stepper) {
+        while st.requests + crate::tcp::MAX_CHUNK <= MAX_REQUESTS {
+            let Some(token) = st.waiting.pop_front() else {
+                break;
+            };
+            let next = self.inner.advance(&mut st.lanes[token]);
+            self.after(st, token, next);
+        }
+    }
+
+    /// Writes the requests the active lanes queued on their connections
+    /// (one `writev` per connection).
+    pub(super) fn flush(&self, st: &mut Stepper) {
+        let deadline = Instant::now() + self.inner.config.request_timeout();
+        let mut seen = std::mem::take(&mut st.seen);
+        seen.clear();
+        for &token in &st.active {
+            st.lanes[token].round.flush(&mut seen, deadline);
+        }
+        st.seen = seen;
+    }
+
+    /// Books a lane's next step.
+    pub(super) fn after(self: &Arc<Self>, st: &mut Stepper, token: usize, next: Next) {
+        if let Some(at) = st.active.iter().position(|&t| t == token) {
+            st.active.swap_remove(at);
+            st.requests -= st.lanes[token].counted;
+            st.lanes[token].counted = 0;
+        }
+        match next {
+            Next::Wait => {
+                let counted = st.lanes[token].requests();
+                st.requests += counted;
+                st.lanes[token].counted = counted;
+                let lane = &mut st.lanes[token];
+                if self.mode != Mode::Poll || self.sleeper.lock().is_some() {
+                    // Nobody polls these connections (or the reaper sleeps
+                    // in `wait`): their pollers must (the RDMA ones only,
+                    // when the reaper waits on the sockets itself).
+                    let tcp = !self.reaper_reads_tcp.load(Ordering::Relaxed);
+                    lane.round.park_some(true, tcp);
+                }
+                st.active.push(token);
+            }
+            Next::Fallback => self.start_fallback(st, token),
+            Next::Idle(complete) => {
+                if let Some(batch) = complete {
+                    self.deliver(&batch);
+                }
+                st.lanes[token].batch = None;
+                st.free.push(token);
+            }
+        }
+    }
+
+    pub(super) fn deliver(&self, batch: &Batch) {
+        let result = batch.result();
+        self.inner
+            .counters
+            .record(batch.opcode, batch.gpas.len(), &result);
+        let completion = Completion {
+            user_data: batch.user_data,
+            result,
+            pages: batch.owned.lock().take(),
+        };
+        self.done.push(completion);
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    pub(super) fn start_fallback(self: &Arc<Self>, st: &mut Stepper, token: usize) {
+        let lane = &mut st.lanes[token];
+        let Some(batch) = lane.batch.clone() else {
+            return;
+        };
+        let (from, end) = lane.fallback_range();
+        *self.fallbacks.lock() += 1;
+        let shared = Arc::clone(self);
+        let job = move || {
+            let result = shared.inner.run_fallback(&batch, from, end);
+            {
+                let mut st = shared.stepper.lock();
+                if let Some(lane) = st.lanes.get_mut(token) {
+                    lane.fallback = Some(result);
+                }
+            }
+            shared.ready.push((token, u64::MAX));
+            shared.wake();
+            let mut running = shared.fallbacks.lock();
+            *running -= 1;
+            shared.fallbacks_done.notify_all();
+        };
+        if let Err(err) = std::thread::Builder::new()
+            .name("page-fallback".into())
+            .spawn(job)
+        {
+            // The job was dropped unrun: fail its window.
+            tracing::warn!(%err, "cannot start a fallback thread");
+            *self.fallbacks.lock() -= 1;
+            lane.fallback = Some(Err(TransportError::Config(format!(
+                "cannot start a fallback thread: {err}"
+            ))));
+            self.ready.push((token, u64::MAX));
+        }
+    }
+
+    pub(super) fn submit(self: &Arc<Self>, batch: Batch) -> Result<(), TransportError> {
+        if batch.gpas.is_empty() {
+            return Err(TransportError::Config(
+                "a submission needs at least one page".into(),
+            ));
+        }
+        let batch = Arc::new(batch);
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        let mut st = self.stepper.lock();
+        for _ in 0..batch.lanes() {
+            let token = match st.free.pop() {
+                Some(t) => t,
+                None => {
+                    let token = st.lanes.len();
+                    let shared: *const Shared = Arc::as_ptr(self);
+                    let hook: *const (dyn ReadyHook + 'static) = shared;
+                    // SAFETY: every lane lives in `Shared`, which is the
+                    // hook: it outlives every request of the lane.
+                    let waiter = unsafe { Waiter::for_queue(hook, token) };
+                    st.lanes.push(Box::new(Lane::new(waiter)));
+                    token
+                }
+            };
+            st.lanes[token].batch = Some(Arc::clone(&batch));
+            st.waiting.push_back(token);
+        }
+        self.start_waiting(&mut st);
+        if self.mode != Mode::Poll {
+            // Nobody may reap before an answer: ring the doorbell now. (In
+            // poll mode the next `poll` or `wait` does, so a burst of
+            // submissions goes out with one write per connection.)
+            self.flush(&mut st);
+        }
+        Ok(())
+    }
+
+    pub(super) fn take_done(&self, out: &mut Vec<Completion>) -> usize {
+        let mut n = 0;
+        while let Some(c) = self.done.pop() {
+            out.push(c);
+            n += 1;
+        }
+        n
+    }
+}
+
+/// The queue's thread. Callback mode: reaps and runs the callback. Eventfd
+/// mode: signals the eventfd when a deadline passes (answers signal it
+/// themselves).
+pub(super) fn service(shared: &Arc<Shared>) {
+    if shared.mode == Mode::Callback {
+        *shared.sleeper.lock() = Some(std::thread::current());
+    }
+    while !shared.stop.load(Ordering::Acquire) {
+        let earliest = if shared.mode == Mode::Callback {
+            let earliest = shared.step();
+            let mut out = Vec::new();
+            shared.take_done(&mut out);
+            if !out.is_empty() {
+                if let Some(cb) = shared.callback.lock().as_mut() {
+                    for c in out {
+                        cb(c);
+                    }
+                }
+            }
+            earliest
+        } else {
+            let st = shared.stepper.lock();
+            st.active.iter().map(|&t| st.lanes[t].deadline).min()
+        };
+        if !shared.ready.is_empty() {
+            continue;
+        }
+        let now = Instant::now();
+        match earliest {
+            Some(d) if d <= now => {
+                if shared.mode == Mode::Eventfd {
+                    shared.signal_eventfd();
+                    // Give the VMM time to poll before signalling again.
+                    std::thread::park_timeout(Duration::from_millis(1));
+                }
+            }
+            Some(d) => std::thread::park_timeout(d - now),
+            None => std::thread::park_timeout(Duration::from_millis(100)),
+        }
+    }
+}
