@@ -18,6 +18,8 @@ pub mod node;
 
 #[cfg(test)]
 mod model;
+#[cfg(test)]
+mod tests;
 
 pub use home::{Directory, HomeAction, HomeActions, HomeConfig, HomePage, HomeStats};
 pub use list::List;
