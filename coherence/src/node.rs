@@ -105,6 +105,10 @@ pub(crate) enum NodeMutation {
     IgnoreFence,
     /// Drop a modified copy on invalidation without writing it back.
     NoWriteBackOnInvalidate,
+    /// Answer a recall that overtook its grant at once (as if there were
+    /// no grant): the grant is then stale, and two writers can take the
+    /// page from each other forever without either writing.
+    AnswerRecallBeforeGrant,
 }
 
 /// Counters of one node, shared by all its pages. Not part of the protocol's
@@ -444,7 +448,7 @@ impl NodePage {
 
     /// Whether `cb` names a grant that has not arrived yet.
     fn awaits_grant(&self, cb: &Callback) -> bool {
-        cb.grant.is_some_and(|g| g > self.last_grant)
+        cb.grant.is_some_and(|g| g > self.last_grant) && !self.answer_recall_before_grant()
     }
 
     /// A grant arrived: a callback that waited for it now waits only for
@@ -520,6 +524,14 @@ impl NodePage {
     }
     #[cfg(not(test))]
     fn ignore_fence(&self) -> bool {
+        false
+    }
+    #[cfg(test)]
+    fn answer_recall_before_grant(&self) -> bool {
+        self.config.mutation == Some(NodeMutation::AnswerRecallBeforeGrant)
+    }
+    #[cfg(not(test))]
+    fn answer_recall_before_grant(&self) -> bool {
         false
     }
     #[cfg(test)]

@@ -3,6 +3,7 @@
 use stateright::Property;
 
 use super::{Coherence, Envelope, State};
+use crate::home::Directory;
 use crate::messages::{ToHome, ToNode};
 use crate::node::LocalCopy;
 
@@ -11,6 +12,7 @@ pub(crate) fn all() -> Vec<Property<Coherence>> {
         Property::always("single writer", single_writer),
         Property::always("copies hold the latest write", copies_are_latest),
         Property::always("checks inside transitions hold", no_violation),
+        Property::always("the directory covers every copy", directory_covers_copies),
         Property::always("no deadlock", no_deadlock),
         Property::always("no lost acknowledgement", no_lost_ack),
         Property::always("bounded work per operation", |m: &Coherence, s: &State| {
@@ -26,6 +28,14 @@ pub(crate) fn all() -> Vec<Property<Coherence>> {
                 .iter()
                 .any(|n| n.alive && n.page.has_deferred_callback())
         }),
+        Property::sometimes(
+            "a recall waits for the grant it overtook",
+            |_, s: &State| {
+                s.nodes.iter().any(|n| {
+                    n.alive && n.page.has_deferred_callback() && n.page.timer_due_us().is_none()
+                })
+            },
+        ),
         Property::sometimes("a request waits in the home's queue", |_, s: &State| {
             s.home.queued() > 0
         }),
@@ -54,6 +64,28 @@ fn copies_are_latest(_: &Coherence, s: &State) -> bool {
             .iter()
             .filter(|n| n.alive && n.page.copy() != LocalCopy::None)
             .all(|n| n.value == s.last_write)
+}
+
+/// The home's view is conservative: a node holding a shared copy is listed
+/// as a holder (or is the owner, its ownership grant or downgrade ack still
+/// on the way); a node holding the page modified is its owner.
+fn directory_covers_copies(_: &Coherence, s: &State) -> bool {
+    s.nodes.iter().enumerate().all(|(i, n)| {
+        let owner = matches!(
+            s.home.directory(),
+            Directory::Modified { owner, .. } if usize::from(owner.get()) == i
+        );
+        let listed = matches!(
+            s.home.directory(),
+            Directory::Shared(holders) if holders.iter().any(|h| usize::from(h.get()) == i)
+        );
+        !n.alive
+            || match n.page.copy() {
+                LocalCopy::None => true,
+                LocalCopy::Shared => owner || listed,
+                LocalCopy::Modified => owner,
+            }
+    })
 }
 
 /// Reads returned the latest write, fetches found the version the home

@@ -84,10 +84,13 @@ fn without_a_hold_time_callbacks_are_answered_at_once() {
 /// Runs a deliberately broken protocol and asserts the checker reports a
 /// counterexample for one of `expected` (the property the bug breaks).
 fn assert_finds_bug(name: &str, model: Coherence, expected: &[&'static str]) {
+    // Stops at the first counterexample for an expected property; a
+    // broken protocol may have an unbounded state space, hence the cap.
     let checker = model
         .checker()
         .threads(2)
-        .finish_when(HasDiscoveries::AnyFailures)
+        .finish_when(HasDiscoveries::AnyOf(expected.iter().copied().collect()))
+        .target_state_count(2_000_000)
         .spawn_bfs()
         .join();
     let found: Vec<_> = checker
@@ -100,7 +103,7 @@ fn assert_finds_bug(name: &str, model: Coherence, expected: &[&'static str]) {
         "{name}: {} states, counterexamples (property, steps) {found:?}",
         checker.unique_state_count()
     );
-    if let Some((p, _)) = found.first() {
+    if let Some((p, _)) = found.iter().find(|(p, _)| expected.contains(p)) {
         if let Some(path) = checker.discovery(p) {
             eprintln!("{name}: {p}: {:?}", path.last_state().violation);
             for action in path.into_actions() {
@@ -172,6 +175,17 @@ fn the_checker_finds_an_invalidation_without_write_back() {
             "copies hold the latest write",
             "checks inside transitions hold",
         ],
+    );
+}
+
+#[test]
+fn the_checker_finds_writers_taking_the_page_from_each_other_forever() {
+    let mut model = Coherence::new(2, 1);
+    model.node_mutation = Some(NodeMutation::AnswerRecallBeforeGrant);
+    assert_finds_bug(
+        "recall answered before its grant",
+        model,
+        &["bounded work per operation"],
     );
 }
 
