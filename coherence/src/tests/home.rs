@@ -343,3 +343,15 @@ fn a_request_from_the_owner_itself_recalls_its_written_back_copy() {
         .is_empty());
     assert_eq!(home.directory(), Directory::Shared(NodeSet::one(id(1))));
 }
+
+#[test]
+fn a_directory_entry_stays_small() {
+    // Every page of a coherent VM has one at its home: its size is memory
+    // per guest page (4 KiB). docs/coherence.md quotes it.
+    let size = std::mem::size_of::<HomePage>();
+    eprintln!(
+        "HomePage: {size} bytes, NodePage: {} bytes",
+        std::mem::size_of::<crate::node::NodePage>()
+    );
+    assert!(size <= 256, "{size}");
+}
