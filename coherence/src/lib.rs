@@ -9,6 +9,37 @@
 //! out in order. The protocol, its reasoning and what is model-checked are in
 //! `docs/coherence.md`; the model (stateright) is in `src/model/` and runs
 //! with `cargo test -p coherence`.
+//!
+//! ```
+//! use coherence::*;
+//!
+//! let (mut home_stats, mut node_stats) = (HomeStats::default(), NodeStats::default());
+//! let mut home = HomePage::new(HomeConfig::default());
+//! let mut page = NodePage::new(NodeConfig::new(100));
+//! let node = NodeId::new(1).unwrap();
+//!
+//! // A write fault on node 1: one request to the home.
+//! let Fault::Wait { send: Some(request) } = page.on_fault(Access::Write, &mut node_stats) else {
+//!     panic!("a first fault sends a request");
+//! };
+//! // The home grants ownership at once (nobody else holds the page).
+//! let answers = home.on_message(node, request, &mut home_stats);
+//! let Some(HomeAction::Send { to, msg }) = answers.iter().next() else {
+//!     panic!("one grant");
+//! };
+//! assert_eq!(to, node);
+//! // The node fetches the page, maps it writable and wakes the fault.
+//! let todo: Vec<_> = page.on_message(msg, 0, &mut node_stats).iter().collect();
+//! assert_eq!(
+//!     todo,
+//!     [
+//!         NodeAction::Fetch { data_version: 0 },
+//!         NodeAction::Map(Mode::Exclusive),
+//!         NodeAction::Wake(Access::Write),
+//!     ]
+//! );
+//! assert_eq!(page.on_fault(Access::Write, &mut node_stats), Fault::Hit);
+//! ```
 #![forbid(unsafe_code)]
 
 pub mod home;

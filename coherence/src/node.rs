@@ -11,7 +11,7 @@ use crate::list::List;
 use crate::messages::{Access, Mode, ReqId, Seq, ToHome, ToNode, Version};
 
 /// The most actions one node transition returns.
-pub const NODE_ACTIONS_MAX: usize = 6;
+pub const NODE_ACTIONS_MAX: usize = 8;
 
 /// What a node transition asks its caller to do, in order. Each must be
 /// done before the next (a write-back completes before the message saying
