@@ -132,6 +132,8 @@ pub struct NodeStats {
     pub lost: u64,
     /// Ignored: an answer to no request outstanding (late or repeated).
     pub stale_answers: u64,
+    /// Callbacks received again (acked again, nothing else done).
+    pub repeated_callbacks: u64,
     /// Callbacks that arrived before the grant they revoke, and waited for it.
     pub callbacks_before_grant: u64,
     /// Ignored: a grant of the wrong kind for the request (never expected).
@@ -386,6 +388,7 @@ impl NodePage {
         now_us: u64,
         out: &mut Out<'_>,
     ) {
+        self.last_grant = self.last_grant.max(seq);
         let Some(pending) = self.pending.filter(|p| p.req == req) else {
             out.stats.stale_answers += 1;
             return;
@@ -398,7 +401,6 @@ impl NodePage {
             out.stats.protocol_errors += 1;
             return;
         }
-        self.last_grant = self.last_grant.max(seq);
         if seq < self.fence && !self.ignore_fence() {
             // A callback sent after this grant already reached us (and was
             // answered as if we had no grant): the home no longer counts us
@@ -463,6 +465,19 @@ impl NodePage {
     }
 
     fn callback(&mut self, cb: Callback, now_us: u64, out: &mut Out<'_>) {
+        // Callbacks to one node come in sequence order (the home waits for
+        // each ack before it calls this node back again), so one at or
+        // below the fence, or equal to the one waiting, is a repeat.
+        if cb.seq <= self.fence {
+            // Ack again (the home ignores a repeated ack), change nothing.
+            out.stats.repeated_callbacks += 1;
+            self.send_ack(cb, out);
+            return;
+        }
+        if self.deferred.is_some_and(|d| d.seq == cb.seq) {
+            out.stats.repeated_callbacks += 1;
+            return;
+        }
         if let Some(older) = self.deferred.take() {
             // The home waits for an ack before it calls back again, so this
             // does not happen; answer the older one rather than lose it.
@@ -476,7 +491,6 @@ impl NodePage {
             self.deferred = Some(cb);
             return;
         }
-        self.fence = self.fence.max(cb.seq);
         if self.copy == LocalCopy::Modified && now_us < self.hold_until_us {
             out.stats.deferred_callbacks += 1;
             self.deferred = Some(cb);
@@ -492,30 +506,34 @@ impl NodePage {
             self.written_back = Some(version);
             out.push(NodeAction::WriteBack { version });
         }
-        let seq = cb.seq;
         match cb.kind {
             CallbackKind::Invalidate => {
                 if self.copy != LocalCopy::None {
                     out.push(NodeAction::Zap);
                 }
                 self.copy = LocalCopy::None;
-                out.push(NodeAction::Send(ToHome::InvalidateAck {
-                    seq,
-                    written_back: self.written_back,
-                }));
             }
             CallbackKind::Downgrade => {
                 if self.copy == LocalCopy::Modified {
                     out.push(NodeAction::WriteProtect);
                     self.copy = LocalCopy::Shared;
                 }
-                out.push(NodeAction::Send(ToHome::DowngradeAck {
-                    seq,
-                    written_back: self.written_back,
-                    kept: self.copy == LocalCopy::Shared,
-                }));
             }
         }
+        self.send_ack(cb, out);
+    }
+
+    fn send_ack(&self, cb: Callback, out: &mut Out<'_>) {
+        let seq = cb.seq;
+        let written_back = self.written_back;
+        out.push(NodeAction::Send(match cb.kind {
+            CallbackKind::Invalidate => ToHome::InvalidateAck { seq, written_back },
+            CallbackKind::Downgrade => ToHome::DowngradeAck {
+                seq,
+                written_back,
+                kept: self.copy != LocalCopy::None,
+            },
+        }));
     }
 
     #[cfg(test)]

@@ -5,7 +5,8 @@
 //! each of which may fault; up to `vcpus` faults per node wait at once (so
 //! concurrent faults get coalesced). Messages travel on an unordered network
 //! (a multiset: any message in flight may be delivered next; none is
-//! duplicated). A node may be lost (up to `max_losses`): its in-flight
+//! duplicated, unless `duplicate_to_nodes`: then a home → node message may
+//! arrive again). A node may be lost (up to `max_losses`): its in-flight
 //! messages vanish and the home is told. Time only matters for the owner's
 //! hold time: a node whose callback waits for it may let its clock jump to
 //! the deadline at any moment. Data moves as the implementation moves it: a
@@ -53,6 +54,9 @@ pub(crate) struct State {
     pub(crate) nodes: Vec<Node>,
     /// Messages in flight, sorted (a multiset).
     pub(crate) net: Vec<Envelope>,
+    /// With `duplicate_to_nodes`: home → node messages already delivered,
+    /// which may be delivered again (sorted, no repeats).
+    pub(crate) delivered: Vec<Envelope>,
     /// The page at the home and the version it is tagged with.
     pub(crate) storage_value: u8,
     pub(crate) storage_version: Version,
@@ -73,6 +77,8 @@ pub(crate) enum Action {
     /// The node's clock reaches its hold deadline.
     Tick(u8),
     Deliver(Envelope),
+    /// Deliver a home → node message again (`duplicate_to_nodes`).
+    Redeliver(Envelope),
     Lose(u8),
 }
 
@@ -84,6 +90,8 @@ pub(crate) struct Coherence {
     pub(crate) vcpus: u8,
     pub(crate) max_losses: u8,
     pub(crate) evictions: bool,
+    /// Home → node messages may be delivered more than once.
+    pub(crate) duplicate_to_nodes: bool,
     pub(crate) queue_limit: usize,
     pub(crate) min_hold_us: u64,
     pub(crate) home_mutation: Option<HomeMutation>,
@@ -101,6 +109,7 @@ impl Coherence {
             vcpus: 2,
             max_losses: 1,
             evictions: true,
+            duplicate_to_nodes: false,
             queue_limit: crate::home::QUEUE_MAX,
             min_hold_us: 1,
             home_mutation: None,
@@ -168,6 +177,7 @@ impl Coherence {
         n.lost += node.lost;
         n.stale_answers += node.stale_answers;
         n.callbacks_before_grant += node.callbacks_before_grant;
+        n.repeated_callbacks += node.repeated_callbacks;
         n.protocol_errors += node.protocol_errors;
         n.actions_overflow += node.actions_overflow;
     }
@@ -177,7 +187,12 @@ impl Coherence {
         NodeId::new(n).unwrap_or_else(|| unreachable!("model node id {n}"))
     }
 
-    fn send(state: &mut State, envelope: Envelope) {
+    fn send(&self, state: &mut State, envelope: Envelope) {
+        // With repeated deliveries, the network is a set: a copy of a
+        // message already in flight adds nothing (each can arrive again).
+        if self.duplicate_to_nodes && state.net.binary_search(&envelope).is_ok() {
+            return;
+        }
         let at = state.net.partition_point(|e| *e <= envelope);
         state.net.insert(at, envelope);
     }
@@ -206,7 +221,7 @@ impl Coherence {
             };
             for node in to.iter() {
                 if state.nodes[usize::from(node.get())].alive {
-                    Self::send(
+                    self.send(
                         state,
                         Envelope::ToNode {
                             to: node.get(),
@@ -239,7 +254,7 @@ impl Coherence {
                     }
                     state.nodes[n].value = state.storage_value;
                 }
-                NodeAction::Send(msg) => Self::send(state, Envelope::ToHome { from: n as u8, msg }),
+                NodeAction::Send(msg) => self.send(state, Envelope::ToHome { from: n as u8, msg }),
                 NodeAction::Wake(access) => {
                     let copy = state.nodes[n].mapped;
                     if copy == LocalCopy::None
@@ -269,6 +284,13 @@ impl Coherence {
         }
     }
 
+    fn deliver_to_node(&self, state: &mut State, to: u8, msg: ToNode, stats: &mut NodeStats) {
+        let n = usize::from(to);
+        let clock_us = state.nodes[n].clock_us;
+        let actions = state.nodes[n].page.on_message(msg, clock_us, stats);
+        self.apply_node(state, n, actions);
+    }
+
     fn fault(&self, state: &mut State, n: usize, access: Access, stats: &mut NodeStats) {
         state.nodes[n].ops_left -= 1;
         match state.nodes[n].page.on_fault(access, stats) {
@@ -282,7 +304,7 @@ impl Coherence {
                     Access::Write => state.nodes[n].writes_waiting += 1,
                 }
                 if let Some(msg) = send {
-                    Self::send(state, Envelope::ToHome { from: n as u8, msg });
+                    self.send(state, Envelope::ToHome { from: n as u8, msg });
                 }
             }
         }
@@ -312,6 +334,7 @@ impl Model for Coherence {
             home: HomePage::new(home_config),
             nodes: vec![node; usize::from(self.nodes)],
             net: Vec::new(),
+            delivered: Vec::new(),
             storage_value: 0,
             storage_version: 0,
             last_write: 0,
@@ -326,6 +349,9 @@ impl Model for Coherence {
             return;
         }
         self.progress_actions(state, actions);
+        for &envelope in &state.delivered {
+            actions.push(Action::Redeliver(envelope));
+        }
         if state.losses_left > 0 {
             for (i, node) in state.nodes.iter().enumerate() {
                 if node.alive {
@@ -371,14 +397,18 @@ impl Model for Coherence {
                         self.apply_home(&mut state, actions);
                     }
                     Envelope::ToNode { to, msg } => {
-                        let n = usize::from(to);
-                        let clock_us = state.nodes[n].clock_us;
-                        let actions =
-                            state.nodes[n]
-                                .page
-                                .on_message(msg, clock_us, &mut node_stats);
-                        self.apply_node(&mut state, n, actions);
+                        if self.duplicate_to_nodes {
+                            if let Err(at) = state.delivered.binary_search(&envelope) {
+                                state.delivered.insert(at, envelope);
+                            }
+                        }
+                        self.deliver_to_node(&mut state, to, msg, &mut node_stats);
                     }
+                }
+            }
+            Action::Redeliver(envelope) => {
+                if let Envelope::ToNode { to, msg } = envelope {
+                    self.deliver_to_node(&mut state, to, msg, &mut node_stats);
                 }
             }
             Action::Lose(n) => {
@@ -395,10 +425,12 @@ impl Model for Coherence {
                     reads_waiting: 0,
                     writes_waiting: 0,
                 };
-                state.net.retain(|e| match *e {
+                let unrelated = |e: &Envelope| match *e {
                     Envelope::ToHome { from, .. } => from != n,
                     Envelope::ToNode { to, .. } => to != n,
-                });
+                };
+                state.net.retain(unrelated);
+                state.delivered.retain(unrelated);
                 let actions = state.home.on_node_lost(Self::node_id(n), &mut home_stats);
                 self.apply_home(&mut state, actions);
             }

@@ -81,6 +81,19 @@ fn without_a_hold_time_callbacks_are_answered_at_once() {
     assert!(node.callbacks_before_grant > 0, "{node:?}");
 }
 
+#[test]
+fn repeated_grants_and_callbacks_are_harmless() {
+    let mut model = Coherence::new(2, 2);
+    model.duplicate_to_nodes = true;
+    let checker = check("2 nodes x 2 ops, home -> node messages repeated", model);
+    checker.assert_properties();
+    let (_, node) = checker.model().coverage();
+    assert!(
+        node.repeated_callbacks > 0 && node.stale_answers > 0,
+        "{node:?}"
+    );
+}
+
 /// Runs a deliberately broken protocol and asserts the checker reports a
 /// counterexample for one of `expected` (the property the bug breaks).
 fn assert_finds_bug(name: &str, model: Coherence, expected: &[&'static str]) {
@@ -203,6 +216,7 @@ fn explore() {
     model.vcpus = var("COH_VCPUS", 2);
     model.max_losses = var("COH_LOSSES", 1);
     model.evictions = var("COH_EVICT", 1) == 1;
+    model.duplicate_to_nodes = var("COH_DUP", 0) == 1;
     let started = Instant::now();
     let checker = model
         .checker()

@@ -288,3 +288,25 @@ fn eviction_writes_a_modified_copy_back_and_drops_a_shared_one_silently() {
     assert_eq!(actions(reader.evict(&mut stats)), vec![NodeAction::Zap]);
     assert_eq!(reader.copy(), LocalCopy::None);
 }
+
+#[test]
+fn a_repeated_callback_is_acked_again_and_changes_nothing() {
+    let mut stats = NodeStats::default();
+    let mut page = owner(0, &mut stats);
+    let downgrade = ToNode::Downgrade { seq: 2, grant: 1 };
+    let first = actions(page.on_message(downgrade, 0, &mut stats));
+    assert_eq!(first.len(), 3); // write-back, write-protect, ack
+                                // A new ownership (seq 4), then the old downgrade again.
+    page.on_fault(Access::Write, &mut stats);
+    page.on_message(grant(2, 4, Mode::Exclusive, 2, 1), 0, &mut stats);
+    assert_eq!(
+        actions(page.on_message(downgrade, 0, &mut stats)),
+        vec![NodeAction::Send(ToHome::DowngradeAck {
+            seq: 2,
+            written_back: Some(1),
+            kept: true
+        })]
+    );
+    assert_eq!(page.copy(), LocalCopy::Modified);
+    assert_eq!(stats.repeated_callbacks, 1);
+}
