@@ -61,6 +61,14 @@ fn three_nodes_two_operations_each_one_loss() {
 }
 
 #[test]
+fn four_nodes_one_operation_each_one_loss() {
+    // Invalidation rounds with up to three holders.
+    let checker = check("4 nodes x 1 op", Coherence::new(4, 1));
+    checker.assert_properties();
+    assert!(checker.unique_state_count() > 100_000);
+}
+
+#[test]
 fn a_full_queue_answers_retry_and_the_request_is_served_later() {
     let mut model = Coherence::new(3, 2);
     model.queue_limit = 1;
