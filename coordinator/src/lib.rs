@@ -11,6 +11,7 @@
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
 mod auth;
+mod backend;
 mod body;
 mod clock;
 mod config;
@@ -25,7 +26,7 @@ mod store;
 mod validate;
 
 pub use auth::Access;
-pub use config::{CoordinatorConfig, Limits};
+pub use config::{CoordinatorConfig, EtcdConfig, Limits, StoreConfig};
 pub use error::ServeError;
 pub use routes::{route_table, HttpMethod, Route};
 pub use server::{serve, Server};

@@ -457,3 +457,50 @@ fn writes_need_the_token_reads_do_not() {
         assert_eq!(send(Method::GET, path, None, None).0, 200, "{path}");
     }
 }
+
+#[test]
+fn map_long_poll_answers_when_the_version_passes_or_at_the_timeout() {
+    let h = start(None, LEASE_MS);
+    h.register("first", "h:9");
+    let before = h.version();
+    assert!(before > 0);
+    // Nothing changes: the poll answers the same version after its timeout.
+    let started = std::time::Instant::now();
+    let answer = h.get(&format!("/v1/map?after={before}&timeout_ms=300"));
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(answer.body["version"].as_u64(), Some(before));
+    assert!(started.elapsed() >= std::time::Duration::from_millis(300));
+    // A version already passed answers at once.
+    let answer = h.get(&format!("/v1/map?after={}&timeout_ms=60000", before - 1));
+    assert_eq!(answer.body["version"].as_u64(), Some(before), "{answer:?}");
+    // A change made while a poll waits ends it with the new map.
+    let url = h.url(&format!("/v1/map?after={before}&timeout_ms=20000"));
+    let poll = std::thread::spawn(move || {
+        let started = std::time::Instant::now();
+        let body: serde_json::Value = reqwest::blocking::Client::new()
+            .get(url)
+            .timeout(std::time::Duration::from_secs(30))
+            .send()
+            .expect("poll sent")
+            .json()
+            .expect("map");
+        (body, started.elapsed())
+    });
+    h.register("a", "h:1");
+    let (body, waited) = poll.join().expect("poll thread");
+    assert!(body["version"].as_u64() > Some(before), "{body}");
+    assert!(
+        body["nodes"]
+            .as_array()
+            .is_some_and(|nodes| nodes.iter().any(|n| n["id"] == "a")),
+        "{body}"
+    );
+    assert!(waited < std::time::Duration::from_secs(15), "{waited:?}");
+    // Bad parameters are refused; the server keeps serving.
+    for bad in ["after=x", "after=1&timeout_ms=-1"] {
+        let answer = h.get(&format!("/v1/map?{bad}"));
+        assert_eq!(answer.status, 400, "{bad}: {answer:?}");
+        assert_eq!(answer.error_code(), "bad_request");
+    }
+    assert_eq!(h.get("/v1/map").status, 200);
+}
