@@ -6,6 +6,8 @@
 //! Both keep the same rules (see `store/effective.rs` for what a replica
 //! reports); the same HTTP test suite runs against both.
 
+#[cfg(feature = "etcd")]
+pub(crate) mod etcd;
 pub(crate) mod sqlite;
 
 use std::fmt;

@@ -14,6 +14,8 @@ mod nodes;
 mod replicas;
 mod schema;
 
+#[cfg(feature = "etcd")]
+pub(crate) use effective::{RangeRow, StoredRange, StoredReplica, StoredState};
 pub use replicas::ReplicaRefusal;
 
 use std::path::Path;
