@@ -39,20 +39,21 @@ pub(super) async fn get_map(
     let mut snapshot = state.store().snapshot().await?;
     if let Some((after, timeout_ms)) = wait {
         let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
-        // Each turn either answers or waits for a newer announced version;
-        // the deadline bounds the turns.
-        while snapshot.version <= after {
+        // Each turn waits for a newer announced version, then reads the
+        // map; the deadline bounds the turns. An answer whose version has
+        // not passed `after` is read at or after the deadline, so a client
+        // knows its map was current at least `timeout_ms` after it asked.
+        while snapshot.version <= after && tokio::time::Instant::now() < deadline {
             let newer = tokio::time::timeout_at(deadline, versions.wait_for(|v| *v > after));
-            match newer.await {
-                Ok(Ok(_)) => {}
-                // Timed out, or the store stopped announcing versions:
-                // answer the map as it is.
-                Ok(Err(_)) | Err(_) => break,
+            // (The version's borrow is dropped here: it must not be held
+            // across an await.)
+            let closed = matches!(newer.await, Ok(Err(_)));
+            if closed {
+                // The store announces no more versions (shutting down):
+                // answer at the deadline, as a quiet map would.
+                tokio::time::sleep_until(deadline).await;
             }
             snapshot = state.store().snapshot().await?;
-            if tokio::time::Instant::now() >= deadline {
-                break;
-            }
         }
     }
     Ok(Json(MapResponse {
