@@ -18,6 +18,7 @@ mod config;
 mod connections;
 mod error;
 mod extract;
+mod metrics;
 mod routes;
 mod server;
 mod spawn;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use crate::auth::Authenticator;
 use crate::backend::{NodeRecord, Store};
 use crate::clock::now_unix_ms;
+use crate::metrics::Metrics;
 use rdma_transport::coordinator::api::NodeInfo;
 
 /// Cloned into every handler.
@@ -12,6 +13,7 @@ use rdma_transport::coordinator::api::NodeInfo;
 pub(crate) struct AppState {
     store: Arc<dyn Store>,
     auth: Arc<Authenticator>,
+    metrics: Arc<Metrics>,
     lease_ms: u64,
     body_timeout_ms: u64,
 }
@@ -26,6 +28,7 @@ impl AppState {
         Self {
             store,
             auth: Arc::new(auth),
+            metrics: Arc::new(Metrics::new()),
             lease_ms,
             body_timeout_ms,
         }
@@ -39,6 +42,11 @@ impl AppState {
     /// How long a request body may take to arrive.
     pub fn body_timeout_ms(&self) -> u64 {
         self.body_timeout_ms
+    }
+
+    /// The Prometheus metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
 
     /// The coordinator's state (SQLite or etcd).

@@ -504,3 +504,45 @@ fn map_long_poll_answers_when_the_version_passes_or_at_the_timeout() {
     }
     assert_eq!(h.get("/v1/map").status, 200);
 }
+
+#[test]
+fn metrics_count_requests_errors_renewals_and_the_version() {
+    let h = start(None, LEASE_MS);
+    h.register("n1", "h:1");
+    for _ in 0..2 {
+        assert_eq!(
+            h.call(Method::POST, "/v1/nodes/n1/heartbeat", None).status,
+            200
+        );
+    }
+    assert_eq!(
+        h.call(Method::POST, "/v1/nodes/ghost/heartbeat", None)
+            .status,
+        404
+    );
+    assert_eq!(h.add_range(0, 4096, "n1", 0).status, 201);
+    let version = h.version();
+
+    let answer = h.raw(Method::GET, "/metrics", None, Vec::new());
+    assert_eq!(answer.status, 200);
+    assert!(answer
+        .content_type
+        .starts_with("application/openmetrics-text"));
+    let text = reqwest::blocking::get(h.url("/metrics"))
+        .expect("metrics")
+        .text()
+        .expect("text");
+    let has = |line: &str| text.lines().any(|l| l == line);
+    assert!(has("coordinator_lease_renewals_total 2"), "{text}");
+    assert!(has(&format!("coordinator_map_version {version}")), "{text}");
+    for line in [
+        r#"coordinator_http_requests_total{method="PUT",route="/v1/nodes/{id}",status="200"} 1"#,
+        r#"coordinator_http_requests_total{method="POST",route="/v1/nodes/{id}/heartbeat",status="200"} 2"#,
+        r#"coordinator_http_requests_total{method="POST",route="/v1/nodes/{id}/heartbeat",status="404"} 1"#,
+        r#"coordinator_http_errors_total{method="POST",route="/v1/nodes/{id}/heartbeat",kind="client"} 1"#,
+        r#"coordinator_http_request_duration_seconds_count{method="POST",route="/v1/map"} 1"#,
+    ] {
+        assert!(has(line), "missing {line}:\n{text}");
+    }
+    assert!(text.trim_end().ends_with("# EOF"), "{text}");
+}

@@ -69,6 +69,9 @@ pub(super) async fn heartbeat(
     validate::node_id(&id)?;
     let now_ms = now_unix_ms();
     let updated = state.store().heartbeat(&id, now_ms).await?;
+    if updated.is_some() {
+        state.metrics().lease_renewed();
+    }
     updated
         .map(|record| Json(state.info(&record)))
         .ok_or_else(|| ApiError::NotFound(format!("node {id:?} is not registered")))
