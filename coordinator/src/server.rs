@@ -33,6 +33,7 @@ pub struct Server {
     listener: TcpListener,
     local_addr: SocketAddr,
     router: Router,
+    state: AppState,
     limits: Limits,
 }
 
@@ -79,7 +80,8 @@ impl Server {
         Ok(Self {
             listener,
             local_addr,
-            router: router(state),
+            router: router(state.clone()),
+            state,
             limits,
         })
     }
@@ -99,6 +101,11 @@ impl Server {
     where
         F: Future<Output = ()> + Send + 'static,
     {
+        let state = self.state;
+        let shutdown = async move {
+            shutdown.await;
+            state.stop_long_polls();
+        };
         serve_connections(self.listener, self.router, self.limits, shutdown).await;
         Ok(())
     }

@@ -14,6 +14,8 @@ pub(crate) struct AppState {
     store: Arc<dyn Store>,
     auth: Arc<Authenticator>,
     metrics: Arc<Metrics>,
+    /// Set once the server stops: long polls answer at once.
+    stopping: Arc<tokio::sync::watch::Sender<bool>>,
     lease_ms: u64,
     body_timeout_ms: u64,
 }
@@ -29,6 +31,7 @@ impl AppState {
             store,
             auth: Arc::new(auth),
             metrics: Arc::new(Metrics::new()),
+            stopping: Arc::new(tokio::sync::watch::Sender::new(false)),
             lease_ms,
             body_timeout_ms,
         }
@@ -42,6 +45,18 @@ impl AppState {
     /// How long a request body may take to arrive.
     pub fn body_timeout_ms(&self) -> u64 {
         self.body_timeout_ms
+    }
+
+    /// Tells the long polls that the server stops.
+    pub fn stop_long_polls(&self) {
+        self.stopping.send_replace(true);
+    }
+
+    /// Completes once the server stops (at once if it has).
+    pub async fn stopping(&self) {
+        let mut stopping = self.stopping.subscribe();
+        // An error means the sender is gone: the state is being dropped.
+        let _ = stopping.wait_for(|stopping| *stopping).await;
     }
 
     /// The Prometheus metrics.

@@ -9,7 +9,7 @@ use rdma_transport::coordinator::api::{MapEntry, MapResponse, RangeRequest, Reso
 use serde::Deserialize;
 
 use crate::auth::Caller;
-use crate::backend::AddOutcome;
+use crate::backend::{AddOutcome, Snapshot};
 use crate::error::ApiError;
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::state::AppState;
@@ -44,23 +44,41 @@ pub(super) async fn get_map(
         // not passed `after` is read at or after the deadline, so a client
         // knows its map was current at least `timeout_ms` after it asked.
         while snapshot.version <= after && tokio::time::Instant::now() < deadline {
-            let newer = tokio::time::timeout_at(deadline, versions.wait_for(|v| *v > after));
-            // (The version's borrow is dropped here: it must not be held
-            // across an await.)
-            let closed = matches!(newer.await, Ok(Err(_)));
+            // Whether the store stopped announcing versions. (The version's
+            // borrow is dropped inside: it must not live across an await.)
+            let newer = async {
+                let outcome =
+                    tokio::time::timeout_at(deadline, versions.wait_for(|v| *v > after)).await;
+                matches!(outcome, Ok(Err(_)))
+            };
+            let (closed, stopping) = tokio::select! {
+                closed = newer => (closed, false),
+                () = state.stopping() => (false, true),
+            };
+            if stopping {
+                // The server stops: answer now rather than hold up its
+                // shutdown (an early answer confirms nothing beyond the time
+                // of the request).
+                snapshot = state.store().snapshot().await?;
+                break;
+            }
             if closed {
-                // The store announces no more versions (shutting down):
-                // answer at the deadline, as a quiet map would.
+                // The store announces no more versions: answer at the
+                // deadline, as a quiet map would.
                 tokio::time::sleep_until(deadline).await;
             }
             snapshot = state.store().snapshot().await?;
         }
     }
-    Ok(Json(MapResponse {
+    Ok(Json(map_response(&state, snapshot)))
+}
+
+fn map_response(state: &AppState, snapshot: Snapshot) -> MapResponse {
+    MapResponse {
         version: snapshot.version,
         entries: snapshot.entries,
         nodes: snapshot.nodes.iter().map(|r| state.info(r)).collect(),
-    }))
+    }
 }
 
 /// The `(after, timeout_ms)` of a long poll, `None` for a plain read.

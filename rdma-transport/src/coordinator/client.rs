@@ -317,6 +317,30 @@ impl CoordinatorClient {
         serde_json::from_slice(&body).map_err(|source| CoordinatorError::Decode { url, source })
     }
 
+    /// `GET /v1/map?after=V&timeout_ms=W`, a long poll: the coordinator
+    /// answers once the map version passes `after`, or after `wait` with
+    /// the map as it read it then (its version may still be `after`; the
+    /// coordinator caps `wait` at 60 s). A coordinator without long polls
+    /// answers at once. `timeout` bounds the answer beyond `wait`.
+    ///
+    /// # Errors
+    ///
+    /// See [`CoordinatorError`].
+    pub fn map_after(
+        &self,
+        after: u64,
+        wait: Duration,
+        timeout: Duration,
+    ) -> Result<MapResponse, CoordinatorError> {
+        let wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
+        let url = format!(
+            "{}/v1/map?after={after}&timeout_ms={wait_ms}",
+            self.base_url
+        );
+        let body = self.send_within(Method::GET, &url, None, Some(wait.saturating_add(timeout)))?;
+        serde_json::from_slice(&body).map_err(|source| CoordinatorError::Decode { url, source })
+    }
+
     /// `GET /v1/resolve?gpa=...`: the range that contains `gpa` and its owner.
     ///
     /// # Errors
