@@ -467,6 +467,9 @@ fn check_lengths(gpas: usize, pages: usize) -> Result<(), TransportError> {
     }
 }
 
+/// The longest wait a coordinator grants a long poll of the map.
+const MAX_LONG_POLL_MS: u64 = 60_000;
+
 /// Follows the coordinator's map with long polls of one refresh period each
 /// (`GET /v1/map?after=V`): a change arrives as soon as it is made, a quiet
 /// map costs one request per period. After a failure, or an answer at once
@@ -481,7 +484,10 @@ fn refresh_loop(inner: &std::sync::Weak<Inner>, client: &CoordinatorClient, stop
         let Some((after, sent_ms, period, timeout)) = inner.upgrade().map(|inner| {
             let (after, sent_ms) = inner.long_poll_start();
             let timeout = Duration::from_millis(inner.config.request_timeout_ms.max(2000));
-            (after, sent_ms, inner.config.map_refresh_ms, timeout)
+            // The coordinator waits at most a minute per poll: ask no more,
+            // so that a quiet answer is recognised as one.
+            let wait_ms = inner.config.map_refresh_ms.min(MAX_LONG_POLL_MS);
+            (after, sent_ms, wait_ms, timeout)
         }) else {
             return;
         };

@@ -63,8 +63,21 @@ fn http() -> reqwest::blocking::Client {
 }
 
 impl EtcdCluster {
-    /// Starts `size` members and waits until they have a leader.
+    /// Starts `size` members and waits until they have a leader. A member
+    /// that exits at start (most likely a port taken between picking it and
+    /// binding it) makes it start again on new ports, three times at most.
     pub fn start(size: usize) -> Self {
+        let mut failures = Vec::new();
+        for _ in 0..3 {
+            match Self::try_start(size) {
+                Ok(cluster) => return cluster,
+                Err(why) => failures.push(why),
+            }
+        }
+        panic!("the etcd cluster did not start: {failures:#?}")
+    }
+
+    fn try_start(size: usize) -> Result<Self, String> {
         let binary = etcd_binary();
         let dir = tempfile::tempdir().expect("tempdir");
         let token = format!("test-{}-{}", std::process::id(), free_port());
@@ -107,9 +120,26 @@ impl EtcdCluster {
                 }
             })
             .collect();
-        let cluster = Self { members, _dir: dir };
-        let _ = cluster.leader();
-        cluster
+        let mut cluster = Self { members, _dir: dir };
+        let deadline = Instant::now() + START_LIMIT;
+        while cluster.find_leader().is_none() {
+            for member in &mut cluster.members {
+                if let Some(Ok(Some(status))) = member.child.as_mut().map(Child::try_wait) {
+                    let log = cluster._dir.path().join(format!("{}.log", member.name));
+                    let log = std::fs::read_to_string(log).unwrap_or_default();
+                    let tail: String = log.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
+                    return Err(format!(
+                        "{} exited at start ({status}): {tail}",
+                        member.name
+                    ));
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("no leader elected within {START_LIMIT:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(cluster)
     }
 
     /// Every member's client URL (the dead ones too, as a deployment's
@@ -130,17 +160,8 @@ impl EtcdCluster {
     pub fn leader(&self) -> usize {
         let deadline = Instant::now() + START_LIMIT;
         loop {
-            for (index, member) in self.members.iter().enumerate() {
-                if member.child.is_none() {
-                    continue;
-                }
-                let Some(status) = self.status(index) else {
-                    continue;
-                };
-                let me = &status["header"]["member_id"];
-                if !me.is_null() && *me == status["leader"] {
-                    return index;
-                }
+            if let Some(index) = self.find_leader() {
+                return index;
             }
             assert!(
                 Instant::now() < deadline,
@@ -148,6 +169,17 @@ impl EtcdCluster {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The running member that reports itself leader now, if any.
+    fn find_leader(&self) -> Option<usize> {
+        (0..self.members.len()).find(|&index| {
+            self.members[index].child.is_some()
+                && self.status(index).is_some_and(|status| {
+                    let me = &status["header"]["member_id"];
+                    !me.is_null() && *me == status["leader"]
+                })
+        })
     }
 
     /// `kill -9` of member `index`.

@@ -20,6 +20,8 @@
 
 mod keys;
 mod model;
+#[cfg(test)]
+mod model_tests;
 mod watch;
 
 use std::sync::Arc;
