@@ -202,8 +202,9 @@ impl EtcdBackend {
         Ok(state)
     }
 
-    /// The etcd operations of `change`, the version bump included.
-    fn operations(&self, change: &Change) -> Result<Vec<TxnOp>, StoreError> {
+    /// The etcd operations of `change`, the version bump included: the
+    /// version key then holds `token`, which names this write.
+    fn operations(&self, change: &Change, token: &str) -> Result<Vec<TxnOp>, StoreError> {
         let mut ops = Vec::with_capacity(change.writes.len() + 1);
         for write in &change.writes {
             ops.push(match write {
@@ -222,7 +223,7 @@ impl EtcdBackend {
             });
         }
         if change.bump {
-            ops.push(TxnOp::put(self.keys.version(), Vec::new(), None));
+            ops.push(TxnOp::put(self.keys.version(), token, None));
         }
         Ok(ops)
     }
@@ -243,28 +244,37 @@ impl EtcdBackend {
                 return Ok((state, value));
             }
             let guard = i64::try_from(state.version).unwrap_or(i64::MAX);
+            let token = format!("{:016x}", rdma_transport::ids::random_u64());
             let txn = Txn::new()
                 .when(vec![Compare::mod_revision(
                     self.keys.version(),
                     CompareOp::Equal,
                     guard,
                 )])
-                .and_then(self.operations(&change)?);
+                .and_then(self.operations(&change, &token)?);
             let mut kv = self.client.kv_client();
-            let response = match kv.txn(txn).await {
-                Ok(response) => response,
+            let committed_at = match kv.txn(txn).await {
+                Ok(response) if response.succeeded() => response.header().map(|h| h.revision()),
+                Ok(_) => None,
                 // The outcome is unknown (the member died, or lost its
-                // quorum): read again; a write that did commit then shows.
-                Err(error) if Instant::now() < deadline => {
-                    tracing::debug!(%error, "etcd transaction failed; reading again");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    continue;
+                // quorum). A map change names itself in the version key:
+                // if that holds our token, it committed. Any other write
+                // (a registration rewritten as it was) is simply made
+                // again.
+                Err(error) => {
+                    tracing::debug!(%error, "etcd transaction failed; checking whether it committed");
+                    if Instant::now() >= deadline {
+                        return Err(unavailable(error));
+                    }
+                    if change.bump {
+                        self.committed_revision(&token).await?
+                    } else {
+                        None
+                    }
                 }
-                Err(error) => return Err(unavailable(error)),
             };
-            if response.succeeded() {
+            if let Some(revision) = committed_at {
                 if change.bump {
-                    let revision = response.header().map_or(0, |h| h.revision());
                     state.version = u64::try_from(revision).unwrap_or(0);
                     self.publish(state.version);
                 }
@@ -279,6 +289,23 @@ impl EtcdBackend {
         Err(StoreError::Unavailable(format!(
             "the map kept changing during the write ({MAX_ATTEMPTS} attempts)"
         )))
+    }
+
+    /// The revision of the write named `token` if it is the last map
+    /// change; `None` when another one is (or none committed).
+    async fn committed_revision(&self, token: &str) -> Result<Option<i64>, StoreError> {
+        let response = self
+            .retrying(|| {
+                let mut kv = self.client.kv_client();
+                let key = self.keys.version();
+                async move { kv.get(key, None).await.map_err(unavailable) }
+            })
+            .await?;
+        Ok(response
+            .kvs()
+            .first()
+            .filter(|kv| kv.value() == token.as_bytes())
+            .map(|kv| kv.mod_revision()))
     }
 
     /// A new lease for a node.
