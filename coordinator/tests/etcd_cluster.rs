@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use common::etcd::EtcdCluster;
 use common::{POLL_INTERVAL, WAIT_LIMIT};
+use rdma_transport::coordinator::CoordinatorClient;
 use reqwest::blocking::Client;
 use reqwest::Method;
 use serde_json::{json, Value};
@@ -235,6 +236,7 @@ struct Ledger {
     /// range 201).
     acknowledged: Mutex<Vec<(String, u64)>>,
     resolves_ok: AtomicUsize,
+    heartbeats_ok: AtomicUsize,
     /// A page-server reported `alive: false` by a coordinator.
     lease_lost: AtomicBool,
 }
@@ -265,27 +267,24 @@ fn killing_the_etcd_leader_then_a_coordinator_loses_no_acknowledged_registration
     let ledger = Arc::new(Ledger::default());
     let stop = Arc::new(AtomicBool::new(false));
     let mut threads = Vec::new();
-    // Heartbeats, every 200 ms (bounded by the test's length).
+    // Heartbeats every 200 ms (bounded by the test's length), as a
+    // page-server given both coordinators (`--coordinator a,b`) sends them:
+    // the client moves to b when a is gone.
     {
-        let (ledger, stop, urls, ids) = (
-            ledger.clone(),
-            stop.clone(),
-            urls.clone(),
-            page_servers.clone(),
-        );
+        let (ledger, stop, ids) = (ledger.clone(), stop.clone(), page_servers.clone());
+        let client = CoordinatorClient::new(&urls.join(","), None, Duration::from_secs(10))
+            .expect("client of both coordinators");
         threads.push(std::thread::spawn(move || {
-            let http = new_http();
             for _ in 0..1000 {
                 if stop.load(Ordering::Relaxed) {
                     break;
                 }
                 for id in &ids {
-                    let path = format!("/v1/nodes/{id}/heartbeat");
-                    if let Some((200, beat)) = call_any(&http, &urls, 0, Method::POST, &path, None)
-                    {
-                        if beat["alive"] != json!(true) {
+                    if let Ok(beat) = client.heartbeat(id) {
+                        if !beat.alive {
                             ledger.lease_lost.store(true, Ordering::Relaxed);
                         }
+                        ledger.heartbeats_ok.fetch_add(1, Ordering::Relaxed);
                     }
                 }
                 std::thread::sleep(Duration::from_millis(200));
@@ -368,9 +367,11 @@ fn killing_the_etcd_leader_then_a_coordinator_loses_no_acknowledged_registration
             ledger.acknowledged(),
             ledger.resolves_ok.load(Ordering::Relaxed),
         );
+        let beats = ledger.heartbeats_ok.load(Ordering::Relaxed);
         wait_for(what, Duration::from_secs(30), || {
             ledger.acknowledged() >= registered + 20
                 && ledger.resolves_ok.load(Ordering::Relaxed) >= resolved + 10
+                && ledger.heartbeats_ok.load(Ordering::Relaxed) >= beats + 3
         });
     };
     progress("registrations and resolves before any failure", &ledger);
