@@ -44,7 +44,9 @@ struct Args {
     /// overlapping. Instead of --memory and --gpa-base.
     #[arg(long = "range", value_name = "GPA_START:LENGTH", conflicts_with_all = ["memory", "gpa_base"])]
     ranges: Vec<page_server::ExportedRange>,
-    /// Coordinator base URL.
+    /// Coordinator base URL; several, comma-separated, for coordinators
+    /// sharing one etcd store (one that cannot be reached, or answers 503,
+    /// is skipped for the next).
     #[arg(long, default_value = "http://127.0.0.1:7070")]
     coordinator: String,
     /// Bearer token for the coordinator (or env COORDINATOR_TOKEN).
