@@ -61,7 +61,7 @@ fi
 # Debian starts an etcd service on 2379 when it installs the package; the
 # tests start their own on free ports and do not use it.
 cargo clippy -p coordinator --all-targets --features etcd --quiet -- -D warnings
-COORDINATOR_TEST_STORE=etcd cargo test -p coordinator --features etcd \
+COORDINATOR_TEST_STORE=etcd cargo test -p coordinator --features etcd --lib \
     --test http_api --test replicas --test auth --test limits --test client
 # Three-member etcd clusters, two coordinator processes, kill -9 of the etcd
 # leader and of a coordinator under load, overlapping claims racing.
