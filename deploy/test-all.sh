@@ -58,7 +58,7 @@ if ((${#missing[@]})); then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq "${missing[@]}" >/dev/null
 fi
-# Debian starts an etcd service on 2379 when it installs the package; the
+# Debian may start an etcd service on 2379 when it installs the package; the
 # tests start their own on free ports and do not use it.
 cargo clippy -p coordinator --all-targets --features etcd --quiet -- -D warnings
 COORDINATOR_TEST_STORE=etcd cargo test -p coordinator --features etcd --lib \
