@@ -18,6 +18,8 @@ mod layout;
 mod limits;
 mod listener;
 mod log_limit;
+mod metrics;
+mod metrics_http;
 mod rdma;
 mod recovery;
 mod recovery_guard;

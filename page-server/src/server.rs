@@ -17,6 +17,8 @@ use crate::connection::Exported;
 use crate::handshake::ServerAuth;
 use crate::layout::Layout;
 use crate::limits::Timeouts;
+use crate::metrics::PageMetrics;
+use crate::metrics_http::MetricsEndpoint;
 use crate::rdma::RdmaExport;
 use crate::recovery::Recovery;
 use crate::recovery_guard::RecoveryGuard;
@@ -68,6 +70,7 @@ pub enum ServerError {
 pub struct RunningServer {
     addr: SocketAddr,
     shared: Arc<Shared>,
+    metrics: Option<MetricsEndpoint>,
     acceptor: Option<JoinHandle<()>>,
     registration: Option<Registration>,
     recovery: Option<Recovery>,
@@ -136,6 +139,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             auth: ServerAuth::new(config.node_id.clone(), config.cluster_key.clone()),
             page_checksums: config.page_checksums,
             guard: RecoveryGuard::new(memory_bytes),
+            metrics: PageMetrics::new(),
         },
         stop: AtomicBool::new(false),
         admission: Arc::new(Admission::new(
@@ -171,9 +175,19 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
     let recovery = registration
         .as_ref()
         .map(|r| Recovery::start(&config, &layout, Arc::clone(&shared), r.watch()));
+    let metrics = match config.metrics_listen {
+        None => None,
+        Some(listen) => Some(MetricsEndpoint::start(listen, Arc::clone(&shared)).map_err(
+            |source| ServerError::Listen {
+                addr: listen,
+                source,
+            },
+        )?),
+    };
     Ok(RunningServer {
         addr,
         shared,
+        metrics,
         acceptor: Some(acceptor),
         registration,
         recovery,
@@ -331,6 +345,11 @@ impl RunningServer {
         }
     }
 
+    /// Where `GET /metrics` is served (`ServerConfig::metrics_listen`).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().map(MetricsEndpoint::addr)
+    }
+
     /// Stops accepting, closes every connection and joins every thread.
     pub fn shutdown(mut self) {
         self.stop();
@@ -369,6 +388,9 @@ impl RunningServer {
         for thread in threads {
             let _ = thread.join();
         }
+        if let Some(mut metrics) = self.metrics.take() {
+            metrics.stop();
+        }
         tracing::info!(addr = %self.addr, "page-server aborted");
     }
 
@@ -389,6 +411,9 @@ impl RunningServer {
         }
         for thread in self.shared.admission.conns.close_all() {
             let _ = thread.join();
+        }
+        if let Some(mut metrics) = self.metrics.take() {
+            metrics.stop();
         }
         tracing::info!(addr = %self.addr, "page-server stopped");
     }
