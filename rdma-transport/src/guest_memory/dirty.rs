@@ -139,13 +139,15 @@ fn flush_run(shared: &Shared, wb: &mut Writeback, first: usize, end: usize, out:
     }
 }
 
-/// Copies page `p` (present, write-protected, locked) into the next slot of
-/// the bounce batch. 4 KiB pages only: longer ones always go in place.
-fn copy_to_bounce(shared: &Shared, wb: &mut Writeback, p: usize) {
+/// Copies page `p` (present, write-protected or unmapped from the guest,
+/// locked) into the next slot of the bounce batch. 4 KiB pages only: longer
+/// ones always go in place.
+pub(super) fn copy_to_bounce(shared: &Shared, wb: &mut Writeback, p: usize) {
     debug_assert_eq!(shared.region.unit_pages(), 1);
     let slot = wb.index.len();
-    // SAFETY: the page is present and write-protected and we hold its lock
-    // (callers' contract), so nothing writes it while it is read.
+    // SAFETY: the page is present and write-protected (or unmapped from the
+    // guest) and we hold its lock (callers' contract), so nothing writes it
+    // while it is read.
     let src = unsafe { shared.region.data_pages(p, p + 1) };
     wb.pages[slot].copy_from_slice(&src[0]);
     wb.index.push(p);
@@ -176,6 +178,18 @@ fn send_run(shared: &Shared, first: usize, end: usize) -> Result<(), TransportEr
 /// Writes the bounce batch; on failure marks its pages dirty again. Empties
 /// it.
 fn send_bounce(shared: &Shared, wb: &mut Writeback, out: &mut Outcome) {
+    // Still present: only evict drops pages, and it waits for us.
+    send_batch(shared, wb, out, |page| shared.states.set_bits(page, DIRTY));
+}
+
+/// Writes the bounce batch (one `write_pages`), counts it in `out`, and on
+/// failure calls `keep_dirty` for each of its pages. Empties it.
+pub(super) fn send_batch(
+    shared: &Shared,
+    wb: &mut Writeback,
+    out: &mut Outcome,
+    keep_dirty: impl Fn(usize),
+) {
     let count = wb.index.len();
     if count == 0 {
         return;
@@ -186,10 +200,7 @@ fn send_bounce(shared: &Shared, wb: &mut Writeback, out: &mut Outcome) {
             Counters::add(&shared.counters.pages_written_back, count as u64);
         }
         Err(err) => {
-            for &page in &wb.index {
-                // Still present: only evict drops pages, and it waits for us.
-                shared.states.set_bits(page, DIRTY);
-            }
+            wb.index.iter().for_each(|&page| keep_dirty(page));
             out.failed += count;
             out.first_error.get_or_insert(err);
         }

@@ -32,7 +32,7 @@ use crate::error::TransportError;
 use crate::page::PAGE_SIZE;
 use crate::uffd::Pagemap;
 
-use super::dirty::{Outcome, ZERO_COPY_MIN_PAGES};
+use super::dirty::{self, Outcome, ZERO_COPY_MIN_PAGES};
 use super::error::GuestMemoryError;
 use super::shared::{Counters, Shared, Writeback, WRITEBACK_BATCH};
 use super::state::{DIRTY, LOCKED, POISONED, PRESENT};
@@ -96,25 +96,7 @@ fn copy_to_bounce(shared: &Shared, wb: &mut Writeback, p: usize) {
 /// Sends the bounce batch; on failure its pages are written again (for the
 /// next flush). Empties it.
 fn send_bounce(shared: &Shared, wb: &mut Writeback, out: &mut Outcome) {
-    let count = wb.index.len();
-    if count == 0 {
-        return;
-    }
-    match shared.manager.write_pages(&wb.gpas, &wb.pages[..count]) {
-        Ok(()) => {
-            out.written += count as u64;
-            Counters::add(&shared.counters.pages_written_back, count as u64);
-        }
-        Err(err) => {
-            for &p in &wb.index {
-                mark_written(shared, p, p + 1);
-            }
-            out.failed += count;
-            out.first_error.get_or_insert(err);
-        }
-    }
-    wb.index.clear();
-    wb.gpas.clear();
+    dirty::send_batch(shared, wb, out, |p| mark_written(shared, p, p + 1));
 }
 
 /// Lifts the protection of pages `[first, end)`: those mapped count as
@@ -245,14 +227,8 @@ fn write_back(
             Counters::add(&shared.counters.pages_written_back, (e - k) as u64);
             Counters::add(&shared.counters.pages_written_in_place, (e - k) as u64);
         } else {
-            for p in first..end {
-                let slot = wb.index.len();
-                // SAFETY: as above, for one page.
-                let src = unsafe { shared.region.data_pages(p, p + 1) };
-                wb.pages[slot].copy_from_slice(&src[0]);
-                wb.index.push(p);
-                wb.gpas.push(shared.region.page_gpa(p));
-            }
+            // Unmapped and locked: nothing writes them (as above).
+            (first..end).for_each(|p| dirty::copy_to_bounce(shared, wb, p));
         }
         k = e;
     }

@@ -99,54 +99,45 @@ pub(super) fn fetched(
 /// set (none when it could not be installed: the thread faults again).
 fn copy(shared: &Shared, page: usize, frame: &Page, write: bool) -> u32 {
     let addr = shared.region.page_addr(page);
-    let mut again = 0;
-    loop {
-        // SAFETY: `frame` is a live 4 KiB page; `addr` is a page of the
-        // registered region, locked by us.
-        match unsafe { shared.uffd.copy_page(frame.as_ptr(), addr, !write) } {
-            Ok(CopyOutcome::Copied) => return PRESENT,
-            // Present without our knowledge: dirty, so a flush
-            // write-protects and writes it.
-            Ok(CopyOutcome::Exists) => return PRESENT | DIRTY,
-            Ok(CopyOutcome::Again) if again < AGAIN_LIMIT => {
-                again += 1;
-                std::hint::spin_loop();
-            }
-            Ok(CopyOutcome::Again) => {
-                tracing::warn!(page, "UFFDIO_COPY kept answering EAGAIN; will refault");
-                return 0;
-            }
-            Err(err) => {
-                tracing::warn!(%err, page, "UFFDIO_COPY failed");
-                return 0;
-            }
-        }
-    }
+    // SAFETY: `frame` is a live 4 KiB page; `addr` is a page of the
+    // registered region, locked by us.
+    retried(page, "UFFDIO_COPY", || unsafe {
+        shared.uffd.copy_page(frame.as_ptr(), addr, !write)
+    })
 }
 
 /// `UFFDIO_CONTINUE` of the locked page, whose page cache holds what was
 /// received into the alias; returns the state bits to set, as [`copy`].
 fn map_alias(shared: &Shared, page: usize, write: bool) -> u32 {
     let addr = shared.region.page_addr(page);
-    let mut again = 0;
-    loop {
-        // SAFETY: `addr` is a page of the registered range whose page cache
-        // now holds the page we received into the alias.
-        match unsafe { shared.uffd.continue_pages(addr, 1, !write) } {
+    // SAFETY: `addr` is a page of the registered range whose page cache now
+    // holds the page we received into the alias.
+    retried(page, "UFFDIO_CONTINUE", || unsafe {
+        shared.uffd.continue_pages(addr, 1, !write)
+    })
+}
+
+/// Runs an install until it is done or fails (`EAGAIN`, the mapping
+/// changing under us, is retried a bounded number of times); returns the
+/// state bits to set.
+fn retried(
+    page: usize,
+    op: &str,
+    mut install: impl FnMut() -> std::io::Result<CopyOutcome>,
+) -> u32 {
+    for _ in 0..AGAIN_LIMIT {
+        match install() {
             Ok(CopyOutcome::Copied) => return PRESENT,
+            // Present without our knowledge: dirty, so a flush
+            // write-protects and writes it.
             Ok(CopyOutcome::Exists) => return PRESENT | DIRTY,
-            Ok(CopyOutcome::Again) if again < AGAIN_LIMIT => {
-                again += 1;
-                std::hint::spin_loop();
-            }
-            Ok(CopyOutcome::Again) => {
-                tracing::warn!(page, "UFFDIO_CONTINUE kept answering EAGAIN; will refault");
-                return 0;
-            }
+            Ok(CopyOutcome::Again) => std::hint::spin_loop(),
             Err(err) => {
-                tracing::warn!(%err, page, "UFFDIO_CONTINUE failed");
+                tracing::warn!(%err, page, op, "install failed; will refault");
                 return 0;
             }
         }
     }
+    tracing::warn!(page, op, "kept answering EAGAIN; will refault");
+    0
 }
