@@ -104,6 +104,22 @@ typedef enum RtSigbusMethod {
   RT_SIGBUS_METHOD_TGKILL = 2,
 } RtSigbusMethod;
 
+// How the region finds dirty pages (see docs/embedding.md, "Dirty
+// tracking").
+typedef enum RtDirtyTracking {
+  // `PAGEMAP_SCAN` where it works (a memfd or tmpfs file of 4 KiB pages,
+  // the region's own userfaultfd, Linux >= 6.7), else write faults.
+  RT_DIRTY_TRACKING_AUTO = 0,
+  // Synchronous write protection: the first write to a clean page
+  // faults once to a handler.
+  RT_DIRTY_TRACKING_WRITE_FAULTS = 1,
+  // Asynchronous write protection and `PAGEMAP_SCAN`: no fault per
+  // first write; a flush may send a page being written torn (it is sent
+  // again by the next flush or evict). Refused (`RT_STATUS_UNSUPPORTED`)
+  // where it cannot work.
+  RT_DIRTY_TRACKING_PAGEMAP_SCAN = 2,
+} RtDirtyTracking;
+
 // Which data path a manager uses (`RtManagerConfig.transport`).
 typedef enum RtTransportKind {
   // RDMA where both ends have a usable device, TCP otherwise (default).
@@ -242,6 +258,11 @@ typedef struct RtGuestMemoryConfig {
   // region's guest memory (`rt_guest_memory_host_addr` returns it) and
   // must stay mapped while the region lives.
   void *handed_over_mapping;
+  // An `RtDirtyTracking` value (0, the default: `PAGEMAP_SCAN` where it
+  // works).
+  uint32_t dirty_tracking;
+  // Must be 0.
+  uint32_t reserved;
 } RtGuestMemoryConfig;
 
 // Counters of a region (`rt_guest_memory_stats`). Set `struct_size` to
@@ -502,6 +523,13 @@ void rt_guest_memory_destroy(struct RtGuestMemory *memory);
 // # Safety
 // `memory` must be NULL or a live handle.
 uint8_t *rt_guest_memory_host_addr(const struct RtGuestMemory *memory);
+
+// The `RtDirtyTracking` method the region uses (`Auto` resolved; 0 for a
+// NULL handle).
+//
+// # Safety
+// `memory` must be NULL or a live handle.
+uint32_t rt_guest_memory_dirty_tracking(const struct RtGuestMemory *memory);
 
 // Size of the region in bytes (0 for a NULL handle).
 //

@@ -6,8 +6,9 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::Arc;
 
 use rdma_transport::guest_memory::{
-    FaultAction, FaultMode, FaultReport, GuestBacking, GuestMemory, GuestMemoryConfig,
-    GuestMemoryError, GuestMemoryStats, HandedOverUffd, SharedFile, SigbusMethod,
+    DirtyTracking, FaultAction, FaultMode, FaultReport, GuestBacking, GuestMemory,
+    GuestMemoryConfig, GuestMemoryError, GuestMemoryStats, HandedOverUffd, SharedFile,
+    SigbusMethod,
 };
 
 use crate::abi::{flag, read_config, struct_size, write_out, CConfig, COut};
@@ -41,6 +42,24 @@ pub enum RtSigbusMethod {
     Poison = 1,
     /// tgkill(SIGBUS) the faulting thread, then wake it.
     Tgkill = 2,
+}
+
+/// How the region finds dirty pages (see docs/embedding.md, "Dirty
+/// tracking").
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RtDirtyTracking {
+    /// `PAGEMAP_SCAN` where it works (a memfd or tmpfs file of 4 KiB pages,
+    /// the region's own userfaultfd, Linux >= 6.7), else write faults.
+    Auto = 0,
+    /// Synchronous write protection: the first write to a clean page
+    /// faults once to a handler.
+    WriteFaults = 1,
+    /// Asynchronous write protection and `PAGEMAP_SCAN`: no fault per
+    /// first write; a flush may send a page being written torn (it is sent
+    /// again by the next flush or evict). Refused (`RT_STATUS_UNSUPPORTED`)
+    /// where it cannot work.
+    PagemapScan = 2,
 }
 
 /// Which faults of the region are served (see docs/embedding.md).
@@ -145,23 +164,33 @@ pub struct RtGuestMemoryConfig {
     /// region's guest memory (`rt_guest_memory_host_addr` returns it) and
     /// must stay mapped while the region lives.
     pub handed_over_mapping: *mut c_void,
+    /// An `RtDirtyTracking` value (0, the default: `PAGEMAP_SCAN` where it
+    /// works).
+    pub dirty_tracking: u32,
+    /// Must be 0.
+    pub reserved: u32,
 }
 
 /// `struct_size` of the first layout (up to `on_fault_error_user`), still
 /// accepted: the shared-file fields take their defaults (anonymous memory).
 const FIRST_LAYOUT_BYTES: usize = 72;
+/// `struct_size` of the second layout (up to `handed_over_mapping`), still
+/// accepted: `dirty_tracking` is then Auto.
+const SECOND_LAYOUT_BYTES: usize = FIRST_LAYOUT_BYTES + 16 + size_of::<usize>();
 const _: () = assert!(offset_of!(RtGuestMemoryConfig, shared_fd) == FIRST_LAYOUT_BYTES);
 // No padding in the grown tail: each field starts where the last one ends.
 const _: () = assert!(
     offset_of!(RtGuestMemoryConfig, handed_over_uffd) == FIRST_LAYOUT_BYTES + 4
         && offset_of!(RtGuestMemoryConfig, shared_offset_bytes) == FIRST_LAYOUT_BYTES + 8
         && offset_of!(RtGuestMemoryConfig, handed_over_mapping) == FIRST_LAYOUT_BYTES + 16
-        && size_of::<RtGuestMemoryConfig>() == FIRST_LAYOUT_BYTES + 16 + size_of::<usize>()
+        && offset_of!(RtGuestMemoryConfig, dirty_tracking) == SECOND_LAYOUT_BYTES
+        && offset_of!(RtGuestMemoryConfig, reserved) == SECOND_LAYOUT_BYTES + 4
+        && size_of::<RtGuestMemoryConfig>() == SECOND_LAYOUT_BYTES + 8
 );
 
 impl CConfig for RtGuestMemoryConfig {
     const NAME: &'static str = "RtGuestMemoryConfig";
-    const OLD_SIZES: &'static [usize] = &[FIRST_LAYOUT_BYTES];
+    const OLD_SIZES: &'static [usize] = &[FIRST_LAYOUT_BYTES, SECOND_LAYOUT_BYTES];
 
     fn defaults() -> Self {
         let d = GuestMemoryConfig::default();
@@ -185,6 +214,8 @@ impl CConfig for RtGuestMemoryConfig {
             handed_over_uffd: -1,
             shared_offset_bytes: 0,
             handed_over_mapping: std::ptr::null_mut(),
+            dirty_tracking: RtDirtyTracking::Auto as u32,
+            reserved: 0,
         }
     }
 }
@@ -366,6 +397,23 @@ unsafe fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryConfig, RtSt
             ))
         }
     };
+    let dirty_tracking = match c.dirty_tracking {
+        0 => DirtyTracking::Auto,
+        1 => DirtyTracking::WriteFaults,
+        2 => DirtyTracking::PagemapScan,
+        other => {
+            return Err(fail(
+                RtStatus::InvalidArgument,
+                format!("{NAME}.dirty_tracking {other} is not an RtDirtyTracking"),
+            ))
+        }
+    };
+    if c.reserved != 0 {
+        return Err(fail(
+            RtStatus::InvalidArgument,
+            format!("{NAME}.reserved must be 0"),
+        ));
+    }
     let on_fault_error = c.on_fault_error.map(|f| {
         let cb = Callback {
             f,
@@ -388,7 +436,7 @@ unsafe fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryConfig, RtSt
         fault_mode,
         on_fault_error,
         backing,
-        dirty_tracking: rdma_transport::guest_memory::DirtyTracking::Auto,
+        dirty_tracking,
     })
 }
 
@@ -516,6 +564,20 @@ fn with_memory(memory: *const RtGuestMemory, f: impl FnOnce(&GuestMemory) -> RtS
 pub unsafe extern "C" fn rt_guest_memory_host_addr(memory: *const RtGuestMemory) -> *mut u8 {
     // SAFETY: the caller passes NULL or a live handle.
     unsafe { memory.as_ref() }.map_or(std::ptr::null_mut(), |m| m.inner.as_ptr())
+}
+
+/// The `RtDirtyTracking` method the region uses (`Auto` resolved; 0 for a
+/// NULL handle).
+///
+/// # Safety
+/// `memory` must be NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn rt_guest_memory_dirty_tracking(memory: *const RtGuestMemory) -> u32 {
+    // SAFETY: the caller passes NULL or a live handle.
+    unsafe { memory.as_ref() }.map_or(0, |m| match m.inner.dirty_tracking() {
+        DirtyTracking::PagemapScan => RtDirtyTracking::PagemapScan as u32,
+        _ => RtDirtyTracking::WriteFaults as u32,
+    })
 }
 
 /// Size of the region in bytes (0 for a NULL handle).

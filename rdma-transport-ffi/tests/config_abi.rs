@@ -98,6 +98,8 @@ fn guest_config_of_the_first_layout_still_works() {
     // The whole struct with the same tail is refused: it is read.
     let (status, message) = create(&RtGuestMemoryConfig {
         struct_size: std::mem::size_of::<RtGuestMemoryConfig>() as u32,
+        dirty_tracking: 0,
+        reserved: 0,
         ..old
     });
     assert_eq!(status, RtStatus::InvalidArgument);
@@ -105,6 +107,51 @@ fn guest_config_of_the_first_layout_still_works() {
         message.contains("handed_over_mapping is given"),
         "{message}"
     );
+}
+
+/// The second layout (up to `handed_over_mapping`) is still accepted, with
+/// a tail of 0xff bytes that is not read (`dirty_tracking` Auto); bad values
+/// of the fields past it are refused with their names.
+#[test]
+fn guest_config_of_the_second_layout_and_bad_dirty_tracking() {
+    let full = std::mem::size_of::<RtGuestMemoryConfig>();
+    let second = full - 8;
+    let defaults = RtGuestMemoryConfig {
+        struct_size: second as u32,
+        ..guest_defaults()
+    };
+    let mut buf = std::mem::MaybeUninit::<RtGuestMemoryConfig>::uninit();
+    let bytes = buf.as_mut_ptr().cast::<u8>();
+    // SAFETY: `buf` has room for a whole config.
+    unsafe { std::ptr::write_bytes(bytes, 0xff, full) };
+    // SAFETY: `second` < `full` bytes, from a live config into `buf`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(std::ptr::from_ref(&defaults).cast::<u8>(), bytes, second)
+    };
+    // SAFETY: every byte of `buf` is initialised; the tail is two u32s.
+    let old = unsafe { buf.assume_init() };
+    assert_eq!(
+        create(&old),
+        (RtStatus::InvalidArgument, "manager is NULL".to_owned())
+    );
+    let d = guest_defaults();
+    for (config, want) in [
+        (
+            RtGuestMemoryConfig {
+                dirty_tracking: 3,
+                ..d
+            },
+            "dirty_tracking 3 is not an RtDirtyTracking",
+        ),
+        (
+            RtGuestMemoryConfig { reserved: 1, ..d },
+            "reserved must be 0",
+        ),
+    ] {
+        let (status, message) = create(&config);
+        assert_eq!(status, RtStatus::InvalidArgument);
+        assert!(message.contains(want), "{message} (want {want})");
+    }
 }
 
 /// Every bad combination of the shared-file fields is refused with
@@ -250,7 +297,8 @@ fn guest_unknown_fault_mode_is_refused() {
 #[test]
 fn guest_unknown_struct_sizes_are_refused() {
     let size = std::mem::size_of::<RtGuestMemoryConfig>() as u32;
-    for struct_size in [0, 4, size - 8, size + 8, u32::MAX] {
+    // (size - 8 is the second layout, accepted.)
+    for struct_size in [0, 4, size - 4, size - 16, size + 8, u32::MAX] {
         let c = RtGuestMemoryConfig {
             struct_size,
             ..guest_defaults()

@@ -278,6 +278,10 @@ int main(int argc, char **argv) {
   volatile uint8_t *ram = rt_guest_memory_host_addr(g);
   EXPECT(ram != NULL && rt_guest_memory_size(g) == size);
   if (handover) EXPECT(ram == vmm_map);
+  /* Dirty tracking: PAGEMAP_SCAN on the region's own userfaultfd (Linux >=
+   * 6.7), write-protect faults on a handed-over one. */
+  EXPECT(rt_guest_memory_dirty_tracking(g) ==
+         (handover ? RT_DIRTY_TRACKING_WRITE_FAULTS : RT_DIRTY_TRACKING_PAGEMAP_SCAN));
 
   /* Round 1 through guest memory: every page faulted in from its owner,
    * straight into the file. */
