@@ -33,7 +33,9 @@ fn cluster_coordinator() -> (tempfile::TempDir, coordinator::RunningCoordinator)
 fn config(gpa_base: u64, size_bytes: usize) -> GuestMemoryConfig {
     GuestMemoryConfig {
         handler_cpus: Some(vec![]),
-        fault_timeout_ms: 500,
+        // Long enough for a loaded host: a fault that times out here raises
+        // SIGBUS in the test process. Tests of the deadline set their own.
+        fault_timeout_ms: 5000,
         ..GuestMemoryConfig::new(gpa_base, size_bytes)
     }
 }
@@ -536,12 +538,24 @@ fn poisoned_page_fetched_again(shared: bool) {
         mgr.refresh_map().is_ok() && mgr.map().lookup(NODE).is_some()
     }));
     let epoch = node_epoch(&coord.url(), "b");
+    // Until the node is back a failed fault is poisoned (the default);
+    // after, it is retried, so a slow fetch on a loaded host cannot raise
+    // SIGBUS in the test process.
+    let node_back = Arc::new(AtomicBool::new(false));
+    let back = Arc::clone(&node_back);
     let ram = GuestMemory::new(
         Arc::clone(&mgr),
         GuestMemoryConfig {
             fault_timeout_ms: 200,
             sigbus_method: SigbusMethod::Poison,
             backing: backing(shared, NODE_BYTES),
+            on_fault_error: Some(Arc::new(move |_| {
+                if back.load(Ordering::SeqCst) {
+                    FaultAction::Retry
+                } else {
+                    FaultAction::Sigbus
+                }
+            })),
             ..config(NODE, NODE_BYTES)
         },
     )
@@ -567,6 +581,7 @@ fn poisoned_page_fetched_again(shared: bool) {
     // The node comes back (restarted, its range re-initialised by the
     // operator); evict drops the poisoned page and the next touch fetches it.
     let _b = restart_and_reinitialise(&coord.url(), "b", NODE, epoch);
+    node_back.store(true, Ordering::SeqCst);
     let mut probe = [0u8; PAGE_SIZE];
     assert!(wait_until(Duration::from_secs(20), || mgr
         .read_page(NODE, &mut probe)
