@@ -8,7 +8,9 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use rdma_transport::region::MappedRegion;
-use rdma_transport::wire::{page_checksum, DecodeError, Header, Opcode, Status, HEADER_LEN};
+use rdma_transport::wire::{
+    page_checksum, DecodeError, Header, Opcode, Status, HEADER_LEN, MAX_PAYLOAD_BYTES,
+};
 use rdma_transport::PAGE_SIZE;
 
 use crate::conns::RdmaUse;
@@ -317,7 +319,7 @@ pub(crate) fn serve(
         }
         if start == end {
             (start, end) = (0, 0);
-        } else if buf.len() - end < HEADER_LEN + PAGE_SIZE {
+        } else if buf.len() - end < HEADER_LEN + MAX_PAYLOAD_BYTES as usize {
             buf.copy_within(start..end, 0);
             end -= start;
             start = 0;
@@ -515,6 +517,8 @@ fn handle(
         | Opcode::Challenge
         | Opcode::ReadResp
         | Opcode::WriteResp
+        | Opcode::CohToHome
+        | Opcode::CohToNode
         | Opcode::Error => {
             if !session.is_ready() {
                 return Err(Refusal::BeforeHandshake);
