@@ -10,6 +10,7 @@
 mod acceptor;
 mod admission;
 mod client_keys;
+mod coherence_home;
 mod config;
 mod connection;
 mod conns;
@@ -18,6 +19,7 @@ mod layout;
 mod limits;
 mod listener;
 mod log_limit;
+mod outbound;
 mod rdma;
 mod recovery;
 mod recovery_guard;
@@ -26,6 +28,7 @@ mod server;
 mod stats;
 
 pub use client_keys::{ClientKeyKind, ClientKeys};
+pub use coherence_home::CoherenceStats;
 pub use config::ServerConfig;
 pub use layout::{ExportedRange, Layout, LayoutError, PlacedRange};
 pub use rdma::{ClientKeyInfo, RdmaOptions};
