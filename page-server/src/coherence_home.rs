@@ -77,6 +77,11 @@ impl CohSession {
     pub(crate) fn outbound(&self) -> Option<&Arc<Outbound>> {
         self.outbound.as_ref()
     }
+
+    /// Whether the connection is a node (it has a `NodeId`).
+    pub(crate) fn is_node(&self) -> bool {
+        self.node.is_some()
+    }
 }
 
 impl CoherenceHome {

@@ -304,6 +304,12 @@ fn serve_messages(
             }
             if header.opcode == Opcode::CohToHome && session.is_ready() {
                 coherence_home::on_frame(exported, &header, payload, stream, coh);
+                if coh.is_node() {
+                    // A node may hold pages for long without a message;
+                    // closing its connection would declare it lost (and
+                    // lose the pages it owns).
+                    guard.exempt_from_idle_timeout();
+                }
             } else if let Err(refusal) =
                 handle(&header, payload, exported, &mut session, &mut outbox)
             {
@@ -441,7 +447,7 @@ fn wait_readable(stream: &TcpStream, limit: Option<Duration>) -> io::Result<()> 
 }
 
 /// A client that takes no answers for this long is dropped.
-const SEND_STALL_TIMEOUT_MS: i32 = 30_000;
+pub(crate) const SEND_STALL_TIMEOUT_MS: i32 = 30_000;
 
 /// Blocks until the socket is ready for `events`, or `timeout_ms` passes
 /// (-1: no limit; a timeout is an error).

@@ -22,8 +22,14 @@ pub(crate) struct Outbound {
 impl Outbound {
     /// For the connection of `stream`.
     pub(crate) fn new(stream: &TcpStream) -> io::Result<Self> {
+        let stream = stream.try_clone()?;
+        // A blocking socket (no spin) would otherwise block a sender, which
+        // holds a page's lock, for as long as the node takes no data. (A
+        // socket option: the connection's own writes get it too.)
+        let stall_ms = u64::try_from(crate::connection::SEND_STALL_TIMEOUT_MS).unwrap_or(30_000);
+        stream.set_write_timeout(Some(std::time::Duration::from_millis(stall_ms)))?;
         Ok(Self {
-            stream: stream.try_clone()?,
+            stream,
             lock: Mutex::new(()),
         })
     }
