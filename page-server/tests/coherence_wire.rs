@@ -388,6 +388,60 @@ fn concurrent_increments_from_three_nodes_are_all_counted() {
     eprintln!("counter test: {stats:?}");
 }
 
+#[test]
+fn concurrent_faults_of_one_node_on_one_page_make_one_request() {
+    const THREADS: usize = 4;
+    let (server, key) = home();
+    let gpa = GPA_BASE + 9 * PAGE_SIZE as u64;
+    // B owns the page and keeps it for 300 ms after its grant: A's faults
+    // all come while the home waits for B's downgrade.
+    let b = Node::new(&server, &key, 300_000);
+    let a = Node::new(&server, &key, 0);
+    b.modify(gpa, filled(gpa, 0x33)).unwrap();
+    let start = std::sync::Barrier::new(THREADS);
+    std::thread::scope(|s| {
+        for _ in 0..THREADS {
+            let (a, start) = (&a, &start);
+            s.spawn(move || {
+                start.wait();
+                assert_eq!(a.read(gpa).unwrap(), page_for(gpa, 0x33));
+            });
+        }
+    });
+    let stats = a.c().stats();
+    assert_eq!(stats.requests, 1, "{stats:?}");
+    assert!(stats.coalesced_faults >= 1, "{stats:?}");
+    assert_eq!(b.copies.take_recalls(), [(gpa, Recall::Downgrade)]);
+    let home = server.coherence_stats().home;
+    assert_eq!((home.shared_grants, home.duplicate_requests), (1, 0));
+}
+
+#[test]
+fn a_home_that_goes_away_fails_the_requests_and_its_pages_are_dropped() {
+    let (server, key) = home();
+    let a = Node::new(&server, &key, 0);
+    let held = GPA_BASE;
+    a.modify(held, filled(held, 7)).unwrap();
+    server.shutdown();
+    // A page not held: its request fails with the connection (or the
+    // connection cannot be made again).
+    match a.c().acquire(GPA_BASE + PAGE_SIZE as u64, Access::Read) {
+        Err(TransportError::NodeDown { node, .. }) => assert_eq!(node, HOME),
+        other => panic!("a request to a home that is gone: {other:?}"),
+    }
+    // The copy of the home's page is dropped once the connection is seen
+    // gone (by the node's reader thread, which may still be at it).
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while a.copies.copy(held).is_some() {
+        assert!(std::time::Instant::now() < deadline, "copy still held");
+        std::thread::yield_now();
+    }
+    assert_eq!(
+        a.copies.take_recalls(),
+        [(held, Recall::Invalidate { write_back: false })]
+    );
+}
+
 /// A raw client (handshaken) that sends coherence frames by hand.
 fn raw_client(server: &RunningServer, key: &ClusterKey) -> TcpStream {
     let mut s = TcpStream::connect(server.addr()).unwrap();

@@ -130,16 +130,20 @@ impl Link {
     /// The connection is gone: every copy of this home's pages is dropped
     /// (the home declares this node lost), and every waiter fails.
     fn lost(self: &Arc<Self>, shared: &Shared) {
+        // `dead` is set before the slots are listed: a slot made later
+        // finds it set (`pages::acquire` checks it under the slot's lock).
         self.shut();
+        let slots: Vec<Arc<Slot>> = self.slots.lock().values().cloned().collect();
+        for slot in slots {
+            pages::forget(shared, &slot, &self.node);
+        }
+        // Only now may a caller that finds no link here connect again: by
+        // then every copy of the old connection is gone.
         {
             let mut links = shared.links.lock();
             if links.get(&self.node).is_some_and(|l| Arc::ptr_eq(l, self)) {
                 links.remove(&self.node);
             }
-        }
-        let slots: Vec<Arc<Slot>> = self.slots.lock().values().cloned().collect();
-        for slot in slots {
-            pages::forget(shared, &slot, &self.node);
         }
         tracing::debug!(node = %self.node, "coherence connection closed");
     }
