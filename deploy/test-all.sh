@@ -62,6 +62,24 @@ fi
 cargo test -p page-server --test guest_memory_hugetlbfs -- --ignored
 ok
 
+step "coordinator on etcd: etcd-server and protoc (the etcd feature's build needs it), clippy, the API suites against a real etcd"
+etcd_pkgs=(etcd-server protobuf-compiler)
+missing=()
+for p in "${etcd_pkgs[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
+if ((${#missing[@]})); then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq "${missing[@]}" >/dev/null
+fi
+# Debian may start an etcd service on 2379 when it installs the package; the
+# tests start their own on free ports and do not use it.
+cargo clippy -p coordinator --all-targets --features etcd --quiet -- -D warnings
+COORDINATOR_TEST_STORE=etcd cargo test -p coordinator --features etcd --lib \
+    --test http_api --test replicas --test auth --test limits --test client
+# Three-member etcd clusters, two coordinator processes, kill -9 of the etcd
+# leader and of a coordinator under load, overlapping claims racing.
+cargo test -p coordinator --features etcd --test etcd_cluster
+ok
+
 step "bench: local cluster, TCP, every page checked"
 cargo run --release --quiet -p bench -- --ops 20000 --depth 8 --json target/bench-smoke.json
 ok

@@ -10,8 +10,11 @@ use rdma_transport::auth::ClusterKey;
 pub struct CoordinatorConfig {
     /// Address to listen on; port 0 picks a free port.
     pub listen: SocketAddr,
-    /// SQLite database file; created when missing.
+    /// SQLite database file; created when missing. Unused with
+    /// [`StoreConfig::Etcd`].
     pub db_path: PathBuf,
+    /// Where the state lives: the SQLite file (default) or etcd.
+    pub store: StoreConfig,
     /// When set, every route but `GET /v1/health` needs a credential
     /// derived from this key (node, client or admin; see
     /// `docs/coordinator.md`). `None`: insecure, reads are open and writes
@@ -24,6 +27,47 @@ pub struct CoordinatorConfig {
     pub lease_ms: u64,
     /// Bounds on what one caller can take from the others.
     pub limits: Limits,
+}
+
+/// Which backend keeps the coordinator's state.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum StoreConfig {
+    /// The SQLite file at [`CoordinatorConfig::db_path`] (one coordinator).
+    #[default]
+    Sqlite,
+    /// An etcd cluster: coordinators are stateless, run several. Needs the
+    /// `etcd` cargo feature; without it [`crate::Server::bind`] refuses it.
+    Etcd(EtcdConfig),
+}
+
+/// How to reach the etcd cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdConfig {
+    /// Client URLs of the members, e.g. `http://127.0.0.1:2379`.
+    pub endpoints: Vec<String>,
+    /// Every key the coordinator writes starts with this (e.g.
+    /// `/rdma-transport/`): several clusters can share one etcd.
+    pub prefix: String,
+    /// An etcd request that has not answered within this long fails (the
+    /// HTTP request then answers 503).
+    pub request_timeout_ms: u64,
+}
+
+impl EtcdConfig {
+    /// Key prefix used when none is given.
+    pub const DEFAULT_PREFIX: &'static str = "/rdma-transport/";
+    /// Request timeout used when none is given.
+    pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 5000;
+
+    /// `endpoints` with the default prefix and timeout.
+    pub fn new(endpoints: Vec<String>) -> Self {
+        Self {
+            endpoints,
+            prefix: Self::DEFAULT_PREFIX.to_owned(),
+            request_timeout_ms: Self::DEFAULT_REQUEST_TIMEOUT_MS,
+        }
+    }
 }
 
 /// Resource bounds of a coordinator.
@@ -72,6 +116,7 @@ impl CoordinatorConfig {
         Self {
             listen,
             db_path: db_path.into(),
+            store: StoreConfig::Sqlite,
             cluster_key: None,
             token: None,
             lease_ms: Self::DEFAULT_LEASE_MS,

@@ -13,7 +13,8 @@ use rdma_transport::coordinator::api::ErrorBody;
 use crate::store::StoreError;
 
 /// A refused or failed request. Every variant answers with a JSON
-/// [`ErrorBody`]; only [`ApiError::Internal`] is a 5xx.
+/// [`ErrorBody`]; only [`ApiError::Unavailable`] (retry, perhaps through
+/// another coordinator) and [`ApiError::Internal`] are 5xx.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ApiError {
     #[error("{0}")]
@@ -35,6 +36,8 @@ pub(crate) enum ApiError {
     #[error("{0}")]
     LimitReached(String),
     #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
     Internal(String),
 }
 
@@ -50,6 +53,7 @@ impl ApiError {
             Self::PayloadTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
             Self::BodyTimeout { .. } => (StatusCode::REQUEST_TIMEOUT, "request_timeout"),
             Self::LimitReached(_) => (StatusCode::TOO_MANY_REQUESTS, "limit_reached"),
+            Self::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             Self::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         }
     }
@@ -92,6 +96,9 @@ impl From<StoreError> for ApiError {
                 "node {node_id:?} holds no replica of the range at {gpa_start:#x}"
             )),
             error @ StoreError::ReplicaRefused { .. } => Self::Conflict(error.to_string()),
+            StoreError::Unavailable(why) => {
+                Self::Unavailable(format!("the coordinator's store is unavailable: {why}"))
+            }
             other => Self::Internal(format!("database: {other}")),
         }
     }
@@ -109,6 +116,15 @@ pub enum ServeError {
     OpenStore {
         /// Database file.
         path: PathBuf,
+        /// What went wrong.
+        #[source]
+        source: StoreError,
+    },
+    /// The etcd cluster could not be reached or prepared.
+    #[error("cannot connect to etcd at {endpoints}")]
+    ConnectStore {
+        /// The endpoints, comma-separated.
+        endpoints: String,
         /// What went wrong.
         #[source]
         source: StoreError,

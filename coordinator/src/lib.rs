@@ -11,12 +11,14 @@
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
 mod auth;
+mod backend;
 mod body;
 mod clock;
 mod config;
 mod connections;
 mod error;
 mod extract;
+mod metrics;
 mod routes;
 mod server;
 mod spawn;
@@ -25,7 +27,7 @@ mod store;
 mod validate;
 
 pub use auth::Access;
-pub use config::{CoordinatorConfig, Limits};
+pub use config::{CoordinatorConfig, EtcdConfig, Limits, StoreConfig};
 pub use error::ServeError;
 pub use routes::{route_table, HttpMethod, Route};
 pub use server::{serve, Server};

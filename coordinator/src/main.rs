@@ -5,12 +5,12 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use coordinator::{CoordinatorConfig, Limits, Server};
+use coordinator::{CoordinatorConfig, EtcdConfig, Limits, Server, StoreConfig};
 use rdma_transport::auth::{key_from_flags, ClusterKey};
 use tracing_subscriber::EnvFilter;
 
 /// Stores node endpoints and the GPA ownership map of the remote-memory
-/// paging transport, in SQLite.
+/// paging transport, in SQLite or in an etcd cluster.
 #[derive(Debug, Parser)]
 #[command(version, about, args_conflicts_with_subcommands = true)]
 struct Args {
@@ -44,15 +44,37 @@ struct CredentialArgs {
     node: Option<String>,
 }
 
+/// The backends `--store` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum StoreKind {
+    Sqlite,
+    Etcd,
+}
+
 /// Serving (no subcommand).
 #[derive(Debug, clap::Args)]
 struct ServeArgs {
     /// Address to listen on (port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: SocketAddr,
-    /// SQLite database file (created when missing).
+    /// Where the state lives: `sqlite` (the --db file; one coordinator)
+    /// or `etcd` (the --etcd-endpoints cluster; run several coordinators).
+    #[arg(long, value_enum, default_value_t = StoreKind::Sqlite)]
+    store: StoreKind,
+    /// SQLite database file (created when missing), with --store sqlite.
     #[arg(long, default_value = "coordinator.db")]
     db: PathBuf,
+    /// Client URLs of the etcd members, comma-separated, with --store etcd
+    /// (e.g. http://10.0.0.1:2379,http://10.0.0.2:2379,http://10.0.0.3:2379).
+    #[arg(long, value_delimiter = ',', required_if_eq("store", "etcd"))]
+    etcd_endpoints: Vec<String>,
+    /// Prefix of every etcd key this coordinator uses; coordinators of one
+    /// cluster share it.
+    #[arg(long, default_value = EtcdConfig::DEFAULT_PREFIX)]
+    etcd_prefix: String,
+    /// An etcd request fails (the HTTP request answers 503) after this long.
+    #[arg(long, default_value_t = EtcdConfig::DEFAULT_REQUEST_TIMEOUT_MS)]
+    etcd_timeout_ms: u64,
     /// Hex cluster key file (mode 600): every route but /v1/health then
     /// needs a credential derived from it (`coordinator credential --help`).
     #[arg(long, env = "RT_CLUSTER_KEY_FILE")]
@@ -118,9 +140,18 @@ async fn main() -> anyhow::Result<()> {
         .token
         .or_else(|| std::env::var("COORDINATOR_TOKEN").ok())
         .filter(|token| !token.is_empty());
+    let store = match args.store {
+        StoreKind::Sqlite => StoreConfig::Sqlite,
+        StoreKind::Etcd => StoreConfig::Etcd(EtcdConfig {
+            endpoints: args.etcd_endpoints,
+            prefix: args.etcd_prefix,
+            request_timeout_ms: args.etcd_timeout_ms,
+        }),
+    };
     let config = CoordinatorConfig {
         listen: args.listen,
         db_path: args.db,
+        store,
         cluster_key,
         token,
         lease_ms: args.lease_ms,

@@ -2,18 +2,22 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
 use tokio::net::TcpListener;
 
 use crate::auth::Authenticator;
+use crate::backend::sqlite::SqliteBackend;
+use crate::backend::Store;
+use crate::config::StoreConfig;
 use crate::config::{CoordinatorConfig, Limits};
 use crate::connections::serve_connections;
 use crate::error::ServeError;
 use crate::routes::router;
 use crate::state::AppState;
-use crate::store::{Store, StoreLimits};
+use crate::store::StoreLimits;
 
 /// Largest accepted request body.
 pub(crate) const MAX_BODY_BYTES: usize = 64 * 1024;
@@ -29,6 +33,7 @@ pub struct Server {
     listener: TcpListener,
     local_addr: SocketAddr,
     router: Router,
+    state: AppState,
     limits: Limits,
 }
 
@@ -41,24 +46,8 @@ impl Server {
     /// [`ServeError::OpenStore`] and [`ServeError::Bind`] as named.
     pub async fn bind(config: CoordinatorConfig) -> Result<Self, ServeError> {
         check(&config)?;
-        let db_path = config.db_path.clone();
         let limits = config.limits;
-        let store = tokio::task::spawn_blocking(move || {
-            let mut store = Store::open(&db_path)?;
-            store.set_limits(StoreLimits {
-                max_nodes: limits.max_nodes,
-                max_ranges: limits.max_ranges,
-                max_ranges_per_node: limits.max_ranges_per_node,
-                max_replicas: limits.max_replicas,
-            });
-            Ok(store)
-        })
-        .await
-        .map_err(|_| ServeError::ThreadPanicked)?
-        .map_err(|source| ServeError::OpenStore {
-            path: config.db_path.clone(),
-            source,
-        })?;
+        let store = open_store(&config).await?;
         let listener =
             TcpListener::bind(config.listen)
                 .await
@@ -70,6 +59,7 @@ impl Server {
             addr: config.listen,
             source,
         })?;
+        let store_description = describe_store(&config);
         let auth = Authenticator::new(config.cluster_key, config.token);
         if !auth.is_keyed() {
             tracing::warn!(
@@ -81,7 +71,7 @@ impl Server {
         let state = AppState::new(store, auth, config.lease_ms, limits.body_timeout_ms);
         tracing::info!(
             %local_addr,
-            db = %config.db_path.display(),
+            store = %store_description,
             lease_ms = config.lease_ms,
             keyed,
             ?limits,
@@ -90,7 +80,8 @@ impl Server {
         Ok(Self {
             listener,
             local_addr,
-            router: router(state),
+            router: router(state.clone()),
+            state,
             limits,
         })
     }
@@ -110,8 +101,66 @@ impl Server {
     where
         F: Future<Output = ()> + Send + 'static,
     {
+        let state = self.state;
+        let shutdown = async move {
+            shutdown.await;
+            state.stop_long_polls();
+        };
         serve_connections(self.listener, self.router, self.limits, shutdown).await;
         Ok(())
+    }
+}
+
+fn store_limits(limits: &Limits) -> StoreLimits {
+    StoreLimits {
+        max_nodes: limits.max_nodes,
+        max_ranges: limits.max_ranges,
+        max_ranges_per_node: limits.max_ranges_per_node,
+        max_replicas: limits.max_replicas,
+    }
+}
+
+/// Opens the configured backend.
+async fn open_store(config: &CoordinatorConfig) -> Result<Arc<dyn Store>, ServeError> {
+    let limits = store_limits(&config.limits);
+    match &config.store {
+        StoreConfig::Sqlite => {
+            let db_path = config.db_path.clone();
+            let backend =
+                tokio::task::spawn_blocking(move || SqliteBackend::open(&db_path, limits))
+                    .await
+                    .map_err(|_| ServeError::ThreadPanicked)?
+                    .map_err(|source| ServeError::OpenStore {
+                        path: config.db_path.clone(),
+                        source,
+                    })?;
+            Ok(Arc::new(backend))
+        }
+        #[cfg(feature = "etcd")]
+        StoreConfig::Etcd(etcd) => {
+            let backend = crate::backend::etcd::EtcdBackend::connect(etcd, limits, config.lease_ms)
+                .await
+                .map_err(|source| ServeError::ConnectStore {
+                    endpoints: etcd.endpoints.join(","),
+                    source,
+                })?;
+            Ok(Arc::new(backend))
+        }
+        #[cfg(not(feature = "etcd"))]
+        StoreConfig::Etcd(_) => Err(ServeError::InvalidConfig(
+            "this coordinator was built without etcd support: rebuild with `--features etcd`"
+                .to_owned(),
+        )),
+    }
+}
+
+/// What the start-up log line says about the store.
+fn describe_store(config: &CoordinatorConfig) -> String {
+    match &config.store {
+        StoreConfig::Sqlite => format!("sqlite:{}", config.db_path.display()),
+        StoreConfig::Etcd(etcd) => {
+            format!("etcd:{} prefix {:?}", etcd.endpoints.join(","), etcd.prefix)
+        }
     }
 }
 

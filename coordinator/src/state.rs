@@ -2,28 +2,36 @@
 
 use std::sync::Arc;
 
-use parking_lot::Mutex;
-
 use crate::auth::Authenticator;
+use crate::backend::{NodeRecord, Store};
 use crate::clock::now_unix_ms;
-use crate::error::ApiError;
-use crate::store::{NodeRecord, Store, StoreError};
+use crate::metrics::Metrics;
 use rdma_transport::coordinator::api::NodeInfo;
 
 /// Cloned into every handler.
 #[derive(Debug, Clone)]
 pub(crate) struct AppState {
-    store: Arc<Mutex<Store>>,
+    store: Arc<dyn Store>,
     auth: Arc<Authenticator>,
+    metrics: Arc<Metrics>,
+    /// Set once the server stops: long polls answer at once.
+    stopping: Arc<tokio::sync::watch::Sender<bool>>,
     lease_ms: u64,
     body_timeout_ms: u64,
 }
 
 impl AppState {
-    pub fn new(store: Store, auth: Authenticator, lease_ms: u64, body_timeout_ms: u64) -> Self {
+    pub fn new(
+        store: Arc<dyn Store>,
+        auth: Authenticator,
+        lease_ms: u64,
+        body_timeout_ms: u64,
+    ) -> Self {
         Self {
-            store: Arc::new(Mutex::new(store)),
+            store,
             auth: Arc::new(auth),
+            metrics: Arc::new(Metrics::new()),
+            stopping: Arc::new(tokio::sync::watch::Sender::new(false)),
             lease_ms,
             body_timeout_ms,
         }
@@ -39,22 +47,26 @@ impl AppState {
         self.body_timeout_ms
     }
 
-    /// Runs `op` on the store on a blocking thread, so that SQLite (which
-    /// may wait on fsync) never stalls the async executor. The mutex is held
-    /// only for the duration of `op`.
-    pub async fn db<T, F>(&self, op: F) -> Result<T, ApiError>
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut Store) -> Result<T, StoreError> + Send + 'static,
-    {
-        let store = Arc::clone(&self.store);
-        let joined = tokio::task::spawn_blocking(move || op(&mut store.lock())).await;
-        match joined {
-            Ok(result) => result.map_err(ApiError::from),
-            Err(join_error) => Err(ApiError::Internal(format!(
-                "database task failed: {join_error}"
-            ))),
-        }
+    /// Tells the long polls that the server stops.
+    pub fn stop_long_polls(&self) {
+        self.stopping.send_replace(true);
+    }
+
+    /// Completes once the server stops (at once if it has).
+    pub async fn stopping(&self) {
+        let mut stopping = self.stopping.subscribe();
+        // An error means the sender is gone: the state is being dropped.
+        let _ = stopping.wait_for(|stopping| *stopping).await;
+    }
+
+    /// The Prometheus metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// The coordinator's state (SQLite or etcd).
+    pub fn store(&self) -> &dyn Store {
+        self.store.as_ref()
     }
 
     /// The API view of `record` now.

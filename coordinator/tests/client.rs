@@ -167,3 +167,31 @@ fn a_stopped_coordinator_is_unreachable() {
     h.coordinator.shutdown().expect("clean shutdown");
     assert!(c.health().expect_err("down").is_unreachable());
 }
+
+#[test]
+fn several_coordinators_are_tried_in_turn() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let dead = format!("http://127.0.0.1:{port}");
+    let h = start(None, 3000);
+    let live = h.coordinator.url();
+    let c = CoordinatorClient::new(&format!("{dead}, {live}/"), None, Duration::from_secs(2))
+        .expect("client");
+    // The dead one is skipped, and the live one is asked first from then on.
+    let info = c
+        .register_node(&"a".to_owned(), &registration("127.0.0.1:1"))
+        .expect("register through the live coordinator");
+    assert_eq!(info.id, "a");
+    assert_eq!(c.base_url(), live);
+    assert_eq!(c.map().expect("map").nodes.len(), 1);
+    // Refusals are answers: they do not move on to another coordinator.
+    let error = c.heartbeat(&"ghost".to_owned()).expect_err("unknown node");
+    assert!(error.is_not_found(), "{error:?}");
+    assert_eq!(c.base_url(), live);
+    // With every coordinator down, the last error is returned.
+    h.coordinator.shutdown().expect("clean shutdown");
+    assert!(c.health().expect_err("all down").is_unreachable());
+}

@@ -457,3 +457,92 @@ fn writes_need_the_token_reads_do_not() {
         assert_eq!(send(Method::GET, path, None, None).0, 200, "{path}");
     }
 }
+
+#[test]
+fn map_long_poll_answers_when_the_version_passes_or_at_the_timeout() {
+    let h = start(None, LEASE_MS);
+    h.register("first", "h:9");
+    let before = h.version();
+    assert!(before > 0);
+    // Nothing changes: the poll answers the same version after its timeout.
+    let started = std::time::Instant::now();
+    let answer = h.get(&format!("/v1/map?after={before}&timeout_ms=300"));
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(answer.body["version"].as_u64(), Some(before));
+    assert!(started.elapsed() >= std::time::Duration::from_millis(300));
+    // A version already passed answers at once.
+    let answer = h.get(&format!("/v1/map?after={}&timeout_ms=60000", before - 1));
+    assert_eq!(answer.body["version"].as_u64(), Some(before), "{answer:?}");
+    // A change made while a poll waits ends it with the new map.
+    let url = h.url(&format!("/v1/map?after={before}&timeout_ms=20000"));
+    let poll = std::thread::spawn(move || {
+        let started = std::time::Instant::now();
+        let body: serde_json::Value = reqwest::blocking::Client::new()
+            .get(url)
+            .timeout(std::time::Duration::from_secs(30))
+            .send()
+            .expect("poll sent")
+            .json()
+            .expect("map");
+        (body, started.elapsed())
+    });
+    h.register("a", "h:1");
+    let (body, waited) = poll.join().expect("poll thread");
+    assert!(body["version"].as_u64() > Some(before), "{body}");
+    assert!(
+        body["nodes"]
+            .as_array()
+            .is_some_and(|nodes| nodes.iter().any(|n| n["id"] == "a")),
+        "{body}"
+    );
+    assert!(waited < std::time::Duration::from_secs(15), "{waited:?}");
+    // Bad parameters are refused; the server keeps serving.
+    for bad in ["after=x", "after=1&timeout_ms=-1"] {
+        let answer = h.get(&format!("/v1/map?{bad}"));
+        assert_eq!(answer.status, 400, "{bad}: {answer:?}");
+        assert_eq!(answer.error_code(), "bad_request");
+    }
+    assert_eq!(h.get("/v1/map").status, 200);
+}
+
+#[test]
+fn metrics_count_requests_errors_renewals_and_the_version() {
+    let h = start(None, LEASE_MS);
+    h.register("n1", "h:1");
+    for _ in 0..2 {
+        assert_eq!(
+            h.call(Method::POST, "/v1/nodes/n1/heartbeat", None).status,
+            200
+        );
+    }
+    assert_eq!(
+        h.call(Method::POST, "/v1/nodes/ghost/heartbeat", None)
+            .status,
+        404
+    );
+    assert_eq!(h.add_range(0, 4096, "n1", 0).status, 201);
+    let version = h.version();
+
+    let answer = h.raw(Method::GET, "/metrics", None, Vec::new());
+    assert_eq!(answer.status, 200);
+    assert!(answer
+        .content_type
+        .starts_with("application/openmetrics-text"));
+    let text = reqwest::blocking::get(h.url("/metrics"))
+        .expect("metrics")
+        .text()
+        .expect("text");
+    let has = |line: &str| text.lines().any(|l| l == line);
+    assert!(has("coordinator_lease_renewals_total 2"), "{text}");
+    assert!(has(&format!("coordinator_map_version {version}")), "{text}");
+    for line in [
+        r#"coordinator_http_requests_total{method="PUT",route="/v1/nodes/{id}",status="200"} 1"#,
+        r#"coordinator_http_requests_total{method="POST",route="/v1/nodes/{id}/heartbeat",status="200"} 2"#,
+        r#"coordinator_http_requests_total{method="POST",route="/v1/nodes/{id}/heartbeat",status="404"} 1"#,
+        r#"coordinator_http_errors_total{method="POST",route="/v1/nodes/{id}/heartbeat",kind="client"} 1"#,
+        r#"coordinator_http_request_duration_seconds_count{method="POST",route="/v1/map"} 1"#,
+    ] {
+        assert!(has(line), "missing {line}:\n{text}");
+    }
+    assert!(text.trim_end().ends_with("# EOF"), "{text}");
+}

@@ -18,6 +18,8 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Address other nodes use to reach this one; the bound address when `None`.
     pub advertise: Option<String>,
+    /// Where to serve Prometheus metrics (`GET /metrics`); none when `None`.
+    pub metrics_listen: Option<SocketAddr>,
     /// Bytes of memory to export (a multiple of 4096). With one range (what
     /// [`ServerConfig::new`] sets up), that range's length; with several
     /// ([`ServerConfig::set_ranges`]), their total.
@@ -94,6 +96,7 @@ impl ServerConfig {
             node_id: node_id.into(),
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise: None,
+            metrics_listen: None,
             memory_bytes,
             gpa_base: 0,
             ranges: None,

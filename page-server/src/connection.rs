@@ -17,6 +17,7 @@ use crate::coherence_home::{self, CohSession, CoherenceHome};
 use crate::conns::RdmaUse;
 use crate::handshake::{self, Refusal, ServerAuth, Session};
 use crate::limits::ConnGuard;
+use crate::metrics::{Op, PageMetrics};
 use crate::outbound::Outbound;
 use crate::rdma::RdmaExport;
 use crate::recovery_guard::RecoveryGuard;
@@ -42,6 +43,8 @@ pub(crate) struct Exported {
     pub(crate) guard: RecoveryGuard,
     /// The coherence directory of the exported pages (`coherence_home.rs`).
     pub(crate) coherence: CoherenceHome,
+    /// Pages served, bytes, errors and durations, by operation.
+    pub(crate) metrics: PageMetrics,
 }
 
 impl Exported {
@@ -530,36 +533,66 @@ fn handle(
         Opcode::Read | Opcode::Write | Opcode::CohToHome if !session.is_ready() => {
             return Err(Refusal::BeforeHandshake)
         }
-        Opcode::Read if session.checksums => match exported.check(header) {
-            Ok(off) => match outbox.copy_page(&exported.region, off) {
-                Some((copy, sum)) => outbox.push(answer(Status::Ok).with_checksum(sum), copy),
-                None => outbox.push(answer(Status::OutOfRange), Payload::None),
-            },
-            Err(status) => outbox.push(answer(status), Payload::None),
-        },
-        Opcode::Read => match exported.check(header) {
-            Ok(off) => match exported.region.ptr_at(off, PAGE_SIZE) {
-                Some(page) => outbox.push(answer(Status::Ok), Payload::Region(page)),
-                None => outbox.push(answer(Status::OutOfRange), Payload::None),
-            },
-            Err(status) => outbox.push(answer(status), Payload::None),
-        },
-        Opcode::Write => match exported.check(header) {
-            // A page that does not match its checksum is refused, not
-            // applied; the framing held, so the connection stays.
-            Ok(_) if session.checksums && page_checksum(payload) != header.checksum => {
-                tracing::debug!(offset = header.offset, "WRITE fails its page checksum");
-                outbox.push(answer(Status::BadChecksum), Payload::None);
-            }
-            Ok(off) => {
-                let status = match exported.guard.client_write(&exported.region, off, payload) {
+        Opcode::Read if session.checksums => {
+            let started = Instant::now();
+            let served = match exported.check(header) {
+                Ok(off) => match outbox.copy_page(&exported.region, off) {
+                    Some((copy, sum)) => {
+                        outbox.push(answer(Status::Ok).with_checksum(sum), copy);
+                        true
+                    }
+                    None => {
+                        outbox.push(answer(Status::OutOfRange), Payload::None);
+                        false
+                    }
+                },
+                Err(status) => {
+                    outbox.push(answer(status), Payload::None);
+                    false
+                }
+            };
+            exported.metrics.observe(Op::Read, served, started);
+        }
+        Opcode::Read => {
+            let started = Instant::now();
+            let served = match exported.check(header) {
+                Ok(off) => match exported.region.ptr_at(off, PAGE_SIZE) {
+                    Some(page) => {
+                        outbox.push(answer(Status::Ok), Payload::Region(page));
+                        true
+                    }
+                    None => {
+                        outbox.push(answer(Status::OutOfRange), Payload::None);
+                        false
+                    }
+                },
+                Err(status) => {
+                    outbox.push(answer(status), Payload::None);
+                    false
+                }
+            };
+            exported.metrics.observe(Op::Read, served, started);
+        }
+        Opcode::Write => {
+            let started = Instant::now();
+            let status = match exported.check(header) {
+                // A page that does not match its checksum is refused, not
+                // applied; the framing held, so the connection stays.
+                Ok(_) if session.checksums && page_checksum(payload) != header.checksum => {
+                    tracing::debug!(offset = header.offset, "WRITE fails its page checksum");
+                    Status::BadChecksum
+                }
+                Ok(off) => match exported.guard.client_write(&exported.region, off, payload) {
                     Ok(()) => Status::Ok,
                     Err(_) => Status::OutOfRange,
-                };
-                outbox.push(answer(status), Payload::None);
-            }
-            Err(status) => outbox.push(answer(status), Payload::None),
-        },
+                },
+                Err(status) => status,
+            };
+            outbox.push(answer(status), Payload::None);
+            exported
+                .metrics
+                .observe(Op::Write, status == Status::Ok, started);
+        }
         Opcode::HelloAck
         | Opcode::Challenge
         | Opcode::ReadResp

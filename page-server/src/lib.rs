@@ -19,6 +19,8 @@ mod layout;
 mod limits;
 mod listener;
 mod log_limit;
+mod metrics;
+mod metrics_http;
 mod outbound;
 mod rdma;
 mod recovery;

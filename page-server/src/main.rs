@@ -24,6 +24,10 @@ struct Args {
     /// Address other nodes reach this one at (default: the bound address).
     #[arg(long)]
     advertise: Option<String>,
+    /// Serve Prometheus metrics (`GET /metrics`) on this address, e.g.
+    /// 127.0.0.1:9100 (default: none).
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
     /// Memory to export as one GPA range starting at --gpa-base, e.g. 1GiB,
     /// 512MiB, 4096 [default: 256MiB]. Not with --range.
     #[arg(long, value_parser = rdma_transport::size::parse_size_bytes)]
@@ -40,7 +44,9 @@ struct Args {
     /// overlapping. Instead of --memory and --gpa-base.
     #[arg(long = "range", value_name = "GPA_START:LENGTH", conflicts_with_all = ["memory", "gpa_base"])]
     ranges: Vec<page_server::ExportedRange>,
-    /// Coordinator base URL.
+    /// Coordinator base URL; several, comma-separated, for coordinators
+    /// sharing one etcd store (one that cannot be reached, or answers 503,
+    /// is skipped for the next).
     #[arg(long, default_value = "http://127.0.0.1:7070")]
     coordinator: String,
     /// Bearer token for the coordinator (or env COORDINATOR_TOKEN).
@@ -151,6 +157,7 @@ fn main() -> anyhow::Result<()> {
     config.cluster_key = cluster_key;
     config.listen = args.listen;
     config.advertise = args.advertise;
+    config.metrics_listen = args.metrics_listen;
     config.coordinator_url = Some(args.coordinator);
     config.coordinator_token = args.token;
     config.heartbeat_interval = Duration::from_millis(args.heartbeat_ms.max(1));

@@ -18,6 +18,8 @@ use crate::connection::Exported;
 use crate::handshake::ServerAuth;
 use crate::layout::Layout;
 use crate::limits::Timeouts;
+use crate::metrics::PageMetrics;
+use crate::metrics_http::MetricsEndpoint;
 use crate::rdma::RdmaExport;
 use crate::recovery::Recovery;
 use crate::recovery_guard::RecoveryGuard;
@@ -69,6 +71,7 @@ pub enum ServerError {
 pub struct RunningServer {
     addr: SocketAddr,
     shared: Arc<Shared>,
+    metrics: Option<MetricsEndpoint>,
     acceptor: Option<JoinHandle<()>>,
     registration: Option<Registration>,
     recovery: Option<Recovery>,
@@ -138,6 +141,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             page_checksums: config.page_checksums,
             guard: RecoveryGuard::new(memory_bytes),
             coherence: CoherenceHome::default(),
+            metrics: PageMetrics::new(),
         },
         stop: AtomicBool::new(false),
         admission: Arc::new(Admission::new(
@@ -173,9 +177,19 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
     let recovery = registration
         .as_ref()
         .map(|r| Recovery::start(&config, &layout, Arc::clone(&shared), r.watch()));
+    let metrics = match config.metrics_listen {
+        None => None,
+        Some(listen) => Some(MetricsEndpoint::start(listen, Arc::clone(&shared)).map_err(
+            |source| ServerError::Listen {
+                addr: listen,
+                source,
+            },
+        )?),
+    };
     Ok(RunningServer {
         addr,
         shared,
+        metrics,
         acceptor: Some(acceptor),
         registration,
         recovery,
@@ -343,6 +357,11 @@ impl RunningServer {
         }
     }
 
+    /// Where `GET /metrics` is served (`ServerConfig::metrics_listen`).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().map(MetricsEndpoint::addr)
+    }
+
     /// Stops accepting, closes every connection and joins every thread.
     pub fn shutdown(mut self) {
         self.stop();
@@ -381,6 +400,9 @@ impl RunningServer {
         for thread in threads {
             let _ = thread.join();
         }
+        if let Some(mut metrics) = self.metrics.take() {
+            metrics.stop();
+        }
         tracing::info!(addr = %self.addr, "page-server aborted");
     }
 
@@ -401,6 +423,9 @@ impl RunningServer {
         }
         for thread in self.shared.admission.conns.close_all() {
             let _ = thread.join();
+        }
+        if let Some(mut metrics) = self.metrics.take() {
+            metrics.stop();
         }
         tracing::info!(addr = %self.addr, "page-server stopped");
     }

@@ -281,3 +281,46 @@ fn keyed_cluster_uses_derived_coordinator_credentials() {
         s.shutdown();
     }
 }
+
+#[test]
+fn the_manager_follows_map_changes_by_long_poll_well_within_its_refresh_period() {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let _a = page_server(&coord.url(), "a", 0);
+    // A refresh period far longer than the test: only a long poll that the
+    // change ends can bring the new map this soon (the test reads nothing,
+    // so no miss refreshes it either).
+    let mgr = rdma_transport::TransportManager::connect(rdma_transport::ManagerConfig {
+        coordinator_url: coord.url(),
+        map_refresh_ms: 60_000,
+        poller_cpus: Some(vec![]),
+        ..rdma_transport::ManagerConfig::default()
+    })
+    .expect("manager connects");
+    let before = mgr.map().version();
+    let registration = rdma_transport::coordinator::api::NodeRegistration {
+        tcp_addr: "127.0.0.1:9".to_owned(),
+        rdma: None,
+        epoch: 7,
+    };
+    coordinator_client(&coord.url())
+        .register_node(&"b".to_owned(), &registration)
+        .expect("b registers");
+    assert!(
+        wait_until(Duration::from_secs(10), || mgr.map().version() > before),
+        "the manager did not follow the change"
+    );
+    // Dropping the manager and then the coordinator does not wait for the
+    // long poll in flight.
+    let started = Instant::now();
+    drop(mgr);
+    drop(coord);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}

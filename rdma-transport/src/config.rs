@@ -78,7 +78,9 @@ pub enum PollMode {
 /// them on explicitly and prints the placement it used.
 #[derive(Debug, Clone)]
 pub struct ManagerConfig {
-    /// Base URL of the coordinator, e.g. `http://127.0.0.1:7070`.
+    /// Base URL of the coordinator, e.g. `http://127.0.0.1:7070`; several,
+    /// comma-separated, for coordinators sharing one etcd store (see
+    /// [`CoordinatorClient`](crate::coordinator::CoordinatorClient)).
     pub coordinator_url: String,
     /// Bearer token sent to a coordinator without a cluster key (its
     /// `--token`); unused when `cluster_key` is set.

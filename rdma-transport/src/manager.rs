@@ -181,15 +181,18 @@ impl TransportManager {
                 });
             }
         });
-        let refresher =
-            (inner.coordinator.is_some() && inner.config.map_refresh_ms > 0).then(|| {
-                let stop = Arc::new(RefreshStop::default());
-                let (thread_inner, thread_stop) = (Arc::clone(&inner), Arc::clone(&stop));
-                let handle = std::thread::Builder::new()
-                    .name("gpa-map-refresh".into())
-                    .spawn(move || refresh_loop(&thread_inner, &thread_stop));
-                handle.map(|h| (stop, h))
-            });
+        let follower = inner
+            .coordinator
+            .clone()
+            .filter(|_| inner.config.map_refresh_ms > 0);
+        let refresher = follower.map(|client| {
+            let stop = Arc::new(RefreshStop::default());
+            let (thread_inner, thread_stop) = (Arc::downgrade(&inner), Arc::clone(&stop));
+            let handle = std::thread::Builder::new()
+                .name("gpa-map-refresh".into())
+                .spawn(move || refresh_loop(&thread_inner, &client, &thread_stop));
+            handle.map(|h| (stop, h))
+        });
         let refresher = refresher
             .transpose()
             .map_err(|e| TransportError::Config(format!("cannot start map refresher: {e}")))?;
@@ -441,9 +444,11 @@ impl Drop for TransportManager {
         if let Some((stop, handle)) = self.refresher.take() {
             *stop.stop.lock() = true;
             stop.cv.notify_all();
-            if handle.join().is_err() {
-                tracing::error!("map refresher thread panicked");
-            }
+            // Not joined: it may be in a long poll of the map (at most one
+            // refresh period plus a request timeout). It holds no strong
+            // reference to the manager's state, so nothing waits for it; it
+            // exits when its poll answers.
+            drop(handle);
         }
         for node in &self.inner.state.load().nodes {
             if let Some(link) = node.conn.swap(None) {
@@ -463,16 +468,48 @@ fn check_lengths(gpas: usize, pages: usize) -> Result<(), TransportError> {
     }
 }
 
-fn refresh_loop(inner: &Inner, stop: &RefreshStop) {
-    let period = Duration::from_millis(inner.config.map_refresh_ms);
-    let mut stopped = stop.stop.lock();
-    while !*stopped {
-        if stop.cv.wait_for(&mut stopped, period).timed_out() && !*stopped {
-            drop(stopped);
-            if let Err(err) = inner.refresh(None) {
-                tracing::debug!(%err, "background map refresh failed");
+/// The longest wait a coordinator grants a long poll of the map.
+const MAX_LONG_POLL_MS: u64 = 60_000;
+
+/// Follows the coordinator's map with long polls of one refresh period each
+/// (`GET /v1/map?after=V`): a change arrives as soon as it is made, a quiet
+/// map costs one request per period. After a failure, or an answer at once
+/// with nothing new (a coordinator without long polls), it waits a period
+/// before the next poll, as the periodic refresh did. Holds the manager's
+/// state only between polls; ends when the manager is gone or stopped.
+fn refresh_loop(inner: &std::sync::Weak<Inner>, client: &CoordinatorClient, stop: &RefreshStop) {
+    loop {
+        if *stop.stop.lock() {
+            return;
+        }
+        let Some((after, sent_ms, period, timeout)) = inner.upgrade().map(|inner| {
+            let (after, sent_ms) = inner.long_poll_start();
+            let timeout = Duration::from_millis(inner.config.request_timeout_ms.max(2000));
+            // The coordinator waits at most a minute per poll: ask no more,
+            // so that a quiet answer is recognised as one.
+            let wait_ms = inner.config.map_refresh_ms.min(MAX_LONG_POLL_MS);
+            (after, sent_ms, wait_ms, timeout)
+        }) else {
+            return;
+        };
+        let followed = match client.map_after(after, Duration::from_millis(period), timeout) {
+            Ok(resp) => {
+                let Some(inner) = inner.upgrade() else {
+                    return;
+                };
+                inner.finish_long_poll(resp, after, sent_ms, period)
             }
-            stopped = stop.stop.lock();
+            Err(err) => {
+                tracing::debug!(%err, "background map refresh failed");
+                false
+            }
+        };
+        if !followed {
+            let mut stopped = stop.stop.lock();
+            if !*stopped {
+                stop.cv
+                    .wait_for(&mut stopped, Duration::from_millis(period));
+            }
         }
     }
 }

@@ -1,5 +1,7 @@
 //! `/v1/map` and `/v1/resolve`: the GPA ownership map.
 
+use std::time::Duration;
+
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
@@ -7,20 +9,95 @@ use rdma_transport::coordinator::api::{MapEntry, MapResponse, RangeRequest, Reso
 use serde::Deserialize;
 
 use crate::auth::Caller;
+use crate::backend::{AddOutcome, Snapshot};
 use crate::error::ApiError;
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::state::AppState;
-use crate::store::AddOutcome;
 use crate::validate::{self, parse_u64};
 
-/// `GET /v1/map`.
-pub(super) async fn get_map(State(state): State<AppState>) -> Result<Json<MapResponse>, ApiError> {
-    let snapshot = state.db(|store| store.snapshot()).await?;
-    Ok(Json(MapResponse {
+/// A long poll waits this long when the request names no `timeout_ms`.
+pub(crate) const DEFAULT_LONG_POLL_MS: u64 = 30_000;
+/// A long poll waits at most this long, whatever it asks.
+pub(crate) const MAX_LONG_POLL_MS: u64 = 60_000;
+
+/// Query of `GET /v1/map`.
+#[derive(Debug, Deserialize)]
+pub(super) struct MapQuery {
+    after: Option<String>,
+    timeout_ms: Option<String>,
+}
+
+/// `GET /v1/map`; with `after=V`, a long poll: answers once the version
+/// passes `V`, or with the unchanged map after `timeout_ms` (default
+/// [`DEFAULT_LONG_POLL_MS`], capped at [`MAX_LONG_POLL_MS`]).
+pub(super) async fn get_map(
+    State(state): State<AppState>,
+    ApiQuery(query): ApiQuery<MapQuery>,
+) -> Result<Json<MapResponse>, ApiError> {
+    let wait = long_poll(&query)?;
+    let mut versions = state.store().versions();
+    let mut snapshot = state.store().snapshot().await?;
+    if let Some((after, timeout_ms)) = wait {
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
+        // Each turn waits for a newer announced version, then reads the
+        // map; the deadline bounds the turns. An answer whose version has
+        // not passed `after` is read at or after the deadline, so a client
+        // knows its map was current at least `timeout_ms` after it asked.
+        while snapshot.version <= after && tokio::time::Instant::now() < deadline {
+            // Whether the store stopped announcing versions. (The version's
+            // borrow is dropped inside: it must not live across an await.)
+            let newer = async {
+                let outcome =
+                    tokio::time::timeout_at(deadline, versions.wait_for(|v| *v > after)).await;
+                matches!(outcome, Ok(Err(_)))
+            };
+            let (closed, stopping) = tokio::select! {
+                closed = newer => (closed, false),
+                () = state.stopping() => (false, true),
+            };
+            if stopping {
+                // The server stops: answer now rather than hold up its
+                // shutdown (an early answer confirms nothing beyond the time
+                // of the request).
+                snapshot = state.store().snapshot().await?;
+                break;
+            }
+            if closed {
+                // The store announces no more versions: answer at the
+                // deadline, as a quiet map would.
+                tokio::time::sleep_until(deadline).await;
+            }
+            snapshot = state.store().snapshot().await?;
+        }
+    }
+    Ok(Json(map_response(&state, snapshot)))
+}
+
+fn map_response(state: &AppState, snapshot: Snapshot) -> MapResponse {
+    MapResponse {
         version: snapshot.version,
         entries: snapshot.entries,
         nodes: snapshot.nodes.iter().map(|r| state.info(r)).collect(),
-    }))
+    }
+}
+
+/// The `(after, timeout_ms)` of a long poll, `None` for a plain read.
+fn long_poll(query: &MapQuery) -> Result<Option<(u64, u64)>, ApiError> {
+    let timeout_ms = match &query.timeout_ms {
+        None => DEFAULT_LONG_POLL_MS,
+        Some(text) => parse_u64(text).ok_or_else(|| {
+            ApiError::BadRequest(format!(
+                "timeout_ms {text:?} is not a decimal or 0x-hex u64"
+            ))
+        })?,
+    };
+    let Some(text) = &query.after else {
+        return Ok(None);
+    };
+    let after = parse_u64(text).ok_or_else(|| {
+        ApiError::BadRequest(format!("after {text:?} is not a decimal or 0x-hex u64"))
+    })?;
+    Ok(Some((after, timeout_ms.min(MAX_LONG_POLL_MS))))
 }
 
 /// `POST /v1/map`: 201 for a new range or a new replica of one, 200 when
@@ -32,7 +109,7 @@ pub(super) async fn add_range(
 ) -> Result<(StatusCode, Json<MapEntry>), ApiError> {
     caller.check_may_change(&request.node_id)?;
     validate::range(&request)?;
-    let (entry, outcome) = state.db(move |store| store.add_range(&request)).await?;
+    let (entry, outcome) = state.store().add_range(&request).await?;
     tracing::info!(
         gpa_start = entry.gpa_start,
         length_bytes = entry.length_bytes,
@@ -57,7 +134,8 @@ pub(super) async fn remove_range(
     let gpa_start = validate::gpa_start(&text)?;
     let owner = caller.owner_scope().map(str::to_owned);
     let removed = state
-        .db(move |store| store.remove_range(gpa_start, owner.as_deref()))
+        .store()
+        .remove_range(gpa_start, owner.as_deref())
         .await?;
     if removed {
         tracing::info!(gpa_start, "range or replica unmapped");
@@ -78,9 +156,7 @@ pub(super) async fn reinitialise_range(
     ApiPath(text): ApiPath<String>,
 ) -> Result<Json<MapEntry>, ApiError> {
     let gpa_start = validate::gpa_start(&text)?;
-    let entry = state
-        .db(move |store| store.reinitialise_range(gpa_start))
-        .await?;
+    let entry = state.store().reinitialise_range(gpa_start).await?;
     tracing::warn!(
         gpa_start,
         node = %entry.node_id,
@@ -107,7 +183,7 @@ pub(super) async fn resolve(
     let gpa = parse_u64(&text).ok_or_else(|| {
         ApiError::BadRequest(format!("gpa {text:?} is not a decimal or 0x-hex u64"))
     })?;
-    let found = state.db(move |store| store.resolve(gpa)).await?;
+    let found = state.store().resolve(gpa).await?;
     let (version, entry, node) =
         found.ok_or_else(|| ApiError::NotFound(format!("gpa {gpa:#x} is not mapped")))?;
     Ok(Json(ResolveResponse {

@@ -77,6 +77,9 @@ static ROUTES: &[Route] = &[
     route(HttpMethod::Get, "/v1/health", Access::Public, |m| {
         on(m, health::health)
     }),
+    route(HttpMethod::Get, "/metrics", Access::Read, |m| {
+        on(m, crate::metrics::metrics)
+    }),
     route(HttpMethod::Get, "/v1/nodes", Access::Read, |m| {
         on(m, nodes::list)
     }),
@@ -197,6 +200,10 @@ pub(crate) fn router(state: AppState) -> Router {
     router
         .method_not_allowed_fallback(fallback::method_not_allowed)
         .fallback(fallback::not_found)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            crate::metrics::track,
+        ))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }

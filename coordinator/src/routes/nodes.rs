@@ -13,7 +13,7 @@ use crate::validate;
 
 /// `GET /v1/nodes`.
 pub(super) async fn list(State(state): State<AppState>) -> Result<Json<Vec<NodeInfo>>, ApiError> {
-    let records = state.db(|store| store.nodes()).await?;
+    let records = state.store().nodes().await?;
     Ok(Json(records.iter().map(|r| state.info(r)).collect()))
 }
 
@@ -23,7 +23,7 @@ pub(super) async fn get(
     ApiPath(id): ApiPath<String>,
 ) -> Result<Json<NodeInfo>, ApiError> {
     validate::node_id(&id)?;
-    let found = state.db(move |store| store.node(&id)).await?;
+    let found = state.store().node(&id).await?;
     found
         .map(|record| Json(state.info(&record)))
         .ok_or_else(|| ApiError::NotFound("node is not registered".to_owned()))
@@ -39,7 +39,8 @@ pub(super) async fn register(
     validate::registration(&registration)?;
     let now_ms = now_unix_ms();
     let record = state
-        .db(move |store| store.upsert_node(&id, &registration, now_ms))
+        .store()
+        .upsert_node(&id, &registration, now_ms)
         .await?;
     tracing::info!(node = %record.id, tcp_addr = %record.tcp_addr, "node registered");
     Ok(Json(state.info(&record)))
@@ -51,12 +52,7 @@ pub(super) async fn remove(
     ApiPath(id): ApiPath<String>,
 ) -> Result<StatusCode, ApiError> {
     validate::node_id(&id)?;
-    let removed = state
-        .db({
-            let id = id.clone();
-            move |store| store.delete_node(&id)
-        })
-        .await?;
+    let removed = state.store().delete_node(&id).await?;
     if removed {
         tracing::info!(node = %id, "node removed with its ranges");
         Ok(StatusCode::NO_CONTENT)
@@ -72,12 +68,10 @@ pub(super) async fn heartbeat(
 ) -> Result<Json<NodeInfo>, ApiError> {
     validate::node_id(&id)?;
     let now_ms = now_unix_ms();
-    let updated = state
-        .db({
-            let id = id.clone();
-            move |store| store.heartbeat(&id, now_ms)
-        })
-        .await?;
+    let updated = state.store().heartbeat(&id, now_ms).await?;
+    if updated.is_some() {
+        state.metrics().lease_renewed();
+    }
     updated
         .map(|record| Json(state.info(&record)))
         .ok_or_else(|| ApiError::NotFound(format!("node {id:?} is not registered")))

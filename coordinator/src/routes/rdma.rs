@@ -18,12 +18,7 @@ pub(super) async fn set_endpoint(
 ) -> Result<Json<NodeInfo>, ApiError> {
     validate::node_id(&id)?;
     validate::rdma_endpoint(&endpoint)?;
-    let updated = state
-        .db({
-            let id = id.clone();
-            move |store| store.set_rdma_endpoint(&id, &endpoint)
-        })
-        .await?;
+    let updated = state.store().set_rdma_endpoint(&id, &endpoint).await?;
     let record =
         updated.ok_or_else(|| ApiError::NotFound(format!("node {id:?} is not registered")))?;
     tracing::info!(node = %record.id, "RDMA endpoint published");
@@ -36,12 +31,7 @@ pub(super) async fn get_endpoint(
     ApiPath(id): ApiPath<String>,
 ) -> Result<Json<RdmaEndpoint>, ApiError> {
     validate::node_id(&id)?;
-    let found = state
-        .db({
-            let id = id.clone();
-            move |store| store.node(&id)
-        })
-        .await?;
+    let found = state.store().node(&id).await?;
     match found {
         None => Err(ApiError::NotFound(format!("node {id:?} is not registered"))),
         Some(record) => record.rdma.map(Json).ok_or_else(|| {

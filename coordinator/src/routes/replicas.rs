@@ -6,10 +6,10 @@ use axum::extract::State;
 use axum::Json;
 use rdma_transport::coordinator::api::{MapEntry, RecoveryBegin, RecoveryDone, ReplicaChange};
 
+use crate::backend::ReplicaOp;
 use crate::error::ApiError;
 use crate::extract::{ApiJson, ApiPath};
 use crate::state::AppState;
-use crate::store::{Store, StoreError};
 use crate::validate;
 
 /// Parses the path's `gpa_start` and `node_id`, then runs one replica
@@ -19,14 +19,11 @@ async fn change(
     state: &AppState,
     gpa_text: &str,
     node_id: &str,
-    op: impl FnOnce(&mut Store, u64, &str) -> Result<(u64, MapEntry), StoreError> + Send + 'static,
+    op: ReplicaOp,
 ) -> Result<(u64, u64, MapEntry), ApiError> {
     let gpa_start = validate::gpa_start(gpa_text)?;
     validate::node_id(node_id)?;
-    let node_id = node_id.to_owned();
-    let (version, entry) = state
-        .db(move |store| op(store, gpa_start, &node_id))
-        .await?;
+    let (version, entry) = state.store().change_replica(gpa_start, node_id, op).await?;
     Ok((gpa_start, version, entry))
 }
 
@@ -37,13 +34,8 @@ pub(super) async fn mark_stale(
     State(state): State<AppState>,
     ApiPath((gpa_text, node_id)): ApiPath<(String, String)>,
 ) -> Result<Json<ReplicaChange>, ApiError> {
-    let (gpa_start, version, entry) = change(
-        &state,
-        &gpa_text,
-        &node_id,
-        move |store, gpa_start, node_id| store.mark_replica_stale(gpa_start, node_id),
-    )
-    .await?;
+    let (gpa_start, version, entry) =
+        change(&state, &gpa_text, &node_id, ReplicaOp::MarkStale).await?;
     tracing::warn!(gpa_start, node = %node_id, version, "replica marked stale");
     Ok(Json(ReplicaChange { version, entry }))
 }
@@ -61,7 +53,7 @@ pub(super) async fn begin_recovery(
         &state,
         &gpa_text,
         &node_id,
-        move |store, gpa_start, node_id| store.begin_recovery(gpa_start, node_id, begin.epoch),
+        ReplicaOp::BeginRecovery { epoch: begin.epoch },
     )
     .await?;
     tracing::info!(
@@ -86,8 +78,9 @@ pub(super) async fn finish_recovery(
         &state,
         &gpa_text,
         &node_id,
-        move |store, gpa_start, node_id| {
-            store.finish_recovery(gpa_start, node_id, done.recovery_seq, done.epoch)
+        ReplicaOp::FinishRecovery {
+            recovery_seq: done.recovery_seq,
+            epoch: done.epoch,
         },
     )
     .await?;

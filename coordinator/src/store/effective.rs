@@ -40,7 +40,8 @@ impl StoredState {
         }
     }
 
-    fn from_sql_text(text: &str) -> Option<Self> {
+    /// Inverse of [`Self::as_sql`] (also the text other backends store).
+    pub fn from_text(text: &str) -> Option<Self> {
         match text {
             "live" => Some(Self::Live),
             "recovering" => Some(Self::Recovering),
@@ -53,7 +54,7 @@ impl StoredState {
 impl FromSql for StoredState {
     fn column_result(value: ValueRef<'_>) -> FromSqlResult<Self> {
         let text = value.as_str()?;
-        Self::from_sql_text(text)
+        Self::from_text(text)
             .ok_or_else(|| FromSqlError::Other(format!("unknown replica state {text:?}").into()))
     }
 }

@@ -7,9 +7,9 @@ use rusqlite::{params, Connection};
 use super::codec::{enc, epoch_to_sql};
 use super::effective::{StoredRange, StoredState};
 use super::schema::{bump_version, version};
-use super::{load, nodes, replicas, AddOutcome, NodeRecord, Store, StoreError, StoreLimits};
+use super::{load, nodes, replicas, AddOutcome, NodeRecord, SqliteStore, StoreError, StoreLimits};
 
-impl Store {
+impl SqliteStore {
     /// Adds a range, or a replica of one; the request must already be
     /// validated (aligned, no overflow).
     ///
@@ -18,7 +18,7 @@ impl Store {
     /// - The same `gpa_start` and `length_bytes` as a range the node holds
     ///   no replica of: a new replica of higher rank, stored `stale` in the
     ///   node's current epoch (it must copy the contents in before it
-    ///   serves; see [`Store::begin_recovery`]), refused past
+    ///   serves; see [`SqliteStore::begin_recovery`]), refused past
     ///   `max_replicas` ([`AddOutcome::Created`]).
     /// - A range the node already holds: its `remote_offset` is refreshed;
     ///   its state and `valid_epoch` are kept (a holder that restarted
@@ -164,7 +164,7 @@ impl Store {
     }
 }
 
-/// [`Store::add_range`] for a range that exists with the requested length:
+/// [`SqliteStore::add_range`] for a range that exists with the requested length:
 /// refreshes `node`'s replica or adds one.
 fn add_to_existing(
     conn: &Connection,

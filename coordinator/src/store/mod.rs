@@ -1,4 +1,5 @@
-//! The coordinator's state in SQLite: nodes, map entries and the version.
+//! The coordinator's state in SQLite (the embedded default backend; the
+//! routes reach it through `backend::sqlite`): nodes, map entries and the version.
 //!
 //! Synchronous on purpose: callers run it on a blocking thread (see
 //! `state.rs`). Every write is one transaction, and the database is in WAL
@@ -13,6 +14,8 @@ mod nodes;
 mod replicas;
 mod schema;
 
+#[cfg(feature = "etcd")]
+pub(crate) use effective::{RangeRow, StoredRange, StoredReplica, StoredState};
 pub use replicas::ReplicaRefusal;
 
 use std::path::Path;
@@ -70,6 +73,13 @@ pub enum StoreError {
         /// Why.
         refusal: ReplicaRefusal,
     },
+    /// The backend failed (a task died, a stored value is unreadable).
+    #[error("backend: {0}")]
+    Backend(String),
+    /// The backend cannot be reached or did not answer in time (etcd: no
+    /// quorum, or the write kept losing races); the request may be retried.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
     /// A new range overlaps an existing entry.
     #[error("range overlaps the entry at gpa_start {:#x}", existing.gpa_start)]
     Overlap {
@@ -88,6 +98,10 @@ pub(crate) struct NodeRecord {
     pub last_seen_unix_ms: u64,
     /// Epoch of the node's last registration (0: unknown).
     pub epoch: u64,
+    /// Whether the node's lease in the store is alive, for stores that keep
+    /// leases themselves (etcd); `None`: alive while `last_seen_unix_ms` is
+    /// younger than the coordinator's lease (SQLite).
+    pub lease_alive: Option<bool>,
 }
 
 impl NodeRecord {
@@ -98,14 +112,14 @@ impl NodeRecord {
             id: self.id.clone(),
             tcp_addr: self.tcp_addr.clone(),
             rdma: self.rdma.clone(),
-            alive: ago_ms < lease_ms,
+            alive: self.lease_alive.unwrap_or(ago_ms < lease_ms),
             last_seen_ms_ago: ago_ms,
             epoch: self.epoch,
         }
     }
 }
 
-/// Whether [`Store::add_range`] created an entry or refreshed an identical one.
+/// Whether [`SqliteStore::add_range`] created an entry or refreshed an identical one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum AddOutcome {
     Created,
@@ -145,12 +159,12 @@ impl Default for StoreLimits {
 
 /// The open database. Not `Sync`: share it behind a mutex.
 #[derive(Debug)]
-pub(crate) struct Store {
+pub(crate) struct SqliteStore {
     conn: Connection,
     limits: StoreLimits,
 }
 
-impl Store {
+impl SqliteStore {
     /// Opens (creating if needed) the database at `path` and brings its
     /// schema up to date.
     pub fn open(path: &Path) -> Result<Self, StoreError> {
@@ -168,7 +182,6 @@ impl Store {
     }
 
     /// Current map version.
-    #[cfg(test)]
     pub fn version(&self) -> Result<u64, StoreError> {
         schema::version(&self.conn)
     }

@@ -5,9 +5,9 @@ use rusqlite::{params, Connection, OptionalExtension};
 
 use super::codec::{epoch_from_sql, epoch_to_sql, ms_to_sql, node_row, NODE_COLUMNS};
 use super::schema::bump_version;
-use super::{NodeRecord, Store, StoreError};
+use super::{NodeRecord, SqliteStore, StoreError};
 
-impl Store {
+impl SqliteStore {
     /// Registers `id` or replaces its registration (the RDMA endpoint and
     /// epoch included), and sets its `last_seen`. Bumps the version when the
     /// node is new or its TCP address, RDMA endpoint or epoch changed (a new
@@ -173,5 +173,6 @@ fn record(row: super::codec::NodeRow) -> Result<NodeRecord, StoreError> {
         rdma,
         last_seen_unix_ms,
         epoch: epoch_from_sql(row.epoch),
+        lease_alive: None,
     })
 }

@@ -1,4 +1,4 @@
-//! Store tests of replicated ranges: adding replicas, effective states
+//! SQLite store tests of replicated ranges: adding replicas, effective states
 //! across holder restarts, the replica limit, removal, the stale / recovery
 //! rules and re-initialisation.
 
@@ -6,19 +6,19 @@ use rdma_transport::coordinator::api::{
     MapEntry, NodeRegistration, RangeRequest, RangeState, ReplicaState,
 };
 
-use super::{AddOutcome, ReplicaRefusal, Store, StoreError, StoreLimits};
+use super::{AddOutcome, ReplicaRefusal, SqliteStore, StoreError, StoreLimits};
 
 const GPA: u64 = 0x10000;
 const LEN: u64 = 0x4000;
 
-fn open() -> (tempfile::TempDir, Store) {
+fn open() -> (tempfile::TempDir, SqliteStore) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = Store::open(&dir.path().join("c.db")).expect("open");
+    let store = SqliteStore::open(&dir.path().join("c.db")).expect("open");
     (dir, store)
 }
 
 /// Registers (or re-registers, i.e. restarts) `id` in `epoch`.
-fn start(store: &mut Store, id: &str, epoch: u64) {
+fn start(store: &mut SqliteStore, id: &str, epoch: u64) {
     let registration = NodeRegistration {
         tcp_addr: format!("{id}:7000"),
         rdma: None,
@@ -27,7 +27,7 @@ fn start(store: &mut Store, id: &str, epoch: u64) {
     store.upsert_node(id, &registration, 0).expect("register");
 }
 
-fn claim(store: &mut Store, id: &str, remote_offset: u64) -> (MapEntry, AddOutcome) {
+fn claim(store: &mut SqliteStore, id: &str, remote_offset: u64) -> (MapEntry, AddOutcome) {
     store
         .add_range(&RangeRequest {
             gpa_start: GPA,
@@ -39,7 +39,7 @@ fn claim(store: &mut Store, id: &str, remote_offset: u64) -> (MapEntry, AddOutco
         .expect("claim")
 }
 
-fn entry(store: &mut Store) -> MapEntry {
+fn entry(store: &mut SqliteStore) -> MapEntry {
     let snapshot = store.snapshot().expect("snapshot");
     assert_eq!(snapshot.entries.len(), 1, "{:?}", snapshot.entries);
     snapshot.entries[0].clone()
@@ -69,7 +69,7 @@ fn refusal(result: Result<(u64, MapEntry), StoreError>) -> ReplicaRefusal {
 }
 
 /// a (epoch 1) holds the range live; b (epoch 2) has recovered a replica.
-fn two_live() -> (tempfile::TempDir, Store) {
+fn two_live() -> (tempfile::TempDir, SqliteStore) {
     let (dir, mut store) = open();
     start(&mut store, "a", 1);
     start(&mut store, "b", 2);

@@ -8,7 +8,7 @@ use rusqlite::{params, Connection};
 use super::codec::{enc, epoch_to_sql};
 use super::effective::{StoredRange, StoredReplica, StoredState};
 use super::schema::{bump_version, version};
-use super::{load, Store, StoreError};
+use super::{load, SqliteStore, StoreError};
 
 /// Why a replica state change was refused (a conflict with the range's
 /// current state).
@@ -53,7 +53,7 @@ pub enum ReplicaRefusal {
     },
 }
 
-impl Store {
+impl SqliteStore {
     /// Marks `node_id`'s replica of the range at `gpa_start` stale (from
     /// any stored state): it missed a write. Returns the version and entry.
     /// Bumps the version unless it was stale already.

@@ -1,12 +1,12 @@
-//! Store tests on a temporary database file.
+//! SQLite store tests on a temporary database file.
 
 use rdma_transport::coordinator::api::{NodeRegistration, RangeRequest, RdmaEndpoint, RdmaRegion};
 
-use super::{AddOutcome, Store, StoreError};
+use super::{AddOutcome, SqliteStore, StoreError};
 
-fn open() -> (tempfile::TempDir, Store) {
+fn open() -> (tempfile::TempDir, SqliteStore) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = Store::open(&dir.path().join("c.db")).expect("open");
+    let store = SqliteStore::open(&dir.path().join("c.db")).expect("open");
     (dir, store)
 }
 
@@ -153,7 +153,7 @@ fn resolve_and_high_addresses() {
     assert!(!store.delete_node("a").expect("del again"));
 }
 
-fn store_resolve(store: &mut Store, gpa: u64) -> Option<u64> {
+fn store_resolve(store: &mut SqliteStore, gpa: u64) -> Option<u64> {
     store
         .resolve(gpa)
         .expect("resolve")
@@ -165,13 +165,13 @@ fn state_survives_reopen() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("c.db");
     {
-        let mut store = Store::open(&path).expect("open");
+        let mut store = SqliteStore::open(&path).expect("open");
         store
             .upsert_node("a", &registration("h:1"), 5)
             .expect("put");
         store.add_range(&range(0x1000, 0x1000, "a")).expect("add");
     }
-    let mut store = Store::open(&path).expect("reopen");
+    let mut store = SqliteStore::open(&path).expect("reopen");
     assert_eq!(store.version().expect("v"), 2);
     let snapshot = store.snapshot().expect("snapshot");
     assert_eq!(snapshot.nodes.len(), 1);
@@ -318,7 +318,7 @@ fn a_revision_1_database_is_migrated() {
             .expect("v1 schema");
         conn.execute_batch(V1_CONTENTS).expect("v1 contents");
     }
-    let mut store = Store::open(&path).expect("opens and migrates");
+    let mut store = SqliteStore::open(&path).expect("opens and migrates");
     let revision: i64 = store
         .conn
         .query_row("PRAGMA user_version", [], |r| r.get(0))
@@ -340,7 +340,7 @@ fn a_revision_1_database_is_migrated() {
         .upsert_node("a", &registration_in("h:1", 9), 20)
         .expect("put");
     drop(store);
-    let mut store = Store::open(&path).expect("reopens");
+    let mut store = SqliteStore::open(&path).expect("reopens");
     assert_eq!(store.snapshot().expect("s").nodes[0].epoch, 9);
 }
 
@@ -393,7 +393,7 @@ fn a_revision_2_database_is_migrated_to_replicas() {
         let conn = rusqlite::Connection::open(&path).expect("create v2");
         fill_revision_2(&conn);
     }
-    let mut store = Store::open(&path).expect("opens and migrates");
+    let mut store = SqliteStore::open(&path).expect("opens and migrates");
     let revision: i64 = store
         .conn
         .query_row("PRAGMA user_version", [], |r| r.get(0))
@@ -470,6 +470,6 @@ fn a_revision_2_database_is_migrated_to_replicas() {
     assert_eq!(violations, 0);
     // The migrated database opens again unchanged.
     drop(store);
-    let mut store = Store::open(&path).expect("reopens");
+    let mut store = SqliteStore::open(&path).expect("reopens");
     assert_eq!(store.snapshot().expect("s").entries.len(), 2);
 }

@@ -4,6 +4,9 @@
 // Each test binary uses a different subset of these helpers.
 #![allow(dead_code)]
 
+#[cfg(feature = "etcd")]
+pub mod etcd;
+
 use std::time::{Duration, Instant};
 
 use coordinator::{spawn, CoordinatorConfig, Limits, RunningCoordinator};
@@ -32,7 +35,46 @@ pub struct Harness {
     pub token: Option<String>,
     /// The cluster key of a keyed harness.
     pub key: Option<ClusterKey>,
+    /// The etcd the coordinator keeps its state in (see [`backend`]);
+    /// stopped after the coordinator.
+    _store: Option<StoreProcess>,
     _dir: tempfile::TempDir,
+}
+
+#[cfg(feature = "etcd")]
+type StoreProcess = etcd::EtcdCluster;
+#[cfg(not(feature = "etcd"))]
+type StoreProcess = std::convert::Infallible;
+
+/// Which backend the harness coordinators use: `COORDINATOR_TEST_STORE`
+/// (`sqlite`, the default, or `etcd`: the same tests against a real
+/// one-member etcd cluster, which needs `--features etcd`).
+pub fn backend() -> &'static str {
+    match std::env::var("COORDINATOR_TEST_STORE").as_deref() {
+        Ok("etcd") => "etcd",
+        Ok("sqlite") | Err(_) => "sqlite",
+        Ok(other) => panic!("COORDINATOR_TEST_STORE={other:?}: use sqlite or etcd"),
+    }
+}
+
+/// Points `config` at the backend [`backend`] names; returns the process
+/// to keep running.
+fn use_backend(config: &mut CoordinatorConfig) -> Option<StoreProcess> {
+    if backend() == "sqlite" {
+        return None;
+    }
+    #[cfg(feature = "etcd")]
+    {
+        let cluster = etcd::EtcdCluster::start(1);
+        config.store =
+            coordinator::StoreConfig::Etcd(coordinator::EtcdConfig::new(cluster.endpoints()));
+        Some(cluster)
+    }
+    #[cfg(not(feature = "etcd"))]
+    {
+        let _ = config;
+        panic!("COORDINATOR_TEST_STORE=etcd needs `--features etcd`")
+    }
 }
 
 /// An answer: status and JSON body (`Value::Null` when empty or not JSON).
@@ -89,7 +131,12 @@ pub fn start_keyed(limits: Limits) -> Harness {
     h
 }
 
-fn harness(config: CoordinatorConfig, dir: tempfile::TempDir, token: Option<String>) -> Harness {
+fn harness(
+    mut config: CoordinatorConfig,
+    dir: tempfile::TempDir,
+    token: Option<String>,
+) -> Harness {
+    let store = use_backend(&mut config);
     let coordinator = spawn(config).expect("coordinator starts");
     // No idle connection is kept: the limits tests run the coordinator
     // with header timeouts of a few hundred ms, which also close idle
@@ -105,6 +152,7 @@ fn harness(config: CoordinatorConfig, dir: tempfile::TempDir, token: Option<Stri
         http,
         token,
         key: None,
+        _store: store,
         _dir: dir,
     }
 }

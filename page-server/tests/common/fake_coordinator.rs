@@ -150,6 +150,8 @@ fn error(status: u16, code: &str) -> (u16, Vec<u8>) {
 }
 
 fn route(method: &str, path: &str, body: &[u8], s: &mut FakeState) -> (u16, Vec<u8>) {
+    // The query (e.g. a long poll's `?after=`) is ignored: answered at once.
+    let path = path.split('?').next().unwrap_or_default();
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     match (method, segments.as_slice()) {
         ("GET", ["v1", "map"]) => json(&s.map()),

@@ -1,5 +1,7 @@
 //! Blocking HTTP client of the coordinator service.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use reqwest::blocking::{Client, RequestBuilder};
@@ -28,7 +30,11 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 /// Blocking client of the coordinator's `/v1` HTTP API.
 ///
 /// Every call is one HTTP request bounded by the timeout given to
-/// [`new`](Self::new); nothing is retried here. The [`Credential`] given to
+/// [`new`](Self::new); nothing is retried here, except on another
+/// coordinator: given several base URLs separated by commas (coordinators
+/// sharing one etcd store), a call that cannot reach one, or that it
+/// answers 503, goes to the next, each at most once; the one that answered
+/// is tried first next time. The [`Credential`] given to
 /// [`with_credential`](Self::with_credential) (or the token given to `new`)
 /// is sent as `Authorization: Bearer ...` on every request, reads included:
 /// a coordinator with a cluster key answers only `GET /v1/health` without one.
@@ -55,14 +61,17 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 #[derive(Debug, Clone)]
 pub struct CoordinatorClient {
     http: Client,
-    /// Base URL without a trailing `/`, e.g. `http://127.0.0.1:7070`.
-    base_url: String,
+    /// Base URLs without a trailing `/`, e.g. `http://127.0.0.1:7070`: one
+    /// coordinator, or several sharing one store (etcd), tried in turn.
+    base_urls: Vec<String>,
+    /// The index of the coordinator that answered last (shared by clones).
+    preferred: Arc<AtomicUsize>,
     bearer: Option<Bearer>,
 }
 
 impl CoordinatorClient {
     /// Creates a client for the coordinator at `base_url` (e.g.
-    /// `http://127.0.0.1:7070`) that sends `token`, if any, as its bearer
+    /// `http://127.0.0.1:7070`, or several separated by commas) that sends `token`, if any, as its bearer
     /// ([`Credential::Token`]). `timeout` bounds each request, connecting
     /// included.
     ///
@@ -94,20 +103,10 @@ impl CoordinatorClient {
         credential: &Credential,
         timeout: Duration,
     ) -> Result<Self, CoordinatorError> {
-        let invalid = |reason: &str| CoordinatorError::InvalidUrl {
-            url: base_url.to_owned(),
-            reason: reason.to_owned(),
-        };
-        let url = Url::parse(base_url).map_err(|e| invalid(&e.to_string()))?;
-        if url.scheme() != "http" && url.scheme() != "https" {
-            return Err(invalid("the scheme must be http or https"));
-        }
-        if url.host_str().is_none() {
-            return Err(invalid("no host"));
-        }
-        if url.query().is_some() || url.fragment().is_some() {
-            return Err(invalid("a query or fragment is not allowed"));
-        }
+        let base_urls = base_url
+            .split(',')
+            .map(checked_base_url)
+            .collect::<Result<Vec<_>, _>>()?;
         let http = Client::builder()
             .timeout(timeout)
             .connect_timeout(timeout)
@@ -116,14 +115,17 @@ impl CoordinatorClient {
             .map_err(CoordinatorError::Client)?;
         Ok(Self {
             http,
-            base_url: url.as_str().trim_end_matches('/').to_owned(),
+            base_urls,
+            preferred: Arc::new(AtomicUsize::new(0)),
             bearer: credential.bearer()?.map(Bearer),
         })
     }
 
-    /// Base URL of the coordinator, without a trailing `/`.
+    /// Base URL of the coordinator (of the one that answered last, when
+    /// several were given), without a trailing `/`.
     pub fn base_url(&self) -> &str {
-        &self.base_url
+        let index = self.preferred.load(Ordering::Relaxed) % self.base_urls.len();
+        &self.base_urls[index]
     }
 
     /// `GET /v1/health`: checks that the coordinator answers.
@@ -241,8 +243,8 @@ impl CoordinatorClient {
         timeout: Duration,
     ) -> Result<ReplicaChange, CoordinatorError> {
         let id = checked_id(node_id)?;
-        let url = format!("{}/v1/map/{gpa_start}/replicas/{id}/stale", self.base_url);
-        let body = self.send_within(Method::POST, &url, None, Some(timeout))?;
+        let path = format!("/v1/map/{gpa_start}/replicas/{id}/stale");
+        let (url, body) = self.send_within(Method::POST, &path, None, Some(timeout))?;
         serde_json::from_slice(&body).map_err(|source| CoordinatorError::Decode { url, source })
     }
 
@@ -312,8 +314,29 @@ impl CoordinatorClient {
     /// See [`CoordinatorError`]; [`CoordinatorError::Unreachable`] when no
     /// answer came within `timeout`.
     pub fn map_within(&self, timeout: Duration) -> Result<MapResponse, CoordinatorError> {
-        let url = format!("{}/v1/map", self.base_url);
-        let body = self.send_within(Method::GET, &url, None, Some(timeout))?;
+        let (url, body) = self.send_within(Method::GET, "/v1/map", None, Some(timeout))?;
+        serde_json::from_slice(&body).map_err(|source| CoordinatorError::Decode { url, source })
+    }
+
+    /// `GET /v1/map?after=V&timeout_ms=W`, a long poll: the coordinator
+    /// answers once the map version passes `after`, or after `wait` with
+    /// the map as it read it then (its version may still be `after`; the
+    /// coordinator caps `wait` at 60 s). A coordinator without long polls
+    /// answers at once. `timeout` bounds the answer beyond `wait`.
+    ///
+    /// # Errors
+    ///
+    /// See [`CoordinatorError`].
+    pub fn map_after(
+        &self,
+        after: u64,
+        wait: Duration,
+        timeout: Duration,
+    ) -> Result<MapResponse, CoordinatorError> {
+        let wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
+        let path = format!("/v1/map?after={after}&timeout_ms={wait_ms}");
+        let (url, body) =
+            self.send_within(Method::GET, &path, None, Some(wait.saturating_add(timeout)))?;
         serde_json::from_slice(&body).map_err(|source| CoordinatorError::Decode { url, source })
     }
 
@@ -358,29 +381,50 @@ impl CoordinatorClient {
         path: &str,
         json_body: Option<Vec<u8>>,
     ) -> Result<T, CoordinatorError> {
-        let url = format!("{}{path}", self.base_url);
-        let body = self.send(method, &url, json_body)?;
+        let (url, body) = self.send_within(method, path, json_body, None)?;
         serde_json::from_slice(&body).map_err(|source| CoordinatorError::Decode { url, source })
     }
 
     /// Sends a request whose success answer has no body.
     fn call_no_content(&self, method: Method, path: &str) -> Result<(), CoordinatorError> {
-        let url = format!("{}{path}", self.base_url);
-        self.send(method, &url, None).map(drop)
+        self.send_within(method, path, None, None).map(drop)
     }
 
-    /// Sends one request; returns the body of a 2xx answer, or the error.
-    fn send(
+    /// Sends `method path` (with `timeout` instead of the client's when
+    /// given) to the coordinator that answered last; when it cannot be
+    /// reached or answers 503 (its store is unavailable), to each other one
+    /// in turn. Returns the URL that answered and the body of its 2xx
+    /// answer, or the last error.
+    fn send_within(
         &self,
         method: Method,
-        url: &str,
+        path: &str,
         json_body: Option<Vec<u8>>,
-    ) -> Result<Vec<u8>, CoordinatorError> {
-        self.send_within(method, url, json_body, None)
+        timeout: Option<Duration>,
+    ) -> Result<(String, Vec<u8>), CoordinatorError> {
+        let count = self.base_urls.len();
+        let first = self.preferred.load(Ordering::Relaxed) % count;
+        let mut tried = 0;
+        loop {
+            let index = (first + tried) % count;
+            let url = format!("{}{path}", self.base_urls[index]);
+            tried += 1;
+            match self.send_to(method.clone(), &url, json_body.clone(), timeout) {
+                Err(err) if tried < count && fails_over(&err) => {
+                    tracing::debug!(%err, "coordinator unavailable; trying the next one");
+                }
+                outcome => {
+                    if !outcome.as_ref().is_err_and(fails_over) {
+                        self.preferred.store(index, Ordering::Relaxed);
+                    }
+                    return outcome.map(|body| (url, body));
+                }
+            }
+        }
     }
 
-    /// As `send`, with `timeout` instead of the client's when given.
-    fn send_within(
+    /// One request to `url`; the body of a 2xx answer, or the error.
+    fn send_to(
         &self,
         method: Method,
         url: &str,
@@ -443,6 +487,32 @@ fn checked_id(id: &str) -> Result<&str, CoordinatorError> {
 }
 
 /// Serialises a request body.
+/// Whether another coordinator may answer where this one failed: it could
+/// not be reached, or its store is unavailable (503).
+fn fails_over(err: &CoordinatorError) -> bool {
+    err.is_unreachable() || matches!(err, CoordinatorError::Http { status: 503, .. })
+}
+
+/// One base URL, checked, without a trailing `/`.
+fn checked_base_url(base_url: &str) -> Result<String, CoordinatorError> {
+    let base_url = base_url.trim();
+    let invalid = |reason: &str| CoordinatorError::InvalidUrl {
+        url: base_url.to_owned(),
+        reason: reason.to_owned(),
+    };
+    let url = Url::parse(base_url).map_err(|e| invalid(&e.to_string()))?;
+    if url.scheme() != "http" && url.scheme() != "https" {
+        return Err(invalid("the scheme must be http or https"));
+    }
+    if url.host_str().is_none() {
+        return Err(invalid("no host"));
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(invalid("a query or fragment is not allowed"));
+    }
+    Ok(url.as_str().trim_end_matches('/').to_owned())
+}
+
 fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, CoordinatorError> {
     serde_json::to_vec(value).map_err(CoordinatorError::Encode)
 }
@@ -456,8 +526,13 @@ mod tests {
         let timeout = Duration::from_secs(1);
         let client = CoordinatorClient::new("http://127.0.0.1:7070/", None, timeout);
         assert_eq!(
-            client.ok().map(|c| c.base_url).as_deref(),
-            Some("http://127.0.0.1:7070")
+            client.ok().map(|c| c.base_urls),
+            Some(vec!["http://127.0.0.1:7070".to_owned()])
+        );
+        let several = CoordinatorClient::new("http://a:1/, http://b:2", None, timeout);
+        assert_eq!(
+            several.ok().map(|c| c.base_urls),
+            Some(vec!["http://a:1".to_owned(), "http://b:2".to_owned()])
         );
         for bad in [
             "",
@@ -465,6 +540,7 @@ mod tests {
             "ftp://h",
             "http://h/?q=1",
             "http://h/#f",
+            "http://h,",
         ] {
             let result = CoordinatorClient::new(bad, None, timeout);
             assert!(

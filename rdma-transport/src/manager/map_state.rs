@@ -161,6 +161,40 @@ impl Inner {
         Ok(version)
     }
 
+    /// Before a long poll of the map: the version in use and the time the
+    /// poll is sent (ms of `clock`).
+    pub(super) fn long_poll_start(&self) -> (u64, u64) {
+        (self.state.load().map.version(), self.clock_ms())
+    }
+
+    /// Installs the answer to a long poll sent at `sent_ms` for a version
+    /// past `after`, waiting at most `wait_ms`. An answer still at `after`
+    /// that took the whole wait was read by the coordinator at or after
+    /// `sent_ms + wait_ms` (it reads the map again at its deadline), so the
+    /// map in use is confirmed as of then; any other answer only as of
+    /// `sent_ms`. Returns false for an answer that neither changed the
+    /// version nor took the wait (a coordinator without long polls): the
+    /// caller then waits before it polls again.
+    pub(super) fn finish_long_poll(
+        &self,
+        resp: MapResponse,
+        after: u64,
+        sent_ms: u64,
+        wait_ms: u64,
+    ) -> bool {
+        let changed = resp.version > after;
+        let waited = self.clock_ms().saturating_sub(sent_ms) >= wait_ms;
+        self.install_map(resp, Install::IfNewer);
+        let confirmed_ms = if !changed && waited {
+            sent_ms + wait_ms
+        } else {
+            sent_ms
+        };
+        self.map_confirmed_ms
+            .fetch_max(confirmed_ms, Ordering::Relaxed);
+        changed || waited
+    }
+
     /// Whether writes to a range with a replica that takes none must first
     /// refresh the map: it is older than one refresh period. Such a
     /// replica may have begun recovering since (it then takes every write,

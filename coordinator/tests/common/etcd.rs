@@ -1,0 +1,200 @@
+//! Real etcd processes on 127.0.0.1 for the etcd-backend tests: a cluster
+//! of one or three members on free ports, with data in a temporary
+//! directory; members can be killed with SIGKILL. Every process is killed
+//! when the cluster is dropped.
+//!
+//! The `etcd` binary comes from Debian's etcd-server (deploy/test-all.sh
+//! installs it); `ETCD_BIN` names another. A missing binary fails the test.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// How long a cluster may take to elect a leader.
+const START_LIMIT: Duration = Duration::from_secs(30);
+
+/// One member.
+pub struct Member {
+    pub name: String,
+    pub client_url: String,
+    child: Option<Child>,
+}
+
+/// A running etcd cluster.
+pub struct EtcdCluster {
+    pub members: Vec<Member>,
+    _dir: tempfile::TempDir,
+}
+
+fn etcd_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("ETCD_BIN") {
+        return PathBuf::from(path);
+    }
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join("etcd"))
+            .find(|candidate| candidate.is_file())
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "the etcd binary was not found (PATH, or ETCD_BIN): these tests need a real etcd; \
+             install Debian's etcd-server (deploy/test-all.sh does)"
+        )
+    })
+}
+
+/// A port nobody listens on now (the kernel's pick; released at once, so a
+/// race with another process is possible but unlikely).
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+fn http() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .expect("http client")
+}
+
+impl EtcdCluster {
+    /// Starts `size` members and waits until they have a leader. A member
+    /// that exits at start (most likely a port taken between picking it and
+    /// binding it) makes it start again on new ports, three times at most.
+    pub fn start(size: usize) -> Self {
+        let mut failures = Vec::new();
+        for _ in 0..3 {
+            match Self::try_start(size) {
+                Ok(cluster) => return cluster,
+                Err(why) => failures.push(why),
+            }
+        }
+        panic!("the etcd cluster did not start: {failures:#?}")
+    }
+
+    fn try_start(size: usize) -> Result<Self, String> {
+        let binary = etcd_binary();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let token = format!("test-{}-{}", std::process::id(), free_port());
+        let peers: Vec<(String, u16, u16)> = (0..size)
+            .map(|i| (format!("m{i}"), free_port(), free_port()))
+            .collect();
+        let initial_cluster = peers
+            .iter()
+            .map(|(name, _, peer)| format!("{name}=http://127.0.0.1:{peer}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let members = peers
+            .iter()
+            .map(|(name, client, peer)| {
+                let log = std::fs::File::create(dir.path().join(format!("{name}.log")))
+                    .expect("log file");
+                let client_url = format!("http://127.0.0.1:{client}");
+                let peer_url = format!("http://127.0.0.1:{peer}");
+                let child = Command::new(&binary)
+                    .arg(format!("--name={name}"))
+                    .arg(format!("--data-dir={}", dir.path().join(name).display()))
+                    .arg(format!("--listen-client-urls={client_url}"))
+                    .arg(format!("--advertise-client-urls={client_url}"))
+                    .arg(format!("--listen-peer-urls={peer_url}"))
+                    .arg(format!("--initial-advertise-peer-urls={peer_url}"))
+                    .arg(format!("--initial-cluster={initial_cluster}"))
+                    .arg("--initial-cluster-state=new")
+                    .arg(format!("--initial-cluster-token={token}"))
+                    .arg("--heartbeat-interval=100")
+                    .arg("--election-timeout=1000")
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::from(log))
+                    .spawn()
+                    .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()));
+                Member {
+                    name: name.clone(),
+                    client_url,
+                    child: Some(child),
+                }
+            })
+            .collect();
+        let mut cluster = Self { members, _dir: dir };
+        let deadline = Instant::now() + START_LIMIT;
+        while cluster.find_leader().is_none() {
+            for member in &mut cluster.members {
+                if let Some(Ok(Some(status))) = member.child.as_mut().map(Child::try_wait) {
+                    let log = cluster._dir.path().join(format!("{}.log", member.name));
+                    let log = std::fs::read_to_string(log).unwrap_or_default();
+                    let tail: String = log.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
+                    return Err(format!(
+                        "{} exited at start ({status}): {tail}",
+                        member.name
+                    ));
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("no leader elected within {START_LIMIT:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(cluster)
+    }
+
+    /// Every member's client URL (the dead ones too, as a deployment's
+    /// configuration would list them).
+    pub fn endpoints(&self) -> Vec<String> {
+        self.members.iter().map(|m| m.client_url.clone()).collect()
+    }
+
+    /// The member's status (`/v3/maintenance/status` of etcd's gateway).
+    fn status(&self, index: usize) -> Option<Value> {
+        let url = format!("{}/v3/maintenance/status", self.members[index].client_url);
+        let response = http().post(url).body("{}").send().ok()?;
+        response.json().ok()
+    }
+
+    /// The index of the leader, as a running member reports it (waits,
+    /// bounded, for an election).
+    pub fn leader(&self) -> usize {
+        let deadline = Instant::now() + START_LIMIT;
+        loop {
+            if let Some(index) = self.find_leader() {
+                return index;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the etcd cluster elected no leader within {START_LIMIT:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The running member that reports itself leader now, if any.
+    fn find_leader(&self) -> Option<usize> {
+        (0..self.members.len()).find(|&index| {
+            self.members[index].child.is_some()
+                && self.status(index).is_some_and(|status| {
+                    let me = &status["header"]["member_id"];
+                    !me.is_null() && *me == status["leader"]
+                })
+        })
+    }
+
+    /// `kill -9` of member `index`.
+    pub fn kill(&mut self, index: usize) {
+        if let Some(mut child) = self.members[index].child.take() {
+            child.kill().expect("SIGKILL");
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for index in 0..self.members.len() {
+            self.kill(index);
+        }
+    }
+}

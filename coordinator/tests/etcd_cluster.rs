@@ -1,0 +1,493 @@
+//! Coordinators on a real three-member etcd cluster on 127.0.0.1: two
+//! coordinator processes share it, page-servers register through one and
+//! clients read through the other; the etcd leader and then a coordinator
+//! are killed with SIGKILL under a registration load; overlapping claims
+//! race through both coordinators.
+//!
+//! Run with `cargo test -p coordinator --features etcd --test etcd_cluster`
+//! (needs Debian's etcd-server; deploy/test-all.sh installs it).
+#![cfg(feature = "etcd")]
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use common::etcd::EtcdCluster;
+use common::{POLL_INTERVAL, WAIT_LIMIT};
+use rdma_transport::coordinator::CoordinatorClient;
+use reqwest::blocking::Client;
+use reqwest::Method;
+use serde_json::{json, Value};
+
+/// Leases of these tests: long enough to ride out an etcd election
+/// (about a second here) and a coordinator switch.
+const LEASE_MS: u64 = 5000;
+
+/// Page size of the ranges.
+const PAGE: u64 = 4096;
+
+/// A coordinator process; SIGKILLed and reaped when dropped.
+struct CoordinatorProcess {
+    child: Child,
+    url: String,
+}
+
+impl Drop for CoordinatorProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl CoordinatorProcess {
+    /// The coordinator binary with `--store etcd` on `endpoints`.
+    fn start(endpoints: &[String], dir: &Path, name: &str) -> Self {
+        let ready_file = dir.join(format!("{name}.addr"));
+        let log = std::fs::File::create(dir.join(format!("{name}.log"))).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_coordinator"))
+            .args(["--listen", "127.0.0.1:0", "--insecure", "--store", "etcd"])
+            .arg(format!("--etcd-endpoints={}", endpoints.join(",")))
+            .arg("--etcd-prefix=/test-cluster/")
+            .arg(format!("--lease-ms={LEASE_MS}"))
+            .arg("--ready-file")
+            .arg(&ready_file)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("coordinator binary starts");
+        let mut process = Self {
+            child,
+            url: String::new(),
+        };
+        let deadline = Instant::now() + WAIT_LIMIT;
+        process.url = loop {
+            if let Ok(text) = std::fs::read_to_string(&ready_file) {
+                break format!("http://{}", text.trim());
+            }
+            if let Ok(Some(status)) = process.child.try_wait() {
+                panic!("coordinator {name} exited before listening: {status}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "coordinator {name} never listened"
+            );
+            std::thread::sleep(POLL_INTERVAL);
+        };
+        process
+    }
+
+    /// `kill -9`.
+    fn kill(&mut self) {
+        self.child.kill().expect("SIGKILL");
+        let _ = self.child.wait();
+    }
+}
+
+fn new_http() -> Client {
+    Client::builder()
+        .timeout(Duration::from_secs(10))
+        .pool_max_idle_per_host(0)
+        .build()
+        .expect("http client")
+}
+
+/// One request; `None` when it got no answer (connection refused, timeout).
+fn call(
+    http: &Client,
+    url: &str,
+    method: Method,
+    path: &str,
+    body: Option<Value>,
+) -> Option<(u16, Value)> {
+    let mut request = http.request(method, format!("{url}{path}"));
+    if let Some(body) = body {
+        request = request
+            .header("content-type", "application/json")
+            .body(body.to_string());
+    }
+    let response = request.send().ok()?;
+    let status = response.status().as_u16();
+    let body = response.json().unwrap_or(Value::Null);
+    Some((status, body))
+}
+
+/// As a page-server or client with several coordinators: the first
+/// answer that is not a 5xx, trying each coordinator in turn from
+/// `first`; `None` when none gave one.
+fn call_any(
+    http: &Client,
+    urls: &[String],
+    first: usize,
+    method: Method,
+    path: &str,
+    body: Option<Value>,
+) -> Option<(u16, Value)> {
+    (0..urls.len())
+        .map(|i| &urls[(first + i) % urls.len()])
+        .find_map(|url| {
+            call(http, url, method.clone(), path, body.clone()).filter(|(status, _)| *status < 500)
+        })
+}
+
+/// Polls `condition` until it holds or `limit` passes; panics then.
+fn wait_for(what: &str, limit: Duration, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(POLL_INTERVAL);
+    }
+}
+
+fn register(http: &Client, url: &str, id: &str, port: u16) -> u16 {
+    let body = json!({ "tcp_addr": format!("127.0.0.1:{port}") });
+    call(
+        http,
+        url,
+        Method::PUT,
+        &format!("/v1/nodes/{id}"),
+        Some(body),
+    )
+    .map_or(0, |(status, _)| status)
+}
+
+fn claim(http: &Client, url: &str, gpa_start: u64, length_bytes: u64, node: &str) -> u16 {
+    let body = json!({
+        "gpa_start": gpa_start,
+        "length_bytes": length_bytes,
+        "node_id": node,
+        "remote_offset": 0,
+    });
+    call(http, url, Method::POST, "/v1/map", Some(body)).map_or(0, |(status, _)| status)
+}
+
+#[test]
+fn page_servers_register_through_one_coordinator_and_clients_read_through_the_other() {
+    let cluster = EtcdCluster::start(3);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let a = CoordinatorProcess::start(&cluster.endpoints(), dir.path(), "a");
+    let b = CoordinatorProcess::start(&cluster.endpoints(), dir.path(), "b");
+    let http = new_http();
+
+    let (_, map) = call(&http, &b.url, Method::GET, "/v1/map", None).expect("map");
+    let before = map["version"].as_u64().expect("version");
+    // A long poll through b, waiting for a change made through a.
+    let poll = {
+        let url = format!("{}/v1/map?after={before}&timeout_ms=20000", b.url);
+        std::thread::spawn(move || -> Value {
+            http_long()
+                .get(url)
+                .send()
+                .expect("poll")
+                .json()
+                .expect("map")
+        })
+    };
+    assert_eq!(register(&http, &a.url, "ps1", 7001), 200);
+    assert_eq!(claim(&http, &a.url, 0x10_0000, 4 * PAGE, "ps1"), 201);
+    let woken = poll.join().expect("poll thread");
+    assert!(woken["version"].as_u64() > Some(before), "{woken}");
+
+    // b answers with what was written through a.
+    let (status, resolved) =
+        call(&http, &b.url, Method::GET, "/v1/resolve?gpa=0x100800", None).expect("resolve");
+    assert_eq!(status, 200, "{resolved}");
+    assert_eq!(resolved["node"]["id"], "ps1");
+    assert_eq!(resolved["node"]["tcp_addr"], "127.0.0.1:7001");
+    assert_eq!(resolved["node"]["alive"], true);
+    let (_, node) = call(&http, &b.url, Method::GET, "/v1/nodes/ps1", None).expect("node");
+    assert_eq!(node["alive"], true, "{node}");
+    // The same range claimed again through b by another node: refused.
+    assert_eq!(register(&http, &b.url, "ps2", 7002), 200);
+    assert_eq!(claim(&http, &b.url, 0x10_1000, PAGE, "ps2"), 409);
+    // Heartbeats through either coordinator renew the same lease.
+    for url in [&a.url, &b.url] {
+        let (status, beat) =
+            call(&http, url, Method::POST, "/v1/nodes/ps1/heartbeat", None).expect("beat");
+        assert_eq!((status, beat["alive"].clone()), (200, json!(true)));
+    }
+    // Versions agree.
+    let version = |url: &str| {
+        call(&http, url, Method::GET, "/v1/map", None)
+            .expect("map")
+            .1["version"]
+            .as_u64()
+    };
+    assert_eq!(version(&a.url), version(&b.url));
+}
+
+fn http_long() -> Client {
+    Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("http client")
+}
+
+/// What the load threads saw.
+#[derive(Default)]
+struct Ledger {
+    /// (node, gpa_start) of every registration acknowledged (node 200,
+    /// range 201).
+    acknowledged: Mutex<Vec<(String, u64)>>,
+    resolves_ok: AtomicUsize,
+    heartbeats_ok: AtomicUsize,
+    /// A page-server reported `alive: false` by a coordinator.
+    lease_lost: AtomicBool,
+}
+
+impl Ledger {
+    fn acknowledged(&self) -> usize {
+        self.acknowledged.lock().expect("ledger").len()
+    }
+}
+
+#[test]
+fn killing_the_etcd_leader_then_a_coordinator_loses_no_acknowledged_registration() {
+    let mut cluster = EtcdCluster::start(3);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut a = CoordinatorProcess::start(&cluster.endpoints(), dir.path(), "a");
+    let b = CoordinatorProcess::start(&cluster.endpoints(), dir.path(), "b");
+    let urls = vec![a.url.clone(), b.url.clone()];
+    let http = new_http();
+
+    // Page-servers that heartbeat through a (switching on failure), with a
+    // range each that clients resolve through b.
+    let page_servers: Vec<String> = (0..3).map(|i| format!("ps{i}")).collect();
+    for (i, id) in page_servers.iter().enumerate() {
+        assert_eq!(register(&http, &a.url, id, 7000 + i as u16), 200);
+        assert_eq!(claim(&http, &a.url, (i as u64) << 30, 16 * PAGE, id), 201);
+    }
+
+    let ledger = Arc::new(Ledger::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut threads = Vec::new();
+    // Heartbeats every 200 ms (bounded by the test's length), as a
+    // page-server given both coordinators (`--coordinator a,b`) sends them:
+    // the client moves to b when a is gone.
+    {
+        let (ledger, stop, ids) = (ledger.clone(), stop.clone(), page_servers.clone());
+        let client = CoordinatorClient::new(&urls.join(","), None, Duration::from_secs(10))
+            .expect("client of both coordinators");
+        threads.push(std::thread::spawn(move || {
+            for _ in 0..1000 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                for id in &ids {
+                    if let Ok(beat) = client.heartbeat(id) {
+                        if !beat.alive {
+                            ledger.lease_lost.store(true, Ordering::Relaxed);
+                        }
+                        ledger.heartbeats_ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }));
+    }
+    // Clients: resolve the page-servers' ranges through b (then a), and
+    // watch that no page-server is ever reported dead.
+    {
+        let (ledger, stop, urls, ids) = (
+            ledger.clone(),
+            stop.clone(),
+            urls.clone(),
+            page_servers.clone(),
+        );
+        threads.push(std::thread::spawn(move || {
+            let http = new_http();
+            for round in 0..10_000 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let i = round % ids.len();
+                let path = format!("/v1/resolve?gpa={:#x}", ((i as u64) << 30) + PAGE);
+                if let Some((200, found)) = call_any(&http, &urls, 1, Method::GET, &path, None) {
+                    assert_eq!(found["node"]["id"], json!(ids[i]), "{found}");
+                    if found["node"]["alive"] != json!(true) {
+                        ledger.lease_lost.store(true, Ordering::Relaxed);
+                    }
+                    ledger.resolves_ok.fetch_add(1, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }));
+    }
+    // Registration load: two workers, each through both coordinators in
+    // turn, every node with a range of its own.
+    for worker in 0..2u64 {
+        let (ledger, stop, urls) = (ledger.clone(), stop.clone(), urls.clone());
+        threads.push(std::thread::spawn(move || {
+            let http = new_http();
+            for i in 0..2000u64 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let id = format!("load-{worker}-{i}");
+                let gpa_start = (1 << 40) + ((worker << 20) + i) * PAGE;
+                let first = usize::try_from(i % 2).unwrap_or(0);
+                let body = json!({ "tcp_addr": "127.0.0.1:9" });
+                let registered = call_any(
+                    &http,
+                    &urls,
+                    first,
+                    Method::PUT,
+                    &format!("/v1/nodes/{id}"),
+                    Some(body),
+                );
+                if !matches!(registered, Some((200, _))) {
+                    continue;
+                }
+                let range = json!({
+                    "gpa_start": gpa_start, "length_bytes": PAGE, "node_id": id, "remote_offset": 0,
+                });
+                // A retry after a lost answer finds the range already
+                // there (200): acknowledged as well.
+                if let Some((200 | 201, _)) =
+                    call_any(&http, &urls, first, Method::POST, "/v1/map", Some(range))
+                {
+                    ledger
+                        .acknowledged
+                        .lock()
+                        .expect("ledger")
+                        .push((id, gpa_start));
+                }
+            }
+        }));
+    }
+
+    let progress = |what: &str, ledger: &Ledger| {
+        let (registered, resolved) = (
+            ledger.acknowledged(),
+            ledger.resolves_ok.load(Ordering::Relaxed),
+        );
+        let beats = ledger.heartbeats_ok.load(Ordering::Relaxed);
+        wait_for(what, Duration::from_secs(30), || {
+            ledger.acknowledged() >= registered + 20
+                && ledger.resolves_ok.load(Ordering::Relaxed) >= resolved + 10
+                && ledger.heartbeats_ok.load(Ordering::Relaxed) >= beats + 3
+        });
+    };
+    progress("registrations and resolves before any failure", &ledger);
+
+    let leader = cluster.leader();
+    cluster.kill(leader);
+    let new_leader = cluster.leader();
+    assert_ne!(new_leader, leader);
+    progress(
+        "registrations and resolves after the etcd leader died",
+        &ledger,
+    );
+
+    a.kill();
+    progress(
+        "registrations and resolves after coordinator a died",
+        &ledger,
+    );
+
+    stop.store(true, Ordering::Relaxed);
+    for thread in threads {
+        thread.join().expect("load thread");
+    }
+
+    // Every acknowledged registration is in the map (read through b).
+    let (status, map) = call(&http, &b.url, Method::GET, "/v1/map", None).expect("map");
+    assert_eq!(status, 200);
+    let nodes: BTreeSet<&str> = map["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .filter_map(|n| n["id"].as_str())
+        .collect();
+    let ranges: BTreeSet<(u64, &str)> = map["entries"]
+        .as_array()
+        .expect("entries")
+        .iter()
+        .filter_map(|e| Some((e["gpa_start"].as_u64()?, e["node_id"].as_str()?)))
+        .collect();
+    let acknowledged = ledger.acknowledged.lock().expect("ledger");
+    assert!(acknowledged.len() >= 60, "{}", acknowledged.len());
+    eprintln!(
+        "{} registrations acknowledged, {} resolves answered, etcd leader m{leader} then coordinator a killed",
+        acknowledged.len(),
+        ledger.resolves_ok.load(Ordering::Relaxed)
+    );
+    for (id, gpa_start) in acknowledged.iter() {
+        assert!(nodes.contains(id.as_str()), "acknowledged node {id} lost");
+        assert!(
+            ranges.contains(&(*gpa_start, id.as_str())),
+            "acknowledged range {gpa_start:#x} of {id} lost"
+        );
+    }
+    // The page-servers' leases lived through both failures.
+    assert!(
+        !ledger.lease_lost.load(Ordering::Relaxed),
+        "a page-server was reported dead"
+    );
+    for id in &page_servers {
+        let (_, node) =
+            call(&http, &b.url, Method::GET, &format!("/v1/nodes/{id}"), None).expect("node");
+        assert_eq!(node["alive"], true, "{node}");
+    }
+}
+
+#[test]
+fn overlapping_claims_racing_through_two_coordinators_exactly_one_wins() {
+    let cluster = EtcdCluster::start(3);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let a = CoordinatorProcess::start(&cluster.endpoints(), dir.path(), "a");
+    let b = CoordinatorProcess::start(&cluster.endpoints(), dir.path(), "b");
+    let http = new_http();
+    assert_eq!(register(&http, &a.url, "left", 7001), 200);
+    assert_eq!(register(&http, &b.url, "right", 7002), 200);
+
+    const ROUNDS: u64 = 20;
+    for round in 0..ROUNDS {
+        let base = (round + 1) << 32;
+        // left claims [base, base + 2 pages) through a, right
+        // [base + 1 page, base + 3 pages) through b, at the same moment.
+        let barrier = Arc::new(Barrier::new(2));
+        let racers: Vec<_> = [
+            (a.url.clone(), "left", base),
+            (b.url.clone(), "right", base + PAGE),
+        ]
+        .into_iter()
+        .map(|(url, node, start)| {
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                let http = new_http();
+                barrier.wait();
+                (node, claim(&http, &url, start, 2 * PAGE, node))
+            })
+        })
+        .collect();
+        let outcomes: Vec<(&str, u16)> = racers
+            .into_iter()
+            .map(|t| t.join().expect("racer"))
+            .collect();
+        let mut statuses: Vec<u16> = outcomes.iter().map(|(_, s)| *s).collect();
+        statuses.sort_unstable();
+        assert_eq!(statuses, [201, 409], "round {round}: {outcomes:?}");
+        let winner = outcomes.iter().find(|(_, s)| *s == 201).map(|(n, _)| *n);
+        // The map holds the winner's range only.
+        let (_, map) = call(&http, &b.url, Method::GET, "/v1/map", None).expect("map");
+        let in_round: Vec<&Value> = map["entries"]
+            .as_array()
+            .expect("entries")
+            .iter()
+            .filter(|e| {
+                e["gpa_start"]
+                    .as_u64()
+                    .is_some_and(|s| s >> 32 == round + 1)
+            })
+            .collect();
+        assert_eq!(in_round.len(), 1, "round {round}: {in_round:?}");
+        assert_eq!(in_round[0]["node_id"].as_str(), winner);
+    }
+}

@@ -1,0 +1,79 @@
+//! `GET /metrics` of a page-server (`--metrics-listen`): pages served,
+//! bytes, durations and connections, after a manager's reads and writes.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+use common::*;
+use page_server::ServerConfig;
+use rdma_transport::PAGE_SIZE;
+
+/// One HTTP request on a fresh connection; the whole answer.
+fn http(addr: SocketAddr, request: &str) -> String {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    stream.write_all(request.as_bytes()).expect("send");
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).expect("answer");
+    answer
+}
+
+#[test]
+fn metrics_count_pages_bytes_and_durations() {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let mut config = ServerConfig::new("a", NODE_BYTES);
+    config.metrics_listen = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let server = page_server_with(&coord.url(), config);
+    let addr = server.metrics_addr().expect("metrics address");
+
+    let mgr = manager(&coord.url());
+    let gpas: Vec<u64> = (0..3).map(|i| i * PAGE_SIZE as u64).collect();
+    for (i, gpa) in gpas.iter().enumerate() {
+        mgr.write_page(*gpa, &page_for(*gpa, i as u8))
+            .expect("write");
+    }
+    let mut page: rdma_transport::Page = [0u8; PAGE_SIZE];
+    for _ in 0..2 {
+        for gpa in &gpas {
+            mgr.read_page(*gpa, &mut page).expect("read");
+        }
+    }
+
+    let answer = http(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    let (head, body) = answer.split_once("\r\n\r\n").expect("head and body");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("application/openmetrics-text"), "{head}");
+    let has = |line: &str| body.lines().any(|l| l == line);
+    for line in [
+        r#"page_server_pages_served_total{op="write"} 3"#,
+        r#"page_server_pages_served_total{op="read"} 6"#,
+        &format!(r#"page_server_bytes_total{{op="read"}} {}"#, 6 * PAGE_SIZE),
+        r#"page_server_request_errors_total{op="read"} 0"#,
+        r#"page_server_request_duration_seconds_count{op="write"} 3"#,
+        r#"page_server_connections{state="handshaken"} 1"#,
+    ] {
+        assert!(has(line), "missing {line}:\n{body}");
+    }
+    assert!(body.trim_end().ends_with("# EOF"), "{body}");
+
+    // Other paths and garbage are refused; it keeps serving.
+    assert!(http(addr, "GET /other HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));
+    assert!(http(addr, "POST /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405"));
+    let _ = http(addr, "\u{1}\u{2}garbage\r\n\r\n");
+    assert!(http(addr, "GET /metrics HTTP/1.0\r\n\r\n").starts_with("HTTP/1.1 200"));
+    drop(mgr);
+    server.shutdown();
+    assert!(
+        TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_err(),
+        "the metrics listener closes with the server"
+    );
+}
