@@ -17,6 +17,7 @@
 
 use std::collections::HashMap;
 use std::net::TcpStream;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use coherence::{
@@ -51,7 +52,7 @@ pub(crate) struct CoherenceHome {
     stats: Mutex<HomeStats>,
     /// Frames refused (malformed, out of range, too many nodes) or dropped
     /// (a write-back claimed without its data, or from a non-owner).
-    refused: Mutex<u64>,
+    refused: AtomicU64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -92,7 +93,7 @@ impl CoherenceHome {
 
     /// Frames refused or dropped.
     pub(crate) fn refused(&self) -> u64 {
-        *self.refused.lock()
+        self.refused.load(Ordering::Relaxed)
     }
 
     /// Pages with a directory entry.
@@ -127,7 +128,7 @@ impl CoherenceHome {
     }
 
     fn count_refused(&self) {
-        *self.refused.lock() += 1;
+        self.refused.fetch_add(1, Ordering::Relaxed);
     }
 }
 
