@@ -442,6 +442,35 @@ fn a_home_that_goes_away_fails_the_requests_and_its_pages_are_dropped() {
     );
 }
 
+/// An embedder whose handler panics (a bug): the node must not hang.
+#[derive(Debug)]
+struct Panicky;
+
+impl CoherenceHandler for Panicky {
+    fn install(&self, gpa: u64, _mode: Mode, _data: Option<&Page>) {
+        panic!("test: the embedder fails to install {gpa:#x}");
+    }
+
+    fn recall(&self, _gpa: u64, _recall: Recall) -> RecallAnswer {
+        RecallAnswer::Done
+    }
+}
+
+#[test]
+fn a_panicking_handler_fails_the_request_instead_of_hanging() {
+    let (server, key) = home();
+    let manager = manager_for(&server, &key);
+    let node = manager.coherent_node(Arc::new(Panicky), CoherenceConfig::default());
+    match node.acquire(GPA_BASE, Access::Read) {
+        Err(TransportError::NodeDown { node, .. }) => assert_eq!(node, HOME),
+        other => panic!("expected NodeDown, got {other:?}"),
+    }
+    // The home lost that node; another node is served as usual.
+    let other = Node::new(&server, &key, 0);
+    other.modify(GPA_BASE, filled(GPA_BASE, 1)).unwrap();
+    assert_eq!(other.read(GPA_BASE).unwrap(), page_for(GPA_BASE, 1));
+}
+
 /// A raw client (handshaken) that sends coherence frames by hand.
 fn raw_client(server: &RunningServer, key: &ClusterKey) -> TcpStream {
     let mut s = TcpStream::connect(server.addr()).unwrap();

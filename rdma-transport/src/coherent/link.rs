@@ -63,8 +63,10 @@ impl Link {
         let handle = std::thread::Builder::new()
             .name(format!("coherence-{node}"))
             .spawn(move || {
-                read_loop(&thread_shared, &thread_link, reader_stream);
-                thread_link.lost(&thread_shared);
+                // Runs on every way out, a panicking handler's included:
+                // waiters must not be left waiting for a reader that is gone.
+                let exit = ReaderExit(thread_shared, thread_link);
+                read_loop(&exit.0, &exit.1, reader_stream);
             })
             .map_err(down)?;
         *link.reader.lock() = Some(handle);
@@ -129,13 +131,13 @@ impl Link {
 
     /// The connection is gone: every copy of this home's pages is dropped
     /// (the home declares this node lost), and every waiter fails.
-    fn lost(self: &Arc<Self>, shared: &Shared) {
+    fn lost(self: &Arc<Self>, shared: &Shared, call_handler: bool) {
         // `dead` is set before the slots are listed: a slot made later
         // finds it set (`pages::acquire` checks it under the slot's lock).
         self.shut();
         let slots: Vec<Arc<Slot>> = self.slots.lock().values().cloned().collect();
         for slot in slots {
-            pages::forget(shared, &slot, &self.node);
+            pages::forget(shared, &slot, &self.node, call_handler);
         }
         // Only now may a caller that finds no link here connect again: by
         // then every copy of the old connection is gone.
@@ -146,6 +148,20 @@ impl Link {
             }
         }
         tracing::debug!(node = %self.node, "coherence connection closed");
+    }
+}
+
+/// The reader thread's end: the connection is gone for the node.
+struct ReaderExit(Arc<Shared>, Arc<Link>);
+
+impl Drop for ReaderExit {
+    fn drop(&mut self) {
+        let panicking = std::thread::panicking();
+        if panicking {
+            tracing::error!(node = %self.1.node, "coherence reader panicked (in the embedder's handler?); leaving this home");
+        }
+        // Not the handler again after it panicked: a second panic would abort.
+        self.1.lost(&self.0, !panicking);
     }
 }
 

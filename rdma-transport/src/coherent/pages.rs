@@ -192,9 +192,10 @@ pub(crate) fn on_timer(
 
 /// The connection to the page's home is gone: the copy is dropped (the
 /// home forgets this node), the page starts afresh, waiters fail.
-pub(crate) fn forget(shared: &Shared, slot: &Slot, node: &str) {
+/// `call_handler`: tell the embedder to drop the copy (not after it panicked).
+pub(crate) fn forget(shared: &Shared, slot: &Slot, node: &str, call_handler: bool) {
     let mut st = slot.state.lock();
-    if st.page.copy() != coherence::LocalCopy::None {
+    if call_handler && st.page.copy() != coherence::LocalCopy::None {
         tracing::debug!(
             node,
             gpa = slot.gpa,
