@@ -544,6 +544,54 @@ fn bad_coherence_frames_are_refused_and_the_server_keeps_serving() {
 }
 
 #[test]
+fn an_owner_that_claims_a_write_back_without_the_page_is_not_believed() {
+    let (server, key) = home();
+    let off = 4 * PAGE_SIZE as u64;
+    let gpa = GPA_BASE + off;
+    let mut s = raw_client(&server, &key);
+    // Ownership, by hand.
+    let write_req = coherence::ToHome::WriteReq {
+        req: 1,
+        upgrade: false,
+    };
+    s.write_all(&encode_to_home(off, &write_req, None)).unwrap();
+    let (h, payload) = read_framed(&mut s);
+    let version = match decode_to_node(&h, &payload) {
+        Ok(ToNodeFrame::Msg(f)) => match f.msg {
+            coherence::ToNode::Grant {
+                req: 1,
+                mode: coherence::Mode::Exclusive,
+                version,
+                data_version: 0,
+                ..
+            } => {
+                assert_eq!(f.page, Some(&[0u8; PAGE_SIZE][..]), "the home's page");
+                version
+            }
+            other => panic!("expected an exclusive grant, got {other:?}"),
+        },
+        other => panic!("expected a grant, got {other:?}"),
+    };
+    // "I wrote version 1 back" without the page: dropped.
+    let claim = coherence::ToHome::WriteBack { version };
+    s.write_all(&encode_to_home(off, &claim, None)).unwrap();
+    let header = Header::request(Opcode::Read, 5, off, PAGE_SIZE as u32);
+    s.write_all(&header.encode()).unwrap();
+    let (h, _) = read_framed(&mut s);
+    assert_eq!((h.opcode, h.request_id), (Opcode::ReadResp, 5));
+    assert_eq!(server.coherence_stats().refused_frames, 1);
+    // The owner goes away: its version was never stored, so the page is
+    // lost, not served as version 0.
+    drop(s);
+    let b = Node::new(&server, &key, 0);
+    match b.c().acquire(gpa, Access::Read) {
+        Err(TransportError::CoherentDataLost { gpa: lost, .. }) => assert_eq!(lost, gpa),
+        other => panic!("expected the lost-data error, got {other:?}"),
+    }
+    assert_eq!(server.coherence_stats().home.pages_lost, 1);
+}
+
+#[test]
 fn a_version_3_peer_is_refused() {
     let (server, _key) = home();
     let mut s = TcpStream::connect(server.addr()).unwrap();
