@@ -270,8 +270,12 @@ fn send(ex: &Exported, off: usize, to: NodeId, msg: &ToNode) {
     }
     let frame = encode_to_node(off as u64, msg, data.as_deref());
     if let Err(err) = outbound.send(&[&frame]) {
-        // Its connection is going away: its thread will declare it lost.
-        tracing::debug!(node = to.get(), %err, "coherence message not sent");
+        // Gone, or took no data for the stall timeout: part of the frame
+        // may be out, and a callback that never arrives would be waited
+        // for forever. Close the connection: its thread declares the node
+        // lost (an awaited ack then counts as received).
+        tracing::warn!(node = to.get(), %err, "coherence message not sent; closing the node's connection");
+        outbound.shut_down();
     }
 }
 

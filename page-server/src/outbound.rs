@@ -39,6 +39,12 @@ impl Outbound {
         self.lock.lock()
     }
 
+    /// Shuts the connection down: its thread sees the end of the stream and
+    /// ends (for coherence, the node is then lost).
+    pub(crate) fn shut_down(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+
     /// Writes `frames` (whole frames, back to back) under the send lock.
     ///
     /// # Errors

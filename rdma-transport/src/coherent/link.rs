@@ -1,12 +1,21 @@
-//! A node's coherence connection to one home: the socket, its send lock,
-//! the pages of that home the node has asked for, and the reader thread
-//! that takes every frame the home sends (grants, callbacks, refusals) and
-//! answers the hold-time timers of deferred callbacks.
+//! A node's coherence connection to one home: the socket, the pages of that
+//! home the node has asked for, the reader thread that takes every frame the
+//! home sends (grants, callbacks, refusals) and answers the hold-time timers
+//! of deferred callbacks, and the writer thread that sends the node's
+//! frames in the order they were queued.
+//!
+//! Why a writer thread: the reader must never block on a socket write. If
+//! it did, a home thread writing to this node (holding a page's lock) and
+//! the home's thread for this connection (waiting for that lock, so not
+//! reading) could wait for each other once both sockets' buffers fill.
+//! Frames of one page are queued under that page's lock, so they go out in
+//! the protocol's order.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -29,7 +38,9 @@ const RECV_BUF_BYTES: usize = 64 * 1024;
 pub(crate) struct Link {
     pub(crate) node: String,
     stream: TcpStream,
-    send_lock: Mutex<()>,
+    /// Frames for the writer thread; `None` once the connection is shut.
+    outgoing: Mutex<Option<mpsc::Sender<Vec<u8>>>>,
+    writer: Mutex<Option<JoinHandle<()>>>,
     /// The pages of this home the node asked for, by offset in its region.
     slots: Mutex<HashMap<u64, Arc<Slot>>>,
     dead: AtomicBool,
@@ -48,17 +59,29 @@ impl Link {
             reason: format!("coherence connection: {e}"),
         };
         let reader_stream = stream.try_clone().map_err(down)?;
+        let writer_stream = stream.try_clone().map_err(down)?;
         stream
             .set_write_timeout(Some(Duration::from_millis(shared.config.timeout_ms.max(1))))
             .map_err(down)?;
+        let (tx, rx) = mpsc::channel::<Vec<u8>>();
         let link = Arc::new(Self {
             node: node.to_owned(),
             stream,
-            send_lock: Mutex::new(()),
+            outgoing: Mutex::new(Some(tx)),
+            writer: Mutex::new(None),
             slots: Mutex::new(HashMap::new()),
             dead: AtomicBool::new(false),
             reader: Mutex::new(None),
         });
+        let writer_link = Arc::clone(&link);
+        let writer = std::thread::Builder::new()
+            .name(format!("coherence-w-{node}"))
+            .spawn(move || write_loop(&writer_link, writer_stream, &rx))
+            .map_err(|e| {
+                link.shut();
+                down(e)
+            })?;
+        *link.writer.lock() = Some(writer);
         let (thread_shared, thread_link) = (Arc::clone(shared), Arc::clone(&link));
         let handle = std::thread::Builder::new()
             .name(format!("coherence-{node}"))
@@ -68,7 +91,10 @@ impl Link {
                 let exit = ReaderExit(thread_shared, thread_link);
                 read_loop(&exit.0, &exit.1, reader_stream);
             })
-            .map_err(down)?;
+            .map_err(|e| {
+                link.shut();
+                down(e)
+            })?;
         *link.reader.lock() = Some(handle);
         Ok(link)
     }
@@ -87,8 +113,10 @@ impl Link {
         )
     }
 
-    /// Sends `msg` about the page at `offset` (with the page written back).
-    /// A failed send breaks the connection (the node is lost to the home).
+    /// Queues `msg` about the page at `offset` (with the page written
+    /// back) for the writer thread. Frames go out in the order queued; one
+    /// that cannot be written breaks the connection (the node is lost to
+    /// the home).
     pub(crate) fn send(
         &self,
         offset: u64,
@@ -96,14 +124,10 @@ impl Link {
         page: Option<&Page>,
     ) -> Result<(), TransportError> {
         let frame = encode_to_home(offset, msg, page);
-        let result = {
-            let _guard = self.send_lock.lock();
-            (&self.stream).write_all(&frame)
-        };
-        result.map_err(|e| {
-            self.shut();
-            self.down(&format!("send failed: {e}"))
-        })
+        match self.outgoing.lock().as_ref().map(|tx| tx.send(frame)) {
+            Some(Ok(())) => Ok(()),
+            _ => Err(self.down("coherence connection closed")),
+        }
     }
 
     pub(crate) fn down(&self, reason: &str) -> TransportError {
@@ -113,20 +137,23 @@ impl Link {
         }
     }
 
-    /// Breaks the connection; the reader sees it and cleans up.
+    /// Breaks the connection at once (frames still queued are dropped);
+    /// the reader sees it and cleans up, the writer ends.
     pub(crate) fn shut(&self) {
         self.dead.store(true, Ordering::SeqCst);
+        self.outgoing.lock().take();
         let _ = self.stream.shutdown(Shutdown::Both);
     }
 
-    /// Breaks the connection and waits for the reader to finish.
+    /// Closes the connection: the frames queued so far are written first
+    /// (each within the write timeout), then the socket is shut and both
+    /// threads have ended.
     pub(crate) fn close_and_join(&self) {
+        self.dead.store(true, Ordering::SeqCst);
+        self.outgoing.lock().take();
+        join(self.writer.lock().take(), &self.node, "writer");
         self.shut();
-        if let Some(handle) = self.reader.lock().take() {
-            if handle.thread().id() != std::thread::current().id() && handle.join().is_err() {
-                tracing::error!(node = %self.node, "coherence reader panicked");
-            }
-        }
+        join(self.reader.lock().take(), &self.node, "reader");
     }
 
     /// The connection is gone: every copy of this home's pages is dropped
@@ -148,6 +175,26 @@ impl Link {
             }
         }
         tracing::debug!(node = %self.node, "coherence connection closed");
+    }
+}
+
+fn join(handle: Option<JoinHandle<()>>, node: &str, what: &str) {
+    if let Some(handle) = handle {
+        if handle.thread().id() != std::thread::current().id() && handle.join().is_err() {
+            tracing::error!(node, "coherence {what} panicked");
+        }
+    }
+}
+
+/// Writes the queued frames until the queue is closed or a write fails
+/// (which breaks the connection).
+fn write_loop(link: &Link, mut stream: TcpStream, rx: &mpsc::Receiver<Vec<u8>>) {
+    for frame in rx {
+        if let Err(e) = stream.write_all(&frame) {
+            tracing::debug!(node = %link.node, err = %e, "coherence send failed; dropping the connection");
+            link.shut();
+            return;
+        }
     }
 }
 
