@@ -40,7 +40,8 @@ pub struct CoherenceStats {
     /// Pages with a directory entry (asked for coherently at least once).
     pub pages: usize,
     /// Coherence frames refused (malformed, out of range, too many nodes) or
-    /// dropped (a write-back claimed without its data, or by a non-owner).
+    /// not applied (a write-back claimed without its data, or by a
+    /// non-owner: the sender's connection is closed).
     pub refused_frames: u64,
 }
 
@@ -50,8 +51,8 @@ pub(crate) struct CoherenceHome {
     pages: Mutex<HashMap<usize, Arc<Mutex<HomePage>>>>,
     nodes: Mutex<Vec<Slot>>,
     stats: Mutex<HomeStats>,
-    /// Frames refused (malformed, out of range, too many nodes) or dropped
-    /// (a write-back claimed without its data, or from a non-owner).
+    /// Frames refused (malformed, out of range, too many nodes) or not
+    /// applied (a write-back claimed without its data, or by a non-owner).
     refused: AtomicU64,
 }
 
@@ -91,7 +92,7 @@ impl CoherenceHome {
         *self.stats.lock()
     }
 
-    /// Frames refused or dropped.
+    /// Frames refused or not applied.
     pub(crate) fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
     }
@@ -135,7 +136,7 @@ impl CoherenceHome {
 /// Serves one COH_TO_HOME frame from the connection of `stream`. Never
 /// fails: a frame that cannot be served is refused (a COH_TO_NODE with an
 /// error status, the connection stays) or, when it would corrupt the
-/// directory, dropped and logged.
+/// directory, not applied, and the connection is closed (the node is lost).
 pub(crate) fn on_frame(
     ex: &Exported,
     header: &Header,
@@ -208,15 +209,19 @@ pub(crate) fn on_frame(
                 // The protocol would record the version as the home's data:
                 // without that data (or from a node that does not own it),
                 // the home would serve an older page as the newer version.
+                // Dropping the message alone could leave an ack awaited
+                // forever: the node is closed instead (lost: a page it owns
+                // and has not written back is marked lost).
                 tracing::warn!(
                     node = node.get(),
                     off,
                     version,
                     owner,
                     with_page = frame.page.is_some(),
-                    "write-back not accepted; message dropped"
+                    "write-back not accepted; closing the node's connection"
                 );
                 home.count_refused();
+                outbound.shut_down();
                 return;
             }
         }

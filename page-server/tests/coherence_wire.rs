@@ -513,16 +513,7 @@ fn bad_coherence_frames_are_refused_and_the_server_keeps_serving() {
     frame[last] ^= 1;
     s.write_all(&frame).unwrap();
     assert_eq!(refusal(&mut s), (0, Status::BadLength));
-    // A claimed write-back of the current version from a node that does
-    // not own the page: dropped, the home's data untouched.
-    let claim = encode_to_home(
-        gpa - GPA_BASE,
-        &coherence::ToHome::WriteBack { version: 1 },
-        Some(&[0xffu8; PAGE_SIZE]),
-    );
-    s.write_all(&claim).unwrap();
-    // The same connection still serves plain READs (answered in order, so
-    // the claim above was handled before this answer).
+    // After all that, the same connection still serves plain READs.
     let header = Header::request(Opcode::Read, 5, gpa - GPA_BASE, PAGE_SIZE as u32);
     s.write_all(&header.encode()).unwrap();
     let (h, data) = read_framed(&mut s);
@@ -530,11 +521,25 @@ fn bad_coherence_frames_are_refused_and_the_server_keeps_serving() {
         (h.opcode, h.status, h.request_id),
         (Opcode::ReadResp, Status::Ok, 5)
     );
-    assert_eq!(
-        data,
-        vec![0u8; PAGE_SIZE],
-        "the home's data is still version 0"
+    assert_eq!(data, vec![0u8; PAGE_SIZE], "the home's data is version 0");
+    // A claimed write-back of the current version from a node that does
+    // not own the page: not stored, and the liar's connection is closed.
+    let claim = encode_to_home(
+        gpa - GPA_BASE,
+        &coherence::ToHome::WriteBack { version: 1 },
+        Some(&[0xffu8; PAGE_SIZE]),
     );
+    s.write_all(&claim).unwrap();
+    let mut byte = [0u8; 1];
+    assert_eq!(
+        std::io::Read::read(&mut s, &mut byte).unwrap_or(0),
+        0,
+        "closed"
+    );
+    // The home's data is untouched: a plain READ on another connection.
+    let mut page = [0u8; PAGE_SIZE];
+    good._manager.read_page(gpa, &mut page).unwrap();
+    assert_eq!(page, [0u8; PAGE_SIZE], "still version 0 at the home");
     assert_eq!(server.coherence_stats().refused_frames, 5);
 
     // And the real nodes go on: a reader gets the owner's data.
@@ -572,13 +577,16 @@ fn an_owner_that_claims_a_write_back_without_the_page_is_not_believed() {
         },
         other => panic!("expected a grant, got {other:?}"),
     };
-    // "I wrote version 1 back" without the page: dropped.
+    // "I wrote version 1 back" without the page: not believed, and the
+    // home closes the connection of a node that says so.
     let claim = coherence::ToHome::WriteBack { version };
     s.write_all(&encode_to_home(off, &claim, None)).unwrap();
-    let header = Header::request(Opcode::Read, 5, off, PAGE_SIZE as u32);
-    s.write_all(&header.encode()).unwrap();
-    let (h, _) = read_framed(&mut s);
-    assert_eq!((h.opcode, h.request_id), (Opcode::ReadResp, 5));
+    let mut byte = [0u8; 1];
+    assert_eq!(
+        std::io::Read::read(&mut s, &mut byte).unwrap_or(0),
+        0,
+        "closed"
+    );
     assert_eq!(server.coherence_stats().refused_frames, 1);
     // The owner goes away: its version was never stored, so the page is
     // lost, not served as version 0.
