@@ -8,13 +8,17 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use rdma_transport::region::MappedRegion;
-use rdma_transport::wire::{page_checksum, DecodeError, Header, Opcode, Status, HEADER_LEN};
+use rdma_transport::wire::{
+    page_checksum, DecodeError, Header, Opcode, Status, HEADER_LEN, MAX_PAYLOAD_BYTES,
+};
 use rdma_transport::PAGE_SIZE;
 
+use crate::coherence_home::{self, CohSession, CoherenceHome};
 use crate::conns::RdmaUse;
 use crate::handshake::{self, Refusal, ServerAuth, Session};
 use crate::limits::ConnGuard;
 use crate::metrics::{Op, PageMetrics};
+use crate::outbound::Outbound;
 use crate::rdma::RdmaExport;
 use crate::recovery_guard::RecoveryGuard;
 
@@ -37,6 +41,8 @@ pub(crate) struct Exported {
     /// Keeps client writes from being overwritten by a replica recovery's
     /// older copy (every client WRITE goes through it).
     pub(crate) guard: RecoveryGuard,
+    /// The coherence directory of the exported pages (`coherence_home.rs`).
+    pub(crate) coherence: CoherenceHome,
     /// Pages served, bytes, errors and durations, by operation.
     pub(crate) metrics: PageMetrics,
 }
@@ -47,10 +53,16 @@ impl Exported {
         if header.length as usize != PAGE_SIZE {
             return Err(Status::BadLength);
         }
-        if header.offset % PAGE_SIZE as u64 != 0 {
+        self.check_page(header.offset)
+    }
+
+    /// Checks that a page at `offset` is inside the region; the region
+    /// offset on success.
+    pub(crate) fn check_page(&self, offset: u64) -> Result<usize, Status> {
+        if offset % PAGE_SIZE as u64 != 0 {
             return Err(Status::Unaligned);
         }
-        match usize::try_from(header.offset) {
+        match usize::try_from(offset) {
             Ok(off)
                 if off
                     .checked_add(PAGE_SIZE)
@@ -127,8 +139,12 @@ impl Outbox {
         self.headers.len() >= MAX_PENDING_ANSWERS
     }
 
-    /// Sends everything gathered, then empties the outbox.
-    fn flush(&mut self, stream: &TcpStream) -> io::Result<()> {
+    /// Sends everything gathered, then empties the outbox. `shared`: other
+    /// threads may write to this connection (coherence), take its lock.
+    fn flush(&mut self, stream: &TcpStream, shared: Option<&Outbound>) -> io::Result<()> {
+        if self.headers.is_empty() {
+            return Ok(());
+        }
         self.iovecs.clear();
         for (header, payload) in self.headers.iter().zip(&self.payloads) {
             self.iovecs.push(libc::iovec {
@@ -157,7 +173,10 @@ impl Outbox {
                 }
             }
         }
-        let result = writev_all(stream, &mut self.iovecs);
+        let result = {
+            let _lock = shared.map(Outbound::lock);
+            writev_all(stream, &mut self.iovecs)
+        };
         self.headers.clear();
         self.payloads.clear();
         self.copies_used = 0;
@@ -168,12 +187,13 @@ impl Outbox {
 /// Writes every iovec fully, in as few `writev` calls as the kernel allows.
 /// Raw iovecs keep Rust references off the exported region, which other
 /// connections may be writing at the same time.
-fn writev_all(stream: &TcpStream, iovecs: &mut [libc::iovec]) -> io::Result<()> {
+pub(crate) fn writev_all(stream: &TcpStream, iovecs: &mut [libc::iovec]) -> io::Result<()> {
     let mut start = 0;
     while start < iovecs.len() {
         let count = (iovecs.len() - start).min(1024) as libc::c_int;
         // SAFETY: every iovec points at live memory: headers and HELLO
-        // payloads owned by the outbox, or pages inside the exported region.
+        // payloads owned by the outbox, pages inside the exported region, or
+        // frames the caller borrows for the call (`Outbound::send`).
         let ret = unsafe { libc::writev(stream.as_raw_fd(), iovecs[start..].as_ptr(), count) };
         if ret < 0 {
             let err = io::Error::last_os_error();
@@ -213,6 +233,21 @@ pub(crate) fn serve(
     exported: &Exported,
     spin: Duration,
     guard: &mut ConnGuard,
+) -> io::Result<()> {
+    let mut coh = CohSession::default();
+    let result = serve_messages(stream, exported, spin, guard, &mut coh);
+    // No message from this connection can follow: its node (if it took
+    // part in coherence) is lost.
+    coherence_home::disconnect(exported, &mut coh);
+    result
+}
+
+fn serve_messages(
+    stream: &TcpStream,
+    exported: &Exported,
+    spin: Duration,
+    guard: &mut ConnGuard,
+    coh: &mut CohSession,
 ) -> io::Result<()> {
     stream.set_nodelay(true)?;
     let mut buf = vec![0u8; RECV_BUF_BYTES];
@@ -261,13 +296,27 @@ pub(crate) fn serve(
                 break;
             }
             let payload = &buf[start + HEADER_LEN..start + total];
-            if header.opcode == Opcode::Write && outbox.has_region_reads() {
+            if (header.opcode == Opcode::Write && outbox.has_region_reads())
+                || header.opcode == Opcode::CohToHome
+            {
                 // READ answers are copied out of the region when sent: send
-                // them before a later WRITE changes what they must show.
-                outbox.flush(stream)?;
+                // them before a later WRITE changes what they must show. A
+                // coherence message's answers go out at once, by the
+                // coherence home: answers gathered so far go first.
+                outbox.flush(stream, coh.outbound().map(|o| &**o))?;
             }
-            if let Err(refusal) = handle(&header, payload, exported, &mut session, &mut outbox) {
-                outbox.flush(stream)?;
+            if header.opcode == Opcode::CohToHome && session.is_ready() {
+                coherence_home::on_frame(exported, &header, payload, stream, coh);
+                if coh.is_node() {
+                    // A node may hold pages for long without a message;
+                    // closing its connection would declare it lost (and
+                    // lose the pages it owns).
+                    guard.exempt_from_idle_timeout();
+                }
+            } else if let Err(refusal) =
+                handle(&header, payload, exported, &mut session, &mut outbox)
+            {
+                outbox.flush(stream, coh.outbound().map(|o| &**o))?;
                 return Err(io::Error::new(
                     io::ErrorKind::PermissionDenied,
                     refusal.to_string(),
@@ -302,10 +351,10 @@ pub(crate) fn serve(
                 }
             }
             if outbox.is_full() {
-                outbox.flush(stream)?;
+                outbox.flush(stream, coh.outbound().map(|o| &**o))?;
             }
         }
-        outbox.flush(stream)?;
+        outbox.flush(stream, coh.outbound().map(|o| &**o))?;
         if let Some(err) = close {
             guard.protocol_error();
             return Err(io::Error::new(
@@ -320,7 +369,7 @@ pub(crate) fn serve(
         }
         if start == end {
             (start, end) = (0, 0);
-        } else if buf.len() - end < HEADER_LEN + PAGE_SIZE {
+        } else if buf.len() - end < HEADER_LEN + MAX_PAYLOAD_BYTES as usize {
             buf.copy_within(start..end, 0);
             end -= start;
             start = 0;
@@ -401,7 +450,7 @@ fn wait_readable(stream: &TcpStream, limit: Option<Duration>) -> io::Result<()> 
 }
 
 /// A client that takes no answers for this long is dropped.
-const SEND_STALL_TIMEOUT_MS: i32 = 30_000;
+pub(crate) const SEND_STALL_TIMEOUT_MS: i32 = 30_000;
 
 /// Blocks until the socket is ready for `events`, or `timeout_ms` passes
 /// (-1: no limit; a timeout is an error).
@@ -481,7 +530,7 @@ fn handle(
             )?;
             handshake_answer(ack, outbox);
         }
-        Opcode::Read | Opcode::Write if !session.is_ready() => {
+        Opcode::Read | Opcode::Write | Opcode::CohToHome if !session.is_ready() => {
             return Err(Refusal::BeforeHandshake)
         }
         Opcode::Read if session.checksums => {
@@ -548,6 +597,8 @@ fn handle(
         | Opcode::Challenge
         | Opcode::ReadResp
         | Opcode::WriteResp
+        | Opcode::CohToHome
+        | Opcode::CohToNode
         | Opcode::Error => {
             if !session.is_ready() {
                 return Err(Refusal::BeforeHandshake);

@@ -10,6 +10,7 @@
 mod acceptor;
 mod admission;
 mod client_keys;
+mod coherence_home;
 mod config;
 mod connection;
 mod conns;
@@ -20,6 +21,7 @@ mod listener;
 mod log_limit;
 mod metrics;
 mod metrics_http;
+mod outbound;
 mod rdma;
 mod recovery;
 mod recovery_guard;
@@ -28,6 +30,7 @@ mod server;
 mod stats;
 
 pub use client_keys::{ClientKeyKind, ClientKeys};
+pub use coherence_home::CoherenceStats;
 pub use config::ServerConfig;
 pub use layout::{ExportedRange, Layout, LayoutError, PlacedRange};
 pub use rdma::{ClientKeyInfo, RdmaOptions};

@@ -12,6 +12,7 @@ use rdma_transport::region::{MapOptions, MappedRegion};
 
 use crate::admission::Admission;
 use crate::client_keys::ClientKeyKind;
+use crate::coherence_home::{CoherenceHome, CoherenceStats};
 use crate::config::ServerConfig;
 use crate::connection::Exported;
 use crate::handshake::ServerAuth;
@@ -139,6 +140,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             auth: ServerAuth::new(config.node_id.clone(), config.cluster_key.clone()),
             page_checksums: config.page_checksums,
             guard: RecoveryGuard::new(memory_bytes),
+            coherence: CoherenceHome::default(),
             metrics: PageMetrics::new(),
         },
         stop: AtomicBool::new(false),
@@ -314,6 +316,16 @@ impl RunningServer {
     /// Handshakes refused because the client could not prove the cluster key.
     pub fn auth_failures(&self) -> u64 {
         self.shared.exported.auth.failures()
+    }
+
+    /// The coherence home's counters.
+    pub fn coherence_stats(&self) -> CoherenceStats {
+        let home = &self.shared.exported.coherence;
+        CoherenceStats {
+            home: home.stats(),
+            pages: home.pages(),
+            refused_frames: home.refused(),
+        }
     }
 
     /// Connections being served now (handshaken or not, and evicted ones

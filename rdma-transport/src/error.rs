@@ -60,6 +60,19 @@ pub enum TransportError {
         /// Owner node id.
         node: String,
     },
+    /// Coherent memory: the latest writes of the page at `gpa` were lost
+    /// with the hypervisor node that owned it (it died before writing them
+    /// back to the page's home). The home refuses to serve an older
+    /// version; the page stays lost until it is re-initialised.
+    #[error(
+        "the latest writes of GPA {gpa:#x} were lost with the node that owned them (home {node})"
+    )]
+    CoherentDataLost {
+        /// The address asked for.
+        gpa: u64,
+        /// The page's home node.
+        node: String,
+    },
     /// A write reached a live replica of its range, but another replica
     /// missed it and could not be marked stale (the coordinator was not
     /// reachable, or refused): that replica may serve the older page, so

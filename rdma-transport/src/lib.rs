@@ -10,6 +10,7 @@
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
 pub mod auth;
+pub mod coherent;
 mod config;
 pub mod coordinator;
 mod error;

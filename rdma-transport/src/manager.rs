@@ -26,6 +26,7 @@ use crate::wire::Opcode;
 mod async_op;
 #[cfg(test)]
 mod checksum_tests;
+mod coherent;
 mod completion;
 mod epoch;
 mod latency;

@@ -20,14 +20,20 @@ pub fn send(s: &mut TcpStream, opcode: Opcode, request_id: u64, payload: &[u8]) 
 
 /// Reads one message strictly by the framing of docs/wire-protocol.md: the
 /// 32-byte header, then exactly `length` payload bytes for the handshake
-/// messages and WRITE, and for READ_RESP with status OK; nothing for the
-/// others.
+/// messages, WRITE and the coherence messages, and for READ_RESP with
+/// status OK; nothing for the others.
 pub fn read_framed(s: &mut TcpStream) -> (Header, Vec<u8>) {
     let mut b = [0u8; HEADER_LEN];
     s.read_exact(&mut b).expect("a header");
     let h = Header::decode(&b).expect("a well-formed header");
     let carries = match h.opcode {
-        Opcode::Hello | Opcode::Challenge | Opcode::Auth | Opcode::HelloAck | Opcode::Write => true,
+        Opcode::Hello
+        | Opcode::Challenge
+        | Opcode::Auth
+        | Opcode::HelloAck
+        | Opcode::Write
+        | Opcode::CohToHome
+        | Opcode::CohToNode => true,
         Opcode::ReadResp => h.status == Status::Ok,
         _ => false,
     };

@@ -6,12 +6,14 @@ use crate::page::PAGE_SIZE;
 /// First four bytes of every message (`"PGTP"` read as a little-endian u32).
 pub const MAGIC: u32 = u32::from_le_bytes(*b"PGTP");
 /// Protocol version this library speaks. 2: the HELLO RDMA section carries
-/// each side's READ depths (version 1 sent zeros there).
-pub const VERSION: u8 = 3;
+/// each side's READ depths (version 1 sent zeros there). 3: authenticated
+/// handshake. 4: the coherence messages (`COH_TO_HOME`, `COH_TO_NODE`).
+pub const VERSION: u8 = 4;
 /// Size of [`Header`] on the wire.
 pub const HEADER_LEN: usize = 32;
-/// Largest payload any message may carry: one page.
-pub const MAX_PAYLOAD_BYTES: u32 = PAGE_SIZE as u32;
+/// Largest payload any message may carry: a coherence message's body and
+/// one page (every other message carries at most one page).
+pub const MAX_PAYLOAD_BYTES: u32 = (super::coherence::COH_BODY_LEN + PAGE_SIZE) as u32;
 
 /// Message type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -35,6 +37,14 @@ pub enum Opcode {
     /// Client → server, answering `Challenge`: the client's proof (and QP
     /// endpoint); payload is an `AuthRequest`. Answered with `HelloAck`.
     Auth = 8,
+    /// Node (client) → home (page-server): a coherence message about the
+    /// page at `offset`; payload is its body and, for a write-back, the page
+    /// (`wire::coherence`).
+    CohToHome = 9,
+    /// Home → node: a coherence message (grant, callback, ...) about the page
+    /// at `offset`, sent unasked for callbacks; payload as for `CohToHome`
+    /// (a grant carries the page). A refusal has a status and no payload.
+    CohToNode = 10,
     /// Error answer to a message whose type could not be trusted; no payload.
     Error = 0x7f,
 }
@@ -51,6 +61,8 @@ impl Opcode {
             6 => Self::WriteResp,
             7 => Self::Challenge,
             8 => Self::Auth,
+            9 => Self::CohToHome,
+            10 => Self::CohToNode,
             0x7f => Self::Error,
             _ => return None,
         })
@@ -159,9 +171,13 @@ impl Header {
     /// Number of payload bytes that follow this header on the wire.
     pub const fn payload_len(&self) -> usize {
         match self.opcode {
-            Opcode::Hello | Opcode::HelloAck | Opcode::Challenge | Opcode::Auth | Opcode::Write => {
-                self.length as usize
-            }
+            Opcode::Hello
+            | Opcode::HelloAck
+            | Opcode::Challenge
+            | Opcode::Auth
+            | Opcode::Write
+            | Opcode::CohToHome
+            | Opcode::CohToNode => self.length as usize,
             Opcode::ReadResp if matches!(self.status, Status::Ok) => self.length as usize,
             _ => 0,
         }
@@ -254,6 +270,8 @@ mod tests {
             Opcode::ReadResp,
             Opcode::Write,
             Opcode::WriteResp,
+            Opcode::CohToHome,
+            Opcode::CohToNode,
             Opcode::Error,
         ] {
             let h = Header {
@@ -311,6 +329,9 @@ mod tests {
         // Version 1 peers sent no READ depths in the HELLO RDMA section.
         bytes[4] = 1;
         assert_eq!(Header::decode(&bytes), Err(DecodeError::BadVersion(1)));
+        // Version 3 peers know no coherence messages.
+        bytes[4] = 3;
+        assert_eq!(Header::decode(&bytes), Err(DecodeError::BadVersion(3)));
     }
 
     #[test]

@@ -5,10 +5,15 @@
 //! carries one (see [`Opcode::carries_payload`]). `docs/wire-protocol.md`
 //! is the reference.
 
+mod coherence;
 mod header;
 mod hello;
 mod status;
 
+pub use coherence::{
+    decode_to_home, decode_to_node, encode_refusal, encode_to_home, encode_to_node, CohDecodeError,
+    CohFrame, ToNodeFrame, COH_BODY_LEN,
+};
 pub use header::{
     page_checksum, DecodeError, Header, Opcode, HEADER_LEN, MAGIC, MAX_PAYLOAD_BYTES, VERSION,
 };

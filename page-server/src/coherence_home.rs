@@ -1,0 +1,319 @@
+//! The page-server as the coherence home of its pages (docs/coherence.md).
+//!
+//! Each page that a node asks for coherently gets a `coherence::HomePage`
+//! (allocated on first use and kept: most pages are never used coherently,
+//! and an entry's sequence numbers must not restart while nodes remember
+//! them). A node is a client connection that sent a coherence message: it
+//! gets a `NodeId` (0..64) for the life of the connection. Each page's
+//! events are fed one at a time under the page's lock, and the actions they
+//! return are carried out (frames sent on the nodes' connections) before the
+//! lock is released. When a node's connection ends its thread has read its
+//! last message, so `on_node_lost` runs then for every page, and only after
+//! that is its `NodeId` given to another connection.
+//!
+//! Data travels with the messages: a grant carries the home's page, a
+//! write-back (or an ack reporting one) the node's, which becomes the home's
+//! data only when it is the current owner's version.
+
+use std::collections::HashMap;
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use coherence::{
+    Directory, HomeAction, HomeActions, HomeConfig, HomePage, HomeStats, NodeId, ToHome, ToNode,
+    Version,
+};
+use parking_lot::Mutex;
+use rdma_transport::wire::{decode_to_home, encode_refusal, encode_to_node, Header, Status};
+use rdma_transport::{Page, PAGE_SIZE};
+
+use crate::connection::Exported;
+use crate::outbound::Outbound;
+
+/// What a page-server's coherence home did so far
+/// ([`crate::RunningServer::coherence_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CoherenceStats {
+    /// The protocol's counters, summed over every page.
+    pub home: HomeStats,
+    /// Pages with a directory entry (asked for coherently at least once).
+    pub pages: usize,
+    /// Coherence frames refused (malformed, out of range, too many nodes) or
+    /// not applied (a write-back claimed without its data, or by a
+    /// non-owner: the sender's connection is closed).
+    pub refused_frames: u64,
+}
+
+/// The coherence directory of one page-server.
+#[derive(Debug, Default)]
+pub(crate) struct CoherenceHome {
+    pages: Mutex<HashMap<usize, Arc<Mutex<HomePage>>>>,
+    nodes: Mutex<Vec<Slot>>,
+    stats: Mutex<HomeStats>,
+    /// Frames refused (malformed, out of range, too many nodes) or not
+    /// applied (a write-back claimed without its data, or by a non-owner).
+    refused: AtomicU64,
+}
+
+#[derive(Debug, Clone, Default)]
+enum Slot {
+    #[default]
+    Free,
+    Live(Arc<Outbound>),
+    /// Its connection ended; `on_node_lost` is running for its pages.
+    Leaving,
+}
+
+/// A connection's coherence state: its outbound handle and node id, once it
+/// sent a coherence message.
+#[derive(Debug, Default)]
+pub(crate) struct CohSession {
+    outbound: Option<Arc<Outbound>>,
+    node: Option<NodeId>,
+}
+
+impl CohSession {
+    /// The send lock the connection's own answers must take, if other
+    /// threads may write to it.
+    pub(crate) fn outbound(&self) -> Option<&Arc<Outbound>> {
+        self.outbound.as_ref()
+    }
+
+    /// Whether the connection is a node (it has a `NodeId`).
+    pub(crate) fn is_node(&self) -> bool {
+        self.node.is_some()
+    }
+}
+
+impl CoherenceHome {
+    /// Counters of every page's transitions.
+    pub(crate) fn stats(&self) -> HomeStats {
+        *self.stats.lock()
+    }
+
+    /// Frames refused or not applied.
+    pub(crate) fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Pages with a directory entry.
+    pub(crate) fn pages(&self) -> usize {
+        self.pages.lock().len()
+    }
+
+    fn register(&self, outbound: &Arc<Outbound>) -> Option<NodeId> {
+        let mut nodes = self.nodes.lock();
+        if nodes.is_empty() {
+            nodes.resize(usize::from(NodeId::MAX_NODES), Slot::Free);
+        }
+        let free = nodes.iter().position(|s| matches!(s, Slot::Free))?;
+        nodes[free] = Slot::Live(Arc::clone(outbound));
+        NodeId::new(u8::try_from(free).ok()?)
+    }
+
+    fn outbound_of(&self, node: NodeId) -> Option<Arc<Outbound>> {
+        match self.nodes.lock().get(usize::from(node.get())) {
+            Some(Slot::Live(o)) => Some(Arc::clone(o)),
+            _ => None,
+        }
+    }
+
+    fn entry(&self, off: usize) -> Arc<Mutex<HomePage>> {
+        Arc::clone(
+            self.pages
+                .lock()
+                .entry(off)
+                .or_insert_with(|| Arc::new(Mutex::new(HomePage::new(HomeConfig::default())))),
+        )
+    }
+
+    fn count_refused(&self) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Serves one COH_TO_HOME frame from the connection of `stream`. Never
+/// fails: a frame that cannot be served is refused (a COH_TO_NODE with an
+/// error status, the connection stays) or, when it would corrupt the
+/// directory, not applied, and the connection is closed (the node is lost).
+pub(crate) fn on_frame(
+    ex: &Exported,
+    header: &Header,
+    payload: &[u8],
+    stream: &TcpStream,
+    session: &mut CohSession,
+) {
+    let home = &ex.coherence;
+    let outbound = match &session.outbound {
+        Some(o) => Arc::clone(o),
+        None => match Outbound::new(stream) {
+            Ok(o) => {
+                let o = Arc::new(o);
+                session.outbound = Some(Arc::clone(&o));
+                o
+            }
+            Err(err) => {
+                tracing::warn!(%err, "cannot serve coherence on this connection");
+                return;
+            }
+        },
+    };
+    let refuse = |status: Status| {
+        home.count_refused();
+        let frame = encode_refusal(header.offset, status);
+        if let Err(err) = outbound.send(&[&frame]) {
+            tracing::debug!(%err, "coherence refusal not sent");
+        }
+    };
+    let frame = match decode_to_home(header, payload) {
+        Ok(f) => f,
+        Err(err) => {
+            tracing::debug!(offset = header.offset, %err, "malformed coherence message");
+            return refuse(Status::BadLength);
+        }
+    };
+    let off = match ex.check_page(frame.offset) {
+        Ok(off) => off,
+        Err(status) => return refuse(status),
+    };
+    let node = match session.node {
+        Some(n) => n,
+        None => match home.register(&outbound) {
+            Some(n) => {
+                tracing::debug!(node = n.get(), "coherence node joined");
+                session.node = Some(n);
+                n
+            }
+            None => {
+                tracing::warn!(
+                    "coherence request refused: {} nodes already",
+                    NodeId::MAX_NODES
+                );
+                return refuse(Status::Internal);
+            }
+        },
+    };
+    let entry = home.entry(off);
+    let mut page = entry.lock();
+    if let Some(version) = reported_write_back(&frame.msg) {
+        let takes = version == page.version() && version != page.stored_version();
+        if takes {
+            let owner =
+                matches!(page.directory(), Directory::Modified { owner, .. } if owner == node);
+            let stored = match frame.page {
+                Some(data) if owner => ex.guard.client_write(&ex.region, off, data).is_ok(),
+                _ => false,
+            };
+            if !stored {
+                // The protocol would record the version as the home's data:
+                // without that data (or from a node that does not own it),
+                // the home would serve an older page as the newer version.
+                // Dropping the message alone could leave an ack awaited
+                // forever: the node is closed instead (lost: a page it owns
+                // and has not written back is marked lost).
+                tracing::warn!(
+                    node = node.get(),
+                    off,
+                    version,
+                    owner,
+                    with_page = frame.page.is_some(),
+                    "write-back not accepted; closing the node's connection"
+                );
+                home.count_refused();
+                outbound.shut_down();
+                return;
+            }
+        }
+    }
+    let actions = {
+        let mut stats = home.stats.lock();
+        page.on_message(node, frame.msg, &mut stats)
+    };
+    carry_out(ex, off, actions);
+}
+
+/// The version a message says is at the home (written back before it was
+/// sent), if any.
+fn reported_write_back(msg: &ToHome) -> Option<Version> {
+    match *msg {
+        ToHome::WriteBack { version } => Some(version),
+        ToHome::InvalidateAck { written_back, .. } | ToHome::DowngradeAck { written_back, .. } => {
+            written_back
+        }
+        ToHome::ReadReq { .. } | ToHome::WriteReq { .. } => None,
+    }
+}
+
+/// Sends what a transition of the page at `off` returned (its lock held).
+fn carry_out(ex: &Exported, off: usize, actions: HomeActions) {
+    for action in actions.iter() {
+        match action {
+            HomeAction::Send { to, msg } => send(ex, off, to, &msg),
+            HomeAction::SendAll { to, msg } => {
+                for node in to.iter() {
+                    send(ex, off, node, &msg);
+                }
+            }
+        }
+    }
+}
+
+fn send(ex: &Exported, off: usize, to: NodeId, msg: &ToNode) {
+    let Some(outbound) = ex.coherence.outbound_of(to) else {
+        // Lost: its `on_node_lost` is on its way or done.
+        return;
+    };
+    let mut data: Option<Box<Page>> = None;
+    if matches!(msg, ToNode::Grant { .. }) {
+        let mut page: Box<Page> = Box::new([0u8; PAGE_SIZE]);
+        if let Err(err) = ex.region.read_at(off, &mut page[..]) {
+            tracing::error!(off, %err, "cannot read a granted page");
+            return;
+        }
+        data = Some(page);
+    }
+    let frame = encode_to_node(off as u64, msg, data.as_deref());
+    if let Err(err) = outbound.send(&[&frame]) {
+        // Gone, or took no data for the stall timeout: part of the frame
+        // may be out, and a callback that never arrives would be waited
+        // for forever. Close the connection: its thread declares the node
+        // lost (an awaited ack then counts as received).
+        tracing::warn!(node = to.get(), %err, "coherence message not sent; closing the node's connection");
+        outbound.shut_down();
+    }
+}
+
+/// The connection of `session` ended (its thread read its last message):
+/// its node is lost for every page, then its id is free again.
+pub(crate) fn disconnect(ex: &Exported, session: &mut CohSession) {
+    session.outbound = None;
+    let Some(node) = session.node.take() else {
+        return;
+    };
+    let home = &ex.coherence;
+    if let Some(slot) = home.nodes.lock().get_mut(usize::from(node.get())) {
+        *slot = Slot::Leaving;
+    }
+    let entries: Vec<(usize, Arc<Mutex<HomePage>>)> = home
+        .pages
+        .lock()
+        .iter()
+        .map(|(off, e)| (*off, Arc::clone(e)))
+        .collect();
+    let mut lost = 0u64;
+    for (off, entry) in entries {
+        let mut page = entry.lock();
+        let was_lost = page.is_lost();
+        let actions = {
+            let mut stats = home.stats.lock();
+            page.on_node_lost(node, &mut stats)
+        };
+        lost += u64::from(!was_lost && page.is_lost());
+        carry_out(ex, off, actions);
+    }
+    tracing::debug!(node = node.get(), pages_lost = lost, "coherence node left");
+    if let Some(slot) = home.nodes.lock().get_mut(usize::from(node.get())) {
+        *slot = Slot::Free;
+    }
+}

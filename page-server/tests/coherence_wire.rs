@@ -1,0 +1,614 @@
+//! The coherence protocol over the wire: one page-server as the home,
+//! several `TransportManager`s in this process as the nodes
+//! (`CoherentNode`), each with a small embedder (`Copies`) holding its
+//! local copies as `GuestMemory` will. Every step that moves a page checks
+//! its whole contents. No sleeps: each step waits for an answer that the
+//! protocol only sends once the step before it is done.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::raw::{self, read_framed};
+use common::*;
+use page_server::{RunningServer, ServerConfig};
+use parking_lot::Mutex;
+use rdma_transport::auth::ClusterKey;
+use rdma_transport::coherent::{
+    Access, CoherenceConfig, CoherenceHandler, CoherentNode, Mode, Recall, RecallAnswer,
+};
+use rdma_transport::coordinator::api::{MapEntry, MapResponse, NodeInfo, RangeState};
+use rdma_transport::wire::{
+    decode_to_node, encode_to_home, Header, Opcode, Status, ToNodeFrame, HEADER_LEN,
+};
+use rdma_transport::{ManagerConfig, Page, TransportError, TransportManager, PAGE_SIZE};
+
+const HOME: &str = "home";
+const GPA_BASE: u64 = 0x10_0000;
+
+/// A node's local copies: what `GuestMemory` will keep in guest RAM.
+#[derive(Debug, Default)]
+struct Copies {
+    pages: Mutex<HashMap<u64, (Mode, Box<Page>)>>,
+    recalls: Mutex<Vec<(u64, Recall)>>,
+}
+
+impl CoherenceHandler for Copies {
+    fn install(&self, gpa: u64, mode: Mode, data: Option<&Page>) {
+        let mut pages = self.pages.lock();
+        match (data, pages.get_mut(&gpa)) {
+            (Some(data), _) => {
+                pages.insert(gpa, (mode, Box::new(*data)));
+            }
+            (None, Some(entry)) => entry.0 = mode,
+            (None, None) => panic!("an upgrade of {gpa:#x} without a copy"),
+        }
+    }
+
+    fn recall(&self, gpa: u64, recall: Recall) -> RecallAnswer {
+        self.recalls.lock().push((gpa, recall));
+        let mut pages = self.pages.lock();
+        let answer = match (recall.needs_data(), pages.get(&gpa)) {
+            (true, Some((_, data))) => RecallAnswer::WriteBack(data.clone()),
+            _ => RecallAnswer::Done,
+        };
+        match recall {
+            Recall::Invalidate { .. } => {
+                pages.remove(&gpa);
+            }
+            Recall::Downgrade => {
+                if let Some(entry) = pages.get_mut(&gpa) {
+                    entry.0 = Mode::Shared;
+                }
+            }
+        }
+        answer
+    }
+}
+
+impl Copies {
+    fn copy(&self, gpa: u64) -> Option<(Mode, Page)> {
+        self.pages.lock().get(&gpa).map(|(m, p)| (*m, **p))
+    }
+
+    fn take_recalls(&self) -> Vec<(u64, Recall)> {
+        std::mem::take(&mut *self.recalls.lock())
+    }
+}
+
+/// One hypervisor node: its manager, its coherent side and its copies.
+struct Node {
+    copies: Arc<Copies>,
+    coherent: Option<CoherentNode>,
+    _manager: TransportManager,
+}
+
+impl Node {
+    fn new(server: &RunningServer, key: &ClusterKey, min_hold_us: u64) -> Self {
+        let manager = manager_for(server, key);
+        let copies = Arc::new(Copies::default());
+        let coherent = manager.coherent_node(
+            Arc::clone(&copies) as Arc<dyn CoherenceHandler>,
+            CoherenceConfig {
+                min_hold_us,
+                timeout_ms: 5_000,
+            },
+        );
+        Self {
+            copies,
+            coherent: Some(coherent),
+            _manager: manager,
+        }
+    }
+
+    fn c(&self) -> &CoherentNode {
+        self.coherent.as_ref().expect("node alive")
+    }
+
+    /// Reads the page as a vCPU would: its copy once it holds one.
+    fn read(&self, gpa: u64) -> Result<Page, TransportError> {
+        for _ in 0..1000 {
+            self.c().acquire(gpa, Access::Read)?;
+            if let Some((_, page)) = self.copies.copy(gpa) {
+                return Ok(page);
+            }
+        }
+        panic!("no copy of {gpa:#x} after 1000 grants");
+    }
+
+    /// Changes the page as a vCPU would: in its copy, while it owns it.
+    fn modify(&self, gpa: u64, f: impl Fn(&mut Page)) -> Result<(), TransportError> {
+        for _ in 0..1000 {
+            self.c().acquire(gpa, Access::Write)?;
+            let mut pages = self.copies.pages.lock();
+            if let Some((Mode::Exclusive, page)) = pages.get_mut(&gpa) {
+                f(page);
+                return Ok(());
+            }
+        }
+        panic!("no ownership of {gpa:#x} after 1000 grants");
+    }
+
+    /// Dies: its connections close without writing anything back.
+    fn kill(&mut self) {
+        self.coherent = None;
+    }
+}
+
+fn manager_for(server: &RunningServer, key: &ClusterKey) -> TransportManager {
+    let map = MapResponse {
+        version: 1,
+        entries: vec![MapEntry {
+            gpa_start: GPA_BASE,
+            length_bytes: NODE_BYTES as u64,
+            node_id: HOME.into(),
+            remote_offset: 0,
+            rdma: None,
+            valid_epoch: 0,
+            state: RangeState::Live,
+            replicas: Vec::new(),
+        }],
+        nodes: vec![NodeInfo {
+            id: HOME.into(),
+            tcp_addr: server.addr().to_string(),
+            rdma: None,
+            alive: true,
+            last_seen_ms_ago: 0,
+            epoch: 0,
+        }],
+    };
+    TransportManager::from_map(
+        ManagerConfig {
+            transport: rdma_transport::TransportKind::Tcp,
+            request_timeout_ms: 2000,
+            connect_timeout_ms: 2000,
+            poller_cpus: Some(vec![]),
+            map_refresh_ms: 0,
+            cluster_key: Some(key.clone()),
+            ..ManagerConfig::default()
+        },
+        map,
+    )
+    .expect("manager over a fixed map")
+}
+
+fn home() -> (RunningServer, ClusterKey) {
+    let key = ClusterKey::generate().expect("a key");
+    let mut cfg = ServerConfig::new(HOME, NODE_BYTES);
+    cfg.cluster_key = Some(key.clone());
+    (page_server::spawn(cfg).expect("page-server starts"), key)
+}
+
+fn filled(gpa: u64, seed: u8) -> impl Fn(&mut Page) {
+    move |p| *p = page_for(gpa, seed)
+}
+
+#[test]
+fn a_reader_gets_the_owners_data_by_downgrade_and_a_writer_invalidates_the_readers() {
+    let (server, key) = home();
+    let a = Node::new(&server, &key, 1000);
+    let b = Node::new(&server, &key, 1000);
+    let gpa = GPA_BASE + 5 * PAGE_SIZE as u64;
+
+    // A owns the page and writes it; the home still has zeros.
+    a.modify(gpa, filled(gpa, 0xa1)).unwrap();
+    assert_eq!(
+        a.copies.copy(gpa),
+        Some((Mode::Exclusive, page_for(gpa, 0xa1)))
+    );
+    assert!(a.copies.take_recalls().is_empty());
+
+    // B reads: the home downgrades A, which writes back; B sees A's data.
+    assert_eq!(b.read(gpa).unwrap(), page_for(gpa, 0xa1));
+    assert_eq!(a.copies.take_recalls(), [(gpa, Recall::Downgrade)]);
+    assert_eq!(
+        a.copies.copy(gpa),
+        Some((Mode::Shared, page_for(gpa, 0xa1)))
+    );
+    assert_eq!(
+        b.copies.copy(gpa),
+        Some((Mode::Shared, page_for(gpa, 0xa1)))
+    );
+    // The written-back page is the home's data (a plain READ shows it).
+    let mut page = [0u8; PAGE_SIZE];
+    a._manager.read_page(gpa, &mut page).unwrap();
+    assert_eq!(page, page_for(gpa, 0xa1));
+
+    // A writes again (an upgrade of its shared copy): B is invalidated,
+    // with nothing to write back.
+    a.modify(gpa, filled(gpa, 0xa2)).unwrap();
+    assert_eq!(
+        b.copies.take_recalls(),
+        [(gpa, Recall::Invalidate { write_back: false })]
+    );
+    assert_eq!(b.copies.copy(gpa), None);
+    assert_eq!(
+        a.copies.copy(gpa),
+        Some((Mode::Exclusive, page_for(gpa, 0xa2)))
+    );
+
+    // B writes: A (the owner) is invalidated and writes back first; B's
+    // write starts from A's data.
+    b.modify(gpa, |p| {
+        assert_eq!(
+            *p,
+            page_for(gpa, 0xa2),
+            "the new owner starts from the latest data"
+        );
+        p[100] ^= 0xff;
+    })
+    .unwrap();
+    assert_eq!(
+        a.copies.take_recalls(),
+        [(gpa, Recall::Invalidate { write_back: true })]
+    );
+    assert_eq!(a.copies.copy(gpa), None);
+    let mut expected = page_for(gpa, 0xa2);
+    expected[100] ^= 0xff;
+    assert_eq!(a.read(gpa).unwrap(), expected);
+    assert_eq!(b.copies.copy(gpa), Some((Mode::Shared, expected)));
+
+    let stats = server.coherence_stats();
+    assert_eq!(stats.pages, 1);
+    assert_eq!(stats.refused_frames, 0);
+    assert_eq!(stats.home.downgrades_sent, 2);
+    assert_eq!(stats.home.invalidation_rounds, 2);
+    assert_eq!(stats.home.exclusive_grants, 3);
+    assert_eq!(stats.home.write_backs, 3);
+    assert_eq!(stats.home.pages_lost, 0);
+}
+
+#[test]
+fn a_node_that_dies_owning_a_page_loses_it_for_everyone_and_its_written_back_pages_survive() {
+    let (server, key) = home();
+    let mut a = Node::new(&server, &key, 0);
+    let b = Node::new(&server, &key, 0);
+    let c = Node::new(&server, &key, 0);
+    let owned = GPA_BASE;
+    let evicted = GPA_BASE + PAGE_SIZE as u64;
+    let shared = GPA_BASE + 2 * PAGE_SIZE as u64;
+
+    // `owned`: B wrote version 1 (written back when A took it), A writes
+    // version 2 and never writes it back.
+    b.modify(owned, filled(owned, 1)).unwrap();
+    a.modify(owned, filled(owned, 2)).unwrap();
+    // `evicted`: A wrote it and evicted it (written back).
+    a.modify(evicted, filled(evicted, 3)).unwrap();
+    a.c().evict(evicted).unwrap();
+    assert_eq!(a.copies.copy(evicted), None);
+    // `shared`: A and B hold it read-only.
+    c.modify(shared, filled(shared, 4)).unwrap();
+    assert_eq!(a.read(shared).unwrap(), page_for(shared, 4));
+    assert_eq!(b.read(shared).unwrap(), page_for(shared, 4));
+    assert_eq!(
+        b.copies.take_recalls(),
+        [(owned, Recall::Invalidate { write_back: true })]
+    );
+
+    a.kill();
+    // Its copies are gone on its side too.
+    assert!(a.copies.pages.lock().is_empty());
+
+    // Nobody gets the older version of `owned`: reads and writes fail
+    // with the typed error, on every node, every time.
+    for node in [&b, &c] {
+        for access in [Access::Read, Access::Write, Access::Read] {
+            match node.c().acquire(owned, access) {
+                Err(TransportError::CoherentDataLost { gpa, node }) => {
+                    assert_eq!((gpa, node.as_str()), (owned, HOME));
+                }
+                other => panic!("{access:?} of a lost page: {other:?}"),
+            }
+        }
+        assert_eq!(node.copies.copy(owned), None, "no copy of a lost page");
+    }
+    // What A wrote back survives it.
+    assert_eq!(b.read(evicted).unwrap(), page_for(evicted, 3));
+    // A shared holder's death loses nothing: C can write without waiting
+    // for A (it is no longer a holder), and B is invalidated.
+    c.modify(shared, filled(shared, 5)).unwrap();
+    assert_eq!(
+        b.copies.take_recalls(),
+        [(shared, Recall::Invalidate { write_back: false })]
+    );
+    assert_eq!(b.read(shared).unwrap(), page_for(shared, 5));
+
+    let stats = server.coherence_stats();
+    assert_eq!(stats.home.pages_lost, 1);
+    assert_eq!(stats.home.lost_answers, 6);
+}
+
+#[test]
+fn concurrent_increments_from_three_nodes_are_all_counted() {
+    const NODES: usize = 3;
+    const INCREMENTS: u64 = 150;
+    let (server, key) = home();
+    let gpa = GPA_BASE + 7 * PAGE_SIZE as u64;
+    let nodes: Vec<Node> = (0..NODES).map(|_| Node::new(&server, &key, 200)).collect();
+    let start = std::sync::Barrier::new(NODES);
+    let counter = |p: &Page, at: usize| u64::from_le_bytes(p[at..at + 8].try_into().unwrap());
+    std::thread::scope(|s| {
+        for (i, node) in nodes.iter().enumerate() {
+            let start = &start;
+            s.spawn(move || {
+                start.wait();
+                let mut seen = 0;
+                for k in 0..INCREMENTS {
+                    if k % 3 == 1 {
+                        // Read it after giving it back: a shared copy,
+                        // from the home or by downgrading another owner.
+                        // Never an older count than this node last saw
+                        // (its own increment since is in it).
+                        let now = counter(&node.read(gpa).unwrap(), 0);
+                        assert!(now > seen, "node {i} read {now} after {seen}");
+                        seen = now;
+                    }
+                    node.modify(gpa, |p| {
+                        let total = counter(p, 0);
+                        p[..8].copy_from_slice(&(total + 1).to_le_bytes());
+                        // A per-node tally elsewhere in the page.
+                        let at = 8 + 8 * i;
+                        let mine = counter(p, at);
+                        assert_eq!(mine, k, "node {i} finds its own increments");
+                        p[at..at + 8].copy_from_slice(&(mine + 1).to_le_bytes());
+                    })
+                    .unwrap();
+                    if k % 3 == 0 {
+                        // Give the page back (written back to the home).
+                        node.c().evict(gpa).unwrap();
+                    }
+                }
+            });
+        }
+    });
+    let reader = Node::new(&server, &key, 0);
+    let page = reader.read(gpa).unwrap();
+    assert_eq!(counter(&page, 0), NODES as u64 * INCREMENTS);
+    for i in 0..NODES {
+        assert_eq!(
+            counter(&page, 8 + 8 * i),
+            INCREMENTS,
+            "node {i}'s increments"
+        );
+    }
+    assert!(page[8 + 8 * NODES..].iter().all(|&b| b == 0));
+    let stats = server.coherence_stats();
+    assert_eq!(stats.home.pages_lost, 0);
+    assert_eq!(stats.refused_frames, 0);
+    // Every eviction gave the page back: each third increment at least
+    // needed a new exclusive grant.
+    assert!(
+        stats.home.exclusive_grants >= NODES as u64 * INCREMENTS / 3,
+        "{stats:?}"
+    );
+    eprintln!("counter test: {stats:?}");
+}
+
+#[test]
+fn concurrent_faults_of_one_node_on_one_page_make_one_request() {
+    const THREADS: usize = 4;
+    let (server, key) = home();
+    let gpa = GPA_BASE + 9 * PAGE_SIZE as u64;
+    // B owns the page and keeps it for 300 ms after its grant: A's faults
+    // all come while the home waits for B's downgrade.
+    let b = Node::new(&server, &key, 300_000);
+    let a = Node::new(&server, &key, 0);
+    b.modify(gpa, filled(gpa, 0x33)).unwrap();
+    let start = std::sync::Barrier::new(THREADS);
+    std::thread::scope(|s| {
+        for _ in 0..THREADS {
+            let (a, start) = (&a, &start);
+            s.spawn(move || {
+                start.wait();
+                assert_eq!(a.read(gpa).unwrap(), page_for(gpa, 0x33));
+            });
+        }
+    });
+    let stats = a.c().stats();
+    assert_eq!(stats.requests, 1, "{stats:?}");
+    assert!(stats.coalesced_faults >= 1, "{stats:?}");
+    assert_eq!(b.copies.take_recalls(), [(gpa, Recall::Downgrade)]);
+    let home = server.coherence_stats().home;
+    assert_eq!((home.shared_grants, home.duplicate_requests), (1, 0));
+}
+
+#[test]
+fn a_home_that_goes_away_fails_the_requests_and_its_pages_are_dropped() {
+    let (server, key) = home();
+    let a = Node::new(&server, &key, 0);
+    let held = GPA_BASE;
+    a.modify(held, filled(held, 7)).unwrap();
+    server.shutdown();
+    // A page not held: its request fails with the connection (or the
+    // connection cannot be made again).
+    match a.c().acquire(GPA_BASE + PAGE_SIZE as u64, Access::Read) {
+        Err(TransportError::NodeDown { node, .. }) => assert_eq!(node, HOME),
+        other => panic!("a request to a home that is gone: {other:?}"),
+    }
+    // The copy of the home's page is dropped once the connection is seen
+    // gone (by the node's reader thread, which may still be at it).
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while a.copies.copy(held).is_some() {
+        assert!(std::time::Instant::now() < deadline, "copy still held");
+        std::thread::yield_now();
+    }
+    assert_eq!(
+        a.copies.take_recalls(),
+        [(held, Recall::Invalidate { write_back: false })]
+    );
+}
+
+/// An embedder whose handler panics (a bug): the node must not hang.
+#[derive(Debug)]
+struct Panicky;
+
+impl CoherenceHandler for Panicky {
+    fn install(&self, gpa: u64, _mode: Mode, _data: Option<&Page>) {
+        panic!("test: the embedder fails to install {gpa:#x}");
+    }
+
+    fn recall(&self, _gpa: u64, _recall: Recall) -> RecallAnswer {
+        RecallAnswer::Done
+    }
+}
+
+#[test]
+fn a_panicking_handler_fails_the_request_instead_of_hanging() {
+    let (server, key) = home();
+    let manager = manager_for(&server, &key);
+    let node = manager.coherent_node(Arc::new(Panicky), CoherenceConfig::default());
+    match node.acquire(GPA_BASE, Access::Read) {
+        Err(TransportError::NodeDown { node, .. }) => assert_eq!(node, HOME),
+        other => panic!("expected NodeDown, got {other:?}"),
+    }
+    // The home lost that node; another node is served as usual.
+    let other = Node::new(&server, &key, 0);
+    other.modify(GPA_BASE, filled(GPA_BASE, 1)).unwrap();
+    assert_eq!(other.read(GPA_BASE).unwrap(), page_for(GPA_BASE, 1));
+}
+
+/// A raw client (handshaken) that sends coherence frames by hand.
+fn raw_client(server: &RunningServer, key: &ClusterKey) -> TcpStream {
+    let mut s = TcpStream::connect(server.addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    raw::handshake(&mut s, 77, HOME, Some(key)).expect("handshake");
+    s
+}
+
+#[test]
+fn bad_coherence_frames_are_refused_and_the_server_keeps_serving() {
+    let (server, key) = home();
+    let good = Node::new(&server, &key, 0);
+    let gpa = GPA_BASE + 3 * PAGE_SIZE as u64;
+    good.modify(gpa, filled(gpa, 9)).unwrap();
+
+    let mut s = raw_client(&server, &key);
+    let refusal = |s: &mut TcpStream| {
+        let (h, payload) = read_framed(s);
+        match decode_to_node(&h, &payload) {
+            Ok(ToNodeFrame::Refused { offset, status }) => (offset, status),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    };
+    // Out of the region, unaligned.
+    let read_req = coherence::ToHome::ReadReq { req: 1 };
+    s.write_all(&encode_to_home(NODE_BYTES as u64, &read_req, None))
+        .unwrap();
+    assert_eq!(refusal(&mut s), (NODE_BYTES as u64, Status::OutOfRange));
+    s.write_all(&encode_to_home(12, &read_req, None)).unwrap();
+    assert_eq!(refusal(&mut s), (12, Status::Unaligned));
+    // A body of an unknown kind.
+    let mut frame = encode_to_home(0, &read_req, None);
+    frame[HEADER_LEN] = 0xee;
+    s.write_all(&frame).unwrap();
+    assert_eq!(refusal(&mut s), (0, Status::BadLength));
+    // A write-back whose page fails its checksum.
+    let page = page_for(0, 1);
+    let mut frame = encode_to_home(0, &coherence::ToHome::WriteBack { version: 1 }, Some(&page));
+    let last = frame.len() - 1;
+    frame[last] ^= 1;
+    s.write_all(&frame).unwrap();
+    assert_eq!(refusal(&mut s), (0, Status::BadLength));
+    // After all that, the same connection still serves plain READs.
+    let header = Header::request(Opcode::Read, 5, gpa - GPA_BASE, PAGE_SIZE as u32);
+    s.write_all(&header.encode()).unwrap();
+    let (h, data) = read_framed(&mut s);
+    assert_eq!(
+        (h.opcode, h.status, h.request_id),
+        (Opcode::ReadResp, Status::Ok, 5)
+    );
+    assert_eq!(data, vec![0u8; PAGE_SIZE], "the home's data is version 0");
+    // A claimed write-back of the current version from a node that does
+    // not own the page: not stored, and the liar's connection is closed.
+    let claim = encode_to_home(
+        gpa - GPA_BASE,
+        &coherence::ToHome::WriteBack { version: 1 },
+        Some(&[0xffu8; PAGE_SIZE]),
+    );
+    s.write_all(&claim).unwrap();
+    let mut byte = [0u8; 1];
+    assert_eq!(
+        std::io::Read::read(&mut s, &mut byte).unwrap_or(0),
+        0,
+        "closed"
+    );
+    // The home's data is untouched: a plain READ on another connection.
+    let mut page = [0u8; PAGE_SIZE];
+    good._manager.read_page(gpa, &mut page).unwrap();
+    assert_eq!(page, [0u8; PAGE_SIZE], "still version 0 at the home");
+    assert_eq!(server.coherence_stats().refused_frames, 5);
+
+    // And the real nodes go on: a reader gets the owner's data.
+    let other = Node::new(&server, &key, 0);
+    assert_eq!(other.read(gpa).unwrap(), page_for(gpa, 9));
+    assert_eq!(good.copies.take_recalls(), [(gpa, Recall::Downgrade)]);
+}
+
+#[test]
+fn an_owner_that_claims_a_write_back_without_the_page_is_not_believed() {
+    let (server, key) = home();
+    let off = 4 * PAGE_SIZE as u64;
+    let gpa = GPA_BASE + off;
+    let mut s = raw_client(&server, &key);
+    // Ownership, by hand.
+    let write_req = coherence::ToHome::WriteReq {
+        req: 1,
+        upgrade: false,
+    };
+    s.write_all(&encode_to_home(off, &write_req, None)).unwrap();
+    let (h, payload) = read_framed(&mut s);
+    let version = match decode_to_node(&h, &payload) {
+        Ok(ToNodeFrame::Msg(f)) => match f.msg {
+            coherence::ToNode::Grant {
+                req: 1,
+                mode: coherence::Mode::Exclusive,
+                version,
+                data_version: 0,
+                ..
+            } => {
+                assert_eq!(f.page, Some(&[0u8; PAGE_SIZE][..]), "the home's page");
+                version
+            }
+            other => panic!("expected an exclusive grant, got {other:?}"),
+        },
+        other => panic!("expected a grant, got {other:?}"),
+    };
+    // "I wrote version 1 back" without the page: not believed, and the
+    // home closes the connection of a node that says so.
+    let claim = coherence::ToHome::WriteBack { version };
+    s.write_all(&encode_to_home(off, &claim, None)).unwrap();
+    let mut byte = [0u8; 1];
+    assert_eq!(
+        std::io::Read::read(&mut s, &mut byte).unwrap_or(0),
+        0,
+        "closed"
+    );
+    assert_eq!(server.coherence_stats().refused_frames, 1);
+    // The owner goes away: its version was never stored, so the page is
+    // lost, not served as version 0.
+    drop(s);
+    let b = Node::new(&server, &key, 0);
+    match b.c().acquire(gpa, Access::Read) {
+        Err(TransportError::CoherentDataLost { gpa: lost, .. }) => assert_eq!(lost, gpa),
+        other => panic!("expected the lost-data error, got {other:?}"),
+    }
+    assert_eq!(server.coherence_stats().home.pages_lost, 1);
+}
+
+#[test]
+fn a_version_3_peer_is_refused() {
+    let (server, _key) = home();
+    let mut s = TcpStream::connect(server.addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut hello = Header::request(Opcode::Hello, 1, 0, 48).encode().to_vec();
+    hello[4] = 3;
+    hello.extend_from_slice(&raw::hello_payload(1));
+    s.write_all(&hello).unwrap();
+    let (h, payload) = read_framed(&mut s);
+    assert_eq!((h.opcode, h.status), (Opcode::Error, Status::BadVersion));
+    assert!(payload.is_empty());
+}

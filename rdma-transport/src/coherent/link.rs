@@ -1,0 +1,310 @@
+//! A node's coherence connection to one home: the socket, the pages of that
+//! home the node has asked for, the reader thread that takes every frame the
+//! home sends (grants, callbacks, refusals) and answers the hold-time timers
+//! of deferred callbacks, and the writer thread that sends the node's
+//! frames in the order they were queued.
+//!
+//! Why a writer thread: the reader must never block on a socket write. If
+//! it did, a home thread writing to this node (holding a page's lock) and
+//! the home's thread for this connection (waiting for that lock, so not
+//! reading) could wait for each other once both sockets' buffers fill.
+//! Frames of one page are queued under that page's lock, so they go out in
+//! the protocol's order.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use coherence::ToHome;
+use parking_lot::Mutex;
+
+use super::pages::{self, Slot};
+use super::Shared;
+use crate::error::TransportError;
+use crate::page::Page;
+use crate::wire::{decode_to_node, encode_to_home, Header, HEADER_LEN, MAX_PAYLOAD_BYTES};
+
+/// Longest the reader blocks without looking at its timers.
+const READ_TICK: Duration = Duration::from_millis(100);
+const RECV_BUF_BYTES: usize = 64 * 1024;
+
+/// One home's connection.
+#[derive(Debug)]
+pub(crate) struct Link {
+    pub(crate) node: String,
+    stream: TcpStream,
+    /// Frames for the writer thread; `None` once the connection is shut.
+    outgoing: Mutex<Option<mpsc::Sender<Vec<u8>>>>,
+    writer: Mutex<Option<JoinHandle<()>>>,
+    /// The pages of this home the node asked for, by offset in its region.
+    slots: Mutex<HashMap<u64, Arc<Slot>>>,
+    dead: AtomicBool,
+    reader: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Link {
+    /// Takes a handshaken, blocking stream and starts its reader.
+    pub(crate) fn start(
+        shared: &Arc<Shared>,
+        node: &str,
+        stream: TcpStream,
+    ) -> Result<Arc<Self>, TransportError> {
+        let down = |e: io::Error| TransportError::NodeDown {
+            node: node.to_owned(),
+            reason: format!("coherence connection: {e}"),
+        };
+        let reader_stream = stream.try_clone().map_err(down)?;
+        let writer_stream = stream.try_clone().map_err(down)?;
+        stream
+            .set_write_timeout(Some(Duration::from_millis(shared.config.timeout_ms.max(1))))
+            .map_err(down)?;
+        let (tx, rx) = mpsc::channel::<Vec<u8>>();
+        let link = Arc::new(Self {
+            node: node.to_owned(),
+            stream,
+            outgoing: Mutex::new(Some(tx)),
+            writer: Mutex::new(None),
+            slots: Mutex::new(HashMap::new()),
+            dead: AtomicBool::new(false),
+            reader: Mutex::new(None),
+        });
+        let writer_link = Arc::clone(&link);
+        let writer = std::thread::Builder::new()
+            .name(format!("coherence-w-{node}"))
+            .spawn(move || write_loop(&writer_link, writer_stream, &rx))
+            .map_err(|e| {
+                link.shut();
+                down(e)
+            })?;
+        *link.writer.lock() = Some(writer);
+        let (thread_shared, thread_link) = (Arc::clone(shared), Arc::clone(&link));
+        let handle = std::thread::Builder::new()
+            .name(format!("coherence-{node}"))
+            .spawn(move || {
+                // Runs on every way out, a panicking handler's included:
+                // waiters must not be left waiting for a reader that is gone.
+                let exit = ReaderExit(thread_shared, thread_link);
+                read_loop(&exit.0, &exit.1, reader_stream);
+            })
+            .map_err(|e| {
+                link.shut();
+                down(e)
+            })?;
+        *link.reader.lock() = Some(handle);
+        Ok(link)
+    }
+
+    pub(crate) fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::SeqCst)
+    }
+
+    /// The slot of the page at `offset` (`gpa` on this node).
+    pub(crate) fn slot(&self, shared: &Shared, gpa: u64, offset: u64) -> Arc<Slot> {
+        Arc::clone(
+            self.slots
+                .lock()
+                .entry(offset)
+                .or_insert_with(|| Arc::new(Slot::new(gpa, offset, shared.config.min_hold_us))),
+        )
+    }
+
+    /// Queues `msg` about the page at `offset` (with the page written
+    /// back) for the writer thread. Frames go out in the order queued; one
+    /// that cannot be written breaks the connection (the node is lost to
+    /// the home).
+    pub(crate) fn send(
+        &self,
+        offset: u64,
+        msg: &ToHome,
+        page: Option<&Page>,
+    ) -> Result<(), TransportError> {
+        let frame = encode_to_home(offset, msg, page);
+        match self.outgoing.lock().as_ref().map(|tx| tx.send(frame)) {
+            Some(Ok(())) => Ok(()),
+            _ => Err(self.down("coherence connection closed")),
+        }
+    }
+
+    pub(crate) fn down(&self, reason: &str) -> TransportError {
+        TransportError::NodeDown {
+            node: self.node.clone(),
+            reason: reason.to_owned(),
+        }
+    }
+
+    /// Breaks the connection at once (frames still queued are dropped);
+    /// the reader sees it and cleans up, the writer ends.
+    pub(crate) fn shut(&self) {
+        self.dead.store(true, Ordering::SeqCst);
+        self.outgoing.lock().take();
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+
+    /// Closes the connection: the frames queued so far are written first
+    /// (each within the write timeout), then the socket is shut and both
+    /// threads have ended.
+    pub(crate) fn close_and_join(&self) {
+        self.dead.store(true, Ordering::SeqCst);
+        self.outgoing.lock().take();
+        join(self.writer.lock().take(), &self.node, "writer");
+        self.shut();
+        join(self.reader.lock().take(), &self.node, "reader");
+    }
+
+    /// The connection is gone: every copy of this home's pages is dropped
+    /// (the home declares this node lost), and every waiter fails.
+    fn lost(self: &Arc<Self>, shared: &Shared, call_handler: bool) {
+        // `dead` is set before the slots are listed: a slot made later
+        // finds it set (`pages::acquire` checks it under the slot's lock).
+        self.shut();
+        let slots: Vec<Arc<Slot>> = self.slots.lock().values().cloned().collect();
+        for slot in slots {
+            pages::forget(shared, &slot, &self.node, call_handler);
+        }
+        // Only now may a caller that finds no link here connect again: by
+        // then every copy of the old connection is gone.
+        {
+            let mut links = shared.links.lock();
+            if links.get(&self.node).is_some_and(|l| Arc::ptr_eq(l, self)) {
+                links.remove(&self.node);
+            }
+        }
+        tracing::debug!(node = %self.node, "coherence connection closed");
+    }
+}
+
+fn join(handle: Option<JoinHandle<()>>, node: &str, what: &str) {
+    if let Some(handle) = handle {
+        if handle.thread().id() != std::thread::current().id() && handle.join().is_err() {
+            tracing::error!(node, "coherence {what} panicked");
+        }
+    }
+}
+
+/// Writes the queued frames until the queue is closed or a write fails
+/// (which breaks the connection).
+fn write_loop(link: &Link, mut stream: TcpStream, rx: &mpsc::Receiver<Vec<u8>>) {
+    for frame in rx {
+        if let Err(e) = stream.write_all(&frame) {
+            tracing::debug!(node = %link.node, err = %e, "coherence send failed; dropping the connection");
+            link.shut();
+            return;
+        }
+    }
+}
+
+/// The reader thread's end: the connection is gone for the node.
+struct ReaderExit(Arc<Shared>, Arc<Link>);
+
+impl Drop for ReaderExit {
+    fn drop(&mut self) {
+        let panicking = std::thread::panicking();
+        if panicking {
+            tracing::error!(node = %self.1.node, "coherence reader panicked (in the embedder's handler?); leaving this home");
+        }
+        // Not the handler again after it panicked: a second panic would abort.
+        self.1.lost(&self.0, !panicking);
+    }
+}
+
+fn read_loop(shared: &Shared, link: &Link, mut stream: TcpStream) {
+    let mut buf = vec![0u8; RECV_BUF_BYTES];
+    let (mut start, mut end) = (0usize, 0usize);
+    let mut timers: Vec<(u64, Arc<Slot>)> = Vec::new();
+    loop {
+        let now = shared.now_us();
+        let wait = timers
+            .iter()
+            .map(|(due, _)| Duration::from_micros(due.saturating_sub(now)))
+            .min()
+            .unwrap_or(READ_TICK)
+            .clamp(Duration::from_millis(1), READ_TICK);
+        if stream.set_read_timeout(Some(wait)).is_err() {
+            return;
+        }
+        match stream.read(&mut buf[end..]) {
+            Ok(0) => return,
+            Ok(n) => end += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                tracing::debug!(node = %link.node, err = %e, "coherence connection read failed");
+                return;
+            }
+        }
+        loop {
+            let header = match Header::decode_prefix(&buf[start..end]) {
+                Ok(Some(h)) => h,
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(node = %link.node, err = %e, "malformed coherence frame; dropping the connection");
+                    return;
+                }
+            };
+            let total = HEADER_LEN + header.payload_len();
+            if end - start < total {
+                break;
+            }
+            let frame = match decode_to_node(&header, &buf[start + HEADER_LEN..start + total]) {
+                Ok(f) => f,
+                Err(e) => {
+                    tracing::warn!(node = %link.node, err = %e, "malformed coherence message; dropping the connection");
+                    return;
+                }
+            };
+            let offset = match frame {
+                crate::wire::ToNodeFrame::Msg(f) => f.offset,
+                crate::wire::ToNodeFrame::Refused { offset, .. } => offset,
+            };
+            let slot = link.slots.lock().get(&offset).cloned();
+            let Some(slot) = slot else {
+                tracing::warn!(node = %link.node, offset, "coherence message about a page this node never asked for; dropping the connection");
+                return;
+            };
+            match pages::on_frame(shared, link, &slot, frame) {
+                Ok(Some(due)) => timers.push((due, slot)),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(node = %link.node, err = %e, "coherence message not handled; dropping the connection");
+                    return;
+                }
+            }
+            start += total;
+        }
+        if start == end {
+            (start, end) = (0, 0);
+        } else if buf.len() - end < HEADER_LEN + MAX_PAYLOAD_BYTES as usize {
+            buf.copy_within(start..end, 0);
+            end -= start;
+            start = 0;
+        }
+        let now = shared.now_us();
+        let due: Vec<Arc<Slot>> = {
+            let (due, later): (Vec<_>, Vec<_>) = timers.drain(..).partition(|(d, _)| *d <= now);
+            timers = later;
+            due.into_iter().map(|(_, s)| s).collect()
+        };
+        for slot in due {
+            match pages::on_timer(shared, link, &slot) {
+                Ok(Some(again)) => timers.push((again, slot)),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(node = %link.node, err = %e, "deferred callback not answered; dropping the connection");
+                    return;
+                }
+            }
+        }
+        if link.is_dead() {
+            return;
+        }
+    }
+}

@@ -1,0 +1,239 @@
+//! Coherent pages, node side (docs/coherence.md, "Integration"): this
+//! process is one node of a coherent VM; each page's home is the
+//! page-server that owns its range.
+//!
+//! [`CoherentNode::acquire`] gets a shared copy or exclusive ownership of a
+//! page, running the `coherence` crate's [`NodePage`](coherence::NodePage)
+//! per page. The local copy is the embedder's (later `GuestMemory`): it
+//! implements [`CoherenceHandler`], whose `install` puts a granted page in
+//! place and whose `recall` drops it or makes it read-only when the home
+//! calls it back, returning its contents when they must be written back.
+//! The handler runs with the page's state locked: every event of a page is
+//! handled (and its messages sent) before the next one (`pages.rs`).
+//!
+//! Transport: one dedicated TCP connection per home (`link.rs`), with the
+//! usual handshake (the cluster key proves both sides), and a reader thread
+//! that always reads it: the home's callbacks come unasked, at any time. The
+//! data connections' receive path is only read while a caller waits for an
+//! answer, which a callback cannot wait for. Pages travel with the messages
+//! (a grant carries the home's page, a write-back the node's). RDMA is not
+//! used for coherence yet.
+//!
+//! A node whose connection to a home breaks is lost for that home (it
+//! forgets every copy it held there: `recall(Invalidate { write_back:
+//! false })`, the home marks pages it owned lost); the next `acquire`
+//! connects again as a new node.
+
+mod link;
+mod pages;
+
+use std::collections::HashMap;
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub use coherence::{Access, Mode, NodeStats};
+use parking_lot::Mutex;
+
+use crate::error::TransportError;
+use crate::page::{is_page_aligned, Page};
+use link::Link;
+
+/// What the home asks of a page the node holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recall {
+    /// Drop the local copy (the next access must `acquire` again). With
+    /// `write_back`, the copy is modified and owned by this node: return its
+    /// contents first.
+    Invalidate {
+        /// Return the contents ([`RecallAnswer::WriteBack`]).
+        write_back: bool,
+    },
+    /// Return the contents of the (modified, owned) copy and keep it
+    /// read-only.
+    Downgrade,
+}
+
+impl Recall {
+    /// Whether the answer must carry the page's contents.
+    pub fn needs_data(self) -> bool {
+        matches!(
+            self,
+            Recall::Invalidate { write_back: true } | Recall::Downgrade
+        )
+    }
+}
+
+/// The embedder's answer to a [`Recall`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecallAnswer {
+    /// Done; no contents (for a recall that needs none).
+    Done,
+    /// The page's current contents, to write back to the home.
+    WriteBack(Box<Page>),
+}
+
+/// The embedder's side of the local copies. Called with the page's state
+/// locked: do not call [`CoherentNode`] methods for the same page from it.
+pub trait CoherenceHandler: Send + Sync {
+    /// A grant: make `data` the local copy of `gpa` (when `Some`; `None`:
+    /// keep the copy already held, an upgrade) and allow `mode`'s accesses
+    /// (`Shared`: reads; `Exclusive`: reads and writes).
+    fn install(&self, gpa: u64, mode: Mode, data: Option<&Page>);
+
+    /// The home (or an eviction) recalls the page. An answer without
+    /// contents to a recall that [needs them](Recall::needs_data) makes this
+    /// node lost for the page's home (its pages there are marked lost):
+    /// never done on purpose.
+    fn recall(&self, gpa: u64, recall: Recall) -> RecallAnswer;
+}
+
+/// Settings of a [`CoherentNode`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CoherenceConfig {
+    /// An owner keeps a page at least this long after its grant before it
+    /// answers a callback (docs/coherence.md, "False sharing").
+    pub min_hold_us: u64,
+    /// How long an `acquire` waits for the home.
+    pub timeout_ms: u64,
+}
+
+impl Default for CoherenceConfig {
+    fn default() -> Self {
+        Self {
+            min_hold_us: 50,
+            timeout_ms: 5_000,
+        }
+    }
+}
+
+/// Where a page lives, as the node's map says.
+#[derive(Debug, Clone)]
+pub(crate) struct HomeRef {
+    pub(crate) node: String,
+    pub(crate) addr: String,
+    pub(crate) offset: u64,
+}
+
+/// What a [`CoherentNode`] needs from its [`crate::TransportManager`].
+pub(crate) trait Resolve: Send + Sync + std::fmt::Debug {
+    /// The home of the page at `gpa`.
+    fn home_of(&self, gpa: u64) -> Result<HomeRef, TransportError>;
+    /// A handshaken, blocking connection to `home`.
+    fn dial(&self, home: &HomeRef) -> Result<TcpStream, TransportError>;
+}
+
+/// This process as a node of a coherent VM. Made by
+/// [`crate::TransportManager::coherent_node`]. Dropping it closes its
+/// connections to the homes: to them, it is a node that died (pages it
+/// owned and had not written back are lost).
+#[derive(Debug)]
+pub struct CoherentNode {
+    shared: Arc<Shared>,
+}
+
+pub(crate) struct Shared {
+    handler: Arc<dyn CoherenceHandler>,
+    config: CoherenceConfig,
+    resolve: Arc<dyn Resolve>,
+    links: Mutex<HashMap<String, Arc<Link>>>,
+    clock: Instant,
+    stats: Mutex<NodeStats>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("config", &self.config)
+            .field("homes", &self.links.lock().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    pub(crate) fn now_us(&self) -> u64 {
+        u64::try_from(self.clock.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+}
+
+impl CoherentNode {
+    pub(crate) fn new(
+        resolve: Arc<dyn Resolve>,
+        handler: Arc<dyn CoherenceHandler>,
+        config: CoherenceConfig,
+    ) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                handler,
+                config,
+                resolve,
+                links: Mutex::new(HashMap::new()),
+                clock: Instant::now(),
+                stats: Mutex::new(NodeStats::default()),
+            }),
+        }
+    }
+
+    /// Makes the local copy of `gpa` allow `access`: returns at once when it
+    /// does (a hit), else asks the page's home and returns once the grant
+    /// was installed (`CoherenceHandler::install`). Concurrent calls for the
+    /// same page share one request. The page may be recalled again right
+    /// after (after `min_hold_us` for an exclusive grant): an embedder
+    /// checks its copy's mode under its own lock, and calls again if it
+    /// lost it (as a faulting vCPU would fault again).
+    ///
+    /// # Errors
+    /// [`TransportError::CoherentDataLost`] when the page's latest writes
+    /// were lost with a node that owned it; [`TransportError::Unaligned`],
+    /// [`TransportError::UnknownGpa`], [`TransportError::NodeDown`] (the
+    /// home cannot be reached, or the connection broke meanwhile),
+    /// [`TransportError::Timeout`], [`TransportError::Refused`],
+    /// [`TransportError::Protocol`].
+    pub fn acquire(&self, gpa: u64, access: Access) -> Result<(), TransportError> {
+        let (link, offset) = self.link_for(gpa)?;
+        let deadline = Instant::now() + Duration::from_millis(self.shared.config.timeout_ms);
+        pages::acquire(&self.shared, &link, gpa, offset, access, deadline)
+    }
+
+    /// Drops the local copy of `gpa`: a shared one silently, a modified one
+    /// after writing it back (`CoherenceHandler::recall` gives its
+    /// contents). Nothing to do when the node holds no copy.
+    ///
+    /// # Errors
+    /// As [`CoherentNode::acquire`].
+    pub fn evict(&self, gpa: u64) -> Result<(), TransportError> {
+        let (link, offset) = self.link_for(gpa)?;
+        pages::evict(&self.shared, &link, gpa, offset)
+    }
+
+    /// The node's protocol counters, summed over its pages.
+    pub fn stats(&self) -> NodeStats {
+        *self.shared.stats.lock()
+    }
+
+    fn link_for(&self, gpa: u64) -> Result<(Arc<Link>, u64), TransportError> {
+        if !is_page_aligned(gpa) {
+            return Err(TransportError::Unaligned { gpa });
+        }
+        let home = self.shared.resolve.home_of(gpa)?;
+        let mut links = self.shared.links.lock();
+        if let Some(link) = links.get(&home.node).filter(|l| !l.is_dead()) {
+            return Ok((Arc::clone(link), home.offset));
+        }
+        // Dialled under the lock: one connection per home, and a home that
+        // is down costs the callers of this node one timeout each at most.
+        let stream = self.shared.resolve.dial(&home)?;
+        let link = Link::start(&self.shared, &home.node, stream)?;
+        links.insert(home.node.clone(), Arc::clone(&link));
+        Ok((link, home.offset))
+    }
+}
+
+impl Drop for CoherentNode {
+    fn drop(&mut self) {
+        let links: Vec<Arc<Link>> = self.shared.links.lock().drain().map(|(_, l)| l).collect();
+        for link in links {
+            link.close_and_join();
+        }
+    }
+}
