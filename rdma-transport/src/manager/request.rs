@@ -283,8 +283,11 @@ impl Inner {
         for (t, tried) in targets.iter().zip(tried.iter_mut()) {
             *tried = 1 << t.loc.replica;
         }
-        // Target k already went again to the same replica.
-        let mut retried_same = [false; MAX_CHUNK];
+        // Bit r of lost[k]: target k's replica r failed in this read with
+        // its connection lost; of renewed[k]: it was tried again on a new
+        // connection (once each).
+        let mut lost = [0u32; MAX_CHUNK];
+        let mut renewed = [0u32; MAX_CHUNK];
         loop {
             // Hedged only while every target has a replica left to try
             // whose node did not fail lately: the last one (or the last
@@ -315,29 +318,38 @@ impl Inner {
                 return Ok(());
             }
             // Next round: every failed target on another live replica of
-            // its range; one whose connection died, on a new connection to
-            // the same one when there is no other (once).
+            // its range; when there is none, on a new connection to a
+            // replica whose connection died during this read (once each:
+            // the server may have closed it, e.g. at the end of its
+            // recovery, while the node lives on).
             let mut m = 0;
             for k in 0..n {
                 if outcome.failed & (1 << k) == 0 {
                     continue;
                 }
                 let t = targets[k];
+                if outcome.lost & (1 << k) != 0 && t.loc.replica < 32 {
+                    lost[k] |= 1 << t.loc.replica;
+                }
                 self.avoid(state, t.loc.node_index);
-                let (next, same) = match self.other_reader(state, &t, tried[k]) {
-                    Some(loc) => (Some(loc), retried_same[k]),
-                    None if outcome.lost & (1 << k) != 0 && !retried_same[k] && frame.is_none() => {
-                        (Some(t.loc), true)
-                    }
-                    None => (None, false),
+                let next = match self.other_reader(state, &t, tried[k]) {
+                    Some(loc) => Some(loc),
+                    None if frame.is_none() => renewable(state, &t, lost[k] & !renewed[k]),
+                    None => None,
                 };
                 let Some(loc) = next else {
                     return Err(outcome.error.unwrap_or_else(|| self.no_answer(state, &t)));
                 };
                 tracing::debug!(gpa = t.gpa, from = %self.node_name(state, t.loc.node_index), to = %self.node_name(state, loc.node_index), "read goes to another replica");
                 targets[m] = Target { loc, ..t };
-                tried[m] = tried[k] | 1 << loc.replica;
-                retried_same[m] = same;
+                let bit = if loc.replica < 32 {
+                    1 << loc.replica
+                } else {
+                    0
+                };
+                renewed[m] = renewed[k] | (tried[k] & bit);
+                tried[m] = tried[k] | bit;
+                lost[m] = lost[k];
                 m += 1;
             }
             n = m;
@@ -432,4 +444,20 @@ impl Inner {
 /// (EOF or a reset), not because the node refused it or timed out.
 pub(super) fn connection_lost(err: &TransportError) -> bool {
     matches!(err, TransportError::NodeDown { reason, .. } if reason == tcp_chunk::CONNECTION_LOST)
+}
+
+/// A replica of `t`'s range in `mask` (bit r: replica r) that serves reads,
+/// to try again on a new connection: the target's own when its range has no
+/// replicas.
+fn renewable(state: &MapState, t: &Target, mask: u32) -> Option<Location> {
+    if mask == 0 {
+        return None;
+    }
+    if !t.loc.replicated {
+        return (t.loc.replica < 32 && mask & (1 << t.loc.replica) != 0).then_some(t.loc);
+    }
+    state
+        .map
+        .replicas(t.gpa)
+        .find(|l| l.replica < 32 && mask & (1 << l.replica) != 0 && l.state.serves_reads())
 }

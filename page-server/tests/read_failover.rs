@@ -1,0 +1,89 @@
+//! A read of a replicated range whose first replica's connection was closed
+//! by its (live) server and whose other replica is gone goes back to the
+//! first on a new connection, instead of failing with the dead one's error.
+//! (What a client sees when a replica ends its recovery, which closes the
+//! connections it served without RDMA, just as the other replica dies.)
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::*;
+use page_server::ServerConfig;
+use rdma_transport::coordinator::api::ReplicaState;
+use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
+
+const PAGES: u64 = 8;
+
+#[test]
+fn a_read_goes_back_to_a_live_replica_whose_connection_was_closed() {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let url = coord.url();
+    // a (the primary: registered first) closes connections idle for 100 ms.
+    let mut cfg_a = ServerConfig::new("a", NODE_BYTES);
+    cfg_a.idle_timeout = Duration::from_millis(100);
+    let a = page_server_with(&url, cfg_a);
+    let b = page_server_with(&url, ServerConfig::new("b", NODE_BYTES));
+    let admin = coordinator_client(&url);
+    assert!(
+        wait_until(Duration::from_secs(30), || admin.map().is_ok_and(|m| {
+            m.entries.len() == 1
+                && m.entries[0].replicas.len() == 2
+                && m.entries[0]
+                    .replicas
+                    .iter()
+                    .all(|r| r.state == ReplicaState::Live)
+        })),
+        "both replicas never live"
+    );
+    let mgr = TransportManager::connect(ManagerConfig {
+        coordinator_url: url.clone(),
+        request_timeout_ms: 2000,
+        connect_timeout_ms: 500,
+        poller_cpus: Some(vec![]),
+        ..ManagerConfig::default()
+    })
+    .expect("manager connects");
+    assert!(wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().len() == 1
+    }));
+    assert_eq!(
+        mgr.map()
+            .ranges()
+            .next()
+            .map(|(_, _, node)| node.to_owned()),
+        Some("a".to_owned()),
+        "a is the primary"
+    );
+    // Writes go to both replicas: the manager holds a connection to each.
+    for p in 0..PAGES {
+        let gpa = p * PAGE_SIZE as u64;
+        mgr.write_page(gpa, &page_for(gpa, 4)).unwrap();
+    }
+    // a closes the idle connection (the manager does not know yet)...
+    assert!(
+        wait_until(Duration::from_secs(10), || a.active_connections() == 0),
+        "a never closed the idle connection"
+    );
+    // ...and b goes away (its connections reset, its port closed).
+    b.abort();
+
+    // The first read finds a's connection closed, then b gone, then reads
+    // a on a new connection.
+    let mut page = [0u8; PAGE_SIZE];
+    for p in 0..PAGES {
+        let gpa = p * PAGE_SIZE as u64;
+        mgr.read_page(gpa, &mut page)
+            .unwrap_or_else(|e| panic!("read {p}: {e}"));
+        assert!(page == page_for(gpa, 4), "page {p} differs");
+    }
+    assert!(
+        a.active_connections() >= 1,
+        "read over a new connection to a"
+    );
+}
