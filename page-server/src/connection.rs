@@ -533,39 +533,31 @@ fn handle(
         Opcode::Read | Opcode::Write | Opcode::CohToHome if !session.is_ready() => {
             return Err(Refusal::BeforeHandshake)
         }
-        Opcode::Read if session.checksums => {
-            let started = Instant::now();
-            let served = match exported.check(header) {
-                Ok(off) => match outbox.copy_page(&exported.region, off) {
-                    Some((copy, sum)) => {
-                        outbox.push(answer(Status::Ok).with_checksum(sum), copy);
-                        true
-                    }
-                    None => {
-                        outbox.push(answer(Status::OutOfRange), Payload::None);
-                        false
-                    }
-                },
-                Err(status) => {
-                    outbox.push(answer(status), Payload::None);
-                    false
-                }
-            };
-            exported.metrics.observe(Op::Read, served, started);
-        }
         Opcode::Read => {
             let started = Instant::now();
-            let served = match exported.check(header) {
-                Ok(off) => match exported.region.ptr_at(off, PAGE_SIZE) {
-                    Some(page) => {
-                        outbox.push(answer(Status::Ok), Payload::Region(page));
-                        true
-                    }
-                    None => {
-                        outbox.push(answer(Status::OutOfRange), Payload::None);
-                        false
-                    }
-                },
+            // With checksums the page is copied (its sum must match what is
+            // sent); without, it goes out of the region itself.
+            let page = exported.check(header).map(|off| {
+                if session.checksums {
+                    outbox
+                        .copy_page(&exported.region, off)
+                        .map(|(copy, sum)| (answer(Status::Ok).with_checksum(sum), copy))
+                } else {
+                    exported
+                        .region
+                        .ptr_at(off, PAGE_SIZE)
+                        .map(|page| (answer(Status::Ok), Payload::Region(page)))
+                }
+            });
+            let served = match page {
+                Ok(Some((header, payload))) => {
+                    outbox.push(header, payload);
+                    true
+                }
+                Ok(None) => {
+                    outbox.push(answer(Status::OutOfRange), Payload::None);
+                    false
+                }
                 Err(status) => {
                     outbox.push(answer(status), Payload::None);
                     false

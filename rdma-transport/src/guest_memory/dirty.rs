@@ -209,6 +209,25 @@ pub(super) fn send_batch(
     wb.gpas.clear();
 }
 
+/// Writes the bounce batch of an evict chunk and empties it. The pages stay
+/// as they are on failure (evict drops nothing then); Err: how many pages
+/// the failed call carried, and why.
+pub(super) fn send_evicted_batch(
+    shared: &Shared,
+    wb: &mut Writeback,
+) -> Result<(), (usize, TransportError)> {
+    let count = wb.index.len();
+    let result = match count {
+        0 => Ok(()),
+        _ => shared.manager.write_pages(&wb.gpas, &wb.pages[..count]),
+    };
+    wb.index.clear();
+    wb.gpas.clear();
+    result.map_err(|err| (count, err))?;
+    Counters::add(&shared.counters.pages_written_back, count as u64);
+    Ok(())
+}
+
 /// Writes back the pages `[first, end)` that are dirty, then drops them all.
 /// Returns how many 4 KiB pages were dropped.
 pub(crate) fn evict(shared: &Shared, first: usize, end: usize) -> Result<u64, GuestMemoryError> {
@@ -279,18 +298,8 @@ fn evict_chunk(
         }
         run = run_end;
     }
-    let count = wb.index.len();
-    let result = match count {
-        0 => Ok(()),
-        _ => shared.manager.write_pages(&wb.gpas, &wb.pages[..count]),
-    };
-    wb.index.clear();
-    wb.gpas.clear();
-    result.map_err(|source| GuestMemoryError::WriteBack {
-        pages: count,
-        source,
-    })?;
-    Counters::add(&shared.counters.pages_written_back, count as u64);
+    send_evicted_batch(shared, wb)
+        .map_err(|(pages, source)| GuestMemoryError::WriteBack { pages, source })?;
     shared
         .region
         .drop_pages(chunk, end)

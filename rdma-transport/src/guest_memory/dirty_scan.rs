@@ -232,16 +232,7 @@ fn write_back(
         }
         k = e;
     }
-    let count = wb.index.len();
-    let result = match count {
-        0 => Ok(()),
-        _ => shared.manager.write_pages(&wb.gpas, &wb.pages[..count]),
-    };
-    wb.index.clear();
-    wb.gpas.clear();
-    result.map_err(|err| (count, err))?;
-    Counters::add(&shared.counters.pages_written_back, count as u64);
-    Ok(())
+    dirty::send_evicted_batch(shared, wb)
 }
 
 /// Maps the held pages of the locked chunk back after a failed evict:
