@@ -3,6 +3,8 @@
 //! first on a new connection, instead of failing with the dead one's error.
 //! (What a client sees when a replica ends its recovery, which closes the
 //! connections it served without RDMA, just as the other replica dies.)
+//! Likewise a read hedged away from a primary that was only slow, onto a
+//! replica that turns out to be dead, goes back to the slow primary.
 
 mod common;
 
@@ -86,4 +88,84 @@ fn a_read_goes_back_to_a_live_replica_whose_connection_was_closed() {
         a.active_connections() >= 1,
         "read over a new connection to a"
     );
+}
+
+/// A read hedged away from a slow primary to the other replica, which
+/// turns out to be dead, goes back to the primary for the rest of its
+/// deadline: the primary was only slow. (It failed with the dead one's
+/// "connection refused": the other flake of
+/// `replicated_range_survives_kill_restart_and_kill_of_the_other_replica`,
+/// on a loaded host where the primary sometimes answers later than the
+/// hedging delay just as the other replica is killed.)
+#[test]
+fn a_read_hedged_onto_a_dead_replica_goes_back_to_the_slow_one() {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let url = coord.url();
+    let mut a = ChildServer::start(&url, "a", 0);
+    let mut b = ChildServer::start(&url, "b", 0);
+    let admin = coordinator_client(&url);
+    assert!(
+        wait_until(Duration::from_secs(30), || admin.map().is_ok_and(|m| {
+            m.entries.len() == 1
+                && m.entries[0].replicas.len() == 2
+                && m.entries[0]
+                    .replicas
+                    .iter()
+                    .all(|r| r.state == ReplicaState::Live)
+        })),
+        "both replicas never live"
+    );
+    let hedge = Duration::from_millis(20);
+    let mgr = TransportManager::connect(ManagerConfig {
+        coordinator_url: url.clone(),
+        request_timeout_ms: 5000,
+        connect_timeout_ms: 500,
+        read_hedge_delay_us: hedge.as_micros() as u64,
+        poller_cpus: Some(vec![]),
+        ..ManagerConfig::default()
+    })
+    .expect("manager connects");
+    assert!(wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().len() == 1
+    }));
+    // The primary is the replica that registered first.
+    let primary = mgr
+        .map()
+        .ranges()
+        .next()
+        .map(|(_, _, node)| node.to_owned());
+    let (slow, dead) = match primary.as_deref() {
+        Some("a") => (&a, &mut b),
+        Some("b") => (&b, &mut a),
+        other => panic!("unexpected primary {other:?}"),
+    };
+    for p in 0..PAGES {
+        let gpa = p * PAGE_SIZE as u64;
+        mgr.write_page(gpa, &page_for(gpa, 5)).unwrap();
+    }
+    // The other replica dies (the manager does not know yet); the primary
+    // stops answering for 300 ms, fifteen times the hedging delay.
+    dead.kill();
+    slow.pause();
+    let stalled = Duration::from_millis(300);
+    let mut page = [0u8; PAGE_SIZE];
+    let result = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(stalled);
+            slow.resume();
+        });
+        mgr.read_page(0, &mut page)
+    });
+    result.unwrap_or_else(|e| panic!("read while the primary is slow and the other dead: {e}"));
+    assert!(page == page_for(0, 5), "page 0 differs");
+    for p in 1..PAGES {
+        let gpa = p * PAGE_SIZE as u64;
+        mgr.read_page(gpa, &mut page)
+            .unwrap_or_else(|e| panic!("read {p}: {e}"));
+        assert!(page == page_for(gpa, 5), "page {p} differs");
+    }
 }

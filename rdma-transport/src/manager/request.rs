@@ -53,6 +53,8 @@ pub(super) struct Outcome {
     pub(super) failed: u64,
     /// Bit k: target k's connection died before it was answered.
     pub(super) lost: u64,
+    /// Bit k: target k was not answered before the round's deadline.
+    pub(super) timed_out: u64,
     /// The first error.
     pub(super) error: Option<TransportError>,
 }
@@ -60,6 +62,9 @@ pub(super) struct Outcome {
 impl Outcome {
     pub(super) fn fail(&mut self, k: usize, err: TransportError) {
         self.failed |= 1 << k;
+        if matches!(err, TransportError::Timeout { .. }) {
+            self.timed_out |= 1 << k;
+        }
         self.error.get_or_insert(err);
     }
 }
@@ -284,9 +289,11 @@ impl Inner {
             *tried = 1 << t.loc.replica;
         }
         // Bit r of lost[k]: target k's replica r failed in this read with
-        // its connection lost; of renewed[k]: it was tried again on a new
-        // connection (once each).
+        // its connection lost; of slow[k]: it was abandoned at the hedging
+        // delay; of renewed[k]: it was tried again (once each, on a new
+        // connection if its own died).
         let mut lost = [0u32; MAX_CHUNK];
+        let mut slow = [0u32; MAX_CHUNK];
         let mut renewed = [0u32; MAX_CHUNK];
         loop {
             // Hedged only while every target has a replica left to try
@@ -318,24 +325,35 @@ impl Inner {
                 return Ok(());
             }
             // Next round: every failed target on another live replica of
-            // its range; when there is none, on a new connection to a
-            // replica whose connection died during this read (once each:
-            // the server may have closed it, e.g. at the end of its
-            // recovery, while the node lives on).
+            // its range; when there is none, once more on a replica that
+            // only failed to answer within the hedging delay (it may just
+            // be slow: it gets the rest of the deadline), or on a new
+            // connection to a replica whose connection died during this
+            // read (the server may have closed it, e.g. at the end of its
+            // recovery, while the node lives on); once each.
             let mut m = 0;
             for k in 0..n {
                 if outcome.failed & (1 << k) == 0 {
                     continue;
                 }
                 let t = targets[k];
-                if outcome.lost & (1 << k) != 0 && t.loc.replica < 32 {
-                    lost[k] |= 1 << t.loc.replica;
+                if t.loc.replica < 32 {
+                    if outcome.lost & (1 << k) != 0 {
+                        lost[k] |= 1 << t.loc.replica;
+                    }
+                    if hedged && outcome.timed_out & (1 << k) != 0 {
+                        slow[k] |= 1 << t.loc.replica;
+                    }
                 }
                 self.avoid(state, t.loc.node_index);
                 let next = match self.other_reader(state, &t, tried[k]) {
                     Some(loc) => Some(loc),
-                    None if frame.is_none() => renewable(state, &t, lost[k] & !renewed[k]),
-                    None => None,
+                    // `read_frame` is not retried on a lost connection:
+                    // its caller, the fault handler, retries on its own.
+                    None if frame.is_none() => {
+                        renewable(state, &t, (lost[k] | slow[k]) & !renewed[k])
+                    }
+                    None => renewable(state, &t, slow[k] & !renewed[k]),
                 };
                 let Some(loc) = next else {
                     return Err(outcome.error.unwrap_or_else(|| self.no_answer(state, &t)));
@@ -350,6 +368,7 @@ impl Inner {
                 renewed[m] = renewed[k] | (tried[k] & bit);
                 tried[m] = tried[k] | bit;
                 lost[m] = lost[k];
+                slow[m] = slow[k];
                 m += 1;
             }
             n = m;
@@ -447,8 +466,7 @@ pub(super) fn connection_lost(err: &TransportError) -> bool {
 }
 
 /// A replica of `t`'s range in `mask` (bit r: replica r) that serves reads,
-/// to try again on a new connection: the target's own when its range has no
-/// replicas.
+/// to try again: the target's own when its range has no replicas.
 fn renewable(state: &MapState, t: &Target, mask: u32) -> Option<Location> {
     if mask == 0 {
         return None;
