@@ -137,6 +137,8 @@ pub(crate) struct Shared {
     config: CoherenceConfig,
     resolve: Arc<dyn Resolve>,
     links: Mutex<HashMap<String, Arc<Link>>>,
+    /// Set by [`CoherentNode::close`]: no new connection is made.
+    closed: std::sync::atomic::AtomicBool,
     clock: Instant,
     stats: Mutex<NodeStats>,
 }
@@ -168,6 +170,7 @@ impl CoherentNode {
                 config,
                 resolve,
                 links: Mutex::new(HashMap::new()),
+                closed: std::sync::atomic::AtomicBool::new(false),
                 clock: Instant::now(),
                 stats: Mutex::new(NodeStats::default()),
             }),
@@ -217,6 +220,16 @@ impl CoherentNode {
         }
         let home = self.shared.resolve.home_of(gpa)?;
         let mut links = self.shared.links.lock();
+        if self
+            .shared
+            .closed
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
+            return Err(TransportError::NodeDown {
+                node: home.node,
+                reason: "this coherent node was closed".into(),
+            });
+        }
         if let Some(link) = links.get(&home.node).filter(|l| !l.is_dead()) {
             return Ok((Arc::clone(link), home.offset));
         }
@@ -229,11 +242,27 @@ impl CoherentNode {
     }
 }
 
-impl Drop for CoherentNode {
-    fn drop(&mut self) {
-        let links: Vec<Arc<Link>> = self.shared.links.lock().drain().map(|(_, l)| l).collect();
+impl CoherentNode {
+    /// Closes every connection to the homes, as dropping the node does: to
+    /// them, this node died (pages it owned and had not written back are
+    /// lost). Waiting `acquire`s fail with `NodeDown`, and so does every
+    /// later call.
+    pub fn close(&self) {
+        let links: Vec<Arc<Link>> = {
+            let mut links = self.shared.links.lock();
+            self.shared
+                .closed
+                .store(true, std::sync::atomic::Ordering::Release);
+            links.drain().map(|(_, l)| l).collect()
+        };
         for link in links {
             link.close_and_join();
         }
+    }
+}
+
+impl Drop for CoherentNode {
+    fn drop(&mut self) {
+        self.close();
     }
 }

@@ -44,6 +44,7 @@
 //! # Ok(()) }
 //! ```
 
+mod coherent;
 mod config;
 mod dirty;
 mod dirty_scan;
@@ -67,6 +68,7 @@ use crate::manager::TransportManager;
 use crate::sys::cvt;
 
 pub use crate::uffd::FaultMode;
+pub use coherent::{CoherentMemory, CoherentMemoryStats};
 pub use config::{
     DirtyTracking, FaultAction, FaultErrorHandler, FaultReport, GuestBacking, GuestMemoryConfig,
     HandedOverUffd, SharedFile, SigbusMethod,
@@ -301,8 +303,7 @@ impl GuestMemory {
 
     /// Host address of `gpa`, when it is inside the region.
     pub fn host_addr(&self, gpa: u64) -> Option<*mut u8> {
-        let off = gpa.checked_sub(self.gpa_base())?;
-        (off < self.size_bytes() as u64).then(|| self.as_ptr().wrapping_add(off as usize))
+        self.shared.region.host_range(gpa, 1).ok()
     }
 
     /// How the region finds dirty pages (`Auto` resolved).
@@ -330,7 +331,7 @@ impl GuestMemory {
     /// # Errors
     /// [`GuestMemoryError::OutOfRange`] when the bytes are not all inside.
     pub fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<(), GuestMemoryError> {
-        let src = self.checked_ptr(gpa, buf.len())?;
+        let src = self.shared.region.host_range(gpa, buf.len())?;
         // SAFETY: `src..src+len` is inside the live mapping (checked); the
         // guest may write it concurrently, as with any guest memory access
         // by a hypervisor, and we only copy raw bytes out.
@@ -344,25 +345,12 @@ impl GuestMemory {
     /// # Errors
     /// [`GuestMemoryError::OutOfRange`] when the bytes are not all inside.
     pub fn write(&self, gpa: u64, data: &[u8]) -> Result<(), GuestMemoryError> {
-        let dst = self.checked_ptr(gpa, data.len())?;
+        let dst = self.shared.region.host_range(gpa, data.len())?;
         // SAFETY: `dst..dst+len` is inside the live mapping (checked) and
         // is raw guest memory, never a Rust reference, so it cannot alias
         // `data`.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
         Ok(())
-    }
-
-    fn checked_ptr(&self, gpa: u64, len: usize) -> Result<*mut u8, GuestMemoryError> {
-        let out = || GuestMemoryError::OutOfRange {
-            gpa,
-            len_bytes: len as u64,
-        };
-        let off = gpa.checked_sub(self.gpa_base()).ok_or_else(out)?;
-        let end = off.checked_add(len as u64).ok_or_else(out)?;
-        if end > self.size_bytes() as u64 {
-            return Err(out());
-        }
-        Ok(self.as_ptr().wrapping_add(off as usize))
     }
 
     /// Writes every dirty page back to its owner and waits for the

@@ -245,6 +245,20 @@ impl GuestRegion {
         out.extend((0..(end - first) * self.unit_pages()).map(|k| start + (k * PAGE_SIZE) as u64));
     }
 
+    /// Host address of the bytes `[gpa, gpa + len)`, when all are inside.
+    pub(crate) fn host_range(&self, gpa: u64, len: usize) -> Result<*mut u8, GuestMemoryError> {
+        let out = || GuestMemoryError::OutOfRange {
+            gpa,
+            len_bytes: len as u64,
+        };
+        let off = gpa.checked_sub(self.gpa_base).ok_or_else(out)?;
+        let end = off.checked_add(len as u64).ok_or_else(out)?;
+        if end > self.len_bytes() as u64 {
+            return Err(out());
+        }
+        Ok(self.base.wrapping_add(off as usize))
+    }
+
     /// Page index of a host address inside the region.
     pub(crate) fn page_of_addr(&self, addr: usize) -> Option<usize> {
         let off = addr.checked_sub(self.base as usize)?;

@@ -1,0 +1,170 @@
+//! Coherent guest memory (`CoherentMemory`) through real userfaultfd faults:
+//! two nodes in this process map the same guest RAM, homed at a
+//! page-server; vCPU threads read, write and compare-and-swap it in place.
+//! (Node processes on loopback are in `bench/tests/coherence.rs`.)
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use common::*;
+use rdma_transport::coherent::{Access, CoherenceConfig};
+use rdma_transport::guest_memory::{CoherentMemory, GuestMemoryConfig};
+use rdma_transport::{TransportError, TransportManager, PAGE_SIZE};
+
+const PAGES: usize = 64;
+
+fn cluster() -> (tempfile::TempDir, coordinator::RunningCoordinator) {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    (db, coord)
+}
+
+fn node(mgr: &TransportManager, threads: usize) -> CoherentMemory {
+    let config = GuestMemoryConfig {
+        handler_threads: threads,
+        handler_cpus: Some(vec![]),
+        ..GuestMemoryConfig::new(0, PAGES * PAGE_SIZE)
+    };
+    CoherentMemory::new(
+        mgr,
+        config,
+        CoherenceConfig {
+            min_hold_us: 50,
+            timeout_ms: 10_000,
+        },
+    )
+    .expect("coherent region")
+}
+
+fn read_page(mem: &CoherentMemory, page: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; PAGE_SIZE];
+    mem.read((page * PAGE_SIZE) as u64, &mut buf).unwrap();
+    buf
+}
+
+#[test]
+fn each_node_reads_the_others_latest_write() {
+    let (_db, coord) = cluster();
+    let _home = page_server(&coord.url(), "home", 0);
+    let mgr = manager(&coord.url());
+    let (a, b) = (node(&mgr, 1), node(&mgr, 1));
+    for round in 0..4u8 {
+        for page in 0..8 {
+            let data = page_for((page * PAGE_SIZE) as u64, round * 2);
+            a.write((page * PAGE_SIZE) as u64, &data).unwrap();
+            assert_eq!(read_page(&b, page), data, "b reads a's write, page {page}");
+            // a still reads its own write (a shared copy now).
+            assert_eq!(read_page(&a, page), data);
+            let data = page_for((page * PAGE_SIZE) as u64, round * 2 + 1);
+            b.write((page * PAGE_SIZE) as u64, &data).unwrap();
+            assert_eq!(read_page(&a, page), data, "a reads b's write, page {page}");
+        }
+    }
+    let (sa, sb) = (a.stats(), b.stats());
+    // a's writes after b's took the page back from b: b was invalidated
+    // (or downgraded then invalidated), and a's copy went back each time b
+    // read it.
+    assert!(sa.downgrades >= 8 && sb.downgrades >= 8, "{sa:?} {sb:?}");
+    assert!(
+        sa.invalidations >= 8 && sb.invalidations >= 8,
+        "{sa:?} {sb:?}"
+    );
+    assert!(
+        sa.upgrade_faults >= 8,
+        "a's writes on its shared copies: {sa:?}"
+    );
+    assert_eq!(sa.fault_errors + sb.fault_errors, 0);
+}
+
+/// Two nodes, two vCPU threads each, incrementing eight counters (two per
+/// page: false sharing) with compare-and-swap in guest memory.
+#[test]
+fn compare_and_swap_counters_from_two_nodes_add_up() {
+    const INCREMENTS: u64 = 1600; // a multiple of COUNTERS: every counter gets as many
+    const COUNTERS: usize = 8;
+    let (_db, coord) = cluster();
+    let _home = page_server(&coord.url(), "home", 0);
+    let mgr = manager(&coord.url());
+    let nodes = [node(&mgr, 2), node(&mgr, 2)];
+    let counter = |mem: &CoherentMemory, i: usize| -> &AtomicU64 {
+        // Counter i: page 1 + i / 2, at byte 0 or 2048.
+        let gpa = ((1 + i / 2) * PAGE_SIZE + (i % 2) * 2048) as u64;
+        let ptr = mem.host_addr(gpa).unwrap().cast::<AtomicU64>();
+        // SAFETY: an aligned u64 inside the live region, only ever accessed
+        // atomically by this test.
+        unsafe { &*ptr }
+    };
+    std::thread::scope(|s| {
+        for (n, mem) in nodes.iter().enumerate() {
+            for t in 0..2 {
+                s.spawn(move || {
+                    for k in 0..INCREMENTS {
+                        let c = counter(mem, (n * 2 + t + k as usize) % COUNTERS);
+                        let mut seen = c.load(Ordering::Acquire);
+                        while let Err(now) =
+                            c.compare_exchange(seen, seen + 1, Ordering::AcqRel, Ordering::Acquire)
+                        {
+                            seen = now;
+                        }
+                    }
+                });
+            }
+        }
+    });
+    let total: u64 = (0..COUNTERS)
+        .map(|i| counter(&nodes[1], i).load(Ordering::Acquire))
+        .sum();
+    assert_eq!(total, 4 * INCREMENTS);
+    for i in 0..COUNTERS {
+        assert_eq!(
+            counter(&nodes[0], i).load(Ordering::Acquire),
+            4 * INCREMENTS / COUNTERS as u64,
+            "counter {i}"
+        );
+    }
+    let (s0, s1) = (nodes[0].stats(), nodes[1].stats());
+    assert_eq!(s0.fault_errors + s1.fault_errors, 0);
+    assert!(s0.protocol.requests > 0 && s1.protocol.requests > 0);
+}
+
+/// A node that dies owning a page it never wrote back: the other node gets
+/// the typed lost-data error for it, never an older version; pages it had
+/// handed back (evicted) or only read lose nothing.
+#[test]
+fn a_page_owned_by_a_dropped_node_is_reported_lost() {
+    let (_db, coord) = cluster();
+    let _home = page_server(&coord.url(), "home", 0);
+    let mgr = manager(&coord.url());
+    let b = node(&mgr, 1);
+    {
+        let a = node(&mgr, 1);
+        // Page 1: written then handed back. Page 2: written, kept. Page 3:
+        // written by b, read by a.
+        a.write(PAGE_SIZE as u64, &page_for(PAGE_SIZE as u64, 1))
+            .unwrap();
+        assert_eq!(a.evict(PAGE_SIZE as u64, PAGE_SIZE as u64).unwrap(), 1);
+        a.write(2 * PAGE_SIZE as u64, &page_for(2 * PAGE_SIZE as u64, 2))
+            .unwrap();
+        b.write(3 * PAGE_SIZE as u64, &page_for(3 * PAGE_SIZE as u64, 3))
+            .unwrap();
+        assert_eq!(read_page(&a, 3), page_for(3 * PAGE_SIZE as u64, 3));
+        // a dies.
+    }
+    match b.acquire(2 * PAGE_SIZE as u64, Access::Read) {
+        Err(TransportError::CoherentDataLost { gpa, .. }) => assert_eq!(gpa, 2 * PAGE_SIZE as u64),
+        other => panic!("page 2 should be lost, got {other:?}"),
+    }
+    b.acquire(PAGE_SIZE as u64, Access::Read).unwrap();
+    assert_eq!(read_page(&b, 1), page_for(PAGE_SIZE as u64, 1));
+    b.acquire(3 * PAGE_SIZE as u64, Access::Write).unwrap();
+    assert_eq!(read_page(&b, 3), page_for(3 * PAGE_SIZE as u64, 3));
+    assert!(matches!(
+        b.acquire(PAGES as u64 * PAGE_SIZE as u64, Access::Read),
+        Err(TransportError::UnknownGpa { .. })
+    ));
+}
