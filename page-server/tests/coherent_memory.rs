@@ -168,3 +168,28 @@ fn a_page_owned_by_a_dropped_node_is_reported_lost() {
         Err(TransportError::UnknownGpa { .. })
     ));
 }
+
+/// A page evicted right after the write that faulted it in goes back to its
+/// home, every time. (The fault's install wakes the vCPU before the copy's
+/// bookkeeping was done; an eviction at once then skipped the page, and a
+/// node that left afterwards lost it.)
+#[test]
+fn a_page_evicted_right_after_its_fault_goes_back() {
+    const ROUNDS: usize = PAGES;
+    let (_db, coord) = cluster();
+    let _home = page_server(&coord.url(), "home", 0);
+    let mgr = manager(&coord.url());
+    let (a, b) = (node(&mgr, 1), node(&mgr, 1));
+    for page in 0..ROUNDS {
+        let gpa = (page * PAGE_SIZE) as u64;
+        a.write(gpa, &page_for(gpa, 9)).unwrap();
+        assert_eq!(a.evict(gpa, PAGE_SIZE as u64).unwrap(), 1, "page {page}");
+    }
+    drop(a);
+    for page in 0..ROUNDS {
+        let gpa = (page * PAGE_SIZE) as u64;
+        b.acquire(gpa, Access::Read)
+            .unwrap_or_else(|e| panic!("page {page}: {e}"));
+        assert_eq!(read_page(&b, page), page_for(gpa, 9), "page {page}");
+    }
+}

@@ -32,6 +32,9 @@ struct SlotState {
     events: u64,
     /// The latest failure and the event number it came with.
     failure: Option<(u64, Failure)>,
+    /// The event numbers of the latest grants that allowed reads, and
+    /// writes.
+    granted: [u64; 2],
 }
 
 #[derive(Debug, Clone)]
@@ -50,13 +53,31 @@ impl Slot {
                 page: NodePage::new(NodeConfig::new(min_hold_us)),
                 events: 0,
                 failure: None,
+                granted: [0; 2],
             }),
             changed: Condvar::new(),
         }
     }
 }
 
+fn access_index(access: Access) -> usize {
+    match access {
+        Access::Read => 0,
+        Access::Write => 1,
+    }
+}
+
 impl SlotState {
+    /// A grant woke the faults waiting for `access` (a write grant allows
+    /// reads too).
+    fn granted(&mut self, access: Access) {
+        self.signal(None);
+        self.granted[0] = self.events;
+        if access == Access::Write {
+            self.granted[1] = self.events;
+        }
+    }
+
     fn signal(&mut self, failure: Option<Failure>) {
         self.events += 1;
         if let Some(f) = failure {
@@ -117,8 +138,15 @@ pub(crate) fn acquire(
                 return Err(failure_error(failure, gpa, link));
             }
         }
-        // Woken: the copy may allow the access now (or was taken again
-        // already): the fault is looked at again.
+        // A grant for this access was installed: done, even if the page
+        // was taken away since (by a recall, or an eviction by the thread
+        // the install woke): asking again would bring back a page nobody
+        // is waiting for. The faulting thread faults again if it needs it.
+        if st.granted[access_index(access)] > seen {
+            return Ok(());
+        }
+        // Woken by another grant (a read one, for a write fault that joined
+        // it): the fault is looked at again.
     }
 }
 
@@ -246,8 +274,8 @@ fn run(
                 }
                 link.send(slot.offset, &msg, written.take().as_deref())?;
             }
-            NodeAction::Wake(_) => {
-                st.signal(None);
+            NodeAction::Wake(access) => {
+                st.granted(access);
                 slot.changed.notify_all();
             }
             NodeAction::FailLost => {

@@ -149,6 +149,13 @@ impl CoherenceHandler for Copies {
             tracing::error!(gpa, "a grant for a page outside the region");
             return;
         };
+        // Recorded before the page is mapped: mapping it wakes the faulting
+        // vCPU, which may go on to `evict` it at once (and must find it).
+        let held = match mode {
+            Mode::Shared => SHARED,
+            Mode::Exclusive => EXCLUSIVE,
+        };
+        self.held[page].store(held, Ordering::Release);
         let addr = self.region.page_addr(page);
         match data {
             Some(data) => {
@@ -164,11 +171,6 @@ impl CoherenceHandler for Copies {
             }
             None => self.protect(page),
         }
-        let held = match mode {
-            Mode::Shared => SHARED,
-            Mode::Exclusive => EXCLUSIVE,
-        };
-        self.held[page].store(held, Ordering::Release);
     }
 
     fn recall(&self, gpa: u64, recall: Recall) -> RecallAnswer {

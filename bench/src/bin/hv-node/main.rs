@@ -1,0 +1,171 @@
+//! `hv-node`: one hypervisor node of a coherent VM, as a process. It maps
+//! the VM's guest RAM coherently (`CoherentMemory`, pages homed at the
+//! cluster's page-servers) and runs vCPU threads on it:
+//!
+//! - `run`: every vCPU increments shared counters with compare-and-swap and
+//!   takes a spinlock in guest memory to update a multi-page structure;
+//!   node pairs (0→1, 2→3, ...) pass messages through a ring. The nodes
+//!   meet at barriers in guest memory (no other channel), check what they
+//!   can see, hand their pages back and print one JSON line.
+//! - `victim`: takes the start barrier, writes one page and hands it back,
+//!   then keeps owning another page and reading the counters until it is
+//!   killed.
+//! - `check`: after the others, reads everything back and checks it
+//!   against what the runs must have left (a dead victim's owned page must
+//!   be reported lost).
+//!
+//! Used by `bench/tests/coherence.rs` (and `bench --op coherence`). The
+//! guest-memory layout is in `layout.rs`.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+mod layout;
+mod workload;
+
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, ValueEnum};
+use rdma_transport::coherent::CoherenceConfig;
+use rdma_transport::guest_memory::{CoherentMemory, GuestMemoryConfig};
+use rdma_transport::{ManagerConfig, TransportManager};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Role {
+    Run,
+    Victim,
+    Check,
+}
+
+/// One hypervisor node of a coherent VM (see the module docs).
+#[derive(Debug, Parser)]
+struct Args {
+    #[arg(value_enum)]
+    role: Role,
+    /// Coordinator URL of the cluster that homes the VM's pages.
+    #[arg(long)]
+    coordinator: String,
+    /// Guest RAM of the VM (from GPA 0).
+    #[arg(long, default_value = "64MiB", value_parser = rdma_transport::size::parse_size_bytes)]
+    memory: usize,
+    /// This node's index (0..nodes).
+    #[arg(long, default_value_t = 0)]
+    node: usize,
+    /// Nodes that take part (victims included).
+    #[arg(long, default_value_t = 2)]
+    nodes: usize,
+    /// The victim's index, if one takes part (it does not run the vCPU
+    /// workload).
+    #[arg(long)]
+    victim: Option<usize>,
+    /// vCPU threads per node.
+    #[arg(long, default_value_t = 2)]
+    vcpus: usize,
+    /// Counter increments per vCPU (a multiple of 16).
+    #[arg(long, default_value_t = 1600)]
+    iters: u64,
+    /// Lock acquisitions per vCPU.
+    #[arg(long, default_value_t = 100)]
+    lock_iters: u64,
+    /// Messages per ring.
+    #[arg(long, default_value_t = 2000)]
+    messages: u64,
+    /// Minimum hold time of an exclusive grant (µs).
+    #[arg(long, default_value_t = 50)]
+    hold_us: u64,
+    /// Fault handler threads.
+    #[arg(long, default_value_t = 2)]
+    handler_threads: usize,
+    /// Longest a wait at a barrier or in the ring may take (s) before the
+    /// node gives up with an error.
+    #[arg(long, default_value_t = 120)]
+    wait_limit_s: u64,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    match run(&args) {
+        Ok(report) => {
+            println!("{report}");
+            let verified = report
+                .get("verified")
+                .and_then(serde_json::Value::as_bool)
+                .unwrap_or(false);
+            std::process::exit(if verified { 0 } else { 1 });
+        }
+        Err(err) => {
+            println!(
+                "{}",
+                serde_json::json!({ "node": args.node, "verified": false, "errors": [format!("{err:#}")] })
+            );
+            std::process::exit(2);
+        }
+    }
+}
+
+fn run(args: &Args) -> anyhow::Result<serde_json::Value> {
+    anyhow::ensure!(args.node < args.nodes, "--node must be below --nodes");
+    anyhow::ensure!(
+        args.iters % layout::COUNTERS as u64 == 0,
+        "--iters must be a multiple of {}",
+        layout::COUNTERS
+    );
+    let manager = TransportManager::connect(ManagerConfig {
+        coordinator_url: args.coordinator.clone(),
+        poller_cpus: Some(vec![]),
+        ..ManagerConfig::default()
+    })
+    .context("connecting to the cluster")?;
+    let memory = CoherentMemory::new(
+        &manager,
+        GuestMemoryConfig {
+            handler_threads: args.handler_threads,
+            handler_cpus: Some(vec![]),
+            ..GuestMemoryConfig::new(0, args.memory)
+        },
+        CoherenceConfig {
+            min_hold_us: args.hold_us,
+            timeout_ms: 10_000,
+        },
+    )
+    .context("mapping coherent guest memory")?;
+    anyhow::ensure!(
+        layout::pages_needed(args.nodes) * rdma_transport::PAGE_SIZE <= args.memory,
+        "--memory is too small for the layout"
+    );
+    let vm = workload::Vm {
+        memory: &memory,
+        nodes: args.nodes,
+        victim: args.victim,
+        vcpus: args.vcpus,
+        iters: args.iters,
+        lock_iters: args.lock_iters,
+        messages: args.messages,
+        wait_limit: Duration::from_secs(args.wait_limit_s),
+    };
+    let mut report = match args.role {
+        Role::Run => vm.run(args.node)?,
+        Role::Victim => vm.victim(args.node)?,
+        Role::Check => vm.check()?,
+    };
+    let stats = memory.stats();
+    report["node"] = args.node.into();
+    report["stats"] = serde_json::json!({
+        "read_faults": stats.read_faults,
+        "write_faults": stats.write_faults,
+        "upgrade_faults": stats.upgrade_faults,
+        "invalidations": stats.invalidations,
+        "downgrades": stats.downgrades,
+        "pages_written_back": stats.pages_written_back,
+        "fault_errors": stats.fault_errors,
+        "requests": stats.protocol.requests,
+        "coalesced_faults": stats.protocol.coalesced_faults,
+        "deferred_callbacks": stats.protocol.deferred_callbacks,
+    });
+    Ok(report)
+}
