@@ -9,11 +9,13 @@
 mod async_loop;
 mod baseline;
 mod cluster;
+mod coherence;
 mod compare;
 mod failure;
 mod fault;
 mod flush;
 mod guest;
+mod hv_node;
 mod matrix;
 mod pattern;
 mod replicas;
@@ -72,6 +74,14 @@ struct Args {
     /// Page-servers in the local cluster.
     #[arg(long, default_value_t = 2)]
     nodes: usize,
+    /// --op coherence: hypervisor node processes sharing the guest RAM
+    /// (upgrade-3 needs 4).
+    #[arg(long, default_value_t = 2)]
+    hv: usize,
+    /// --op coherence: the nodes' minimum hold time of an exclusive grant
+    /// (µs, see docs/coherence.md).
+    #[arg(long, default_value_t = 50)]
+    hold_us: u64,
     /// Holders of each range in the local cluster (1 to 3, at most --nodes):
     /// when it divides --nodes, the page-servers form groups of this many
     /// that hold one range each; otherwise every page-server holds this many
@@ -246,6 +256,10 @@ fn run() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    if std::env::args_os().nth(1).is_some_and(|a| a == "hv-node") {
+        // A node process of `--op coherence` (or of the coherence tests).
+        hv_node::main(std::env::args_os().skip(1));
+    }
     let args = Args::parse();
     workload::set_register_buffers(args.register_buffers);
     if args.threads == 0 || args.depth == 0 || args.nodes == 0 || args.ops == 0 {
@@ -398,6 +412,21 @@ fn run() -> anyhow::Result<()> {
     let mut failed_before = false;
     for &op in &ops {
         let patterns = matrix::patterns(op, args.pattern);
+        if op == Op::Coherence {
+            let (recs, summary) = coherence::run(&coherence::Params {
+                url: &url,
+                key: config.cluster_key.as_ref(),
+                hv: args.hv,
+                ops: args.ops,
+                memory_bytes: args.memory,
+                hold_us: args.hold_us,
+                nodes,
+                fill_seed: 1,
+            })?;
+            records.extend(recs);
+            lines.extend(summary);
+            continue;
+        }
         if op == Op::Fault {
             let params = fault::Params {
                 ops: args.ops,

@@ -92,6 +92,8 @@ pub fn patterns(op: Op, choice: Option<PatternChoice>) -> Vec<AccessPattern> {
     let choice = choice.unwrap_or(match op {
         Op::Fault => PatternChoice::All,
         Op::Read | Op::Write => PatternChoice::Random,
+        // Its own cases, one order (coherence.rs).
+        Op::Coherence => PatternChoice::Seq,
     });
     match choice {
         PatternChoice::Random => vec![AccessPattern::Random],

@@ -12,6 +12,11 @@ fn base(gpa: u64, seed: u64) -> u64 {
     (gpa ^ seed.rotate_left(17)).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1
 }
 
+/// Word 0 of the pattern of (`gpa`, `seed`).
+pub fn first_word(gpa: u64, seed: u64) -> u64 {
+    base(gpa, seed)
+}
+
 /// Fills `page` with the pattern of (`gpa`, `seed`).
 pub fn fill(page: &mut Page, gpa: u64, seed: u64) {
     let mut w = base(gpa, seed);

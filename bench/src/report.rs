@@ -225,6 +225,7 @@ pub fn line(r: &Record) -> String {
         Op::Read => "read",
         Op::Write => "write",
         Op::Fault => "fault",
+        Op::Coherence => "coh",
     };
     let l = &r.latency_us;
     format!(

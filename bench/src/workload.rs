@@ -23,6 +23,9 @@ pub enum Op {
     Write,
     /// Guest-memory page faults (bench/src/fault.rs).
     Fault,
+    /// Coherent guest memory shared by `--hv` node processes
+    /// (bench/src/coherence.rs).
+    Coherence,
 }
 
 /// Address order.
@@ -440,8 +443,8 @@ fn thread_loop(ctx: &ThreadCtx<'_>, ops: u64, thread: usize, seed: u64) -> (Outc
         }
         let t0 = Instant::now();
         let result = match spec.op {
-            // The fault op runs in fault.rs, never here.
-            Op::Read | Op::Fault => {
+            // The fault and coherence ops run in their own files, never here.
+            Op::Read | Op::Fault | Op::Coherence => {
                 read_batch(mgr, api, &gpas[..batch], &mut pages[..batch], &mut frames)
             }
             Op::Write => mgr.write_pages(&gpas[..batch], &pages[..batch]),
@@ -454,7 +457,7 @@ fn thread_loop(ctx: &ThreadCtx<'_>, ops: u64, thread: usize, seed: u64) -> (Outc
                 let _ = hist.record_n(latency_ns.max(1), batch as u64);
                 for i in 0..batch {
                     match spec.op {
-                        Op::Read | Op::Fault => {
+                        Op::Read | Op::Fault | Op::Coherence => {
                             // Frame reads are checked in the frame itself.
                             let page: &Page = match frames.get(i) {
                                 Some(frame) => frame,

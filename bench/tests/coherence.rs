@@ -1,5 +1,5 @@
 //! Coherent guest memory across hypervisor node processes (issue 11): 2 and
-//! 4 `hv-node` processes map the same 64 MiB, homed at two page-servers of
+//! 4 `bench hv-node` processes map the same 64 MiB, homed at two page-servers of
 //! 32 MiB on loopback. Their vCPUs increment shared counters with
 //! compare-and-swap, update a four-page structure under a spinlock in
 //! guest memory, and pass messages through rings; each node checks what it
@@ -50,8 +50,8 @@ impl Cluster {
     }
 
     fn node(&self, role: &str, node: usize, nodes: usize, extra: &[String]) -> Child {
-        Command::new(env!("CARGO_BIN_EXE_hv-node"))
-            .arg(role)
+        Command::new(env!("CARGO_BIN_EXE_bench"))
+            .args(["hv-node", role])
             .args(["--coordinator", &self.coordinator.url()])
             .args(["--memory", "64MiB"])
             .args(["--node", &node.to_string(), "--nodes", &nodes.to_string()])

@@ -223,9 +223,22 @@ fn read_loop(shared: &Shared, link: &Link, mut stream: TcpStream) {
             .map(|(due, _)| Duration::from_micros(due.saturating_sub(now)))
             .min()
             .unwrap_or(READ_TICK)
-            .clamp(Duration::from_millis(1), READ_TICK);
-        if stream.set_read_timeout(Some(wait)).is_err() {
-            return;
+            .min(READ_TICK);
+        // Timers of deferred callbacks are a few µs to tens of µs away:
+        // waited for with ppoll (a socket read timeout would round them up
+        // to a scheduler tick, which made every deferral cost 4 ms).
+        match crate::sys::wait_readable(std::os::fd::AsFd::as_fd(&stream), wait) {
+            Ok(true) => {}
+            Ok(false) => {
+                if !run_due_timers(shared, link, &mut timers) || link.is_dead() {
+                    return;
+                }
+                continue;
+            }
+            Err(e) => {
+                tracing::debug!(node = %link.node, err = %e, "coherence connection poll failed");
+                return;
+            }
         }
         match stream.read(&mut buf[end..]) {
             Ok(0) => return,
@@ -287,24 +300,33 @@ fn read_loop(shared: &Shared, link: &Link, mut stream: TcpStream) {
             end -= start;
             start = 0;
         }
-        let now = shared.now_us();
-        let due: Vec<Arc<Slot>> = {
-            let (due, later): (Vec<_>, Vec<_>) = timers.drain(..).partition(|(d, _)| *d <= now);
-            timers = later;
-            due.into_iter().map(|(_, s)| s).collect()
-        };
-        for slot in due {
-            match pages::on_timer(shared, link, &slot) {
-                Ok(Some(again)) => timers.push((again, slot)),
-                Ok(None) => {}
-                Err(e) => {
-                    tracing::warn!(node = %link.node, err = %e, "deferred callback not answered; dropping the connection");
-                    return;
-                }
-            }
+        if !run_due_timers(shared, link, &mut timers) {
+            return;
         }
         if link.is_dead() {
             return;
         }
     }
+}
+
+/// Answers the deferred callbacks whose hold time has passed; false when
+/// one could not be answered (the connection is dropped).
+fn run_due_timers(shared: &Shared, link: &Link, timers: &mut Vec<(u64, Arc<Slot>)>) -> bool {
+    let now = shared.now_us();
+    let due: Vec<Arc<Slot>> = {
+        let (due, later): (Vec<_>, Vec<_>) = timers.drain(..).partition(|(d, _)| *d <= now);
+        *timers = later;
+        due.into_iter().map(|(_, s)| s).collect()
+    };
+    for slot in due {
+        match pages::on_timer(shared, link, &slot) {
+            Ok(Some(again)) => timers.push((again, slot)),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(node = %link.node, err = %e, "deferred callback not answered; dropping the connection");
+                return false;
+            }
+        }
+    }
+    true
 }

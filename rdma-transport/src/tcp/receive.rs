@@ -279,10 +279,7 @@ fn block_reading(
         if left.is_zero() {
             return Some(false);
         }
-        let timeout = libc::timespec {
-            tv_sec: left.as_secs().min(i32::MAX as u64) as libc::time_t,
-            tv_nsec: libc::c_long::from(left.subsec_nanos() as i32),
-        };
+        let timeout = crate::sys::timespec(left);
         // SAFETY: `pollfds[..n]` are live, initialised pollfds; `timeout` is
         // a valid timespec and a null signal mask is allowed.
         let ret = unsafe {

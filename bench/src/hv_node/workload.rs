@@ -13,7 +13,7 @@ use rdma_transport::guest_memory::CoherentMemory;
 use rdma_transport::{TransportError, PAGE_SIZE};
 use serde_json::json;
 
-use crate::layout::{self, COUNTERS, LOCK, RING_SLOTS, STRUCT_FIRST, STRUCT_PAGES};
+use super::layout::{self, COUNTERS, LOCK, RING_SLOTS, STRUCT_FIRST, STRUCT_PAGES};
 
 /// The VM as one node sees it, and the workload's sizes.
 pub struct Vm<'a> {

@@ -1,4 +1,5 @@
-//! `hv-node`: one hypervisor node of a coherent VM, as a process. It maps
+//! `bench hv-node ROLE ...`: one hypervisor node of a coherent VM, as a
+//! process (the bench binary started with `hv-node` as its first argument). It maps
 //! the VM's guest RAM coherently (`CoherentMemory`, pages homed at the
 //! cluster's page-servers) and runs vCPU threads on it:
 //!
@@ -13,12 +14,14 @@
 //! - `check`: after the others, reads everything back and checks it
 //!   against what the runs must have left (a dead victim's owned page must
 //!   be reported lost).
+//! - `serve`: timed accesses commanded on stdin (`serve.rs`), for `bench
+//!   --op coherence`.
 //!
-//! Used by `bench/tests/coherence.rs` (and `bench --op coherence`). The
-//! guest-memory layout is in `layout.rs`.
-#![allow(clippy::print_stdout, clippy::print_stderr)]
+//! Used by `bench/tests/coherence.rs` and `bench --op coherence`
+//! (`coherence.rs`). The guest-memory layout is in `layout.rs`.
 
-mod layout;
+pub mod layout;
+mod serve;
 mod workload;
 
 use std::time::Duration;
@@ -34,16 +37,22 @@ enum Role {
     Run,
     Victim,
     Check,
+    Serve,
 }
 
 /// One hypervisor node of a coherent VM (see the module docs).
 #[derive(Debug, Parser)]
+#[command(name = "bench hv-node")]
 struct Args {
     #[arg(value_enum)]
     role: Role,
     /// Coordinator URL of the cluster that homes the VM's pages.
     #[arg(long)]
     coordinator: String,
+    /// The cluster's key file (hex, not readable by other users); none: an
+    /// insecure cluster.
+    #[arg(long, env = "RT_CLUSTER_KEY_FILE")]
+    cluster_key_file: Option<std::path::PathBuf>,
     /// Guest RAM of the VM (from GPA 0).
     #[arg(long, default_value = "64MiB", value_parser = rdma_transport::size::parse_size_bytes)]
     memory: usize,
@@ -81,14 +90,10 @@ struct Args {
     wait_limit_s: u64,
 }
 
-fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let args = Args::parse();
+/// Runs the node with `args` (the first one is `hv-node`) and exits: 0 when
+/// its report says `verified`, 1 when not, 2 when it could not run.
+pub fn main(args: impl Iterator<Item = std::ffi::OsString>) -> ! {
+    let args = Args::parse_from(args);
     match run(&args) {
         Ok(report) => {
             println!("{report}");
@@ -115,8 +120,15 @@ fn run(args: &Args) -> anyhow::Result<serde_json::Value> {
         "--iters must be a multiple of {}",
         layout::COUNTERS
     );
+    let cluster_key = args
+        .cluster_key_file
+        .as_deref()
+        .map(rdma_transport::auth::ClusterKey::from_file)
+        .transpose()
+        .context("reading the cluster key")?;
     let manager = TransportManager::connect(ManagerConfig {
         coordinator_url: args.coordinator.clone(),
+        cluster_key,
         poller_cpus: Some(vec![]),
         ..ManagerConfig::default()
     })
@@ -152,6 +164,7 @@ fn run(args: &Args) -> anyhow::Result<serde_json::Value> {
         Role::Run => vm.run(args.node)?,
         Role::Victim => vm.victim(args.node)?,
         Role::Check => vm.check()?,
+        Role::Serve => serve::serve(&memory, vm.wait_limit)?,
     };
     let stats = memory.stats();
     report["node"] = args.node.into();

@@ -1,0 +1,337 @@
+//! `--op coherence`: what the coherence protocol costs a fault, with `--hv
+//! K` hypervisor node processes (`bench hv-node serve`, see
+//! `hv_node/serve.rs`) mapping the same guest RAM over the cluster. The
+//! bench commands them on their stdin; each access is timed inside the
+//! node that makes it, faults included. Each sample uses a page nobody
+//! touched before. Cases (the `transport` field of the records):
+//!
+//! - `plain-fault`: node 0 reads a page nobody holds: one request, the
+//!   page with the grant (the reference; it must hold what the bench filled
+//!   the remote memory with);
+//! - `read-modified`: node 1 writes the page, node 0 reads it: the home
+//!   first has node 1 write it back and keep a read-only copy;
+//! - `upgrade-1`, `upgrade-3`: 1 (3) other nodes and node 0 hold the page
+//!   read-only, node 0 writes it: the home invalidates the others first
+//!   (`upgrade-3` needs `--hv 4`);
+//! - `pingpong`: nodes 0 and 1 increment one counter in turn; pages/s is
+//!   round trips per second (each a transfer of the page both ways).
+//!
+//! Every sample's value is checked: node 0 reads what node 1 wrote, and
+//! after an upgrade the last other holder reads node 0's value; the
+//! ping-pong counter ends at twice the turns. `verified` says they all held.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use rdma_transport::auth::ClusterKey;
+use rdma_transport::PAGE_SIZE;
+
+use crate::report::{self, Record};
+use crate::workload::{new_histogram, AccessPattern, Op, Outcome, Spec};
+
+/// Samples per case at most (each takes several commands).
+const MAX_SAMPLES: u64 = 2000;
+/// Turns of each node in the ping-pong.
+const PINGPONG_TURNS: u64 = 2000;
+/// The first page the samples use (the layout of `hv-node run` stays
+/// below it).
+const FIRST_PAGE: u64 = 10_240;
+
+/// What `--op coherence` needs.
+pub struct Params<'a> {
+    pub url: &'a str,
+    pub key: Option<&'a ClusterKey>,
+    pub hv: usize,
+    pub ops: u64,
+    pub memory_bytes: usize,
+    pub hold_us: u64,
+    pub nodes: usize,
+    /// The seed the remote memory was filled with (`pattern.rs`).
+    pub fill_seed: u64,
+}
+
+/// One `bench hv-node serve` process.
+struct Node {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    index: usize,
+}
+
+impl Node {
+    fn start(
+        index: usize,
+        params: &Params<'_>,
+        key_file: Option<&std::path::Path>,
+    ) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe().context("finding the bench binary")?;
+        let mut cmd = Command::new(exe);
+        cmd.args(["hv-node", "serve", "--coordinator", params.url])
+            .args(["--memory", &params.memory_bytes.to_string()])
+            .args([
+                "--node",
+                &index.to_string(),
+                "--nodes",
+                &params.hv.to_string(),
+            ])
+            .args(["--hold-us", &params.hold_us.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if let Some(path) = key_file {
+            cmd.arg("--cluster-key-file").arg(path);
+        }
+        let mut child = cmd.spawn().context("starting a node process")?;
+        let stdin = child.stdin.take().context("node stdin")?;
+        let stdout = BufReader::new(child.stdout.take().context("node stdout")?);
+        let mut node = Self {
+            child,
+            stdin,
+            stdout,
+            index,
+        };
+        let ready = node.line()?;
+        if ready != "ready" {
+            bail!("node {index} did not start: {ready}");
+        }
+        Ok(node)
+    }
+
+    fn line(&mut self) -> anyhow::Result<String> {
+        let mut line = String::new();
+        if self.stdout.read_line(&mut line)? == 0 {
+            bail!("node {} exited ({:?})", self.index, self.child.try_wait());
+        }
+        Ok(line.trim().to_owned())
+    }
+
+    fn send(&mut self, command: &str) -> anyhow::Result<()> {
+        writeln!(self.stdin, "{command}")
+            .and_then(|()| self.stdin.flush())
+            .with_context(|| format!("node {} is gone", self.index))
+    }
+
+    /// The answer to the command sent last: (ns, value).
+    fn answer(&mut self) -> anyhow::Result<(u64, u64)> {
+        let line = self.line()?;
+        let mut words = line.split_whitespace();
+        if words.next() != Some("ok") {
+            bail!("node {}: {line}", self.index);
+        }
+        let mut num = || -> anyhow::Result<u64> {
+            words
+                .next()
+                .and_then(|w| w.parse().ok())
+                .with_context(|| format!("node {}: a bad answer {line:?}", self.index))
+        };
+        Ok((num()?, num()?))
+    }
+
+    fn call(&mut self, command: &str) -> anyhow::Result<(u64, u64)> {
+        self.send(command)?;
+        self.answer()
+    }
+
+    fn read(&mut self, gpa: u64) -> anyhow::Result<(u64, u64)> {
+        self.call(&format!("r {gpa}"))
+    }
+
+    fn write(&mut self, gpa: u64, value: u64) -> anyhow::Result<u64> {
+        Ok(self.call(&format!("w {gpa} {value}"))?.0)
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.send("q");
+        if !matches!(self.child.wait(), Ok(s) if s.success()) {
+            let _ = self.child.kill();
+        }
+    }
+}
+
+/// A case's samples.
+struct Case {
+    name: &'static str,
+    outcome: Outcome,
+    started: Instant,
+}
+
+impl Case {
+    fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            outcome: Outcome {
+                latency_ns: new_histogram(),
+                elapsed: Duration::ZERO,
+                ops_done: 0,
+                errors: 0,
+                bad_pages: 0,
+                pages_checked: 0,
+                first_error: None,
+            },
+            started: Instant::now(),
+        }
+    }
+
+    fn sample(&mut self, ns: u64, right: bool, what: impl FnOnce() -> String) {
+        let _ = self.outcome.latency_ns.record(ns.max(1));
+        self.outcome.ops_done += 1;
+        self.outcome.pages_checked += 1;
+        if !right {
+            self.outcome.bad_pages += 1;
+            self.outcome.first_error.get_or_insert_with(what);
+        }
+    }
+
+    fn record(mut self, nodes: usize) -> Record {
+        self.outcome.elapsed = self.started.elapsed();
+        let spec = Spec {
+            op: Op::Coherence,
+            ops: self.outcome.ops_done,
+            threads: 1,
+            depth: 1,
+            pattern: AccessPattern::Seq,
+        };
+        Record::new(self.name, spec, nodes, &self.outcome)
+    }
+}
+
+/// Runs every case; returns the records and the summary lines.
+pub fn run(params: &Params<'_>) -> anyhow::Result<(Vec<Record>, Vec<String>)> {
+    if params.hv < 2 {
+        bail!("--op coherence needs --hv 2 or more");
+    }
+    let samples = params.ops.min(MAX_SAMPLES);
+    let pages_needed = FIRST_PAGE + 4 * samples + 1;
+    if (params.memory_bytes / PAGE_SIZE) < pages_needed as usize {
+        bail!(
+            "--op coherence with {samples} samples needs --memory of at least {} MiB",
+            (pages_needed as usize * PAGE_SIZE).div_ceil(1 << 20)
+        );
+    }
+    let key_file = match params.key {
+        Some(key) => Some(write_key(key)?),
+        None => None,
+    };
+    eprintln!("coherence: starting {} node processes...", params.hv);
+    let mut nodes: Vec<Node> = (0..params.hv)
+        .map(|i| Node::start(i, params, key_file.as_ref().map(|f| f.path())))
+        .collect::<anyhow::Result<_>>()?;
+    let gpa = |case: u64, i: u64| (FIRST_PAGE + case * samples + i) * PAGE_SIZE as u64;
+    let value = |case: u64, i: u64| (case << 32) | (i + 1);
+    let mut records = Vec::new();
+
+    let mut plain = Case::new("plain-fault");
+    for i in 0..samples {
+        let p = gpa(0, i);
+        let want = crate::pattern::first_word(p, params.fill_seed);
+        let (ns, v) = nodes[0].read(p)?;
+        plain.sample(ns, v == want, || {
+            format!("sample {i} read {v:#x}, not the fill's {want:#x}")
+        });
+    }
+    records.push(plain.record(params.nodes));
+
+    let mut modified = Case::new("read-modified");
+    for i in 0..samples {
+        let (p, want) = (gpa(1, i), value(1, i));
+        nodes[1].write(p, want)?;
+        let (ns, v) = nodes[0].read(p)?;
+        modified.sample(ns, v == want, || {
+            format!("sample {i}: node 0 read {v}, node 1 wrote {want}")
+        });
+    }
+    records.push(modified.record(params.nodes));
+
+    for (case, others, name) in [(2u64, 1usize, "upgrade-1"), (3, 3, "upgrade-3")] {
+        if params.hv <= others {
+            eprintln!("coherence: {name} needs --hv {} (skipped)", others + 1);
+            continue;
+        }
+        let mut upgrade = Case::new(name);
+        for i in 0..samples {
+            let p = gpa(case, i);
+            let (before, after) = (value(case, i), value(case, i) + (1 << 31));
+            nodes[1].write(p, before)?;
+            for node in nodes.iter_mut().take(others + 1).skip(2) {
+                node.read(p)?;
+            }
+            nodes[0].read(p)?;
+            let ns = nodes[0].write(p, after)?;
+            let (_, seen) = nodes[others].read(p)?;
+            upgrade.sample(ns, seen == after, || {
+                format!("sample {i}: node {others} read {seen} after node 0 wrote {after}")
+            });
+        }
+        records.push(upgrade.record(params.nodes));
+    }
+
+    let mut pingpong = Case::new("pingpong");
+    let counter = gpa(4, 0);
+    nodes[0].write(counter, 0)?;
+    nodes[0].send(&format!("pp {counter} {PINGPONG_TURNS} 0"))?;
+    nodes[1].send(&format!("pp {counter} {PINGPONG_TURNS} 1"))?;
+    let (ns0, _) = nodes[0].answer()?;
+    let (ns1, last) = nodes[1].answer()?;
+    let (_, end) = nodes[0].read(counter)?;
+    let round_trip_ns = ns0.max(ns1) / PINGPONG_TURNS;
+    for _ in 0..PINGPONG_TURNS {
+        pingpong.sample(round_trip_ns, true, String::new);
+    }
+    if end != 2 * PINGPONG_TURNS || last != end {
+        pingpong.outcome.bad_pages += 1;
+        pingpong.outcome.first_error = Some(format!(
+            "the counter ended at {end} (node 1 saw {last}), not {}",
+            2 * PINGPONG_TURNS
+        ));
+    }
+    let mut rec = pingpong.record(params.nodes);
+    // Round trips per second over the whole exchange (not the bench's
+    // wall clock, which includes starting it).
+    let secs = ns0.max(ns1) as f64 / 1e9;
+    rec.throughput.pages_per_s = PINGPONG_TURNS as f64 / secs.max(1e-9);
+    rec.throughput.gb_per_s = rec.throughput.pages_per_s * PAGE_SIZE as f64 / 1e9;
+    records.push(rec);
+    drop(nodes);
+
+    let p50 = |name: &str| {
+        records
+            .iter()
+            .find(|r| r.transport == name)
+            .map(|r| r.latency_us.p50)
+    };
+    let mut lines = Vec::new();
+    if let Some(plain) = p50("plain-fault") {
+        for name in ["read-modified", "upgrade-1", "upgrade-3"] {
+            if let Some(p) = p50(name) {
+                lines.push(format!(
+                    "coherence: {name} p50 {} = {} the plain fault's {}{}",
+                    report::fmt_us(p),
+                    report::fmt_ratio(p / plain),
+                    report::fmt_us(plain),
+                    if name == "upgrade-1" {
+                        " (target: within 2x)"
+                    } else {
+                        ""
+                    }
+                ));
+            }
+        }
+    }
+    Ok((records, lines))
+}
+
+/// The cluster key in a file only this user can read, for the node
+/// processes.
+fn write_key(key: &ClusterKey) -> anyhow::Result<tempfile::NamedTempFile> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut file = tempfile::NamedTempFile::new().context("a file for the cluster key")?;
+    file.as_file()
+        .set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    file.write_all(key.to_hex().as_bytes())?;
+    file.flush()?;
+    Ok(file)
+}
