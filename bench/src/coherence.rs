@@ -5,6 +5,9 @@
 //! node that makes it, faults included. Each sample uses a page nobody
 //! touched before. Cases (the `transport` field of the records):
 //!
+//! - `remote-fault`: a fault of guest memory that is not coherent
+//!   (`GuestMemory`, read-ahead off) in the bench process, on the upper
+//!   half of the RAM: the reference of issue 11's target;
 //! - `plain-fault`: node 0 reads a page nobody holds: one request, the
 //!   page with the grant (the reference; it must hold what the bench filled
 //!   the remote memory with);
@@ -16,16 +19,22 @@
 //! - `pingpong`: nodes 0 and 1 increment one counter in turn; pages/s is
 //!   round trips per second (each a transfer of the page both ways).
 //!
+//! The first four cases take turns sample by sample, so that they share
+//! whatever the host does meanwhile; their pages/s is one over the mean
+//! latency.
+//!
 //! Every sample's value is checked: node 0 reads what node 1 wrote, and
 //! after an upgrade the last other holder reads node 0's value; the
 //! ping-pong counter ends at twice the turns. `verified` says they all held.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use rdma_transport::auth::ClusterKey;
+use rdma_transport::guest_memory::{GuestMemory, GuestMemoryConfig};
 use rdma_transport::PAGE_SIZE;
 
 use crate::report::{self, Record};
@@ -35,12 +44,13 @@ use crate::workload::{new_histogram, AccessPattern, Op, Outcome, Spec};
 const MAX_SAMPLES: u64 = 2000;
 /// Turns of each node in the ping-pong.
 const PINGPONG_TURNS: u64 = 2000;
-/// The first page the samples use (the layout of `hv-node run` stays
-/// below it).
-const FIRST_PAGE: u64 = 10_240;
+/// The first page the samples use.
+const FIRST_PAGE: u64 = 0;
 
 /// What `--op coherence` needs.
 pub struct Params<'a> {
+    /// The bench's manager (for the reference fault).
+    pub mgr: &'a Arc<rdma_transport::TransportManager>,
     pub url: &'a str,
     pub key: Option<&'a ClusterKey>,
     pub hv: usize,
@@ -195,7 +205,13 @@ impl Case {
             depth: 1,
             pattern: AccessPattern::Seq,
         };
-        Record::new(self.name, spec, nodes, &self.outcome)
+        let mut record = Record::new(self.name, spec, nodes, &self.outcome);
+        // The cases take turns: pages/s is one over the mean latency, not
+        // over the run's wall clock (which all of them share).
+        let mean_s = record.latency_us.mean / 1e6;
+        record.throughput.pages_per_s = 1.0 / mean_s.max(1e-9);
+        record.throughput.gb_per_s = record.throughput.pages_per_s * PAGE_SIZE as f64 / 1e9;
+        record
     }
 }
 
@@ -205,7 +221,8 @@ pub fn run(params: &Params<'_>) -> anyhow::Result<(Vec<Record>, Vec<String>)> {
         bail!("--op coherence needs --hv 2 or more");
     }
     let samples = params.ops.min(MAX_SAMPLES);
-    let pages_needed = FIRST_PAGE + 4 * samples + 1;
+    // The cases' pages in the lower half, the reference's in the upper one.
+    let pages_needed = 2 * (FIRST_PAGE + 4 * samples + 1);
     if (params.memory_bytes / PAGE_SIZE) < pages_needed as usize {
         bail!(
             "--op coherence with {samples} samples needs --memory of at least {} MiB",
@@ -220,39 +237,57 @@ pub fn run(params: &Params<'_>) -> anyhow::Result<(Vec<Record>, Vec<String>)> {
     let mut nodes: Vec<Node> = (0..params.hv)
         .map(|i| Node::start(i, params, key_file.as_ref().map(|f| f.path())))
         .collect::<anyhow::Result<_>>()?;
+    let reference = Reference::map(params)?;
     let gpa = |case: u64, i: u64| (FIRST_PAGE + case * samples + i) * PAGE_SIZE as u64;
     let value = |case: u64, i: u64| (case << 32) | (i + 1);
     let mut records = Vec::new();
 
+    // The cases take turns, sample by sample: they share whatever the
+    // (noisy) host does meanwhile, so their ratios hold.
+    let mut remote = Case::new("remote-fault");
     let mut plain = Case::new("plain-fault");
-    for i in 0..samples {
-        let p = gpa(0, i);
-        let want = crate::pattern::first_word(p, params.fill_seed);
-        let (ns, v) = nodes[0].read(p)?;
-        plain.sample(ns, v == want, || {
-            format!("sample {i} read {v:#x}, not the fill's {want:#x}")
-        });
-    }
-    records.push(plain.record(params.nodes));
-
     let mut modified = Case::new("read-modified");
+    let mut upgrades = [
+        (2u64, 1usize, Case::new("upgrade-1")),
+        (3, 3, Case::new("upgrade-3")),
+    ];
+    for (_, others, case) in &upgrades {
+        if params.hv <= *others {
+            eprintln!(
+                "coherence: {} needs --hv {} (skipped)",
+                case.name,
+                others + 1
+            );
+        }
+    }
+    let seeded = |p: u64| crate::pattern::first_word(p, params.fill_seed);
     for i in 0..samples {
+        // A fault of guest memory that is not coherent, in this process,
+        // on the upper half of the RAM (the cases use the lower one).
+        let p = reference.gpa_base() + i * PAGE_SIZE as u64;
+        let (ns, v) = reference.touch(p);
+        remote.sample(ns, v == seeded(p), || {
+            format!("sample {i} read {v:#x}, not the fill's {:#x}", seeded(p))
+        });
+
+        let p = gpa(0, i);
+        let (ns, v) = nodes[0].read(p)?;
+        plain.sample(ns, v == seeded(p), || {
+            format!("sample {i} read {v:#x}, not the fill's {:#x}", seeded(p))
+        });
+
         let (p, want) = (gpa(1, i), value(1, i));
         nodes[1].write(p, want)?;
         let (ns, v) = nodes[0].read(p)?;
         modified.sample(ns, v == want, || {
             format!("sample {i}: node 0 read {v}, node 1 wrote {want}")
         });
-    }
-    records.push(modified.record(params.nodes));
 
-    for (case, others, name) in [(2u64, 1usize, "upgrade-1"), (3, 3, "upgrade-3")] {
-        if params.hv <= others {
-            eprintln!("coherence: {name} needs --hv {} (skipped)", others + 1);
-            continue;
-        }
-        let mut upgrade = Case::new(name);
-        for i in 0..samples {
+        for (case, others, upgrade) in &mut upgrades {
+            let (case, others) = (*case, *others);
+            if params.hv <= others {
+                continue;
+            }
             let p = gpa(case, i);
             let (before, after) = (value(case, i), value(case, i) + (1 << 31));
             nodes[1].write(p, before)?;
@@ -266,7 +301,14 @@ pub fn run(params: &Params<'_>) -> anyhow::Result<(Vec<Record>, Vec<String>)> {
                 format!("sample {i}: node {others} read {seen} after node 0 wrote {after}")
             });
         }
-        records.push(upgrade.record(params.nodes));
+    }
+    records.push(remote.record(params.nodes));
+    records.push(plain.record(params.nodes));
+    records.push(modified.record(params.nodes));
+    for (_, others, upgrade) in upgrades {
+        if params.hv > others {
+            records.push(upgrade.record(params.nodes));
+        }
     }
 
     let mut pingpong = Case::new("pingpong");
@@ -304,24 +346,65 @@ pub fn run(params: &Params<'_>) -> anyhow::Result<(Vec<Record>, Vec<String>)> {
             .map(|r| r.latency_us.p50)
     };
     let mut lines = Vec::new();
-    if let Some(plain) = p50("plain-fault") {
-        for name in ["read-modified", "upgrade-1", "upgrade-3"] {
-            if let Some(p) = p50(name) {
-                lines.push(format!(
-                    "coherence: {name} p50 {} = {} the plain fault's {}{}",
-                    report::fmt_us(p),
-                    report::fmt_ratio(p / plain),
-                    report::fmt_us(plain),
-                    if name == "upgrade-1" {
-                        " (target: within 2x)"
-                    } else {
-                        ""
-                    }
-                ));
-            }
+    if let (Some(plain), Some(remote)) = (p50("plain-fault"), p50("remote-fault")) {
+        for name in ["plain-fault", "read-modified", "upgrade-1", "upgrade-3"] {
+            let Some(p) = p50(name) else { continue };
+            let target = if name == "upgrade-1" {
+                " (target: within 2x)"
+            } else {
+                ""
+            };
+            lines.push(format!(
+                "coherence: {name} p50 {} = {} the coherent plain fault's {}, {} the non-coherent remote fault's {}{target}",
+                report::fmt_us(p),
+                report::fmt_ratio(p / plain),
+                report::fmt_us(plain),
+                report::fmt_ratio(p / remote),
+                report::fmt_us(remote),
+            ));
         }
     }
     Ok((records, lines))
+}
+
+/// Guest memory that is not coherent, over the upper half of the RAM: the
+/// reference fault (read-ahead off, so each touch is one remote fault).
+struct Reference {
+    memory: GuestMemory,
+}
+
+impl Reference {
+    fn map(params: &Params<'_>) -> anyhow::Result<Self> {
+        let half = params.memory_bytes / 2 / PAGE_SIZE * PAGE_SIZE;
+        let memory = GuestMemory::new(
+            Arc::clone(params.mgr),
+            GuestMemoryConfig {
+                prefetch_max_pages: 0,
+                handler_cpus: Some(vec![]),
+                fault_timeout_ms: 10_000,
+                ..GuestMemoryConfig::new(half as u64, half)
+            },
+        )
+        .context("mapping the reference guest memory")?;
+        Ok(Self { memory })
+    }
+
+    fn gpa_base(&self) -> u64 {
+        self.memory.gpa_base()
+    }
+
+    /// Reads the u64 at `gpa` (its first touch: a fault); (ns, value).
+    fn touch(&self, gpa: u64) -> (u64, u64) {
+        let ptr = self
+            .memory
+            .host_addr(gpa)
+            .unwrap_or_else(|| unreachable!("the samples fit the region (checked)"));
+        let started = Instant::now();
+        // SAFETY: an aligned u64 inside the live region, read once; the
+        // fault brings the page in first.
+        let value = unsafe { std::ptr::read_volatile(ptr.cast::<u64>()) };
+        (started.elapsed().as_nanos() as u64, value)
+    }
 }
 
 /// The cluster key in a file only this user can read, for the node

@@ -414,6 +414,7 @@ fn run() -> anyhow::Result<()> {
         let patterns = matrix::patterns(op, args.pattern);
         if op == Op::Coherence {
             let (recs, summary) = coherence::run(&coherence::Params {
+                mgr: &mgr,
                 url: &url,
                 key: config.cluster_key.as_ref(),
                 hv: args.hv,
