@@ -87,19 +87,13 @@ impl CohSession {
 }
 
 impl CoherenceHome {
-    /// Counters of every page's transitions.
-    pub(crate) fn stats(&self) -> HomeStats {
-        *self.stats.lock()
-    }
-
-    /// Frames refused or not applied.
-    pub(crate) fn refused(&self) -> u64 {
-        self.refused.load(Ordering::Relaxed)
-    }
-
-    /// Pages with a directory entry.
-    pub(crate) fn pages(&self) -> usize {
-        self.pages.lock().len()
+    /// The home's counters now.
+    pub(crate) fn snapshot(&self) -> CoherenceStats {
+        CoherenceStats {
+            home: *self.stats.lock(),
+            pages: self.pages.lock().len(),
+            refused_frames: self.refused.load(Ordering::Relaxed),
+        }
     }
 
     fn register(&self, outbound: &Arc<Outbound>) -> Option<NodeId> {

@@ -8,6 +8,8 @@
 //! | `page_server_request_errors_total` | counter | `op` (answered with an error status) |
 //! | `page_server_request_duration_seconds` | histogram | `op` (request decoded to answer queued) |
 //! | `page_server_connections` | gauge | `state` (`handshaken`, `pending`) |
+//! | `page_server_coherence_events_total` | counter | `event` (the coherence home's counters, `coherence::HomeStats`: `shared_grants`, `exclusive_grants`, `upgrades`, `invalidation_rounds`, `invalidations_sent`, `downgrades_sent`, `queued`, `retries`, `lost_answers`, `pages_lost`, `write_backs`, ..., and `refused_frames`) |
+//! | `page_server_coherence_pages` | gauge | (pages with a coherence directory entry) |
 //!
 //! Only TCP requests pass through the server: RDMA reads and writes are
 //! one-sided (the client's NIC reaches the memory) and are not counted.
@@ -43,6 +45,11 @@ struct StateLabels {
     state: &'static str,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EventLabels {
+    event: &'static str,
+}
+
 /// One operation's metrics, taken out of their families once so that the
 /// serving path touches no family map.
 #[derive(Debug, Clone)]
@@ -64,6 +71,8 @@ pub(crate) struct PageMetrics {
     read: OpMetrics,
     write: OpMetrics,
     connections: Family<StateLabels, Gauge>,
+    coherence_events: Family<EventLabels, Counter>,
+    coherence_pages: Gauge,
 }
 
 impl fmt::Debug for PageMetrics {
@@ -99,6 +108,18 @@ impl PageMetrics {
             "Client connections open now",
             connections.clone(),
         );
+        let coherence_events = Family::<EventLabels, Counter>::default();
+        let coherence_pages = Gauge::default();
+        registry.register(
+            "coherence_events",
+            "Coherence home events (grants, callbacks, write-backs, lost pages, refused frames)",
+            coherence_events.clone(),
+        );
+        registry.register(
+            "coherence_pages",
+            "Pages with a coherence directory entry",
+            coherence_pages.clone(),
+        );
         let op = |name: &'static str| {
             let labels = OpLabels { op: name };
             OpMetrics {
@@ -113,6 +134,8 @@ impl PageMetrics {
             write: op("write"),
             registry,
             connections,
+            coherence_events,
+            coherence_pages,
         }
     }
 
@@ -131,8 +154,38 @@ impl PageMetrics {
         metrics.duration.observe(started.elapsed().as_secs_f64());
     }
 
-    /// The OpenMetrics text, with the connection gauges from `stats`.
-    pub fn render(&self, stats: &ServerStats) -> Result<String, fmt::Error> {
+    /// The OpenMetrics text, with the connection gauges from `stats` and the
+    /// coherence home's counters from `coherence`.
+    pub fn render(
+        &self,
+        stats: &ServerStats,
+        coherence: &crate::coherence_home::CoherenceStats,
+    ) -> Result<String, fmt::Error> {
+        let h = &coherence.home;
+        for (event, now) in [
+            ("shared_grants", h.shared_grants),
+            ("exclusive_grants", h.exclusive_grants),
+            ("upgrades", h.upgrades),
+            ("invalidation_rounds", h.invalidation_rounds),
+            ("invalidations_sent", h.invalidations_sent),
+            ("downgrades_sent", h.downgrades_sent),
+            ("queued", h.queued),
+            ("retries", h.retries),
+            ("lost_answers", h.lost_answers),
+            ("pages_lost", h.pages_lost),
+            ("write_backs", h.write_backs),
+            ("duplicate_requests", h.duplicate_requests),
+            ("stale_acks", h.stale_acks),
+            ("stale_write_backs", h.stale_write_backs),
+            ("actions_overflow", h.actions_overflow),
+            ("refused_frames", coherence.refused_frames),
+        ] {
+            // The home's counters only grow: the counter catches up.
+            let counter = self.coherence_events.get_or_create(&EventLabels { event });
+            counter.inc_by(now.saturating_sub(counter.get()));
+        }
+        self.coherence_pages
+            .set(i64::try_from(coherence.pages).unwrap_or(i64::MAX));
         let gauge = |state| {
             self.connections
                 .get_or_create(&StateLabels { state })

@@ -123,7 +123,8 @@ fn answer(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
     }
     let mut stats = shared.admission.stats();
     shared.recovery.fill(&mut stats);
-    match shared.exported.metrics.render(&stats) {
+    let coherence = shared.exported.coherence.snapshot();
+    match shared.exported.metrics.render(&stats, &coherence) {
         Ok(text) => respond(
             &mut stream,
             "200 OK",

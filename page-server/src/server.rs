@@ -320,12 +320,7 @@ impl RunningServer {
 
     /// The coherence home's counters.
     pub fn coherence_stats(&self) -> CoherenceStats {
-        let home = &self.shared.exported.coherence;
-        CoherenceStats {
-            home: home.stats(),
-            pages: home.pages(),
-            refused_frames: home.refused(),
-        }
+        self.shared.exported.coherence.snapshot()
     }
 
     /// Connections being served now (handshaken or not, and evicted ones

@@ -77,3 +77,65 @@ fn metrics_count_pages_bytes_and_durations() {
         "the metrics listener closes with the server"
     );
 }
+
+/// The coherence home's counters: two nodes take one page from each other
+/// (`CoherentMemory`), and `/metrics` shows exactly what the home counted.
+#[test]
+fn metrics_count_coherence_events() {
+    use rdma_transport::coherent::CoherenceConfig;
+    use rdma_transport::guest_memory::{CoherentMemory, GuestMemoryConfig};
+
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let mut config = ServerConfig::new("home", NODE_BYTES);
+    config.metrics_listen = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
+    let server = page_server_with(&coord.url(), config);
+    let addr = server.metrics_addr().expect("metrics address");
+    let mgr = manager(&coord.url());
+    let node = || {
+        CoherentMemory::new(
+            &mgr,
+            GuestMemoryConfig::new(0, NODE_BYTES),
+            CoherenceConfig::default(),
+        )
+        .expect("coherent region")
+    };
+    let (a, b) = (node(), node());
+    let mut word = [0u8; 8];
+    for round in 0..3u64 {
+        a.write(0, &(2 * round).to_le_bytes()).unwrap();
+        b.read(0, &mut word).unwrap();
+        assert_eq!(u64::from_le_bytes(word), 2 * round);
+        b.write(0, &(2 * round + 1).to_le_bytes()).unwrap();
+        a.read(0, &mut word).unwrap();
+        assert_eq!(u64::from_le_bytes(word), 2 * round + 1);
+    }
+    let stats = server.coherence_stats();
+    assert!(stats.home.exclusive_grants >= 6, "{stats:?}");
+    assert!(stats.home.downgrades_sent >= 6, "{stats:?}");
+
+    let answer = http(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    let (_, body) = answer.split_once("\r\n\r\n").expect("head and body");
+    let has = |line: &str| body.lines().any(|l| l == line);
+    for line in [
+        format!(
+            r#"page_server_coherence_events_total{{event="exclusive_grants"}} {}"#,
+            stats.home.exclusive_grants
+        ),
+        format!(
+            r#"page_server_coherence_events_total{{event="downgrades_sent"}} {}"#,
+            stats.home.downgrades_sent
+        ),
+        format!(
+            r#"page_server_coherence_events_total{{event="shared_grants"}} {}"#,
+            stats.home.shared_grants
+        ),
+        r#"page_server_coherence_events_total{event="pages_lost"} 0"#.to_owned(),
+        "page_server_coherence_pages 1".to_owned(),
+    ] {
+        assert!(has(&line), "no {line:?} in:\n{body}");
+    }
+}
