@@ -62,7 +62,8 @@ typedef enum RtStatus {
   // The range's contents were lost: its page-server restarted (empty
   // memory) since they were written, and no live replica holds them. No
   // page was read or written; an operator must re-initialise the range
-  // before it is served again.
+  // before it is served again. Also a page of coherent guest memory whose
+  // latest writes died with the node that owned it.
   RT_STATUS_DATA_LOST = 18,
   // A page failed its end-to-end checksum (CRC-32C) on its way to or from
   // the node: it was not delivered (READ) or not applied (WRITE).

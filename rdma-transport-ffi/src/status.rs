@@ -59,7 +59,8 @@ pub enum RtStatus {
     /// The range's contents were lost: its page-server restarted (empty
     /// memory) since they were written, and no live replica holds them. No
     /// page was read or written; an operator must re-initialise the range
-    /// before it is served again.
+    /// before it is served again. Also a page of coherent guest memory whose
+    /// latest writes died with the node that owned it.
     DataLost = 18,
     /// A page failed its end-to-end checksum (CRC-32C) on its way to or from
     /// the node: it was not delivered (READ) or not applied (WRITE).
@@ -133,7 +134,11 @@ pub(crate) fn transport_status(err: &TransportError) -> RtStatus {
         TransportError::Config(_) => RtStatus::InvalidArgument,
         TransportError::RdmaUnavailable(_) => RtStatus::Unsupported,
         TransportError::AuthFailed { .. } => RtStatus::AuthFailed,
-        TransportError::DataLost { .. } => RtStatus::DataLost,
+        // A coherent page whose latest writes died with its owner: lost
+        // data too, never an older version.
+        TransportError::DataLost { .. } | TransportError::CoherentDataLost { .. } => {
+            RtStatus::DataLost
+        }
         TransportError::Checksum { .. } => RtStatus::Checksum,
         TransportError::ReplicaMissedWrite { .. } => RtStatus::ReplicaMissedWrite,
         _ => RtStatus::System,
@@ -252,6 +257,11 @@ mod tests {
             node: "b".into(),
         };
         assert_eq!(transport_status(&err), RtStatus::DataLost);
+        let coherent = TransportError::CoherentDataLost {
+            gpa: 0x1000,
+            node: "home".into(),
+        };
+        assert_eq!(transport_status(&coherent), RtStatus::DataLost);
         assert_eq!(RtStatus::DataLost as i32, 18);
         assert_eq!(RtStatus::from_i32(18), Some(RtStatus::DataLost));
     }
