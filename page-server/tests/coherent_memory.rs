@@ -193,3 +193,45 @@ fn a_page_evicted_right_after_its_fault_goes_back() {
         assert_eq!(read_page(&b, page), page_for(gpa, 9), "page {page}");
     }
 }
+
+/// Bad settings and addresses get clear errors, and nothing is mapped.
+#[test]
+fn bad_settings_and_addresses_are_refused() {
+    use rdma_transport::guest_memory::{GuestBacking, GuestMemoryError, SharedFile};
+    let (_db, coord) = cluster();
+    let _home = page_server(&coord.url(), "home", 0);
+    let mgr = manager(&coord.url());
+    let coherence = CoherenceConfig::default();
+    let shared = GuestMemoryConfig {
+        backing: GuestBacking::SharedFile(SharedFile::new(memfd(PAGES * PAGE_SIZE), 0)),
+        ..GuestMemoryConfig::new(0, PAGES * PAGE_SIZE)
+    };
+    assert!(matches!(
+        CoherentMemory::new(&mgr, shared, coherence),
+        Err(GuestMemoryError::Unsupported(_))
+    ));
+    let no_threads = GuestMemoryConfig {
+        handler_threads: 0,
+        ..GuestMemoryConfig::new(0, PAGES * PAGE_SIZE)
+    };
+    assert!(matches!(
+        CoherentMemory::new(&mgr, no_threads, coherence),
+        Err(GuestMemoryError::Config(_))
+    ));
+    let mem = node(&mgr, 1);
+    assert!(matches!(
+        mem.acquire(12, Access::Read),
+        Err(TransportError::Unaligned { gpa: 12 })
+    ));
+    assert!(matches!(
+        mem.evict(4096, 12),
+        Err(GuestMemoryError::OutOfRange { .. })
+    ));
+    let mut buf = [0u8; 16];
+    assert!(matches!(
+        mem.read((PAGES * PAGE_SIZE - 8) as u64, &mut buf),
+        Err(GuestMemoryError::OutOfRange { .. })
+    ));
+    // Nothing was faulted in by the refusals.
+    assert_eq!(mem.stats().protocol.requests, 0);
+}
