@@ -1,6 +1,9 @@
 //! Coherent guest memory (`CoherentMemory`) through real userfaultfd faults:
 //! two nodes in this process map the same guest RAM, homed at a
 //! page-server; vCPU threads read, write and compare-and-swap it in place.
+//! Where two nodes take part, one's guest RAM is a memfd (shared file:
+//! pages go in through the alias and `UFFDIO_CONTINUE`), the other's
+//! anonymous memory.
 //! (Node processes on loopback are in `bench/tests/coherence.rs`.)
 
 mod common;
@@ -10,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use common::*;
 use rdma_transport::coherent::{Access, CoherenceConfig};
-use rdma_transport::guest_memory::{CoherentMemory, GuestMemoryConfig};
+use rdma_transport::guest_memory::{CoherentMemory, GuestBacking, GuestMemoryConfig, SharedFile};
 use rdma_transport::{TransportError, TransportManager, PAGE_SIZE};
 
 const PAGES: usize = 64;
@@ -25,9 +28,21 @@ fn cluster() -> (tempfile::TempDir, coordinator::RunningCoordinator) {
 }
 
 fn node(mgr: &TransportManager, threads: usize) -> CoherentMemory {
+    node_on(mgr, threads, false)
+}
+
+/// A node whose guest RAM is anonymous memory, or (`memfd`) a memfd of its
+/// own (what a hypervisor shares with vhost-user back-ends and KVM).
+fn node_on(mgr: &TransportManager, threads: usize, memfd_backed: bool) -> CoherentMemory {
+    let backing = if memfd_backed {
+        GuestBacking::SharedFile(SharedFile::new(memfd(PAGES * PAGE_SIZE), 0))
+    } else {
+        GuestBacking::Anonymous
+    };
     let config = GuestMemoryConfig {
         handler_threads: threads,
         handler_cpus: Some(vec![]),
+        backing,
         ..GuestMemoryConfig::new(0, PAGES * PAGE_SIZE)
     };
     CoherentMemory::new(
@@ -52,7 +67,8 @@ fn each_node_reads_the_others_latest_write() {
     let (_db, coord) = cluster();
     let _home = page_server(&coord.url(), "home", 0);
     let mgr = manager(&coord.url());
-    let (a, b) = (node(&mgr, 1), node(&mgr, 1));
+    // a's guest RAM is a memfd, b's anonymous memory.
+    let (a, b) = (node_on(&mgr, 1, true), node(&mgr, 1));
     for round in 0..4u8 {
         for page in 0..8 {
             let data = page_for((page * PAGE_SIZE) as u64, round * 2);
@@ -90,7 +106,7 @@ fn compare_and_swap_counters_from_two_nodes_add_up() {
     let (_db, coord) = cluster();
     let _home = page_server(&coord.url(), "home", 0);
     let mgr = manager(&coord.url());
-    let nodes = [node(&mgr, 2), node(&mgr, 2)];
+    let nodes = [node_on(&mgr, 2, true), node(&mgr, 2)];
     let counter = |mem: &CoherentMemory, i: usize| -> &AtomicU64 {
         // Counter i: page 1 + i / 2, at byte 0 or 2048.
         let gpa = ((1 + i / 2) * PAGE_SIZE + (i % 2) * 2048) as u64;
@@ -197,18 +213,18 @@ fn a_page_evicted_right_after_its_fault_goes_back() {
 /// Bad settings and addresses get clear errors, and nothing is mapped.
 #[test]
 fn bad_settings_and_addresses_are_refused() {
-    use rdma_transport::guest_memory::{GuestBacking, GuestMemoryError, SharedFile};
+    use rdma_transport::guest_memory::GuestMemoryError;
     let (_db, coord) = cluster();
     let _home = page_server(&coord.url(), "home", 0);
     let mgr = manager(&coord.url());
     let coherence = CoherenceConfig::default();
-    let shared = GuestMemoryConfig {
-        backing: GuestBacking::SharedFile(SharedFile::new(memfd(PAGES * PAGE_SIZE), 0)),
+    let past_the_file = GuestMemoryConfig {
+        backing: GuestBacking::SharedFile(SharedFile::new(memfd(PAGES * PAGE_SIZE), 4096)),
         ..GuestMemoryConfig::new(0, PAGES * PAGE_SIZE)
     };
     assert!(matches!(
-        CoherentMemory::new(&mgr, shared, coherence),
-        Err(GuestMemoryError::Unsupported(_))
+        CoherentMemory::new(&mgr, past_the_file, coherence),
+        Err(GuestMemoryError::FileTooSmall { .. })
     ));
     let no_threads = GuestMemoryConfig {
         handler_threads: 0,

@@ -4,14 +4,20 @@
 //! this module gives it a guest mapping and a fault path:
 //!
 //! - a read fault on a page the node holds no copy of asks its home for a
-//!   shared copy, installed write-protected (`UFFDIO_COPY` + `MODE_WP`);
+//!   shared copy, installed write-protected (`UFFDIO_COPY` + `MODE_WP`;
+//!   for guest RAM in a shared-memory file, the page is written into the
+//!   file through the region's alias and mapped with `UFFDIO_CONTINUE` +
+//!   `MODE_WP`);
 //! - a write fault on a missing page asks for exclusive ownership and
 //!   installs the page writable; a write fault on a shared copy (a
 //!   write-protect fault) asks for an upgrade, then lifts the protection;
 //! - when the home calls the page back, the copy is write-protected first
 //!   (writers on this node fault and wait), copied out if it must be
 //!   written back, then dropped (`MADV_DONTNEED`: the next touch faults) or
-//!   kept read-only.
+//!   kept read-only. A shared file keeps the dropped page's last contents
+//!   (the next fault is a minor one, and the grant's data replaces them):
+//!   another process mapping the file (a vhost-user back-end) reads them
+//!   without coherence.
 //!
 //! Files: `copies.rs` (the local copies: what the protocol's actions do to
 //! the mapping), `faults.rs` (the fault threads).
@@ -28,7 +34,7 @@ use crate::error::TransportError;
 use crate::manager::TransportManager;
 use crate::sys::cvt;
 
-use super::config::{GuestBacking, GuestMemoryConfig, SigbusMethod};
+use super::config::{GuestBacking, GuestMemoryConfig, SharedFile, SigbusMethod};
 use super::error::GuestMemoryError;
 use super::region::GuestRegion;
 use super::uffd::{Memory, RegionUffd};
@@ -92,10 +98,11 @@ impl CoherentMemory {
     ///
     /// # Errors
     /// [`GuestMemoryError::Config`] for a bad size, alignment or thread
-    /// count; [`GuestMemoryError::Unsupported`] for a backing other than
-    /// anonymous memory (not supported in coherent mode yet) or a kernel
-    /// without userfaultfd write protection; the system call errors of
-    /// [`super::GuestMemory::new`].
+    /// count; [`GuestMemoryError::Unsupported`] for hugetlbfs (coherence
+    /// works in 4 KiB pages), or a kernel without userfaultfd write
+    /// protection (or, for a shared file, `UFFDIO_CONTINUE` with write
+    /// protection, Linux >= 6.4); the errors of [`super::GuestMemory::new`]
+    /// for a bad shared file or handed-over userfaultfd.
     pub fn new(
         manager: &TransportManager,
         config: GuestMemoryConfig,
@@ -106,20 +113,34 @@ impl CoherentMemory {
                 "handler_threads must be between 1 and 64".into(),
             ));
         }
-        if !matches!(config.backing, GuestBacking::Anonymous) {
+        let region = GuestRegion::new(config.gpa_base, config.size_bytes, &config.backing)?;
+        let memory = region.memory();
+        if memory == Memory::Hugetlbfs {
             return Err(GuestMemoryError::Unsupported(
-                "coherent guest memory supports anonymous memory only".into(),
+                "coherent guest memory works in 4 KiB pages: not on hugetlbfs".into(),
             ));
         }
-        let region = GuestRegion::new(config.gpa_base, config.size_bytes, &config.backing)?;
-        let uffd = RegionUffd::new(
-            region.base(),
-            region.len_bytes(),
-            config.fault_mode,
-            Memory::Anonymous,
-            region.unit_bytes(),
-            false,
-        )?;
+        let uffd = match &config.backing {
+            GuestBacking::SharedFile(SharedFile {
+                handed_over: Some(handed_over),
+                ..
+            }) => RegionUffd::handed_over(
+                &handed_over.uffd,
+                region.base(),
+                region.len_bytes(),
+                config.fault_mode,
+                memory,
+                region.unit_bytes(),
+            )?,
+            _ => RegionUffd::new(
+                region.base(),
+                region.len_bytes(),
+                config.fault_mode,
+                memory,
+                region.unit_bytes(),
+                false,
+            )?,
+        };
         let sigbus = match config.sigbus_method {
             SigbusMethod::Auto if uffd.has_poison() => SigbusMethod::Poison,
             SigbusMethod::Auto => SigbusMethod::Tgkill,

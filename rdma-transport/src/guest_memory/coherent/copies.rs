@@ -89,19 +89,35 @@ impl Copies {
             .map(|(first, _)| first)
     }
 
-    /// Copies `data` into the missing page `page` and wakes its waiters;
-    /// write-protected for a shared copy. A page found in place (a stale
-    /// copy, a poison marker) is dropped first.
+    /// Puts `data` in place as page `page` (absent from the guest mapping)
+    /// and wakes its waiters; write-protected for a shared copy. Anonymous
+    /// memory: `UFFDIO_COPY`. A shared file: `data` is written into the
+    /// file through the alias, then `UFFDIO_CONTINUE` maps it. A page found
+    /// mapped (a stale copy, a poison marker) is dropped first.
     fn copy_in(&self, page: usize, data: &Page, mode: Mode) {
         let addr = self.region.page_addr(page);
-        for _ in 0..COPY_ATTEMPTS {
-            // SAFETY: `data` is a whole page; `addr` is a page of the
-            // registered range, raw memory no Rust reference points into.
-            let copied = unsafe {
-                self.uffd
-                    .copy_page(data.as_ptr(), addr, mode == Mode::Shared)
+        let protect = mode == Mode::Shared;
+        let shared = self.region.is_shared();
+        if shared {
+            // SAFETY: the alias page is inside the live alias mapping, which
+            // no fault maps into the guest until the CONTINUE below; the
+            // page's protocol state is locked, so no other install or
+            // recall of it runs meanwhile.
+            unsafe {
+                std::ptr::copy_nonoverlapping(data.as_ptr(), self.region.data_ptr(page), PAGE_SIZE)
             };
-            match copied {
+        }
+        for _ in 0..COPY_ATTEMPTS {
+            let installed = if shared {
+                // SAFETY: `addr` is a page of the registered range whose
+                // page cache holds `data` (written through the alias).
+                unsafe { self.uffd.continue_pages(addr, 1, protect) }
+            } else {
+                // SAFETY: `data` is a whole page; `addr` is a page of the
+                // registered range, raw memory no Rust reference points into.
+                unsafe { self.uffd.copy_page(data.as_ptr(), addr, protect) }
+            };
+            match installed {
                 Ok(CopyOutcome::Copied) => return,
                 Ok(CopyOutcome::Again) => {}
                 Ok(CopyOutcome::Exists) => {
@@ -111,7 +127,7 @@ impl Copies {
                     }
                 }
                 Err(err) => {
-                    tracing::error!(%err, page, "UFFDIO_COPY of a granted page failed");
+                    tracing::error!(%err, page, "installing a granted page failed");
                     return;
                 }
             }
@@ -119,14 +135,16 @@ impl Copies {
         tracing::error!(page, "a granted page could not be installed");
     }
 
-    /// The page's contents (a copy this node holds: it is mapped).
+    /// The page's contents (a copy this node holds: it is mapped), read
+    /// through the alias of a shared file (never registered: no fault
+    /// possible) or the guest mapping of anonymous memory.
     fn contents(&self, page: usize) -> Box<Page> {
         let mut data = Box::new([0u8; PAGE_SIZE]);
         // SAFETY: the page is mapped (held, and only this module drops
         // pages), so reading it cannot fault; other threads' writes are
         // held off by the write protection set before.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.region.page_addr(page), data.as_mut_ptr(), PAGE_SIZE)
+            std::ptr::copy_nonoverlapping(self.region.data_ptr(page), data.as_mut_ptr(), PAGE_SIZE)
         };
         bump(&self.counters.pages_written_back);
         data
