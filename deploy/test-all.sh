@@ -88,6 +88,10 @@ step "bench --op fault: guest memory faulted in over the local cluster, every pa
 cargo run --release --quiet -p bench -- --op fault --ops 5000 --json target/bench-fault-smoke.json
 ok
 
+step "bench --op coherence: 4 node processes sharing coherent guest RAM, every value checked"
+cargo run --release --quiet -p bench -- --op coherence --hv 4 --ops 300 --json target/bench-coherence-smoke.json
+ok
+
 if [[ "${SKIP_VM:-0}" != 1 ]]; then
     step "SoftRoCE VM image (cached after the first run)"
     deploy/softroce/setup.sh
