@@ -93,8 +93,10 @@ impl CoherentMemory {
     /// and starts `config.handler_threads` fault threads (each serves one
     /// fault at a time; a fault may wait for other nodes' copies to be
     /// recalled). Uses `handler_threads`, `handler_cpus`, `sigbus_method`,
-    /// `fault_mode` and `on_fault_error` of `config`; each fault waits up
-    /// to `coherence.timeout_ms` per attempt.
+    /// `fault_mode`, `on_fault_error`, `retry_interval_ms` and `backing`
+    /// of `config`; each attempt at a fault waits up to
+    /// `coherence.timeout_ms` (`fault_timeout_ms`, `prefetch_max_pages`
+    /// and `dirty_tracking` do not apply).
     ///
     /// # Errors
     /// [`GuestMemoryError::Config`] for a bad size, alignment or thread
@@ -175,6 +177,7 @@ impl CoherentMemory {
             stop_fd,
             sigbus,
             on_fault_error: config.on_fault_error.clone(),
+            retry_interval: std::time::Duration::from_millis(config.retry_interval_ms.max(1)),
         });
         for i in 0..config.handler_threads {
             let cpu = (!cpus.is_empty()).then(|| cpus[i % cpus.len()]);

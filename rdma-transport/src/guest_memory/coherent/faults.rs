@@ -15,9 +15,6 @@ use crate::uffd::{Event, EventBuffer, FaultKind, Pagefault};
 use super::super::config::{FaultAction, FaultErrorHandler, FaultReport, SigbusMethod};
 use super::copies::{bump, Copies};
 
-/// Wait between two attempts at a fault the embedder asked to retry.
-const RETRY_INTERVAL: Duration = Duration::from_millis(50);
-
 pub(super) struct Faults {
     pub(super) copies: Arc<Copies>,
     pub(super) node: Arc<CoherentNode>,
@@ -25,6 +22,8 @@ pub(super) struct Faults {
     pub(super) stop_fd: libc::c_int,
     pub(super) sigbus: SigbusMethod,
     pub(super) on_fault_error: Option<FaultErrorHandler>,
+    /// Wait between two attempts at a fault the embedder asked to retry.
+    pub(super) retry_interval: Duration,
 }
 
 impl Faults {
@@ -113,7 +112,7 @@ impl Faults {
                 return;
             }
             tracing::debug!(gpa, error = %report.error, "coherent fault failed; embedder asked to retry");
-            if self.wait_stop(RETRY_INTERVAL) {
+            if self.wait_stop(self.retry_interval) {
                 self.raise_sigbus(addr, fault.thread_id);
                 return;
             }
