@@ -39,15 +39,7 @@ pub fn run(
             })
             .collect()
     });
-    let mut total = Outcome {
-        latency_ns: new_histogram(),
-        elapsed: start.elapsed(),
-        ops_done: 0,
-        errors: 0,
-        bad_pages: 0,
-        pages_checked: 0,
-        first_error: None,
-    };
+    let mut total = Outcome::empty(start.elapsed());
     for r in results {
         let r = r?;
         let _ = total.latency_ns.add(&r.latency_ns);

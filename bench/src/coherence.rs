@@ -38,7 +38,7 @@ use rdma_transport::guest_memory::{GuestMemory, GuestMemoryConfig};
 use rdma_transport::PAGE_SIZE;
 
 use crate::report::{self, Record};
-use crate::workload::{new_histogram, AccessPattern, Op, Outcome, Spec};
+use crate::workload::{AccessPattern, Op, Outcome, Spec};
 
 /// Samples per case at most (each takes several commands).
 const MAX_SAMPLES: u64 = 2000;
@@ -173,15 +173,7 @@ impl Case {
     fn new(name: &'static str) -> Self {
         Self {
             name,
-            outcome: Outcome {
-                latency_ns: new_histogram(),
-                elapsed: Duration::ZERO,
-                ops_done: 0,
-                errors: 0,
-                bad_pages: 0,
-                pages_checked: 0,
-                first_error: None,
-            },
+            outcome: Outcome::empty(Duration::ZERO),
             started: Instant::now(),
         }
     }

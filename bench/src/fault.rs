@@ -270,15 +270,7 @@ fn touch_rounds(
     let pages = ram.size_bytes() / PAGE_SIZE;
     let per_round = (pages as u64).min(spec.ops);
     let rounds = spec.ops.div_ceil(per_round);
-    let mut total = Outcome {
-        latency_ns: new_histogram(),
-        elapsed: Duration::ZERO,
-        ops_done: 0,
-        errors: 0,
-        bad_pages: 0,
-        pages_checked: 0,
-        first_error: None,
-    };
+    let mut total = Outcome::empty(Duration::ZERO);
     let base = ram.as_ptr() as usize;
     for round in 0..rounds {
         let touches = per_round.min(spec.ops - round * per_round) as usize;
@@ -428,15 +420,7 @@ fn touch_local(
     check: impl Fn(usize) -> bool,
     region: &rdma_transport::region::MappedRegion,
 ) -> anyhow::Result<Outcome> {
-    let mut total = Outcome {
-        latency_ns: new_histogram(),
-        elapsed: Duration::ZERO,
-        ops_done: 0,
-        errors: 0,
-        bad_pages: 0,
-        pages_checked: 0,
-        first_error: None,
-    };
+    let mut total = Outcome::empty(Duration::ZERO);
     let per_round = (pages as u64).min(spec.ops);
     let rounds = spec.ops.div_ceil(per_round);
     for round in 0..rounds {

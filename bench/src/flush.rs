@@ -22,7 +22,7 @@ use rdma_transport::{Page, TransportManager, PAGE_SIZE};
 use crate::matrix::Backing;
 use crate::pattern;
 use crate::report::{fmt_us, Record};
-use crate::workload::{new_histogram, AccessPattern, Op, Outcome, Spec, WorkingSet};
+use crate::workload::{AccessPattern, Op, Outcome, Spec, WorkingSet};
 
 const SEED: u64 = 0xf1a5;
 /// What the pages of a huge page that the bench does not dirty hold (they
@@ -148,15 +148,7 @@ fn flush_rounds(
         .iter()
         .flat_map(|&u| u * unit_pages..(u + 1) * unit_pages)
         .collect();
-    let mut total = Outcome {
-        latency_ns: new_histogram(),
-        elapsed: Duration::ZERO,
-        ops_done: 0,
-        errors: 0,
-        bad_pages: 0,
-        pages_checked: 0,
-        first_error: None,
-    };
+    let mut total = Outcome::empty(Duration::ZERO);
     let rounds = ops.div_ceil(dirty.len().max(1) as u64).clamp(1, MAX_ROUNDS);
     let mut page: Page = [0u8; PAGE_SIZE];
     let mut back = vec![[0u8; PAGE_SIZE]; 64];

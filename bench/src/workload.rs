@@ -97,6 +97,19 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// Nothing done yet, over `elapsed`.
+    pub fn empty(elapsed: Duration) -> Self {
+        Self {
+            latency_ns: new_histogram(),
+            elapsed,
+            ops_done: 0,
+            errors: 0,
+            bad_pages: 0,
+            pages_checked: 0,
+            first_error: None,
+        }
+    }
+
     /// True when every page moved was checked and correct and nothing failed.
     pub fn verified(&self) -> bool {
         self.errors == 0
@@ -272,13 +285,9 @@ pub fn run_api(
     if api == Api::Async {
         return crate::async_loop::run(mgr, set, spec, seed, progress).unwrap_or_else(|e| {
             Outcome {
-                latency_ns: new_histogram(),
-                elapsed: Duration::ZERO,
-                ops_done: 0,
                 errors: 1,
-                bad_pages: 0,
-                pages_checked: 0,
                 first_error: Some(format!("{e:#}")),
+                ..Outcome::empty(Duration::ZERO)
             }
         });
     }
@@ -324,15 +333,7 @@ pub fn run_observed(
         handles.into_iter().filter_map(|h| h.join().ok()).collect()
     });
     let elapsed = start.elapsed();
-    let mut total = Outcome {
-        latency_ns: new_histogram(),
-        elapsed,
-        ops_done: 0,
-        errors: 0,
-        bad_pages: 0,
-        pages_checked: 0,
-        first_error: None,
-    };
+    let mut total = Outcome::empty(elapsed);
     let mut disruption = Disruption::new();
     for (r, d) in results {
         disruption.merge(&d);

@@ -18,6 +18,38 @@ use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
 
 const PAGES: u64 = 8;
 
+/// Waits until the coordinator shows the one range with both replicas live.
+fn wait_both_live(url: &str) {
+    let admin = coordinator_client(url);
+    assert!(
+        wait_until(Duration::from_secs(30), || admin.map().is_ok_and(|m| {
+            m.entries.len() == 1
+                && m.entries[0].replicas.len() == 2
+                && m.entries[0]
+                    .replicas
+                    .iter()
+                    .all(|r| r.state == ReplicaState::Live)
+        })),
+        "both replicas never live"
+    );
+}
+
+/// A manager of the cluster at `url` with `config`'s timeouts, once its map
+/// holds the range.
+fn pair_manager(url: &str, config: ManagerConfig) -> TransportManager {
+    let mgr = TransportManager::connect(ManagerConfig {
+        coordinator_url: url.to_owned(),
+        connect_timeout_ms: 500,
+        poller_cpus: Some(vec![]),
+        ..config
+    })
+    .expect("manager connects");
+    assert!(wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().len() == 1
+    }));
+    mgr
+}
+
 #[test]
 fn a_read_goes_back_to_a_live_replica_whose_connection_was_closed() {
     let db = tempfile::tempdir().unwrap();
@@ -31,29 +63,14 @@ fn a_read_goes_back_to_a_live_replica_whose_connection_was_closed() {
     cfg_a.idle_timeout = Duration::from_millis(100);
     let a = page_server_with(&url, cfg_a);
     let b = page_server_with(&url, ServerConfig::new("b", NODE_BYTES));
-    let admin = coordinator_client(&url);
-    assert!(
-        wait_until(Duration::from_secs(30), || admin.map().is_ok_and(|m| {
-            m.entries.len() == 1
-                && m.entries[0].replicas.len() == 2
-                && m.entries[0]
-                    .replicas
-                    .iter()
-                    .all(|r| r.state == ReplicaState::Live)
-        })),
-        "both replicas never live"
+    wait_both_live(&url);
+    let mgr = pair_manager(
+        &url,
+        ManagerConfig {
+            request_timeout_ms: 2000,
+            ..ManagerConfig::default()
+        },
     );
-    let mgr = TransportManager::connect(ManagerConfig {
-        coordinator_url: url.clone(),
-        request_timeout_ms: 2000,
-        connect_timeout_ms: 500,
-        poller_cpus: Some(vec![]),
-        ..ManagerConfig::default()
-    })
-    .expect("manager connects");
-    assert!(wait_until(Duration::from_secs(10), || {
-        mgr.refresh_map().is_ok() && mgr.map().len() == 1
-    }));
     assert_eq!(
         mgr.map()
             .ranges()
@@ -107,31 +124,16 @@ fn a_read_hedged_onto_a_dead_replica_goes_back_to_the_slow_one() {
     let url = coord.url();
     let mut a = ChildServer::start(&url, "a", 0);
     let mut b = ChildServer::start(&url, "b", 0);
-    let admin = coordinator_client(&url);
-    assert!(
-        wait_until(Duration::from_secs(30), || admin.map().is_ok_and(|m| {
-            m.entries.len() == 1
-                && m.entries[0].replicas.len() == 2
-                && m.entries[0]
-                    .replicas
-                    .iter()
-                    .all(|r| r.state == ReplicaState::Live)
-        })),
-        "both replicas never live"
-    );
+    wait_both_live(&url);
     let hedge = Duration::from_millis(20);
-    let mgr = TransportManager::connect(ManagerConfig {
-        coordinator_url: url.clone(),
-        request_timeout_ms: 5000,
-        connect_timeout_ms: 500,
-        read_hedge_delay_us: hedge.as_micros() as u64,
-        poller_cpus: Some(vec![]),
-        ..ManagerConfig::default()
-    })
-    .expect("manager connects");
-    assert!(wait_until(Duration::from_secs(10), || {
-        mgr.refresh_map().is_ok() && mgr.map().len() == 1
-    }));
+    let mgr = pair_manager(
+        &url,
+        ManagerConfig {
+            request_timeout_ms: 5000,
+            read_hedge_delay_us: hedge.as_micros() as u64,
+            ..ManagerConfig::default()
+        },
+    );
     // The primary is the replica that registered first.
     let primary = mgr
         .map()

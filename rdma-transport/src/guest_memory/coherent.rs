@@ -232,12 +232,7 @@ impl CoherentMemory {
     /// # Errors
     /// [`GuestMemoryError::OutOfRange`] when the bytes are not all inside.
     pub fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<(), GuestMemoryError> {
-        let src = self.copies.region.host_range(gpa, buf.len())?;
-        // SAFETY: `src..src+len` is inside the live mapping (checked); other
-        // threads may write it concurrently, as with any guest memory, and
-        // only raw bytes are copied out.
-        unsafe { std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), buf.len()) };
-        Ok(())
+        self.copies.region.read(gpa, buf)
     }
 
     /// Copies `data` into guest memory at `gpa` (faulting pages in for
@@ -246,11 +241,7 @@ impl CoherentMemory {
     /// # Errors
     /// [`GuestMemoryError::OutOfRange`] when the bytes are not all inside.
     pub fn write(&self, gpa: u64, data: &[u8]) -> Result<(), GuestMemoryError> {
-        let dst = self.copies.region.host_range(gpa, data.len())?;
-        // SAFETY: `dst..dst+len` is inside the live mapping (checked), raw
-        // guest memory that no Rust reference points into.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
-        Ok(())
+        self.copies.region.write(gpa, data)
     }
 
     /// Makes the page at `gpa` (page aligned) allow `access` on this node

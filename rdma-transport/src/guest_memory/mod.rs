@@ -331,12 +331,7 @@ impl GuestMemory {
     /// # Errors
     /// [`GuestMemoryError::OutOfRange`] when the bytes are not all inside.
     pub fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<(), GuestMemoryError> {
-        let src = self.shared.region.host_range(gpa, buf.len())?;
-        // SAFETY: `src..src+len` is inside the live mapping (checked); the
-        // guest may write it concurrently, as with any guest memory access
-        // by a hypervisor, and we only copy raw bytes out.
-        unsafe { std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), buf.len()) };
-        Ok(())
+        self.shared.region.read(gpa, buf)
     }
 
     /// Copies `data` into guest memory at `gpa`, faulting pages in as
@@ -345,12 +340,7 @@ impl GuestMemory {
     /// # Errors
     /// [`GuestMemoryError::OutOfRange`] when the bytes are not all inside.
     pub fn write(&self, gpa: u64, data: &[u8]) -> Result<(), GuestMemoryError> {
-        let dst = self.shared.region.host_range(gpa, data.len())?;
-        // SAFETY: `dst..dst+len` is inside the live mapping (checked) and
-        // is raw guest memory, never a Rust reference, so it cannot alias
-        // `data`.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
-        Ok(())
+        self.shared.region.write(gpa, data)
     }
 
     /// Writes every dirty page back to its owner and waits for the

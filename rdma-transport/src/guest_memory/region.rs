@@ -259,6 +259,28 @@ impl GuestRegion {
         Ok(self.base.wrapping_add(off as usize))
     }
 
+    /// Copies the guest bytes at `gpa` into `buf`, faulting pages in as
+    /// needed (through the guest mapping, as a vCPU would).
+    pub(crate) fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<(), GuestMemoryError> {
+        let src = self.host_range(gpa, buf.len())?;
+        // SAFETY: `src..src+len` is inside the live mapping (checked); the
+        // guest may write it concurrently, as with any guest memory access
+        // by a hypervisor, and only raw bytes are copied out.
+        unsafe { std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), buf.len()) };
+        Ok(())
+    }
+
+    /// Copies `data` into the guest bytes at `gpa`, faulting pages in for
+    /// writing as needed.
+    pub(crate) fn write(&self, gpa: u64, data: &[u8]) -> Result<(), GuestMemoryError> {
+        let dst = self.host_range(gpa, data.len())?;
+        // SAFETY: `dst..dst+len` is inside the live mapping (checked) and is
+        // raw guest memory, never a Rust reference, so it cannot alias
+        // `data`.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        Ok(())
+    }
+
     /// Page index of a host address inside the region.
     pub(crate) fn page_of_addr(&self, addr: usize) -> Option<usize> {
         let off = addr.checked_sub(self.base as usize)?;
