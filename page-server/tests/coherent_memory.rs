@@ -251,3 +251,36 @@ fn bad_settings_and_addresses_are_refused() {
     // Nothing was faulted in by the refusals.
     assert_eq!(mem.stats().protocol.requests, 0);
 }
+
+/// Four vCPU threads of one node fault on the same pages at once: each page
+/// costs the node one request to its home (the faults are coalesced), and
+/// every thread reads the right contents.
+#[test]
+fn faults_of_one_node_on_one_page_are_one_request() {
+    const TOUCHED: usize = 32;
+    let (_db, coord) = cluster();
+    let _home = page_server(&coord.url(), "home", 0);
+    let mgr = manager(&coord.url());
+    let writer = node(&mgr, 1);
+    for page in 0..TOUCHED {
+        let gpa = (page * PAGE_SIZE) as u64;
+        writer.write(gpa, &page_for(gpa, 11)).unwrap();
+    }
+    let reader = node(&mgr, 4);
+    let start = std::sync::Barrier::new(4);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                start.wait();
+                for page in 0..TOUCHED {
+                    let gpa = (page * PAGE_SIZE) as u64;
+                    assert_eq!(read_page(&reader, page), page_for(gpa, 11), "page {page}");
+                }
+            });
+        }
+    });
+    let stats = reader.stats();
+    assert_eq!(stats.protocol.requests, TOUCHED as u64, "{stats:?}");
+    assert!(stats.read_faults >= TOUCHED as u64, "{stats:?}");
+    assert_eq!(stats.fault_errors, 0);
+}
