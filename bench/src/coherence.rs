@@ -153,12 +153,25 @@ impl Node {
     }
 }
 
+/// How long a node may take to hand its pages back and exit.
+const EXIT_LIMIT: Duration = Duration::from_secs(30);
+
 impl Drop for Node {
+    /// Asks the node to hand its pages back and exit; kills it if it has
+    /// not within `EXIT_LIMIT`.
     fn drop(&mut self) {
         let _ = self.send("q");
-        if !matches!(self.child.wait(), Ok(s) if s.success()) {
-            let _ = self.child.kill();
+        let asked = Instant::now();
+        while asked.elapsed() < EXIT_LIMIT {
+            match self.child.try_wait() {
+                Ok(Some(_)) => return,
+                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+                Err(_) => break,
+            }
         }
+        eprintln!("coherence: node {} did not exit; killing it", self.index);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
