@@ -10,6 +10,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
+use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};
 
 use coordinator::{CoordinatorConfig, RunningCoordinator};
@@ -116,8 +117,9 @@ fn four_nodes_count_lock_and_pass_messages() {
 
 /// Three nodes; node 2 is killed (SIGKILL) while it owns a page and holds
 /// shared copies of the counters the others keep writing. The other two
-/// finish with every count right; the dead node's page is reported lost,
-/// and the page it had handed back reads back whole.
+/// finish with every count right; the dead node's page is reported lost
+/// (and a vCPU touching it gets SIGBUS), and the page it had handed back
+/// reads back whole.
 #[test]
 fn a_killed_node_loses_only_the_page_it_owned() {
     let cluster = Cluster::start();

@@ -14,6 +14,9 @@
 //! - `check`: after the others, reads everything back and checks it
 //!   against what the runs must have left (a dead victim's owned page must
 //!   be reported lost).
+//! - `touch`: reads the dead victim's owned page as a vCPU would: its
+//!   fault cannot be served (the page's latest writes are lost), so the
+//!   process must die of SIGBUS rather than read an older version.
 //! - `serve`: timed accesses commanded on stdin (`serve.rs`), for `bench
 //!   --op coherence`.
 //!
@@ -37,6 +40,7 @@ enum Role {
     Run,
     Victim,
     Check,
+    Touch,
     Serve,
 }
 
@@ -164,6 +168,7 @@ fn run(args: &Args) -> anyhow::Result<serde_json::Value> {
         Role::Run => vm.run(args.node)?,
         Role::Victim => vm.victim(args.node)?,
         Role::Check => vm.check()?,
+        Role::Touch => vm.touch_lost()?,
         Role::Serve => serve::serve(&memory, vm.wait_limit)?,
     };
     let stats = memory.stats();

@@ -306,6 +306,18 @@ impl Vm<'_> {
         bail!("the victim was never killed")
     }
 
+    /// `touch`: a plain load from the dead victim's owned page. Returns
+    /// only if the load was served (which it must not be).
+    pub fn touch_lost(&self) -> anyhow::Result<serde_json::Value> {
+        let victim = self.victim.context("touch needs --victim")?;
+        let value = self
+            .word(layout::victim_owned(victim))
+            .load(Ordering::Acquire);
+        Ok(
+            json!({ "role": "touch", "verified": false, "errors": [format!("the lost page was read as {value}")] }),
+        )
+    }
+
     /// `check`: reads everything back (asking for each page first, so that a
     /// lost page is an error here rather than SIGBUS) and checks it.
     pub fn check(&self) -> anyhow::Result<serde_json::Value> {
