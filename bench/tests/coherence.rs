@@ -155,4 +155,16 @@ fn a_killed_node_loses_only_the_page_it_owned() {
         check["victim"]["handed_back_page_words_wrong"], 0,
         "{check}"
     );
+    // A vCPU that touches the lost page gets SIGBUS, not an older version.
+    let touch = cluster
+        .node("touch", 0, nodes, &extra)
+        .wait_with_output()
+        .expect("touch ran");
+    assert_eq!(
+        touch.status.signal(),
+        Some(libc::SIGBUS),
+        "{:?}: {}",
+        touch.status,
+        String::from_utf8_lossy(&touch.stdout)
+    );
 }
