@@ -94,7 +94,8 @@ impl Copies {
     /// memory: `UFFDIO_COPY`. A shared file: `data` is written into the
     /// file through the alias, then `UFFDIO_CONTINUE` maps it. A page found
     /// mapped (a stale copy, a poison marker) is dropped first.
-    fn copy_in(&self, page: usize, data: &Page, mode: Mode) {
+    /// Returns whether the page is in place.
+    fn copy_in(&self, page: usize, data: &Page, mode: Mode) -> bool {
         let addr = self.region.page_addr(page);
         let protect = mode == Mode::Shared;
         let shared = self.region.is_shared();
@@ -118,21 +119,22 @@ impl Copies {
                 unsafe { self.uffd.copy_page(data.as_ptr(), addr, protect) }
             };
             match installed {
-                Ok(CopyOutcome::Copied) => return,
+                Ok(CopyOutcome::Copied) => return true,
                 Ok(CopyOutcome::Again) => {}
                 Ok(CopyOutcome::Exists) => {
                     if let Err(err) = self.region.unmap_guest(page, page + 1) {
                         tracing::error!(%err, page, "cannot drop a stale copy");
-                        return;
+                        return false;
                     }
                 }
                 Err(err) => {
                     tracing::error!(%err, page, "installing a granted page failed");
-                    return;
+                    return false;
                 }
             }
         }
         tracing::error!(page, "a granted page could not be installed");
+        false
     }
 
     /// The page's contents (a copy this node holds: it is mapped), read
@@ -177,8 +179,15 @@ impl CoherenceHandler for Copies {
         let addr = self.region.page_addr(page);
         match data {
             Some(data) => {
-                self.copy_in(page, data, mode);
-                bump(&self.counters.pages_installed);
+                if self.copy_in(page, data, mode) {
+                    bump(&self.counters.pages_installed);
+                } else {
+                    // Not mapped: nothing may read it (a recall that needs
+                    // its contents then makes this node leave the home,
+                    // whose page is reported lost, rather than read a page
+                    // that is not there); the vCPU faults again.
+                    self.held[page].store(NONE, Ordering::Release);
+                }
             }
             // The copy held is valid: an upgrade lifts the protection
             // (and wakes the writers waiting on it).
