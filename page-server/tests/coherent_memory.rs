@@ -284,3 +284,30 @@ fn faults_of_one_node_on_one_page_are_one_request() {
     assert!(stats.read_faults >= TOUCHED as u64, "{stats:?}");
     assert_eq!(stats.fault_errors, 0);
 }
+
+/// A range held by two page-servers (replicas) is refused with a clear
+/// error: its home would keep write-backs in its own memory only, and the
+/// other replica would serve an older page after a failover.
+#[test]
+fn replicated_ranges_are_refused() {
+    let (_db, coord) = cluster();
+    let _a = page_server(&coord.url(), "a", 0);
+    let _b = page_server(&coord.url(), "b", 0);
+    let mgr = manager(&coord.url());
+    assert!(
+        wait_until(std::time::Duration::from_secs(30), || {
+            mgr.refresh_map().is_ok()
+                && mgr
+                    .map()
+                    .ranges()
+                    .next()
+                    .is_some_and(|(start, _, _)| mgr.map().replica_count(start) == 2)
+        }),
+        "the range never had two replicas"
+    );
+    let mem = node(&mgr, 1);
+    match mem.acquire(0, Access::Read) {
+        Err(TransportError::Config(reason)) => assert!(reason.contains("replicated"), "{reason}"),
+        other => panic!("a replicated range was served coherently: {other:?}"),
+    }
+}

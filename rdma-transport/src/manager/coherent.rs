@@ -33,6 +33,14 @@ impl Resolve for Resolver {
             .map
             .lookup(gpa)
             .ok_or(TransportError::UnknownGpa { gpa })?;
+        if loc.replicated {
+            // The home keeps write-backs in its own memory only: another
+            // replica would serve an older page after a failover.
+            return Err(TransportError::Config(format!(
+                "GPA {gpa:#x} is in a replicated range: coherent guest memory is not supported \
+                 on replicated ranges (write-backs would reach one replica only)"
+            )));
+        }
         let node = state
             .nodes
             .get(loc.node_index)
