@@ -162,6 +162,9 @@ typedef enum RtReapMode {
   RT_REAP_MODE_CALLBACK = 2,
 } RtReapMode;
 
+// A coherent guest-memory region (opaque).
+typedef struct RtCoherentMemory RtCoherentMemory;
+
 // An opaque handle to one 4096-byte frame of a manager's page pool holding
 // a page. The frame is the caller's until `rt_frame_release` gives it back
 // to the pool; it stays valid after its manager is destroyed.
@@ -175,6 +178,17 @@ typedef struct RtManager RtManager;
 
 // An opaque handle to a completion queue.
 typedef struct RtQueue RtQueue;
+
+// Settings of the coherence protocol for one node.
+typedef struct RtCoherenceConfig {
+  // `sizeof(RtCoherenceConfig)` (set by `rt_coherence_config_default`).
+  uint32_t struct_size;
+  // An owner keeps a page at least this long after its grant before it
+  // answers a callback (false sharing: each writer makes progress).
+  uint64_t min_hold_us;
+  // How long one attempt at a fault waits for the page's home.
+  uint64_t timeout_ms;
+} RtCoherenceConfig;
 
 // A fault that could not be served, as passed to the callback.
 typedef struct RtFaultReport {
@@ -265,6 +279,38 @@ typedef struct RtGuestMemoryConfig {
   // Must be 0.
   uint32_t reserved;
 } RtGuestMemoryConfig;
+
+// Counters of a coherent region (`rt_coherent_memory_stats`).
+typedef struct RtCoherentMemoryStats {
+  // `sizeof(RtCoherentMemoryStats)`, set by the caller.
+  uint32_t struct_size;
+  // Read faults on pages this node held no copy of.
+  uint64_t read_faults;
+  // Write faults on pages this node held no copy of.
+  uint64_t write_faults;
+  // Write faults on shared (read-only) copies.
+  uint64_t upgrade_faults;
+  // Pages installed from a grant's data.
+  uint64_t pages_installed;
+  // Copies dropped because the home asked (or evict).
+  uint64_t invalidations;
+  // Owned copies made read-only because the home asked.
+  uint64_t downgrades;
+  // Pages whose contents went back to the home.
+  uint64_t pages_written_back;
+  // Faults that could not be served.
+  uint64_t fault_errors;
+  // Faults turned into SIGBUS.
+  uint64_t sigbus_raised;
+  // Requests sent to homes.
+  uint64_t requests;
+  // Faults that joined a request already outstanding.
+  uint64_t coalesced_faults;
+  // Callbacks answered later because of the minimum hold time.
+  uint64_t deferred_callbacks;
+  // Requests answered with the lost-data error.
+  uint64_t lost;
+} RtCoherentMemoryStats;
 
 // Counters of a region (`rt_guest_memory_stats`). Set `struct_size` to
 // `sizeof(RtGuestMemoryStats)` before the call; the library fills the rest.
@@ -447,6 +493,77 @@ typedef struct RtNodeInfo {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// Fills `config` with the defaults.
+//
+// # Safety
+// `config` must be NULL or point to a writable `RtCoherenceConfig`.
+void rt_coherence_config_default(struct RtCoherenceConfig *config);
+
+// Maps `memory_config`'s guest RAM as one node of the coherent VM whose
+// pages are homed at `manager`'s page-servers, and starts its fault
+// threads. Errors as `rt_guest_memory_create`, and
+// `RT_STATUS_UNSUPPORTED` for a hugetlbfs file.
+//
+// # Safety
+// As `rt_guest_memory_create`; `coherence` must be NULL or an
+// `RtCoherenceConfig` of `struct_size` readable bytes.
+enum RtStatus rt_coherent_memory_create(const struct RtManager *manager,
+                                        const struct RtGuestMemoryConfig *memory_config,
+                                        const struct RtCoherenceConfig *coherence,
+                                        struct RtCoherentMemory **out);
+
+// Stops the region's threads, closes its connections and unmaps it. Pages
+// it owned and did not hand back (`rt_coherent_memory_evict`) are lost:
+// their homes report them so. Stop every thread that touches the region
+// first.
+//
+// # Safety
+// `memory` must be NULL or a live handle, destroyed once.
+void rt_coherent_memory_destroy(struct RtCoherentMemory *memory);
+
+// Host address of the region's first byte (NULL for a NULL handle).
+//
+// # Safety
+// `memory` must be NULL or a live handle.
+uint8_t *rt_coherent_memory_host_addr(const struct RtCoherentMemory *memory);
+
+// Size of the region in bytes (0 for a NULL handle).
+//
+// # Safety
+// `memory` must be NULL or a live handle.
+uint64_t rt_coherent_memory_size(const struct RtCoherentMemory *memory);
+
+// Makes the page at `gpa` (page aligned) readable (`write` 0) or writable
+// (`write` 1) on this node now, as a fault would, but returns the error
+// instead of raising SIGBUS: `RT_STATUS_DATA_LOST` when its latest writes
+// died with the node that owned it.
+//
+// # Safety
+// `memory` must be a live handle.
+enum RtStatus rt_coherent_memory_acquire(const struct RtCoherentMemory *memory,
+                                         uint64_t gpa,
+                                         uint32_t write);
+
+// Hands the pages of `[gpa, gpa + len)` this node holds back to their
+// homes (an owned page is written back first); `*pages_dropped` (may be
+// NULL) receives how many.
+//
+// # Safety
+// `memory` must be a live handle; `pages_dropped` NULL or writable.
+enum RtStatus rt_coherent_memory_evict(const struct RtCoherentMemory *memory,
+                                       uint64_t gpa,
+                                       uint64_t len,
+                                       uint64_t *pages_dropped);
+
+// Fills `*stats` (whose `struct_size` the caller set) with the region's
+// counters.
+//
+// # Safety
+// `memory` must be NULL or a live handle; `stats` NULL or an
+// `RtCoherentMemoryStats` with `struct_size` writable bytes.
+enum RtStatus rt_coherent_memory_stats(const struct RtCoherentMemory *memory,
+                                       struct RtCoherentMemoryStats *stats);
 
 // Reads the page at `gpa` into a free frame of the manager's page pool;
 // `*out` receives the frame (give it back with `rt_frame_release`). Fails

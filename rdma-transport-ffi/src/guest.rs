@@ -370,7 +370,7 @@ pub unsafe extern "C" fn rt_guest_memory_create(
 /// # Safety
 /// With `handed_over_uffd` set, `handed_over_mapping` must meet the
 /// contract of `rt_guest_memory_create`.
-unsafe fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryConfig, RtStatus> {
+pub(crate) unsafe fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryConfig, RtStatus> {
     const NAME: &str = RtGuestMemoryConfig::NAME;
     let pin_handlers = flag(c.pin_handlers, NAME, "pin_handlers")?;
     let Ok(size_bytes) = usize::try_from(c.size_bytes) else {
@@ -529,7 +529,7 @@ fn dup_fd(fd: i32, field: &str) -> Result<OwnedFd, RtStatus> {
     Ok(unsafe { OwnedFd::from_raw_fd(dup) })
 }
 
-fn guest_fail(e: &GuestMemoryError) -> RtStatus {
+pub(crate) fn guest_fail(e: &GuestMemoryError) -> RtStatus {
     fail(guest_status(e), chain(e))
 }
 

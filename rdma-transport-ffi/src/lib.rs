@@ -9,6 +9,7 @@
 //! `librdma_transport_ffi.a`. See `docs/embedding.md` for an example.
 
 mod abi;
+mod coherent;
 mod config;
 mod frame;
 mod guest;
@@ -17,6 +18,12 @@ mod queue;
 mod stats;
 mod status;
 
+pub use coherent::{
+    rt_coherence_config_default, rt_coherent_memory_acquire, rt_coherent_memory_create,
+    rt_coherent_memory_destroy, rt_coherent_memory_evict, rt_coherent_memory_host_addr,
+    rt_coherent_memory_size, rt_coherent_memory_stats, RtCoherenceConfig, RtCoherentMemory,
+    RtCoherentMemoryStats,
+};
 pub use config::{RtManagerConfig, RtPollMode, RtTransportKind, RT_RDMA_GID_INDEX_AUTO};
 pub use frame::{rt_frame_data, rt_frame_gpa, rt_frame_release, rt_manager_read_frame, RtFrame};
 pub use guest::{
