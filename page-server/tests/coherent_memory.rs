@@ -311,3 +311,66 @@ fn replicated_ranges_are_refused() {
         other => panic!("a replicated range was served coherently: {other:?}"),
     }
 }
+
+/// The minimum hold time: a node granted a page keeps it (and writes it
+/// without messages) for `min_hold_us` even when another node asks for it
+/// at once; the callback is deferred (and counted), then answered.
+#[test]
+fn an_owner_keeps_a_page_for_its_hold_time() {
+    const HOLD: std::time::Duration = std::time::Duration::from_millis(300);
+    let (_db, coord) = cluster();
+    let _home = page_server(&coord.url(), "home", 0);
+    let mgr = manager(&coord.url());
+    let holding = |min_hold_us| {
+        CoherentMemory::new(
+            &mgr,
+            GuestMemoryConfig {
+                handler_cpus: Some(vec![]),
+                ..GuestMemoryConfig::new(0, PAGES * PAGE_SIZE)
+            },
+            CoherenceConfig {
+                min_hold_us,
+                timeout_ms: 10_000,
+            },
+        )
+        .expect("coherent region")
+    };
+    let (a, b) = (holding(HOLD.as_micros() as u64), holding(0));
+    let word = |mem: &CoherentMemory| {
+        // SAFETY: an aligned u64 inside the live region, only accessed
+        // atomically by this test.
+        unsafe { &*mem.as_ptr().cast::<AtomicU64>() }
+    };
+    let granted = std::time::Instant::now();
+    word(&a).store(1, Ordering::Release);
+    let mut writes = 0u64;
+    std::thread::scope(|s| {
+        // b asks for the page while a holds it.
+        let taker = s.spawn(|| {
+            word(&b).fetch_add(1, Ordering::AcqRel);
+            granted.elapsed()
+        });
+        // a keeps writing for half its hold time, without a request,
+        // while b's request waits at the home.
+        while granted.elapsed() < HOLD / 2 {
+            word(&a).fetch_add(2, Ordering::AcqRel);
+            writes += 1;
+        }
+        let during = a.stats();
+        assert_eq!(
+            during.protocol.requests, 1,
+            "a asked again within its hold time: {during:?}"
+        );
+        assert!(writes > 0);
+        let took = taker.join().unwrap();
+        assert!(
+            took >= HOLD / 2,
+            "b had the page after {took:?}, within a's hold time"
+        );
+    });
+    let sa = a.stats();
+    assert!(sa.protocol.deferred_callbacks >= 1, "{sa:?}");
+    assert_eq!(sa.fault_errors + b.stats().fault_errors, 0);
+    // Every write of both is in the page: a's 1, its +2s, then b's +1.
+    assert_eq!(word(&b).load(Ordering::Acquire), 1 + 2 * writes + 1);
+}
