@@ -10,7 +10,9 @@ use rdma_transport::guest_memory::{CoherentMemory, CoherentMemoryStats};
 use crate::abi::{read_config, struct_size, write_out, CConfig, COut};
 use crate::guest::{guest_fail, rust_config, RtGuestMemoryConfig};
 use crate::manager::RtManager;
-use crate::status::{chain, fail, guard, transport_status, RtStatus};
+use crate::status::{
+    chain, counted, fail, guard, guest_status, transport_status, with_handle, RtStatus,
+};
 
 /// Settings of the coherence protocol for one node.
 #[repr(C)]
@@ -167,13 +169,7 @@ fn with_memory(
     memory: *const RtCoherentMemory,
     f: impl FnOnce(&CoherentMemory) -> RtStatus,
 ) -> RtStatus {
-    guard(|| {
-        // SAFETY: the callers' contract: NULL or a live handle.
-        match unsafe { memory.as_ref() } {
-            Some(m) => f(&m.inner),
-            None => fail(RtStatus::InvalidArgument, "memory is NULL"),
-        }
-    })
+    with_handle(memory, "memory", |m| f(&m.inner))
 }
 
 /// Host address of the region's first byte (NULL for a NULL handle).
@@ -240,15 +236,8 @@ pub unsafe extern "C" fn rt_coherent_memory_evict(
     len: u64,
     pages_dropped: *mut u64,
 ) -> RtStatus {
-    with_memory(memory, |m| match m.evict(gpa, len) {
-        Ok(n) => {
-            // SAFETY: NULL or writable (caller's contract).
-            if let Some(out) = unsafe { pages_dropped.as_mut() } {
-                *out = n;
-            }
-            RtStatus::Ok
-        }
-        Err(e) => guest_fail(&e),
+    with_memory(memory, |m| {
+        counted(m.evict(gpa, len), pages_dropped, guest_status)
     })
 }
 

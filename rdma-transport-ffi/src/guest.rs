@@ -13,7 +13,9 @@ use rdma_transport::guest_memory::{
 
 use crate::abi::{flag, read_config, struct_size, write_out, CConfig, COut};
 use crate::manager::RtManager;
-use crate::status::{chain, fail, guard, guest_status, transport_status, RtStatus};
+use crate::status::{
+    chain, counted, fail, guard, guest_status, transport_status, with_handle, RtStatus,
+};
 
 /// An opaque handle to a guest memory region.
 #[derive(Debug)]
@@ -547,13 +549,7 @@ pub unsafe extern "C" fn rt_guest_memory_destroy(memory: *mut RtGuestMemory) {
 }
 
 fn with_memory(memory: *const RtGuestMemory, f: impl FnOnce(&GuestMemory) -> RtStatus) -> RtStatus {
-    guard(|| {
-        // SAFETY: the callers' contract: NULL or a live handle.
-        match unsafe { memory.as_ref() } {
-            Some(m) => f(&m.inner),
-            None => fail(RtStatus::InvalidArgument, "memory is NULL"),
-        }
-    })
+    with_handle(memory, "memory", |m| f(&m.inner))
 }
 
 /// Host address of the region's first byte (NULL for a NULL handle).
@@ -651,16 +647,7 @@ pub unsafe extern "C" fn rt_guest_memory_flush(
     memory: *const RtGuestMemory,
     pages_written: *mut u64,
 ) -> RtStatus {
-    with_memory(memory, |m| match m.flush() {
-        Ok(n) => {
-            // SAFETY: NULL or writable (caller's contract).
-            if let Some(out) = unsafe { pages_written.as_mut() } {
-                *out = n;
-            }
-            RtStatus::Ok
-        }
-        Err(e) => guest_fail(&e),
-    })
+    with_memory(memory, |m| counted(m.flush(), pages_written, guest_status))
 }
 
 /// Writes back the dirty pages of `[gpa, gpa + len)`, then drops the range
@@ -677,15 +664,8 @@ pub unsafe extern "C" fn rt_guest_memory_evict(
     len: u64,
     pages_dropped: *mut u64,
 ) -> RtStatus {
-    with_memory(memory, |m| match m.evict(gpa, len) {
-        Ok(n) => {
-            // SAFETY: NULL or writable (caller's contract).
-            if let Some(out) = unsafe { pages_dropped.as_mut() } {
-                *out = n;
-            }
-            RtStatus::Ok
-        }
-        Err(e) => guest_fail(&e),
+    with_memory(memory, |m| {
+        counted(m.evict(gpa, len), pages_dropped, guest_status)
     })
 }
 

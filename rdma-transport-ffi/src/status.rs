@@ -113,6 +113,42 @@ pub(crate) fn fail(status: RtStatus, message: impl std::fmt::Display) -> RtStatu
     status
 }
 
+/// Runs `f` on the handle at `handle` (an entry point's body, under
+/// [`guard`]); `what` names it in the error when it is NULL. The entry
+/// points' callers promise NULL or a live handle.
+pub(crate) fn with_handle<H>(
+    handle: *const H,
+    what: &str,
+    f: impl FnOnce(&H) -> RtStatus,
+) -> RtStatus {
+    guard(|| {
+        // SAFETY: the entry points' contract: NULL or a live handle.
+        match unsafe { handle.as_ref() } {
+            Some(h) => f(h),
+            None => fail(RtStatus::InvalidArgument, format!("{what} is NULL")),
+        }
+    })
+}
+
+/// A count (pages written, dropped) for the caller's optional `out`, or
+/// the error.
+pub(crate) fn counted<E: std::error::Error>(
+    result: Result<u64, E>,
+    out: *mut u64,
+    status: impl FnOnce(&E) -> RtStatus,
+) -> RtStatus {
+    match result {
+        Ok(n) => {
+            // SAFETY: NULL or writable (the entry points' contract).
+            if let Some(out) = unsafe { out.as_mut() } {
+                *out = n;
+            }
+            RtStatus::Ok
+        }
+        Err(e) => fail(status(&e), chain(&e)),
+    }
+}
+
 /// Runs an entry point's body; a panic becomes `RT_STATUS_INTERNAL`.
 pub(crate) fn guard(body: impl FnOnce() -> RtStatus) -> RtStatus {
     catch_unwind(AssertUnwindSafe(body))

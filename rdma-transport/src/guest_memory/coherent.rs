@@ -32,9 +32,8 @@ use std::thread::JoinHandle;
 use crate::coherent::{Access, CoherenceConfig, CoherentNode, NodeStats};
 use crate::error::TransportError;
 use crate::manager::TransportManager;
-use crate::sys::cvt;
 
-use super::config::{GuestBacking, GuestMemoryConfig, SharedFile, SigbusMethod};
+use super::config::GuestMemoryConfig;
 use super::error::GuestMemoryError;
 use super::region::GuestRegion;
 use super::uffd::{Memory, RegionUffd};
@@ -116,49 +115,14 @@ impl CoherentMemory {
             ));
         }
         let region = GuestRegion::new(config.gpa_base, config.size_bytes, &config.backing)?;
-        let memory = region.memory();
-        if memory == Memory::Hugetlbfs {
+        if region.memory() == Memory::Hugetlbfs {
             return Err(GuestMemoryError::Unsupported(
                 "coherent guest memory works in 4 KiB pages: not on hugetlbfs".into(),
             ));
         }
-        let uffd = match &config.backing {
-            GuestBacking::SharedFile(SharedFile {
-                handed_over: Some(handed_over),
-                ..
-            }) => RegionUffd::handed_over(
-                &handed_over.uffd,
-                region.base(),
-                region.len_bytes(),
-                config.fault_mode,
-                memory,
-                region.unit_bytes(),
-            )?,
-            _ => RegionUffd::new(
-                region.base(),
-                region.len_bytes(),
-                config.fault_mode,
-                memory,
-                region.unit_bytes(),
-                false,
-            )?,
-        };
-        let sigbus = match config.sigbus_method {
-            SigbusMethod::Auto if uffd.has_poison() => SigbusMethod::Poison,
-            SigbusMethod::Auto => SigbusMethod::Tgkill,
-            SigbusMethod::Poison if !uffd.has_poison() => {
-                return Err(GuestMemoryError::Unsupported(
-                    "UFFDIO_POISON needs Linux >= 6.6; use SigbusMethod::Tgkill".into(),
-                ))
-            }
-            other => other,
-        };
-        // SAFETY: plain syscall; the result is checked.
-        let stop_fd = cvt(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })
-            .map_err(|source| GuestMemoryError::Userfaultfd {
-                op: "eventfd",
-                source,
-            })?;
+        let uffd = RegionUffd::for_region(&region, &config, false)?;
+        let sigbus = uffd.sigbus_method(config.sigbus_method)?;
+        let stop_fd = super::stop_eventfd()?;
         let copies = Arc::new(Copies::new(region, uffd));
         let node = Arc::new(manager.coherent_node(Arc::clone(&copies) as _, coherence));
         let stop = Arc::new(AtomicBool::new(false));

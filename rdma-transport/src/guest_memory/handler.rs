@@ -486,12 +486,6 @@ fn raise_sigbus(shared: &Shared, page: usize, thread_id: i32) {
             }
         }
     }
-    let pid = std::process::id() as libc::pid_t;
-    // SAFETY: tgkill has no memory effects; the thread id came with the
-    // fault of a thread of this process parked in that fault until woken.
-    let ret = unsafe { libc::syscall(libc::SYS_tgkill, pid, thread_id, libc::SIGBUS) };
-    if ret != 0 {
-        tracing::error!(err = %std::io::Error::last_os_error(), thread_id, "tgkill(SIGBUS) failed");
-    }
+    super::send_sigbus(thread_id);
     shared.wake(page);
 }

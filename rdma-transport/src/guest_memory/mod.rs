@@ -151,27 +151,7 @@ impl GuestMemory {
         }
         let region = region::GuestRegion::new(config.gpa_base, config.size_bytes, &config.backing)?;
         let scan = scan_dirty_tracking(&config, &region)?;
-        let uffd = match &config.backing {
-            GuestBacking::SharedFile(SharedFile {
-                handed_over: Some(handed_over),
-                ..
-            }) => uffd::RegionUffd::handed_over(
-                &handed_over.uffd,
-                region.base(),
-                region.len_bytes(),
-                config.fault_mode,
-                region.memory(),
-                region.unit_bytes(),
-            )?,
-            _ => uffd::RegionUffd::new(
-                region.base(),
-                region.len_bytes(),
-                config.fault_mode,
-                region.memory(),
-                region.unit_bytes(),
-                scan,
-            )?,
-        };
+        let uffd = uffd::RegionUffd::for_region(&region, &config, scan)?;
         let pagemap = if scan {
             Some(
                 crate::uffd::Pagemap::open().map_err(|source| GuestMemoryError::Memory {
@@ -187,22 +167,8 @@ impl GuestMemory {
             // A fault brings a whole huge page already.
             config.prefetch_max_pages = 0;
         }
-        let sigbus = match config.sigbus_method {
-            SigbusMethod::Auto if uffd.has_poison() => SigbusMethod::Poison,
-            SigbusMethod::Auto => SigbusMethod::Tgkill,
-            SigbusMethod::Poison if !uffd.has_poison() => {
-                return Err(GuestMemoryError::Unsupported(
-                    "UFFDIO_POISON needs Linux >= 6.6; use SigbusMethod::Tgkill".into(),
-                ))
-            }
-            other => other,
-        };
-        // SAFETY: plain syscall; the result is checked.
-        let stop_fd = cvt(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })
-            .map_err(|source| GuestMemoryError::Userfaultfd {
-                op: "eventfd",
-                source,
-            })?;
+        let sigbus = uffd.sigbus_method(config.sigbus_method)?;
+        let stop_fd = stop_eventfd()?;
         tracing::debug!(
             gpa_base = region.gpa_base(),
             pages = region.pages(),
@@ -458,6 +424,29 @@ fn scan_dirty_tracking(
                     .into(),
             ))
         }
+    }
+}
+
+/// The eventfd that wakes a region's threads when it is dropped.
+fn stop_eventfd() -> Result<libc::c_int, GuestMemoryError> {
+    // SAFETY: plain syscall; the result is checked.
+    cvt(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) }).map_err(|source| {
+        GuestMemoryError::Userfaultfd {
+            op: "eventfd",
+            source,
+        }
+    })
+}
+
+/// Sends SIGBUS to thread `thread_id` of this process (parked in a fault
+/// that cannot be served); the caller wakes it.
+fn send_sigbus(thread_id: libc::pid_t) {
+    let pid = std::process::id() as libc::pid_t;
+    // SAFETY: tgkill has no memory effects; the thread id came with the
+    // fault of a thread of this process parked in that fault.
+    let ret = unsafe { libc::syscall(libc::SYS_tgkill, pid, thread_id, libc::SIGBUS) };
+    if ret != 0 {
+        tracing::error!(err = %std::io::Error::last_os_error(), thread_id, "tgkill(SIGBUS) failed");
     }
 }
 

@@ -250,6 +250,55 @@ impl RegionUffd {
         })
     }
 
+    /// The userfaultfd of `region` as `config` asks: the hypervisor's own
+    /// (a handed-over one, for a shared file) or a new one; `wp_async` as
+    /// for [`RegionUffd::new`].
+    pub(crate) fn for_region(
+        region: &super::region::GuestRegion,
+        config: &super::config::GuestMemoryConfig,
+        wp_async: bool,
+    ) -> Result<Self, GuestMemoryError> {
+        use super::config::{GuestBacking, SharedFile};
+        match &config.backing {
+            GuestBacking::SharedFile(SharedFile {
+                handed_over: Some(handed_over),
+                ..
+            }) => Self::handed_over(
+                &handed_over.uffd,
+                region.base(),
+                region.len_bytes(),
+                config.fault_mode,
+                region.memory(),
+                region.unit_bytes(),
+            ),
+            _ => Self::new(
+                region.base(),
+                region.len_bytes(),
+                config.fault_mode,
+                region.memory(),
+                region.unit_bytes(),
+                wp_async,
+            ),
+        }
+    }
+
+    /// How a failed fault becomes SIGBUS with this descriptor: `requested`,
+    /// with `Auto` resolved; `Poison` is refused where the kernel lacks it.
+    pub(crate) fn sigbus_method(
+        &self,
+        requested: super::config::SigbusMethod,
+    ) -> Result<super::config::SigbusMethod, GuestMemoryError> {
+        use super::config::SigbusMethod;
+        match requested {
+            SigbusMethod::Auto if self.has_poison() => Ok(SigbusMethod::Poison),
+            SigbusMethod::Auto => Ok(SigbusMethod::Tgkill),
+            SigbusMethod::Poison if !self.has_poison() => Err(GuestMemoryError::Unsupported(
+                "UFFDIO_POISON needs Linux >= 6.6; use SigbusMethod::Tgkill".into(),
+            )),
+            other => Ok(other),
+        }
+    }
+
     pub(crate) fn raw_fd(&self) -> libc::c_int {
         std::os::fd::AsRawFd::as_raw_fd(&self.uffd)
     }

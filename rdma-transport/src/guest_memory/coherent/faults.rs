@@ -157,13 +157,7 @@ impl Faults {
                 }
             }
         }
-        let pid = std::process::id() as libc::pid_t;
-        // SAFETY: tgkill has no memory effects; the thread id came with the
-        // fault of a thread of this process parked in that fault.
-        let ret = unsafe { libc::syscall(libc::SYS_tgkill, pid, thread_id, libc::SIGBUS) };
-        if ret != 0 {
-            tracing::error!(err = %std::io::Error::last_os_error(), thread_id, "tgkill(SIGBUS) failed");
-        }
+        super::super::send_sigbus(thread_id);
         self.copies.uffd.wake(addr, PAGE_SIZE);
     }
 }
