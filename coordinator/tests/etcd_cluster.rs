@@ -28,6 +28,13 @@ use serde_json::{json, Value};
 /// (about a second here) and a coordinator switch.
 const LEASE_MS: u64 = 5000;
 
+/// The coordinators' etcd request timeout: well below the lease, as it must
+/// be. A heartbeat whose request hangs on a member that just died waits up
+/// to this long before the client tries elsewhere; with the default (5 s,
+/// the whole lease) the lease could lapse during a failover on a loaded
+/// host, and the page-server read as dead (seen once in CI).
+const ETCD_TIMEOUT_MS: u64 = 1500;
+
 /// Page size of the ranges.
 const PAGE: u64 = 4096;
 
@@ -54,6 +61,7 @@ impl CoordinatorProcess {
             .arg(format!("--etcd-endpoints={}", endpoints.join(",")))
             .arg("--etcd-prefix=/test-cluster/")
             .arg(format!("--lease-ms={LEASE_MS}"))
+            .arg(format!("--etcd-timeout-ms={ETCD_TIMEOUT_MS}"))
             .arg("--ready-file")
             .arg(&ready_file)
             .env("RUST_LOG", "warn")
