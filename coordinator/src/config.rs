@@ -57,8 +57,10 @@ pub struct EtcdConfig {
 impl EtcdConfig {
     /// Key prefix used when none is given.
     pub const DEFAULT_PREFIX: &'static str = "/rdma-transport/";
-    /// Request timeout used when none is given.
-    pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 5000;
+    /// Request timeout used when none is given: above an etcd election
+    /// (about 1 s), well below the default lease (3 s), so a heartbeat
+    /// stuck on a member that died fails over before its lease lapses.
+    pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 1500;
 
     /// `endpoints` with the default prefix and timeout.
     pub fn new(endpoints: Vec<String>) -> Self {
