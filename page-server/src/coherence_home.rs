@@ -43,6 +43,8 @@ pub struct CoherenceStats {
     /// not applied (a write-back claimed without its data, or by a
     /// non-owner: the sender's connection is closed).
     pub refused_frames: u64,
+    /// Coherence frames that came over RDMA message channels.
+    pub rdma_frames: u64,
 }
 
 /// The coherence directory of one page-server.
@@ -54,6 +56,12 @@ pub(crate) struct CoherenceHome {
     /// Frames refused (malformed, out of range, too many nodes) or not
     /// applied (a write-back claimed without its data, or by a non-owner).
     refused: AtomicU64,
+    /// Frames that came over RDMA message channels.
+    rdma_frames: AtomicU64,
+    /// Test hook: RDMA message channels take no message while set.
+    held: std::sync::atomic::AtomicBool,
+    hold: Mutex<()>,
+    released: parking_lot::Condvar,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -84,6 +92,18 @@ impl CohSession {
     pub(crate) fn is_node(&self) -> bool {
         self.node.is_some()
     }
+
+    /// A coherence connection over RDMA: callbacks and grants go through
+    /// its message channel.
+    pub(crate) fn over_channel(
+        stream: &TcpStream,
+        channel: Arc<rdma_transport::rdma::MessageChannel>,
+    ) -> std::io::Result<Self> {
+        Ok(Self {
+            outbound: Some(Arc::new(Outbound::over_channel(stream, channel)?)),
+            node: None,
+        })
+    }
 }
 
 impl CoherenceHome {
@@ -93,6 +113,7 @@ impl CoherenceHome {
             home: *self.stats.lock(),
             pages: self.pages.lock().len(),
             refused_frames: self.refused.load(Ordering::Relaxed),
+            rdma_frames: self.rdma_frames.load(Ordering::Relaxed),
         }
     }
 
@@ -120,6 +141,30 @@ impl CoherenceHome {
                 .entry(off)
                 .or_insert_with(|| Arc::new(Mutex::new(HomePage::new(HomeConfig::default())))),
         )
+    }
+
+    /// Test hook: while `held`, the RDMA message channels take no message
+    /// (their nodes' messages wait in the channels for credits).
+    #[cfg(feature = "test-hooks")]
+    pub(crate) fn hold_channels(&self, held: bool) {
+        let _gate = self.hold.lock();
+        self.held.store(held, Ordering::SeqCst);
+        self.released.notify_all();
+    }
+
+    /// Returns once the channels are not held (at once, but in tests).
+    pub(crate) fn wait_while_held(&self) {
+        if !self.held.load(Ordering::Acquire) {
+            return;
+        }
+        let mut gate = self.hold.lock();
+        while self.held.load(Ordering::Acquire) {
+            self.released.wait(&mut gate);
+        }
+    }
+
+    pub(crate) fn count_rdma_frame(&self) {
+        self.rdma_frames.fetch_add(1, Ordering::Relaxed);
     }
 
     fn count_refused(&self) {
@@ -259,7 +304,7 @@ fn send(ex: &Exported, off: usize, to: NodeId, msg: &ToNode) {
         return;
     };
     let mut data: Option<Box<Page>> = None;
-    if matches!(msg, ToNode::Grant { .. }) {
+    if matches!(msg, ToNode::Grant { .. }) && outbound.carries_pages() {
         let mut page: Box<Page> = Box::new([0u8; PAGE_SIZE]);
         if let Err(err) = ex.region.read_at(off, &mut page[..]) {
             tracing::error!(off, %err, "cannot read a granted page");

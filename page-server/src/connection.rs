@@ -349,6 +349,12 @@ fn serve_messages(
                 if session.qp.is_some() {
                     guard.exempt_from_idle_timeout();
                 }
+                if let Some(channel) = session.qp.as_ref().and_then(|q| q.channel()).cloned() {
+                    // A coherence connection over RDMA: its frames come
+                    // through the channel from now on.
+                    outbox.flush(stream, None)?;
+                    return crate::coherence_channel::serve(stream, exported, &channel, coh);
+                }
             }
             if outbox.is_full() {
                 outbox.flush(stream, coh.outbound().map(|o| &**o))?;

@@ -233,6 +233,7 @@ pub(crate) fn on_auth(
     }
     session.stage = Stage::Ready;
     session.checksums = request.checksums && offer_checksums;
+    let mut coherence = None;
     let rdma = match (&request.rdma, rdma) {
         (Some(_), RdmaOffer::Paused) => {
             tracing::debug!(
@@ -241,6 +242,25 @@ pub(crate) fn on_auth(
             );
             session.rdma_withheld = true;
             None
+        }
+        (Some(client), RdmaOffer::Offered(export)) if request.coherence => {
+            match export.accept_channel(client) {
+                Ok((qp, answer, ring)) => {
+                    tracing::debug!(
+                        client_id,
+                        qpn = qp.qpn(),
+                        client_qpn = client.qpn,
+                        "coherence channel ready for client"
+                    );
+                    session.qp = Some(qp);
+                    coherence = Some(ring);
+                    Some(answer)
+                }
+                Err(err) => {
+                    tracing::warn!(client_id, %err, "cannot set up a coherence channel; answering without RDMA");
+                    None
+                }
+            }
         }
         (Some(client), RdmaOffer::Offered(export)) => match export.accept(client) {
             Ok((qp, answer)) => {
@@ -266,6 +286,7 @@ pub(crate) fn on_auth(
         page_size: PAGE_SIZE as u32,
         rdma,
         checksums: session.checksums,
+        coherence,
     }
     .encode())
 }

@@ -10,6 +10,7 @@
 mod acceptor;
 mod admission;
 mod client_keys;
+mod coherence_channel;
 mod coherence_home;
 mod config;
 mod connection;

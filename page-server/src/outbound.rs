@@ -9,14 +9,19 @@
 
 use std::io;
 use std::net::TcpStream;
+use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard};
+use rdma_transport::rdma::MessageChannel;
 
-/// The socket (a duplicate of the connection's) and its send lock.
+/// The socket (a duplicate of the connection's) and its send lock; over
+/// RDMA, the connection's message channel, which frames go through
+/// instead (the socket then only ends the connection).
 #[derive(Debug)]
 pub(crate) struct Outbound {
     stream: TcpStream,
     lock: Mutex<()>,
+    channel: Option<Arc<MessageChannel>>,
 }
 
 impl Outbound {
@@ -31,7 +36,25 @@ impl Outbound {
         Ok(Self {
             stream,
             lock: Mutex::new(()),
+            channel: None,
         })
+    }
+
+    /// For a coherence connection over RDMA: frames go through `channel`.
+    pub(crate) fn over_channel(
+        stream: &TcpStream,
+        channel: Arc<MessageChannel>,
+    ) -> io::Result<Self> {
+        Ok(Self {
+            channel: Some(channel),
+            ..Self::new(stream)?
+        })
+    }
+
+    /// Whether a grant carries its page (TCP); over RDMA the node reads it
+    /// from the region.
+    pub(crate) fn carries_pages(&self) -> bool {
+        self.channel.is_none()
     }
 
     /// Held while the connection's own thread writes its answers.
@@ -42,6 +65,9 @@ impl Outbound {
     /// Shuts the connection down: its thread sees the end of the stream and
     /// ends (for coherence, the node is then lost).
     pub(crate) fn shut_down(&self) {
+        if let Some(channel) = &self.channel {
+            channel.set_broken();
+        }
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
 
@@ -51,6 +77,10 @@ impl Outbound {
     /// The write failed: the connection is going away (its thread will see
     /// it) or stopped taking data for the stall timeout.
     pub(crate) fn send(&self, frames: &[&[u8]]) -> io::Result<()> {
+        if let Some(channel) = &self.channel {
+            // Never blocks: what credits do not allow yet waits in order.
+            return channel.send(&frames.concat()).map_err(io::Error::other);
+        }
         let mut iovecs: Vec<libc::iovec> = frames
             .iter()
             .map(|f| libc::iovec {

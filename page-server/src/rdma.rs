@@ -17,13 +17,15 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 use rdma_transport::coordinator::api::{RdmaEndpoint, RdmaRegion};
-use rdma_transport::rdma::{connect_qp, random_psn, PortInfo, QpTimeouts};
+use rdma_transport::rdma::{
+    connect_qp, random_psn, MessageChannel, PortInfo, QpTimeouts, CHANNEL_SLOTS,
+};
 use rdma_transport::region::MappedRegion;
 use rdma_transport::verbs::{
     list_devices, AccessFlags, CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpCaps,
     QueuePair, Verbs, VerbsError,
 };
-use rdma_transport::wire::RdmaHello;
+use rdma_transport::wire::{MessageRing, RdmaHello};
 
 use crate::client_keys::{bind_window, ClientKey, ClientKeyKind, ClientKeys, CLIENT_ACCESS};
 
@@ -72,6 +74,8 @@ pub(crate) struct ServerQp {
     key: ClientKey,
     qp: QueuePair,
     _cq: CompletionQueue,
+    /// A coherence connection's message channel (its QP is `qp`).
+    channel: Option<Arc<MessageChannel>>,
     /// How long creating the key took (allocation and bind, or
     /// registration), microseconds.
     key_setup_us: u64,
@@ -86,6 +90,11 @@ impl ServerQp {
     /// The rkey this connection's client was given.
     pub(crate) fn rkey(&self) -> u32 {
         self.key.rkey()
+    }
+
+    /// The message channel of a coherence connection.
+    pub(crate) fn channel(&self) -> Option<&Arc<MessageChannel>> {
+        self.channel.as_ref()
     }
 }
 
@@ -208,6 +217,60 @@ impl RdmaExport {
         Ok((qp, answer))
     }
 
+    /// A coherence connection (docs/coherence.md, "Over RDMA"): a PD of
+    /// its own with the region registered for REMOTE_READ only (the node
+    /// reads granted pages; its write-backs come as messages, which the
+    /// home checks before it stores them), and a message channel in that
+    /// PD connected to the client's, whose ring `client.region_addr` and
+    /// `client.rkey` name. Returns the channel's QP and the answer, ring
+    /// included.
+    pub(crate) fn accept_channel(
+        &self,
+        client: &RdmaHello,
+    ) -> Result<(Arc<ServerQp>, RdmaHello, MessageRing), VerbsError> {
+        let started = Instant::now();
+        let pd = self.ctx.alloc_pd()?;
+        // SAFETY: as in `accept_region`: the region outlives every session.
+        let mr = unsafe {
+            pd.register_raw(
+                self.mr.addr(),
+                self.mr.len(),
+                AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+            )
+        }?;
+        let channel = MessageChannel::new(&pd, &self.port)?;
+        let ring = MessageRing {
+            addr: client.region_addr,
+            rkey: client.rkey,
+            slots: CHANNEL_SLOTS,
+        };
+        // This side reads nothing from the node.
+        let remote = RdmaHello {
+            region_addr: 0,
+            rkey: 0,
+            ..*client
+        };
+        channel.connect(&remote, ring, QpTimeouts::default())?;
+        let answer = RdmaHello {
+            region_addr: self.mr.addr() as u64,
+            rkey: mr.rkey(),
+            ..channel.hello()
+        };
+        let own_ring = channel.ring();
+        let qp = Arc::new(ServerQp {
+            key: ClientKey::Region(mr),
+            qp: channel.qp().clone(),
+            _cq: channel.send_cq().clone(),
+            channel: Some(Arc::new(channel)),
+            key_setup_us: elapsed_us(started),
+        });
+        tracing::debug!(qpn = qp.qpn(), "coherence channel ready");
+        let mut qps = self.qps.lock();
+        qps.retain(|w| w.strong_count() > 0);
+        qps.push(Arc::downgrade(&qp));
+        Ok((qp, answer, own_ring))
+    }
+
     /// A QP in the shared PD, connected, with a window bound on it.
     fn accept_window(&self, client: &RdmaHello) -> Result<(ServerQp, u32), VerbsError> {
         let (qp, cq, psn) = self.connected_qp(&self.pd, client)?;
@@ -218,6 +281,7 @@ impl RdmaExport {
                 key: ClientKey::Window(mw),
                 qp,
                 _cq: cq,
+                channel: None,
                 key_setup_us: elapsed_us(started),
             },
             psn,
@@ -247,6 +311,7 @@ impl RdmaExport {
                 key: ClientKey::Region(mr),
                 qp,
                 _cq: cq,
+                channel: None,
                 key_setup_us,
             },
             psn,

@@ -277,6 +277,13 @@ impl RunningServer {
     /// control connections stay open, as if the QPs died silently. Returns
     /// the number of QPs broken.
     #[doc(hidden)]
+    /// Test hook: while `held`, coherence messages over RDMA are not taken
+    /// (they wait in their channels), TCP ones are served as usual.
+    #[cfg(feature = "test-hooks")]
+    pub fn hold_coherence_channels_for_test(&self, held: bool) {
+        self.shared.exported.coherence.hold_channels(held);
+    }
+
     #[cfg(feature = "test-hooks")]
     pub fn break_rdma_qps_for_test(&self) -> usize {
         self.shared

@@ -7,19 +7,18 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::io::Write;
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::coherent_copies::Node;
 use common::raw::{self, read_framed};
 use common::*;
 use page_server::{RunningServer, ServerConfig};
-use parking_lot::Mutex;
 use rdma_transport::auth::ClusterKey;
 use rdma_transport::coherent::{
-    Access, CoherenceConfig, CoherenceHandler, CoherentNode, Mode, Recall, RecallAnswer,
+    Access, CoherenceConfig, CoherenceHandler, Mode, Recall, RecallAnswer,
 };
 use rdma_transport::coordinator::api::{MapEntry, MapResponse, NodeInfo, RangeState};
 use rdma_transport::wire::{
@@ -30,113 +29,8 @@ use rdma_transport::{ManagerConfig, Page, TransportError, TransportManager, PAGE
 const HOME: &str = "home";
 const GPA_BASE: u64 = 0x10_0000;
 
-/// A node's local copies: what `GuestMemory` will keep in guest RAM.
-#[derive(Debug, Default)]
-struct Copies {
-    pages: Mutex<HashMap<u64, (Mode, Box<Page>)>>,
-    recalls: Mutex<Vec<(u64, Recall)>>,
-}
-
-impl CoherenceHandler for Copies {
-    fn install(&self, gpa: u64, mode: Mode, data: Option<&Page>) {
-        let mut pages = self.pages.lock();
-        match (data, pages.get_mut(&gpa)) {
-            (Some(data), _) => {
-                pages.insert(gpa, (mode, Box::new(*data)));
-            }
-            (None, Some(entry)) => entry.0 = mode,
-            (None, None) => panic!("an upgrade of {gpa:#x} without a copy"),
-        }
-    }
-
-    fn recall(&self, gpa: u64, recall: Recall) -> RecallAnswer {
-        self.recalls.lock().push((gpa, recall));
-        let mut pages = self.pages.lock();
-        let answer = match (recall.needs_data(), pages.get(&gpa)) {
-            (true, Some((_, data))) => RecallAnswer::WriteBack(data.clone()),
-            _ => RecallAnswer::Done,
-        };
-        match recall {
-            Recall::Invalidate { .. } => {
-                pages.remove(&gpa);
-            }
-            Recall::Downgrade => {
-                if let Some(entry) = pages.get_mut(&gpa) {
-                    entry.0 = Mode::Shared;
-                }
-            }
-        }
-        answer
-    }
-}
-
-impl Copies {
-    fn copy(&self, gpa: u64) -> Option<(Mode, Page)> {
-        self.pages.lock().get(&gpa).map(|(m, p)| (*m, **p))
-    }
-
-    fn take_recalls(&self) -> Vec<(u64, Recall)> {
-        std::mem::take(&mut *self.recalls.lock())
-    }
-}
-
-/// One hypervisor node: its manager, its coherent side and its copies.
-struct Node {
-    copies: Arc<Copies>,
-    coherent: Option<CoherentNode>,
-    _manager: TransportManager,
-}
-
-impl Node {
-    fn new(server: &RunningServer, key: &ClusterKey, min_hold_us: u64) -> Self {
-        let manager = manager_for(server, key);
-        let copies = Arc::new(Copies::default());
-        let coherent = manager.coherent_node(
-            Arc::clone(&copies) as Arc<dyn CoherenceHandler>,
-            CoherenceConfig {
-                min_hold_us,
-                timeout_ms: 5_000,
-            },
-        );
-        Self {
-            copies,
-            coherent: Some(coherent),
-            _manager: manager,
-        }
-    }
-
-    fn c(&self) -> &CoherentNode {
-        self.coherent.as_ref().expect("node alive")
-    }
-
-    /// Reads the page as a vCPU would: its copy once it holds one.
-    fn read(&self, gpa: u64) -> Result<Page, TransportError> {
-        for _ in 0..1000 {
-            self.c().acquire(gpa, Access::Read)?;
-            if let Some((_, page)) = self.copies.copy(gpa) {
-                return Ok(page);
-            }
-        }
-        panic!("no copy of {gpa:#x} after 1000 grants");
-    }
-
-    /// Changes the page as a vCPU would: in its copy, while it owns it.
-    fn modify(&self, gpa: u64, f: impl Fn(&mut Page)) -> Result<(), TransportError> {
-        for _ in 0..1000 {
-            self.c().acquire(gpa, Access::Write)?;
-            let mut pages = self.copies.pages.lock();
-            if let Some((Mode::Exclusive, page)) = pages.get_mut(&gpa) {
-                f(page);
-                return Ok(());
-            }
-        }
-        panic!("no ownership of {gpa:#x} after 1000 grants");
-    }
-
-    /// Dies: its connections close without writing anything back.
-    fn kill(&mut self) {
-        self.coherent = None;
-    }
+fn node(server: &RunningServer, key: &ClusterKey, min_hold_us: u64) -> Node {
+    Node::with_manager(manager_for(server, key), min_hold_us)
 }
 
 fn manager_for(server: &RunningServer, key: &ClusterKey) -> TransportManager {
@@ -190,8 +84,8 @@ fn filled(gpa: u64, seed: u8) -> impl Fn(&mut Page) {
 #[test]
 fn a_reader_gets_the_owners_data_by_downgrade_and_a_writer_invalidates_the_readers() {
     let (server, key) = home();
-    let a = Node::new(&server, &key, 1000);
-    let b = Node::new(&server, &key, 1000);
+    let a = node(&server, &key, 1000);
+    let b = node(&server, &key, 1000);
     let gpa = GPA_BASE + 5 * PAGE_SIZE as u64;
 
     // A owns the page and writes it; the home still has zeros.
@@ -215,7 +109,7 @@ fn a_reader_gets_the_owners_data_by_downgrade_and_a_writer_invalidates_the_reade
     );
     // The written-back page is the home's data (a plain READ shows it).
     let mut page = [0u8; PAGE_SIZE];
-    a._manager.read_page(gpa, &mut page).unwrap();
+    a.manager.read_page(gpa, &mut page).unwrap();
     assert_eq!(page, page_for(gpa, 0xa1));
 
     // A writes again (an upgrade of its shared copy): B is invalidated,
@@ -265,9 +159,9 @@ fn a_reader_gets_the_owners_data_by_downgrade_and_a_writer_invalidates_the_reade
 #[test]
 fn a_node_that_dies_owning_a_page_loses_it_for_everyone_and_its_written_back_pages_survive() {
     let (server, key) = home();
-    let mut a = Node::new(&server, &key, 0);
-    let b = Node::new(&server, &key, 0);
-    let c = Node::new(&server, &key, 0);
+    let mut a = node(&server, &key, 0);
+    let b = node(&server, &key, 0);
+    let c = node(&server, &key, 0);
     let owned = GPA_BASE;
     let evicted = GPA_BASE + PAGE_SIZE as u64;
     let shared = GPA_BASE + 2 * PAGE_SIZE as u64;
@@ -328,7 +222,7 @@ fn concurrent_increments_from_three_nodes_are_all_counted() {
     const INCREMENTS: u64 = 150;
     let (server, key) = home();
     let gpa = GPA_BASE + 7 * PAGE_SIZE as u64;
-    let nodes: Vec<Node> = (0..NODES).map(|_| Node::new(&server, &key, 200)).collect();
+    let nodes: Vec<Node> = (0..NODES).map(|_| node(&server, &key, 200)).collect();
     let start = std::sync::Barrier::new(NODES);
     let counter = |p: &Page, at: usize| u64::from_le_bytes(p[at..at + 8].try_into().unwrap());
     std::thread::scope(|s| {
@@ -365,7 +259,7 @@ fn concurrent_increments_from_three_nodes_are_all_counted() {
             });
         }
     });
-    let reader = Node::new(&server, &key, 0);
+    let reader = node(&server, &key, 0);
     let page = reader.read(gpa).unwrap();
     assert_eq!(counter(&page, 0), NODES as u64 * INCREMENTS);
     for i in 0..NODES {
@@ -395,8 +289,8 @@ fn concurrent_faults_of_one_node_on_one_page_make_one_request() {
     let gpa = GPA_BASE + 9 * PAGE_SIZE as u64;
     // B owns the page and keeps it for 300 ms after its grant: A's faults
     // all come while the home waits for B's downgrade.
-    let b = Node::new(&server, &key, 300_000);
-    let a = Node::new(&server, &key, 0);
+    let b = node(&server, &key, 300_000);
+    let a = node(&server, &key, 0);
     b.modify(gpa, filled(gpa, 0x33)).unwrap();
     let start = std::sync::Barrier::new(THREADS);
     std::thread::scope(|s| {
@@ -419,7 +313,7 @@ fn concurrent_faults_of_one_node_on_one_page_make_one_request() {
 #[test]
 fn a_home_that_goes_away_fails_the_requests_and_its_pages_are_dropped() {
     let (server, key) = home();
-    let a = Node::new(&server, &key, 0);
+    let a = node(&server, &key, 0);
     let held = GPA_BASE;
     a.modify(held, filled(held, 7)).unwrap();
     server.shutdown();
@@ -460,13 +354,13 @@ impl CoherenceHandler for Panicky {
 fn a_panicking_handler_fails_the_request_instead_of_hanging() {
     let (server, key) = home();
     let manager = manager_for(&server, &key);
-    let node = manager.coherent_node(Arc::new(Panicky), CoherenceConfig::default());
-    match node.acquire(GPA_BASE, Access::Read) {
+    let panicky = manager.coherent_node(Arc::new(Panicky), CoherenceConfig::default());
+    match panicky.acquire(GPA_BASE, Access::Read) {
         Err(TransportError::NodeDown { node, .. }) => assert_eq!(node, HOME),
         other => panic!("expected NodeDown, got {other:?}"),
     }
     // The home lost that node; another node is served as usual.
-    let other = Node::new(&server, &key, 0);
+    let other = node(&server, &key, 0);
     other.modify(GPA_BASE, filled(GPA_BASE, 1)).unwrap();
     assert_eq!(other.read(GPA_BASE).unwrap(), page_for(GPA_BASE, 1));
 }
@@ -482,7 +376,7 @@ fn raw_client(server: &RunningServer, key: &ClusterKey) -> TcpStream {
 #[test]
 fn bad_coherence_frames_are_refused_and_the_server_keeps_serving() {
     let (server, key) = home();
-    let good = Node::new(&server, &key, 0);
+    let good = node(&server, &key, 0);
     let gpa = GPA_BASE + 3 * PAGE_SIZE as u64;
     good.modify(gpa, filled(gpa, 9)).unwrap();
 
@@ -538,12 +432,12 @@ fn bad_coherence_frames_are_refused_and_the_server_keeps_serving() {
     );
     // The home's data is untouched: a plain READ on another connection.
     let mut page = [0u8; PAGE_SIZE];
-    good._manager.read_page(gpa, &mut page).unwrap();
+    good.manager.read_page(gpa, &mut page).unwrap();
     assert_eq!(page, [0u8; PAGE_SIZE], "still version 0 at the home");
     assert_eq!(server.coherence_stats().refused_frames, 5);
 
     // And the real nodes go on: a reader gets the owner's data.
-    let other = Node::new(&server, &key, 0);
+    let other = node(&server, &key, 0);
     assert_eq!(other.read(gpa).unwrap(), page_for(gpa, 9));
     assert_eq!(good.copies.take_recalls(), [(gpa, Recall::Downgrade)]);
 }
@@ -591,7 +485,7 @@ fn an_owner_that_claims_a_write_back_without_the_page_is_not_believed() {
     // The owner goes away: its version was never stored, so the page is
     // lost, not served as version 0.
     drop(s);
-    let b = Node::new(&server, &key, 0);
+    let b = node(&server, &key, 0);
     match b.c().acquire(gpa, Access::Read) {
         Err(TransportError::CoherentDataLost { gpa: lost, .. }) => assert_eq!(lost, gpa),
         other => panic!("expected the lost-data error, got {other:?}"),

@@ -8,6 +8,8 @@
 //! (`cargo test -p page-server --test rdma_cluster -- --include-ignored`).
 //! When run, a missing device FAILS them.
 
+#[path = "rdma_cluster/coherence.rs"]
+mod coherence;
 mod common;
 #[path = "rdma_cluster/keys.rs"]
 mod keys;

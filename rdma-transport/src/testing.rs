@@ -114,6 +114,7 @@ fn serve_hello(stream: &mut TcpStream, checksums: bool) {
         epoch: 7,
         page_size: PAGE_SIZE as u32,
         rdma: None,
+        coherence: None,
         checksums,
     }
     .encode();

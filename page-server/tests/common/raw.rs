@@ -100,6 +100,7 @@ pub fn handshake_asking(
             proof,
             rdma: None,
             checksums,
+            coherence: false,
         }
         .encode(),
     );

@@ -28,9 +28,10 @@ use coherence::ToHome;
 use parking_lot::Mutex;
 
 use super::pages::{self, Slot};
-use super::Shared;
+use super::{Dialed, Shared};
 use crate::error::TransportError;
 use crate::page::Page;
+use crate::rdma::MessageChannel;
 use crate::wire::{decode_to_node, encode_to_home, Header, HEADER_LEN, MAX_PAYLOAD_BYTES};
 
 /// Longest the reader blocks without looking at its timers.
@@ -42,6 +43,12 @@ const RECV_BUF_BYTES: usize = 64 * 1024;
 pub(crate) struct Link {
     pub(crate) node: String,
     stream: TcpStream,
+    /// Over RDMA: the frames go through this channel, and `stream` only
+    /// tells that the home is gone (no writer thread then).
+    channel: Option<Arc<MessageChannel>>,
+    /// How long an `acquire` waits (and a grant's READ, and a close's
+    /// drain of the channel).
+    timeout_ms: u64,
     /// Frames for the writer thread; `None` once the connection is shut.
     /// Locked for the whole of a send.
     outgoing: Mutex<Option<mpsc::Sender<Vec<u8>>>>,
@@ -59,8 +66,9 @@ impl Link {
     pub(crate) fn start(
         shared: &Arc<Shared>,
         node: &str,
-        stream: TcpStream,
+        dialed: Dialed,
     ) -> Result<Arc<Self>, TransportError> {
+        let Dialed { stream, channel } = dialed;
         let down = |e: io::Error| TransportError::NodeDown {
             node: node.to_owned(),
             reason: format!("coherence connection: {e}"),
@@ -74,6 +82,8 @@ impl Link {
         let link = Arc::new(Self {
             node: node.to_owned(),
             stream,
+            channel,
+            timeout_ms: shared.config.timeout_ms.max(1),
             outgoing: Mutex::new(Some(tx)),
             queued: Arc::new(AtomicUsize::new(0)),
             writer: Mutex::new(None),
@@ -81,15 +91,17 @@ impl Link {
             dead: AtomicBool::new(false),
             reader: Mutex::new(None),
         });
-        let writer_link = Arc::clone(&link);
-        let writer = std::thread::Builder::new()
-            .name(format!("coherence-w-{node}"))
-            .spawn(move || write_loop(&writer_link, writer_stream, &rx))
-            .map_err(|e| {
-                link.shut();
-                down(e)
-            })?;
-        *link.writer.lock() = Some(writer);
+        if link.channel.is_none() {
+            let writer_link = Arc::clone(&link);
+            let writer = std::thread::Builder::new()
+                .name(format!("coherence-w-{node}"))
+                .spawn(move || write_loop(&writer_link, writer_stream, &rx))
+                .map_err(|e| {
+                    link.shut();
+                    down(e)
+                })?;
+            *link.writer.lock() = Some(writer);
+        }
         let (thread_shared, thread_link) = (Arc::clone(shared), Arc::clone(&link));
         let handle = std::thread::Builder::new()
             .name(format!("coherence-{node}"))
@@ -97,7 +109,10 @@ impl Link {
                 // Runs on every way out, a panicking handler's included:
                 // waiters must not be left waiting for a reader that is gone.
                 let exit = ReaderExit(thread_shared, thread_link);
-                read_loop(&exit.0, &exit.1, reader_stream);
+                match exit.1.channel.clone() {
+                    Some(channel) => read_channel(&exit.0, &exit.1, &channel, &reader_stream),
+                    None => read_loop(&exit.0, &exit.1, reader_stream),
+                }
             })
             .map_err(|e| {
                 link.shut();
@@ -105,6 +120,11 @@ impl Link {
             })?;
         *link.reader.lock() = Some(handle);
         Ok(link)
+    }
+
+    /// The RDMA message channel's counters (`None` over TCP).
+    pub(crate) fn channel_stats(&self) -> Option<crate::rdma::ChannelStats> {
+        self.channel.as_ref().map(|c| c.stats())
     }
 
     pub(crate) fn is_dead(&self) -> bool {
@@ -132,6 +152,16 @@ impl Link {
         page: Option<&Page>,
     ) -> Result<(), TransportError> {
         let frame = encode_to_home(offset, msg, page);
+        if let Some(channel) = &self.channel {
+            if self.is_dead() {
+                return Err(self.down("coherence connection closed"));
+            }
+            return channel.send(&frame).map_err(|e| {
+                tracing::debug!(node = %self.node, err = %e, "coherence send failed; dropping the connection");
+                self.shut();
+                self.down(&e.to_string())
+            });
+        }
         let outgoing = self.outgoing.lock();
         let Some(tx) = outgoing.as_ref() else {
             return Err(self.down("coherence connection closed"));
@@ -180,6 +210,14 @@ impl Link {
     /// (each within the write timeout), then the socket is shut and both
     /// threads have ended.
     pub(crate) fn close_and_join(&self) {
+        if let Some(channel) = &self.channel {
+            // What is queued or in flight reaches the home first (the
+            // reader still runs, taking the credits that let it go).
+            let deadline = std::time::Instant::now() + Duration::from_millis(self.timeout_ms);
+            if let Err(e) = channel.flush(deadline) {
+                tracing::debug!(node = %self.node, err = %e, "coherence channel not drained before close");
+            }
+        }
         self.dead.store(true, Ordering::SeqCst);
         self.outgoing.lock().take();
         join(self.writer.lock().take(), &self.node, "writer");
@@ -343,7 +381,7 @@ fn read_loop(shared: &Shared, link: &Link, mut stream: TcpStream) {
                 tracing::warn!(node = %link.node, offset, "coherence message about a page this node never asked for; dropping the connection");
                 return;
             };
-            match pages::on_frame(shared, link, &slot, frame) {
+            match pages::on_frame(shared, link, &slot, frame, None) {
                 Ok(Some(due)) => timers.push((due, slot)),
                 Ok(None) => {}
                 Err(e) => {
@@ -367,6 +405,120 @@ fn read_loop(shared: &Shared, link: &Link, mut stream: TcpStream) {
             return;
         }
     }
+}
+
+/// The reader over an RDMA message channel: takes the home's messages
+/// (a grant's page is read from the home's region by RDMA READ), runs the
+/// hold-time timers, and ends when the socket says the home is gone (EOF,
+/// or any byte: nothing else may come on it) or the channel breaks.
+fn read_channel(shared: &Shared, link: &Link, channel: &MessageChannel, stream: &TcpStream) {
+    use std::os::fd::AsFd;
+    let mut timers: Vec<(u64, Arc<Slot>)> = Vec::new();
+    let mut armed = false;
+    loop {
+        let mut failed = false;
+        let taken = channel.poll(|bytes| match on_message(shared, link, channel, bytes, &mut timers) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(node = %link.node, err = %e, "coherence message not handled; dropping the connection");
+                failed = true;
+                false
+            }
+        });
+        let taken = match taken {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::debug!(node = %link.node, err = %e, "coherence channel broke");
+                return;
+            }
+        };
+        if failed || link.is_dead() || !run_due_timers(shared, link, &mut timers) {
+            return;
+        }
+        if taken > 0 {
+            armed = false;
+            continue;
+        }
+        if !armed {
+            // Armed, then polled once more before waiting: a completion
+            // that came in between is not missed.
+            if let Err(e) = channel.arm() {
+                tracing::debug!(node = %link.node, err = %e, "coherence channel broke");
+                return;
+            }
+            armed = true;
+            continue;
+        }
+        let now = shared.now_us();
+        let wait = timers
+            .iter()
+            .map(|(due, _)| Duration::from_micros(due.saturating_sub(now)))
+            .min()
+            .unwrap_or(READ_TICK)
+            .min(READ_TICK);
+        match channel.wait(stream.as_fd(), wait) {
+            Ok(woken) if woken.other => {
+                // The home closed the connection (or broke the rules by
+                // writing to it): what it sent before is taken first.
+                let _ = channel
+                    .poll(|bytes| on_message(shared, link, channel, bytes, &mut timers).is_ok());
+                return;
+            }
+            Ok(woken) => armed = !woken.channel,
+            Err(e) => {
+                tracing::debug!(node = %link.node, err = %e, "coherence channel wait failed");
+                return;
+            }
+        }
+    }
+}
+
+/// One message from the home over the channel: exactly one frame.
+fn on_message(
+    shared: &Shared,
+    link: &Link,
+    channel: &MessageChannel,
+    bytes: &[u8],
+    timers: &mut Vec<(u64, Arc<Slot>)>,
+) -> Result<(), TransportError> {
+    let bad = |what: String| TransportError::Protocol {
+        node: link.node.clone(),
+        detail: what,
+    };
+    let header = Header::decode_prefix(bytes)
+        .map_err(|e| bad(format!("malformed coherence frame: {e}")))?
+        .ok_or_else(|| bad("a coherence message shorter than a header".into()))?;
+    if HEADER_LEN + header.payload_len() != bytes.len() {
+        return Err(bad(format!(
+            "a coherence message of {} bytes holding a frame of {}",
+            bytes.len(),
+            HEADER_LEN + header.payload_len()
+        )));
+    }
+    let frame = decode_to_node(&header, &bytes[HEADER_LEN..])
+        .map_err(|e| bad(format!("malformed coherence message: {e}")))?;
+    let offset = match frame {
+        crate::wire::ToNodeFrame::Msg(f) => f.offset,
+        crate::wire::ToNodeFrame::Refused { offset, .. } => offset,
+    };
+    let slot = link.slots.lock().get(&offset).cloned().ok_or_else(|| {
+        bad(format!(
+            "a coherence message about a page this node never asked for (offset {offset:#x})"
+        ))
+    })?;
+    // A grant's page is not in the message: it is read from the home's
+    // region, which only a write-back of the grantee changes next.
+    let read = || {
+        let deadline = std::time::Instant::now() + Duration::from_millis(link.timeout_ms);
+        channel.read_page(offset, deadline).map_err(|e| {
+            link.shut();
+            link.down(&format!("reading a granted page: {e}"))
+        })
+    };
+    if let Some(due) = pages::on_frame(shared, link, &slot, frame, Some(&read))? {
+        timers.push((due, slot));
+    }
+    Ok(())
 }
 
 /// Answers the deferred callbacks whose hold time has passed; false when

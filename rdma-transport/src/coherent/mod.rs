@@ -120,7 +120,16 @@ pub(crate) trait Resolve: Send + Sync + std::fmt::Debug {
     /// The home of the page at `gpa`.
     fn home_of(&self, gpa: u64) -> Result<HomeRef, TransportError>;
     /// A handshaken, blocking connection to `home`.
-    fn dial(&self, home: &HomeRef) -> Result<TcpStream, TransportError>;
+    fn dial(&self, home: &HomeRef) -> Result<Dialed, TransportError>;
+}
+
+/// A connection to a home: the socket, and the RDMA message channel set
+/// up in its handshake (when both sides have RDMA; the socket then only
+/// tells that the home is gone).
+#[derive(Debug)]
+pub(crate) struct Dialed {
+    pub(crate) stream: TcpStream,
+    pub(crate) channel: Option<Arc<crate::rdma::MessageChannel>>,
 }
 
 /// This process as a node of a coherent VM. Made by
@@ -214,6 +223,20 @@ impl CoherentNode {
         *self.shared.stats.lock()
     }
 
+    /// The homes this node is connected to, each with its RDMA message
+    /// channel's counters (`None`: the connection is TCP).
+    pub fn connections(&self) -> Vec<(String, Option<crate::rdma::ChannelStats>)> {
+        let mut homes: Vec<_> = self
+            .shared
+            .links
+            .lock()
+            .iter()
+            .map(|(node, link)| (node.clone(), link.channel_stats()))
+            .collect();
+        homes.sort_by(|a, b| a.0.cmp(&b.0));
+        homes
+    }
+
     fn link_for(&self, gpa: u64) -> Result<(Arc<Link>, u64), TransportError> {
         if !is_page_aligned(gpa) {
             return Err(TransportError::Unaligned { gpa });
@@ -235,8 +258,8 @@ impl CoherentNode {
         }
         // Dialled under the lock: one connection per home, and a home that
         // is down costs the callers of this node one timeout each at most.
-        let stream = self.shared.resolve.dial(&home)?;
-        let link = Link::start(&self.shared, &home.node, stream)?;
+        let dialed = self.shared.resolve.dial(&home)?;
+        let link = Link::start(&self.shared, &home.node, dialed)?;
         links.insert(home.node.clone(), Arc::clone(&link));
         Ok((link, home.offset))
     }

@@ -163,16 +163,22 @@ pub(crate) fn evict(
         let mut stats = shared.stats.lock();
         st.page.evict(&mut stats)
     };
-    run(shared, link, &slot, &mut st, actions, None)
+    run(shared, link, &slot, &mut st, actions, Grant::None)
 }
 
+/// Reads a granted page from the home (over RDMA, where grants come
+/// without it).
+pub(crate) type ReadGranted<'a> = &'a dyn Fn() -> Result<Box<Page>, TransportError>;
+
 /// A frame from the home about `slot`'s page. Returns when the page's
-/// timer is due, if a callback waits for the hold time.
+/// timer is due, if a callback waits for the hold time. `read`: how a
+/// grant that came without its page gets it.
 pub(crate) fn on_frame(
     shared: &Shared,
     link: &Link,
     slot: &Slot,
     frame: ToNodeFrame<'_>,
+    read: Option<ReadGranted<'_>>,
 ) -> Result<Option<u64>, TransportError> {
     let mut st = slot.state.lock();
     match frame {
@@ -197,7 +203,12 @@ pub(crate) fn on_frame(
                 let mut stats = shared.stats.lock();
                 st.page.on_message(f.msg, shared.now_us(), &mut stats)
             };
-            run(shared, link, slot, &mut st, actions, page)?;
+            let grant = match (page, read) {
+                (Some(bytes), _) => Grant::Came(bytes),
+                (None, Some(read)) => Grant::Read(read),
+                (None, None) => Grant::None,
+            };
+            run(shared, link, slot, &mut st, actions, grant)?;
             Ok(st.page.timer_due_us())
         }
     }
@@ -214,7 +225,7 @@ pub(crate) fn on_timer(
         let mut stats = shared.stats.lock();
         st.page.on_timer(shared.now_us(), &mut stats)
     };
-    run(shared, link, slot, &mut st, actions, None)?;
+    run(shared, link, slot, &mut st, actions, Grant::None)?;
     Ok(st.page.timer_due_us())
 }
 
@@ -238,8 +249,35 @@ pub(crate) fn forget(shared: &Shared, slot: &Slot, node: &str, call_handler: boo
     slot.changed.notify_all();
 }
 
-/// Carries out `actions` in order. `grant_page`: the page that came with a
-/// grant (what a `Fetch` reads). The handler's recall is asked once per
+/// Where a `Fetch` gets a grant's page.
+enum Grant<'a> {
+    /// Not with this event.
+    None,
+    /// With the frame (TCP).
+    Came(&'a [u8]),
+    /// Read from the home when needed (RDMA; an upgrade needs none).
+    Read(ReadGranted<'a>),
+}
+
+/// A fetched page, until it is installed.
+enum Fetched<'a> {
+    Nothing,
+    Borrowed(&'a Page),
+    Owned(Box<Page>),
+}
+
+impl Fetched<'_> {
+    fn page(&self) -> Option<&Page> {
+        match self {
+            Fetched::Nothing => None,
+            Fetched::Borrowed(p) => Some(p),
+            Fetched::Owned(p) => Some(p),
+        }
+    }
+}
+
+/// Carries out `actions` in order. `grant`: where a `Fetch` gets the
+/// page. The handler's recall is asked once per
 /// group of local actions (write back, zap, write-protect) before the
 /// message that reports them.
 fn run(
@@ -248,10 +286,10 @@ fn run(
     slot: &Slot,
     st: &mut MutexGuard<'_, SlotState>,
     actions: NodeActions,
-    grant_page: Option<&[u8]>,
+    grant: Grant<'_>,
 ) -> Result<(), TransportError> {
     let mut recall = Pending::default();
-    let mut fetched: Option<&Page> = None;
+    let mut fetched = Fetched::Nothing;
     let mut written: Option<Box<Page>> = None;
     for action in actions.iter() {
         match action {
@@ -259,15 +297,24 @@ fn run(
             NodeAction::Zap => recall.zap = true,
             NodeAction::WriteProtect => recall.protect = true,
             NodeAction::Fetch { .. } => {
-                let page = grant_page
-                    .and_then(|p| <&Page>::try_from(p).ok())
-                    .ok_or_else(|| {
+                fetched = match &grant {
+                    Grant::Came(bytes) => {
+                        Fetched::Borrowed(<&Page>::try_from(*bytes).map_err(|_| {
+                            link.shut();
+                            link.down("a grant with a page of the wrong size")
+                        })?)
+                    }
+                    Grant::Read(read) => Fetched::Owned(read()?),
+                    Grant::None => {
                         link.shut();
-                        link.down("a grant without the page to fetch")
-                    })?;
-                fetched = Some(page);
+                        return Err(link.down("a grant without the page to fetch"));
+                    }
+                };
             }
-            NodeAction::Map(mode) => shared.handler.install(slot.gpa, mode, fetched.take()),
+            NodeAction::Map(mode) => {
+                shared.handler.install(slot.gpa, mode, fetched.page());
+                fetched = Fetched::Nothing;
+            }
             NodeAction::Send(msg) => {
                 if let Some(data) = recall.ask(shared, link, slot.gpa)? {
                     written = Some(data);

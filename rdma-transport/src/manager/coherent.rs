@@ -1,19 +1,20 @@
 //! The manager's side of coherent pages: where a page's home is, and a
 //! handshaken connection to it (`crate::coherent`).
 
-use std::net::TcpStream;
 use std::sync::Arc;
 
 use super::{Inner, TransportManager};
-use crate::coherent::{CoherenceConfig, CoherenceHandler, CoherentNode, HomeRef, Resolve};
+use crate::coherent::{CoherenceConfig, CoherenceHandler, CoherentNode, Dialed, HomeRef, Resolve};
 use crate::error::TransportError;
 use crate::tcp::{dial, handshake, ClientAuth, ConnectError};
+use crate::wire::RdmaHello;
 
 impl TransportManager {
     /// This process as a node of a coherent VM whose pages are homed at the
     /// page-servers of this manager's map; `handler` holds the local copies.
-    /// Over TCP only (a manager configured for RDMA still uses TCP for
-    /// coherence). See `docs/coherence.md`.
+    /// Over RDMA when this manager's data path is (a message channel per
+    /// home, `crate::rdma::MessageChannel`), else TCP. See
+    /// `docs/coherence.md`.
     pub fn coherent_node(
         &self,
         handler: Arc<dyn CoherenceHandler>,
@@ -52,14 +53,8 @@ impl Resolve for Resolver {
         })
     }
 
-    fn dial(&self, home: &HomeRef) -> Result<TcpStream, TransportError> {
+    fn dial(&self, home: &HomeRef) -> Result<Dialed, TransportError> {
         let inner = &self.0;
-        let auth = ClientAuth {
-            client_id: inner.client_id,
-            node_id: &home.node,
-            key: inner.config.cluster_key.as_ref(),
-            checksums: false,
-        };
         let failed = |err: ConnectError| match err {
             ConnectError::AuthFailed { addr, detail } => TransportError::AuthFailed {
                 node: home.node.clone(),
@@ -70,8 +65,45 @@ impl Resolve for Resolver {
                 reason: other.to_string(),
             },
         };
+        // Over RDMA when the data path is: a channel of its own, offered in
+        // AUTH with its ring; a home without RDMA answers without it.
+        let channel = inner.rdma.as_ref().and_then(|rdma| {
+            match rdma.device.message_channel() {
+                Ok(ch) => Some((ch, rdma.device.timeouts)),
+                Err(err) => {
+                    tracing::warn!(node = %home.node, %err, "no RDMA channel for coherence; using TCP");
+                    None
+                }
+            }
+        });
+        let offer = channel.as_ref().map(|(ch, _)| {
+            let ring = ch.ring();
+            RdmaHello {
+                region_addr: ring.addr,
+                rkey: ring.rkey,
+                ..ch.hello()
+            }
+        });
+        let auth = ClientAuth {
+            client_id: inner.client_id,
+            node_id: &home.node,
+            key: inner.config.cluster_key.as_ref(),
+            checksums: false,
+            coherence: offer.is_some(),
+        };
         let mut stream = dial(&home.addr, inner.config.connect_timeout()).map_err(failed)?;
-        handshake(&mut stream, &home.addr, &auth, None).map_err(failed)?;
-        Ok(stream)
+        let ack = handshake(&mut stream, &home.addr, &auth, offer).map_err(failed)?;
+        let channel = match (channel, ack.rdma, ack.coherence) {
+            (Some((ch, timeouts)), Some(remote), Some(ring)) => {
+                ch.connect(&remote, ring, timeouts)
+                    .map_err(|err| TransportError::NodeDown {
+                        node: home.node.clone(),
+                        reason: format!("coherence channel set-up: {err}"),
+                    })?;
+                Some(Arc::new(ch))
+            }
+            _ => None,
+        };
+        Ok(Dialed { stream, channel })
     }
 }

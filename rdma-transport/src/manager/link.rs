@@ -254,6 +254,7 @@ impl Inner {
             node_id: &node.id,
             key: self.config.cluster_key.as_ref(),
             checksums: self.config.page_checksums,
+            coherence: false,
         }
     }
 }

@@ -214,6 +214,7 @@ fn a_submit_on_a_connection_that_broke_first_fails_at_once() {
         node_id: "a",
         key: None,
         checksums: false,
+        coherence: false,
     };
     let conn =
         TcpConnection::connect(&addr.to_string(), &auth, Duration::from_secs(5)).expect("connect");

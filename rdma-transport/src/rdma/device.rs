@@ -133,6 +133,13 @@ impl ClientDevice {
         self.registry.insert(start, len, lkey, Some(mr))
     }
 
+    /// A coherence message channel (`channel.rs`), in a PD of its own: its
+    /// ring takes remote writes, which no data QP must be able to reach.
+    pub(crate) fn message_channel(&self) -> Result<super::MessageChannel, VerbsError> {
+        let pd = self.ctx.alloc_pd()?;
+        super::MessageChannel::new(&pd, &self.port)
+    }
+
     /// A completion channel for a poller thread.
     pub(crate) fn create_channel(&self) -> Result<CompletionChannel, VerbsError> {
         let channel = self.ctx.create_comp_channel()?;

@@ -15,6 +15,7 @@
 //! [`PortInfo`] and [`connect_qp`] are public so that the page-server sets
 //! its QPs up with exactly the same parameters.
 
+mod channel;
 mod connection;
 mod deadline;
 mod device;
@@ -22,6 +23,9 @@ mod poller;
 mod port;
 mod registry;
 
+pub use channel::{
+    ChannelError, ChannelStats, MessageChannel, Woken, CHANNEL_SLOTS, CHANNEL_SLOT_BYTES,
+};
 pub(crate) use connection::{
     code_status, dial_rdma, wait, DialError, Dialed, PageOp, RdmaConnection, MAX_BATCH,
 };

@@ -47,6 +47,9 @@ pub(crate) struct ClientAuth<'a> {
     pub(crate) key: Option<&'a ClusterKey>,
     /// Ask for page checksums (used on the TCP data path only).
     pub(crate) checksums: bool,
+    /// Ask for a coherence channel (with an RDMA endpoint whose address and
+    /// key are the client's message ring: `crate::rdma::MessageChannel`).
+    pub(crate) coherence: bool,
 }
 
 /// A connected, handshaken page-server connection.
@@ -342,6 +345,7 @@ pub(crate) fn handshake(
         proof,
         rdma,
         checksums: auth.checksums,
+        coherence: auth.coherence,
     };
     send(stream, Opcode::Auth, &request.encode()).map_err(io_err)?;
     let payload = match receive(stream, Opcode::HelloAck, addr) {
@@ -366,6 +370,11 @@ pub(crate) fn handshake(
     if ack.checksums && !auth.checksums {
         return Err(bad(
             "HELLO_ACK agrees to page checksums this client did not ask for".into(),
+        ));
+    }
+    if ack.coherence.is_some() && !(auth.coherence && ack.rdma.is_some()) {
+        return Err(bad(
+            "HELLO_ACK offers a coherence channel this client did not ask for".into(),
         ));
     }
     if ack.epoch != challenge.epoch {

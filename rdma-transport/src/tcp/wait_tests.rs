@@ -26,6 +26,7 @@ fn connection() -> (Arc<TcpConnection>, TcpStream, Pollers) {
         epoch: 1,
         page_size: PAGE_SIZE as u32,
         rdma: None,
+        coherence: None,
         checksums: false,
     };
     let conn = Arc::new(TcpConnection::from_handshaken("n", "test", client, ack).unwrap());

@@ -366,6 +366,17 @@ impl WorkCompletion {
         self.0.byte_len
     }
 
+    /// The immediate data of a receive completion for a SEND or RDMA WRITE
+    /// with immediate (`None` without one).
+    pub fn imm_data(&self) -> Option<u32> {
+        if self.0.wc_flags & super::generated::ibv_wc_flags::IBV_WC_WITH_IMM == 0 {
+            return None;
+        }
+        // SAFETY: with IBV_WC_WITH_IMM set, the union holds `imm_data`
+        // (both members are plain u32s, so any bit pattern is valid).
+        Some(u32::from_be(unsafe { self.0.__bindgen_anon_1.imm_data }))
+    }
+
     /// Number of the local QP the request was posted on.
     pub fn qp_num(&self) -> u32 {
         self.0.qp_num

@@ -85,6 +85,29 @@ impl<'a> SendWr<'a> {
         )
     }
 
+    /// RDMA WRITE of the local SGEs (none: a zero-length write) to
+    /// `remote_addr` (rkey `rkey`) with the immediate `imm`: the peer gets a
+    /// receive completion carrying `imm` (it consumes one of its posted
+    /// receives) once the data is in place.
+    pub fn rdma_write_with_imm(
+        wr_id: u64,
+        local: &'a [Sge],
+        remote_addr: u64,
+        rkey: u32,
+        imm: u32,
+    ) -> Self {
+        let mut wr = Self::rdma(
+            ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
+            wr_id,
+            local,
+            remote_addr,
+            rkey,
+        );
+        // The immediate travels in network byte order (`__be32`).
+        wr.wr.__bindgen_anon_1.imm_data = imm.to_be();
+        wr
+    }
+
     /// Binds the type-2 window `mw` over `len` bytes at `offset` into `mr`
     /// with remote access `access`, under the new rkey `rkey` (take
     /// [`MemoryWindow::next_rkey`]). Post it on the QP that is to use the

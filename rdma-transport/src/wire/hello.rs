@@ -14,6 +14,15 @@ const FLAG_NO_KEY: u32 = 2;
 const FLAG_AUTH_CHECKSUMS: u32 = 4;
 /// Flag bit (HELLO_ACK): the server agrees to page checksums.
 const FLAG_ACK_CHECKSUMS: u32 = 2;
+/// Flag bit (AUTH, with [`FLAG_RDMA`]): the connection is a coherence
+/// channel; the RDMA section's address and key are the client's message
+/// ring ([`MessageRing`]).
+const FLAG_AUTH_COHERENCE: u32 = 8;
+/// Flag bit (HELLO_ACK, with [`FLAG_RDMA`]): the server's message ring
+/// follows the RDMA section.
+const FLAG_ACK_COHERENCE: u32 = 4;
+/// Bytes of a [`MessageRing`] section.
+const RING_LEN: usize = 16;
 const ACK_FIXED_LEN: usize = 24;
 const AUTH_FIXED_LEN: usize = 40;
 const RDMA_LEN: usize = 48;
@@ -22,6 +31,21 @@ const RDMA_LEN: usize = 48;
 pub const HELLO_LEN: usize = 48;
 /// Length of a CHALLENGE payload.
 pub const CHALLENGE_LEN: usize = 80;
+/// A side's message ring for a coherence channel over RDMA
+/// (`crate::rdma::MessageChannel`): `slots` slots of
+/// [`crate::rdma::CHANNEL_SLOT_BYTES`] at `addr`, written by the peer with
+/// RDMA WRITE with immediate under key `rkey`. On the wire (HELLO_ACK), 16
+/// bytes: addr u64, rkey u32, slots u32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MessageRing {
+    /// Address of slot 0.
+    pub addr: u64,
+    /// Remote key (REMOTE_WRITE) of the ring.
+    pub rkey: u32,
+    /// Number of slots.
+    pub slots: u32,
+}
+
 /// Largest AUTH payload.
 pub const AUTH_MAX_LEN: usize = AUTH_FIXED_LEN + RDMA_LEN;
 /// Length of a HELLO_ACK payload without its RDMA section.
@@ -176,6 +200,9 @@ pub struct AuthRequest {
     /// The client asks for page checksums on this connection (TCP data
     /// path only; see [`crate::wire::Header::checksum`]).
     pub checksums: bool,
+    /// The connection is a coherence channel (only with `rdma`, whose
+    /// `region_addr` and `rkey` are then the client's message ring).
+    pub coherence: bool,
 }
 
 impl AuthRequest {
@@ -188,6 +215,9 @@ impl AuthRequest {
         }
         if self.checksums {
             flags |= FLAG_AUTH_CHECKSUMS;
+        }
+        if self.coherence && self.rdma.is_some() {
+            flags |= FLAG_AUTH_COHERENCE;
         }
         out.extend_from_slice(&flags.to_le_bytes());
         out.extend_from_slice(&0u32.to_le_bytes());
@@ -202,7 +232,11 @@ impl AuthRequest {
     pub fn decode(b: &[u8]) -> Option<Self> {
         let fixed = b.get(..AUTH_FIXED_LEN)?;
         let flags = u32_at(fixed, 0);
-        if flags & !(FLAG_RDMA | FLAG_NO_KEY | FLAG_AUTH_CHECKSUMS) != 0 {
+        if flags & !(FLAG_RDMA | FLAG_NO_KEY | FLAG_AUTH_CHECKSUMS | FLAG_AUTH_COHERENCE) != 0 {
+            return None;
+        }
+        let coherence = flags & FLAG_AUTH_COHERENCE != 0;
+        if coherence && flags & FLAG_RDMA == 0 {
             return None;
         }
         let rest = &b[AUTH_FIXED_LEN..];
@@ -215,6 +249,7 @@ impl AuthRequest {
             proof: (flags & FLAG_NO_KEY == 0).then(|| array_at(fixed, 8)),
             rdma,
             checksums: flags & FLAG_AUTH_CHECKSUMS != 0,
+            coherence,
         })
     }
 }
@@ -236,6 +271,9 @@ pub struct HelloAck {
     /// The server agrees to page checksums (only ever set when the
     /// client's AUTH asked for them).
     pub checksums: bool,
+    /// The server's message ring, when the client asked for a coherence
+    /// channel and got RDMA (only with `rdma`).
+    pub coherence: Option<MessageRing>,
 }
 
 impl HelloAck {
@@ -249,9 +287,18 @@ impl HelloAck {
         if self.checksums {
             flags |= FLAG_ACK_CHECKSUMS;
         }
+        let ring = self.coherence.filter(|_| self.rdma.is_some());
+        if ring.is_some() {
+            flags |= FLAG_ACK_COHERENCE;
+        }
         out.extend_from_slice(&flags.to_le_bytes());
         if let Some(r) = &self.rdma {
             r.encode_into(&mut out);
+        }
+        if let Some(ring) = ring {
+            out.extend_from_slice(&ring.addr.to_le_bytes());
+            out.extend_from_slice(&ring.rkey.to_le_bytes());
+            out.extend_from_slice(&ring.slots.to_le_bytes());
         }
         out
     }
@@ -260,7 +307,20 @@ impl HelloAck {
     pub fn decode(b: &[u8]) -> Option<Self> {
         let fixed = b.get(..ACK_FIXED_LEN)?;
         let flags = u32_at(fixed, 20);
-        let rest = &b[ACK_FIXED_LEN..];
+        let mut rest = &b[ACK_FIXED_LEN..];
+        let mut coherence = None;
+        if flags & FLAG_ACK_COHERENCE != 0 {
+            if flags & FLAG_RDMA == 0 || rest.len() < RING_LEN {
+                return None;
+            }
+            let (section, ring) = rest.split_at(rest.len() - RING_LEN);
+            coherence = Some(MessageRing {
+                addr: u64_at(ring, 0),
+                rkey: u32_at(ring, 8),
+                slots: u32_at(ring, 12),
+            });
+            rest = section;
+        }
         let rdma = match (flags & FLAG_RDMA != 0, rest.is_empty()) {
             (true, false) => Some(RdmaHello::decode(rest)?),
             (false, true) => None,
@@ -272,6 +332,7 @@ impl HelloAck {
             page_size: u32_at(fixed, 16),
             rdma,
             checksums: flags & FLAG_ACK_CHECKSUMS != 0,
+            coherence,
         })
     }
 }
@@ -331,6 +392,7 @@ mod tests {
                     proof,
                     rdma: r,
                     checksums,
+                    coherence: r.is_some() && checksums,
                 };
                 assert_eq!(AuthRequest::decode(&a.encode()), Some(a));
                 let a = AuthRequest {
@@ -348,8 +410,26 @@ mod tests {
                     page_size: 4096,
                     rdma: r,
                     checksums,
+                    coherence: None,
                 };
                 assert_eq!(HelloAck::decode(&a.encode()), Some(a));
+                if r.is_some() {
+                    let ring = MessageRing {
+                        addr: 0x7f12_3400_0000,
+                        rkey: 0x55aa,
+                        slots: 64,
+                    };
+                    let c = HelloAck {
+                        coherence: Some(ring),
+                        ..a
+                    };
+                    let bytes = c.encode();
+                    assert_eq!(bytes.len(), ACK_FIXED_LEN + RDMA_LEN + RING_LEN);
+                    assert_eq!(HelloAck::decode(&bytes), Some(c));
+                    for cut in ACK_FIXED_LEN..bytes.len() {
+                        assert_eq!(HelloAck::decode(&bytes[..cut]), None, "cut at {cut}");
+                    }
+                }
             }
         }
     }
@@ -371,6 +451,7 @@ mod tests {
             proof: Some([4; 32]),
             rdma: Some(rdma()),
             checksums: true,
+            coherence: true,
         }
         .encode();
         for cut in 0..hello.len() {
@@ -391,22 +472,33 @@ mod tests {
             proof: Some([4; 32]),
             rdma: None,
             checksums: false,
+            coherence: false,
         }
         .encode();
         lying[0] |= FLAG_RDMA as u8;
         assert_eq!(AuthRequest::decode(&lying), None);
+        // A coherence channel without RDMA does not exist.
+        let mut no_rdma = AuthRequest::default().encode();
+        no_rdma[0] |= FLAG_AUTH_COHERENCE as u8;
+        assert_eq!(AuthRequest::decode(&no_rdma), None);
         let ack = HelloAck {
             region_size_bytes: 1,
             epoch: 2,
             page_size: 4096,
             rdma: None,
             checksums: true,
+            coherence: None,
         }
         .encode();
         assert_eq!(HelloAck::decode(&ack[..ACK_FIXED_LEN - 1]), None);
-        // An AUTH flag bit beyond the checksums bit is still refused.
+        // A ring without RDMA is refused.
+        let mut ring_only = ack.clone();
+        ring_only[20] |= FLAG_ACK_COHERENCE as u8;
+        ring_only.extend_from_slice(&[0u8; RING_LEN]);
+        assert_eq!(HelloAck::decode(&ring_only), None);
+        // An AUTH flag bit beyond the coherence bit is still refused.
         let mut unknown = AuthRequest::default().encode();
-        unknown[0] |= 8;
+        unknown[0] |= 16;
         assert_eq!(AuthRequest::decode(&unknown), None);
     }
 
@@ -426,6 +518,7 @@ mod tests {
             page_size: 4096,
             rdma: None,
             checksums,
+            coherence: None,
         };
         let (off, on) = (ack(false).encode(), ack(true).encode());
         assert_eq!(u32_at(&off, 20), 0);
@@ -440,6 +533,7 @@ mod tests {
             proof: None,
             rdma: Some(rdma()),
             checksums: false,
+            coherence: false,
         }
         .encode();
         let section = &bytes[AUTH_FIXED_LEN..];
@@ -462,6 +556,7 @@ mod tests {
                 proof: None,
                 rdma: Some(rdma()),
                 checksums: false,
+                coherence: false,
             }
             .encode();
             bytes[AUTH_FIXED_LEN + at] = 0;
@@ -472,6 +567,7 @@ mod tests {
                 page_size: 4096,
                 rdma: Some(rdma()),
                 checksums: false,
+                coherence: None,
             }
             .encode();
             ack[ACK_FIXED_LEN + at] = 0;

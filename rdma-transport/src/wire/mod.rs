@@ -18,7 +18,7 @@ pub use header::{
     page_checksum, DecodeError, Header, Opcode, HEADER_LEN, MAGIC, MAX_PAYLOAD_BYTES, VERSION,
 };
 pub use hello::{
-    AuthRequest, Challenge, HelloAck, HelloRequest, RdmaHello, AUTH_MAX_LEN, CHALLENGE_LEN,
-    HELLO_ACK_LEN, HELLO_LEN,
+    AuthRequest, Challenge, HelloAck, HelloRequest, MessageRing, RdmaHello, AUTH_MAX_LEN,
+    CHALLENGE_LEN, HELLO_ACK_LEN, HELLO_LEN,
 };
 pub use status::Status;

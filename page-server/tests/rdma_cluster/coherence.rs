@@ -1,0 +1,224 @@
+//! Coherent pages over RDMA: nodes whose managers use RDMA talk to the
+//! home through a message channel (RDMA WRITE WITH IMMEDIATE into the
+//! peer's ring, credits in the immediates), read granted pages by RDMA
+//! READ from the home's region, and write pages back as messages that the
+//! home checks before it stores them. Every page moved is checked whole;
+//! the home's count of frames that came over RDMA proves the channel
+//! carried them (over TCP it stays 0).
+
+use std::sync::Arc;
+
+use common::coherent_copies::Node;
+use rdma_transport::coherent::{Mode, Recall};
+
+use super::*;
+
+fn rdma_node(url: &str, min_hold_us: u64) -> Node {
+    Node::with_manager(rdma_manager(url, PollMode::Busy), min_hold_us)
+}
+
+fn filled(gpa: u64, seed: u8) -> impl Fn(&mut rdma_transport::Page) {
+    move |p| *p = page_for(gpa, seed)
+}
+
+/// One home with RDMA, its coordinator kept alive with it.
+fn rdma_home(
+    test: &str,
+) -> (
+    tempfile::TempDir,
+    coordinator::RunningCoordinator,
+    RunningServer,
+) {
+    require_device(test);
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator(&db);
+    let home = server(&coord.url(), "a", 0, true);
+    assert!(home.rdma_region().is_some(), "the home serves RDMA");
+    (db, coord, home)
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_coherence_downgrades_and_invalidations_move_the_latest_data() {
+    let test = "rdma_coherence_downgrades_and_invalidations_move_the_latest_data";
+    let (_db, coord, home) = rdma_home(test);
+    let a = rdma_node(&coord.url(), 1000);
+    let b = rdma_node(&coord.url(), 1000);
+    assert_all_rdma(&a.manager);
+    assert!(a.c().connections().is_empty());
+    let gpa = 5 * PAGE_SIZE as u64;
+
+    // A owns and writes the page; B reads: A is downgraded and writes back
+    // (a message into the home's ring), B reads the page from the region.
+    a.modify(gpa, filled(gpa, 0xa1)).unwrap();
+    assert_eq!(b.read(gpa).unwrap(), page_for(gpa, 0xa1));
+    assert_eq!(a.copies.take_recalls(), [(gpa, Recall::Downgrade)]);
+    assert_eq!(
+        a.copies.copy(gpa),
+        Some((Mode::Shared, page_for(gpa, 0xa1)))
+    );
+    // The home stored the write-back: a plain RDMA READ shows it.
+    let mut page = [0u8; PAGE_SIZE];
+    a.manager.read_page(gpa, &mut page).unwrap();
+    assert_eq!(page, page_for(gpa, 0xa1));
+
+    // A writes again (an upgrade: no page moves), B is invalidated.
+    a.modify(gpa, filled(gpa, 0xa2)).unwrap();
+    assert_eq!(
+        b.copies.take_recalls(),
+        [(gpa, Recall::Invalidate { write_back: false })]
+    );
+    // B writes: A writes back first, B starts from A's data.
+    b.modify(gpa, |p| {
+        assert_eq!(
+            *p,
+            page_for(gpa, 0xa2),
+            "the new owner starts from the latest data"
+        );
+        p[100] ^= 0xff;
+    })
+    .unwrap();
+    let mut expected = page_for(gpa, 0xa2);
+    expected[100] ^= 0xff;
+    assert_eq!(a.read(gpa).unwrap(), expected);
+
+    for node in [&a, &b] {
+        match node.c().connections().as_slice() {
+            [(home, Some(channel))] if home == "a" => {
+                assert!(channel.sent >= 4 && channel.received >= 3, "{channel:?}");
+            }
+            other => panic!("one RDMA channel to the home expected: {other:?}"),
+        }
+    }
+    let stats = home.coherence_stats();
+    assert_eq!(stats.refused_frames, 0);
+    assert_eq!(stats.home.downgrades_sent, 2);
+    assert_eq!(stats.home.invalidation_rounds, 2);
+    // Requests, acks and write-backs of both nodes, all over RDMA.
+    assert!(stats.rdma_frames >= 8, "{stats:?}");
+    say(&format!("{test}: {} frames over RDMA", stats.rdma_frames));
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_coherence_bursts_beyond_the_ring_wait_for_credits_and_lose_nothing() {
+    let test = "rdma_coherence_bursts_beyond_the_ring_wait_for_credits_and_lose_nothing";
+    let (_db, coord, home) = rdma_home(test);
+    let a = rdma_node(&coord.url(), 0);
+    let b = rdma_node(&coord.url(), 0);
+    // More pages than the ring has slots (64), three times over.
+    let pages: Vec<u64> = (0..200u64).map(|p| p * PAGE_SIZE as u64).collect();
+    for &gpa in &pages {
+        a.modify(gpa, filled(gpa, 0x31)).unwrap();
+    }
+    // 200 write-backs, each a message with its page, sent while the home
+    // takes none: 63 fill its ring, the rest wait for credits in A's
+    // channel, then go as the home takes them.
+    home.hold_coherence_channels_for_test(true);
+    for &gpa in &pages {
+        a.c().evict(gpa).unwrap();
+    }
+    let held = a.c().connections()[0].1.expect("an RDMA channel");
+    home.hold_coherence_channels_for_test(false);
+    // (The home's last grant was sent while it took the request it
+    // answered, so it reported one message less: one more may wait.)
+    assert!(
+        (pages.len() as u64 - 63..=pages.len() as u64 - 62).contains(&held.waited),
+        "{held:?}"
+    );
+    // B reads them all from four threads: every page is A's.
+    let b = Arc::new(b);
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let (b, pages) = (Arc::clone(&b), pages.clone());
+            std::thread::spawn(move || {
+                for &gpa in pages.iter().skip(t).step_by(4) {
+                    assert_eq!(b.read(gpa).unwrap(), page_for(gpa, 0x31), "page {gpa:#x}");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("reader thread");
+    }
+    // B's reads needed every write-back: all of them went out.
+    let channel = match a.c().connections().as_slice() {
+        [(home, Some(channel))] if home == "a" => *channel,
+        other => panic!("one RDMA channel to the home expected: {other:?}"),
+    };
+    assert_eq!(channel.sent, 400, "{channel:?}");
+    assert_eq!(channel.waited, held.waited, "{channel:?}");
+    let stats = home.coherence_stats();
+    assert_eq!(stats.refused_frames, 0);
+    assert_eq!(stats.pages, pages.len());
+    assert!(stats.rdma_frames >= 3 * pages.len() as u64, "{stats:?}");
+
+    // Two writers take eight pages from each other 100 times each: every
+    // increment counts (each lands in the owner's copy, which moves by
+    // write-back and READ).
+    let a = Arc::new(a);
+    let counters: Vec<u64> = (0..8u64).map(|p| (220 + p) * PAGE_SIZE as u64).collect();
+    let writers: Vec<_> = [Arc::clone(&a), Arc::clone(&b)]
+        .into_iter()
+        .map(|node| {
+            let counters = counters.clone();
+            std::thread::spawn(move || {
+                for round in 0..100usize {
+                    let gpa = counters[round % counters.len()];
+                    node.modify(gpa, |p| {
+                        let n = u64::from_le_bytes(p[..8].try_into().unwrap()) + 1;
+                        p[..8].copy_from_slice(&n.to_le_bytes());
+                        p[8..16].copy_from_slice(&gpa.to_le_bytes());
+                    })
+                    .unwrap();
+                }
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join().expect("writer thread");
+    }
+    let reader = rdma_node(&coord.url(), 0);
+    let mut total = 0;
+    for &gpa in &counters {
+        let page = reader.read(gpa).unwrap();
+        assert_eq!(&page[8..16], &gpa.to_le_bytes(), "page {gpa:#x}");
+        assert!(page[16..].iter().all(|&x| x == 0), "page {gpa:#x}");
+        total += u64::from_le_bytes(page[..8].try_into().unwrap());
+    }
+    assert_eq!(total, 200, "every increment of both writers");
+    say(&format!(
+        "{test}: {} frames over RDMA",
+        home.coherence_stats().rdma_frames
+    ));
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_coherence_a_dead_owner_loses_its_pages_and_nothing_else() {
+    let test = "rdma_coherence_a_dead_owner_loses_its_pages_and_nothing_else";
+    let (_db, coord, home) = rdma_home(test);
+    let mut a = rdma_node(&coord.url(), 0);
+    let b = rdma_node(&coord.url(), 0);
+    let (kept, lost, shared) = (0u64, PAGE_SIZE as u64, 2 * PAGE_SIZE as u64);
+    a.modify(kept, filled(kept, 1)).unwrap();
+    a.c().evict(kept).unwrap();
+    a.modify(lost, filled(lost, 2)).unwrap();
+    a.modify(shared, filled(shared, 3)).unwrap();
+    assert_eq!(b.read(shared).unwrap(), page_for(shared, 3));
+    // A dies holding `lost` modified: its channel and socket go away.
+    a.kill();
+    match b.read(lost) {
+        Err(TransportError::CoherentDataLost { gpa, .. }) => assert_eq!(gpa, lost),
+        other => panic!("expected the typed lost-data error, got {other:?}"),
+    }
+    assert_eq!(b.read(kept).unwrap(), page_for(kept, 1));
+    assert_eq!(b.read(shared).unwrap(), page_for(shared, 3));
+    b.modify(shared, filled(shared, 4)).unwrap();
+    assert_eq!(b.read(shared).unwrap(), page_for(shared, 4));
+    assert_eq!(home.coherence_stats().refused_frames, 0);
+}
