@@ -15,9 +15,12 @@
 //! usual handshake (the cluster key proves both sides), and a reader thread
 //! that always reads it: the home's callbacks come unasked, at any time. The
 //! data connections' receive path is only read while a caller waits for an
-//! answer, which a callback cannot wait for. Pages travel with the messages
-//! (a grant carries the home's page, a write-back the node's). RDMA is not
-//! used for coherence yet.
+//! answer, which a callback cannot wait for. Over TCP pages travel with the
+//! messages (a grant carries the home's page, a write-back the node's).
+//! When the manager uses RDMA and the home serves it, the handshake sets up
+//! an RDMA message channel (`crate::rdma::MessageChannel`): frames go by
+//! RDMA WRITE WITH IMMEDIATE into the home's ring (write-backs with their
+//! page), and a grant's page is read from the home's region by RDMA READ.
 //!
 //! A node whose connection to a home breaks is lost for that home (it
 //! forgets every copy it held there: `recall(Invalidate { write_back:
