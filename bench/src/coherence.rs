@@ -342,6 +342,15 @@ pub fn run(params: &Params<'_>) -> anyhow::Result<(Vec<Record>, Vec<String>)> {
     rec.throughput.pages_per_s = PINGPONG_TURNS as f64 / secs.max(1e-9);
     rec.throughput.gb_per_s = rec.throughput.pages_per_s * PAGE_SIZE as f64 / 1e9;
     records.push(rec);
+    let (rdma, tcp) = nodes[0].call("t")?;
+    eprintln!(
+        "coherence: node 0 reaches its homes over {}",
+        match (rdma, tcp) {
+            (0, _) => format!("TCP ({tcp} connection(s))"),
+            (_, 0) => format!("RDMA message channels ({rdma})"),
+            _ => format!("RDMA ({rdma}) and TCP ({tcp})"),
+        }
+    );
     drop(nodes);
 
     let p50 = |name: &str| {

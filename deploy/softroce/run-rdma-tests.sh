@@ -2,7 +2,8 @@
 # The RDMA suite in ONE SoftRoCE VM boot: the verbs and RDMA-path test
 # binaries, perftest's ib_read_lat/ib_write_lat (4096 B), and the bench over
 # RDMA (one in flight: random writes then reads; then deeper queues), with
-# our p50/p99 printed as ratios to perftest's figures from the same boot.
+# our p50/p99 printed as ratios to perftest's figures from the same boot,
+# and coherent guest memory over RDMA (`--op coherence --hv 4`).
 #
 #   deploy/softroce/run-rdma-tests.sh [--ops N] [--no-bench] [run-in-vm.sh OPTIONS]
 #
@@ -125,6 +126,9 @@ VMEOF
             "read32|--op read --depth 32 --ops $((ops * 4))"
             "read16t10|--op read --depth 16 --ops $((ops * 4)) --rdma-ack-timeout 10"
             "event1|--op read --poll-mode event --ops $ops"
+            # Coherent guest memory over RDMA message channels: 4 node
+            # processes, every value checked (docs/coherence.md).
+            "coherence|--op coherence --hv 4 --ops 300"
         )
     fi
     for run in "${runs[@]}"; do

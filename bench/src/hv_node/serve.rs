@@ -8,6 +8,8 @@
 //! - `pp GPA N PARITY`: N times, wait until the u64 at GPA has this parity,
 //!   then add one (two nodes of opposite parities pass the page back and
 //!   forth); `ok NS FINAL` (NS: the whole loop, FINAL: the value at the end);
+//! - `t`: how this node reaches its homes; `ok RDMA TCP` (connections
+//!   over RDMA message channels, over TCP);
 //! - `q`: hand every page back and exit.
 //!
 //! A command that cannot be carried out answers `err REASON`.
@@ -32,7 +34,9 @@ pub fn serve(memory: &CoherentMemory, wait_limit: Duration) -> anyhow::Result<se
         if line.trim() == "q" {
             break;
         }
-        let answer = match command(memory, &line, wait_limit) {
+        let answer = match transports(memory, &line)
+            .map_or_else(|| command(memory, &line, wait_limit), Ok)
+        {
             Ok((ns, value)) => format!("ok {ns} {value}"),
             Err(err) => format!("err {err:#}"),
         };
@@ -44,6 +48,16 @@ pub fn serve(memory: &CoherentMemory, wait_limit: Duration) -> anyhow::Result<se
         .evict(0, memory.size_bytes() as u64)
         .context("handing the pages back")?;
     Ok(serde_json::json!({ "role": "serve", "verified": true, "commands": served }))
+}
+
+/// The `t` command's answer (`None` for any other command).
+fn transports(memory: &CoherentMemory, line: &str) -> Option<(u128, u64)> {
+    if line.trim() != "t" {
+        return None;
+    }
+    let homes = memory.connections();
+    let rdma = homes.iter().filter(|(_, c)| c.is_some()).count() as u128;
+    Some((rdma, (homes.len() as u64).saturating_sub(rdma as u64)))
 }
 
 fn command(

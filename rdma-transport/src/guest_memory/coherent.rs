@@ -258,6 +258,13 @@ impl CoherentMemory {
         Ok(dropped)
     }
 
+    /// The homes this node is connected to, each with its RDMA message
+    /// channel's counters (`None`: over TCP); see
+    /// [`crate::coherent::CoherentNode::connections`].
+    pub fn connections(&self) -> Vec<(String, Option<crate::rdma::ChannelStats>)> {
+        self.node.connections()
+    }
+
     /// Counters since creation.
     pub fn stats(&self) -> CoherentMemoryStats {
         let mut stats = self.copies.stats();
