@@ -128,7 +128,7 @@ VMEOF
             "event1|--op read --poll-mode event --ops $ops"
             # Coherent guest memory over RDMA message channels: 4 node
             # processes, every value checked (docs/coherence.md).
-            "coherence|--op coherence --hv 4 --ops 300"
+            "coherence|--op coherence --hv 4 --ops 300 --memory 64MiB"
         )
     fi
     for run in "${runs[@]}"; do
@@ -142,7 +142,10 @@ VMEOF
             printf 'echo "RDMABENCH start %s"\n' "$name"
             # stderr via a file: the VM's serial port is a terminal, where
             # the bench would draw progress bars.
-            printf 'if %s --transport rdma --memory 16MiB --json /tmp/%s.json %s 2>/tmp/%s.err; then\n' "$b" "$name" "${run#*|}" "$name"
+            args="${run#*|}"
+            # 16 MiB under test, unless the run says how much.
+            [[ "$args" == *--memory* ]] || args="--memory 16MiB $args"
+            printf 'if %s --transport rdma --json /tmp/%s.json %s 2>/tmp/%s.err; then\n' "$b" "$name" "$args" "$name"
             # shellcheck disable=SC2016 # expanded by the generated script
             printf '    tr %s %s </tmp/%s.err | grep -av "$(printf %s)" | grep -v %s\n' \
                 "'\\r'" "'\\n'" "$name" "'\\033'" "'^ *$'"

@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::credits::Credits;
 use super::port::{connect_qp, random_psn, PortInfo, QpTimeouts};
 use crate::page::{Page, PAGE_SIZE};
 use crate::verbs::{
@@ -50,8 +51,6 @@ const READ_WR_ID: u64 = 2;
 const RECV_WR_ID: u64 = 3;
 /// Completions taken per poll.
 const POLL_BATCH: usize = 16;
-/// Untold messages taken after which a credit-only message is sent.
-const CREDIT_REPORT_AFTER: u32 = CHANNEL_SLOTS / 4;
 
 /// Why the channel cannot go on.
 #[derive(Debug, thiserror::Error)]
@@ -121,14 +120,8 @@ struct Peer {
 
 #[derive(Debug, Default)]
 struct SendSide {
-    /// Messages written (credit-only ones included).
-    posted: u32,
-    /// Of those, completed locally (their send slot is free again).
-    completed: u32,
-    /// Messages the peer reported taken.
-    peer_taken: u32,
-    /// The count of messages taken this side last reported.
-    reported: u32,
+    /// Written, completed, reported (`credits.rs`).
+    credits: Credits,
     /// Messages waiting for a credit or a send slot, in order.
     waiting: VecDeque<Vec<u8>>,
     /// The READ in flight completed.
@@ -347,7 +340,7 @@ impl MessageChannel {
         }
         let mut st = self.send.lock();
         self.reap(&mut st)?;
-        if st.waiting.is_empty() && self.can_post(&st, false) {
+        if st.waiting.is_empty() && st.credits.can_post(CHANNEL_SLOTS, false) {
             return self.post(&mut st, frame);
         }
         st.waiting.push_back(frame.to_vec());
@@ -378,7 +371,7 @@ impl MessageChannel {
                 let mut st = self.send.lock();
                 self.reap(&mut st)?;
                 self.pump(&mut st)?;
-                if st.waiting.is_empty() && st.completed == st.posted {
+                if st.waiting.is_empty() && st.credits.all_completed() {
                     return Ok(());
                 }
             }
@@ -394,23 +387,13 @@ impl MessageChannel {
         self.send.lock().waiting.len()
     }
 
-    fn can_post(&self, st: &SendSide, credit_only: bool) -> bool {
-        let credits_used = st.posted.wrapping_sub(st.peer_taken);
-        let limit = if credit_only {
-            CHANNEL_SLOTS
-        } else {
-            CHANNEL_SLOTS - 1
-        };
-        credits_used < limit && st.posted.wrapping_sub(st.completed) < CHANNEL_SLOTS
-    }
-
     /// Writes `bytes` (empty: a credit-only message) into the peer's next
     /// slot. The caller checked `can_post`.
     fn post(&self, st: &mut SendSide, bytes: &[u8]) -> Result<(), ChannelError> {
         let Some(peer) = self.peer.get() else {
             return self.fail(ChannelError::Broken);
         };
-        let slot = (st.posted % CHANNEL_SLOTS) as usize;
+        let slot = st.credits.next_slot(CHANNEL_SLOTS) as usize;
         let local = self.local.at(slot * CHANNEL_SLOT_BYTES);
         // SAFETY: `bytes` fits a slot (checked by `send`); this send slot's
         // last WRITE completed (`can_post`: fewer than CHANNEL_SLOTS
@@ -431,8 +414,7 @@ impl MessageChannel {
         if let Err(err) = self.qp.post_send(&mut wr) {
             return self.fail(err.into());
         }
-        st.posted = st.posted.wrapping_add(1);
-        st.reported = taken;
+        st.credits.posted(taken);
         if bytes.is_empty() {
             st.stats.credit_only += 1;
         } else {
@@ -455,7 +437,7 @@ impl MessageChannel {
                 }
                 match wc.wr_id() {
                     READ_WR_ID => st.read_done = true,
-                    _ => st.completed = st.completed.wrapping_add(1),
+                    _ => st.credits.completed(),
                 }
             }
             if n < POLL_BATCH {
@@ -467,14 +449,14 @@ impl MessageChannel {
     /// Sends what waits, as far as credits allow, then a credit-only
     /// message if this side took many messages without telling.
     fn pump(&self, st: &mut SendSide) -> Result<(), ChannelError> {
-        while !st.waiting.is_empty() && self.can_post(st, false) {
+        while !st.waiting.is_empty() && st.credits.can_post(CHANNEL_SLOTS, false) {
             let Some(frame) = st.waiting.pop_front() else {
                 break;
             };
             self.post(st, &frame)?;
         }
-        let untold = self.taken.load(Ordering::Acquire).wrapping_sub(st.reported);
-        if st.waiting.is_empty() && untold >= CREDIT_REPORT_AFTER && self.can_post(st, true) {
+        let taken = self.taken.load(Ordering::Acquire);
+        if st.credits.wants_credit_message(taken, CHANNEL_SLOTS) {
             self.post(st, &[])?;
         }
         Ok(())
@@ -516,8 +498,7 @@ impl MessageChannel {
                 {
                     let mut st = self.send.lock();
                     // In order on an RC QP: the latest report is the largest.
-                    st.peer_taken = peer_taken;
-                    if st.posted.wrapping_sub(peer_taken) > CHANNEL_SLOTS {
+                    if !st.credits.peer_reports(peer_taken, CHANNEL_SLOTS) {
                         drop(st);
                         return self.fail(ChannelError::Protocol(
                             "the peer reported messages this side never sent".into(),

@@ -17,6 +17,7 @@
 
 mod channel;
 mod connection;
+mod credits;
 mod deadline;
 mod device;
 mod poller;
