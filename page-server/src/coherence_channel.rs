@@ -8,7 +8,7 @@ use std::io::{self, Read};
 use std::net::TcpStream;
 use std::os::fd::AsFd;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdma_transport::rdma::MessageChannel;
 use rdma_transport::wire::{Header, HEADER_LEN};
@@ -22,19 +22,28 @@ const TICK: Duration = Duration::from_millis(200);
 /// Serves the channel until the node closes the socket (`Ok`), or breaks
 /// the rules or the channel (`Err`). `coh` becomes the channel's session:
 /// the caller declares its node lost afterwards, as for any connection.
+/// After each message it polls the channel for `spin` (yielding the CPU)
+/// before it sleeps, as TCP connections do with their sockets.
 pub(crate) fn serve(
     stream: &TcpStream,
     ex: &Exported,
     channel: &Arc<MessageChannel>,
     coh: &mut CohSession,
+    spin: Duration,
 ) -> io::Result<()> {
     *coh = CohSession::over_channel(stream, Arc::clone(channel))?;
     let mut armed = false;
+    let mut idle_since: Option<Instant> = None;
     loop {
         ex.coherence.wait_while_held();
         let taken = take(stream, ex, channel, coh)?;
         if taken > 0 {
             armed = false;
+            idle_since = None;
+            continue;
+        }
+        if !spin.is_zero() && idle_since.get_or_insert_with(Instant::now).elapsed() < spin {
+            std::thread::yield_now();
             continue;
         }
         if !armed {

@@ -353,7 +353,7 @@ fn serve_messages(
                     // A coherence connection over RDMA: its frames come
                     // through the channel from now on.
                     outbox.flush(stream, None)?;
-                    return crate::coherence_channel::serve(stream, exported, &channel, coh);
+                    return crate::coherence_channel::serve(stream, exported, &channel, coh, spin);
                 }
             }
             if outbox.is_full() {
