@@ -82,6 +82,12 @@ fn verified(child: Child, what: &str) -> serde_json::Value {
     report
 }
 
+fn has_rdma_device() -> bool {
+    rdma_transport::verbs::Verbs::load()
+        .and_then(|v| rdma_transport::verbs::list_devices(&v))
+        .is_ok_and(|d| !d.is_empty())
+}
+
 fn run_nodes(nodes: usize, vcpus: usize) {
     let cluster = Cluster::start();
     let extra = ["--vcpus".to_owned(), vcpus.to_string()];
@@ -96,6 +102,15 @@ fn run_nodes(nodes: usize, vcpus: usize) {
             nodes as u64 * vcpus as u64 * iters,
             "node {n}: {report}"
         );
+        // Over RDMA message channels where there is a device (the
+        // SoftRoCE suite runs this test there), else over TCP.
+        let (used, unused) = if has_rdma_device() {
+            ("rdma", "tcp")
+        } else {
+            ("tcp", "rdma")
+        };
+        assert!(report["homes"][used].as_u64().unwrap() >= 1, "{report}");
+        assert_eq!(report["homes"][unused], 0, "{report}");
         // Every node saw the others' writes: pages moved both ways.
         let stats = &report["stats"];
         assert!(stats["invalidations"].as_u64().unwrap() > 0, "{report}");

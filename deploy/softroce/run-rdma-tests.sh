@@ -10,6 +10,8 @@
 # Builds on the host first (baseline x86-64, the default target CPU):
 #   cargo test --no-run  -p rdma-transport --test verbs_loopback
 #                        -p page-server    --test rdma_cluster
+#                        -p bench          --test coherence (node processes
+#                                           of one coherent VM, over RDMA here)
 #   cargo build --release -p bench
 #
 # Latency is compared in RDMA_ROUNDS rounds (default 5) of perftest then
@@ -60,11 +62,15 @@ cd "$repo"
 softroce_log "building the RDMA test binaries (cargo test --no-run)"
 mapfile -t exes < <(
     cargo test --no-run --message-format=json \
-        -p rdma-transport -p page-server --test verbs_loopback --test rdma_cluster |
+        -p rdma-transport -p page-server -p bench \
+        --test verbs_loopback --test rdma_cluster --test coherence |
         grep '"reason":"compiler-artifact"' | grep '"profile":{[^}]*"test":true' |
         sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | LC_ALL=C sort -u
 )
-((${#exes[@]} == 2)) || softroce_die "expected 2 test executables, cargo built ${#exes[@]}"
+((${#exes[@]} == 3)) || softroce_die "expected 3 test executables, cargo built ${#exes[@]}"
+# The coherence test starts `bench hv-node` processes from the debug bench.
+debug_bench="${CARGO_TARGET_DIR:-$repo/target}/debug/bench"
+[[ -x "$debug_bench" ]] || softroce_die "no $debug_bench after the build"
 bench_exe="${CARGO_TARGET_DIR:-$repo/target}/release/bench"
 if ((bench)); then
     softroce_log "building the bench (release)"
@@ -161,7 +167,7 @@ VMEOF
 chmod +x "$runner"
 
 copies=(--copy "$here/vm-perftest.sh")
-for exe in "${exes[@]}"; do
+for exe in "${exes[@]}" "$debug_bench"; do
     copies+=(--copy "$exe")
 done
 ((bench)) && copies+=(--copy "$bench_exe")

@@ -172,6 +172,9 @@ fn run(args: &Args) -> anyhow::Result<serde_json::Value> {
         Role::Serve => serve::serve(&memory, vm.wait_limit)?,
     };
     let stats = memory.stats();
+    let homes = memory.connections();
+    let over_rdma = homes.iter().filter(|(_, c)| c.is_some()).count();
+    report["homes"] = serde_json::json!({ "rdma": over_rdma, "tcp": homes.len() - over_rdma });
     report["node"] = args.node.into();
     report["stats"] = serde_json::json!({
         "read_faults": stats.read_faults,
