@@ -315,13 +315,7 @@ fn read_loop(shared: &Shared, link: &Link, mut stream: TcpStream) {
     let (mut start, mut end) = (0usize, 0usize);
     let mut timers: Vec<(u64, Arc<Slot>)> = Vec::new();
     loop {
-        let now = shared.now_us();
-        let wait = timers
-            .iter()
-            .map(|(due, _)| Duration::from_micros(due.saturating_sub(now)))
-            .min()
-            .unwrap_or(READ_TICK)
-            .min(READ_TICK);
+        let wait = until_next_timer(shared, &timers);
         // Timers of deferred callbacks are a few µs to tens of µs away:
         // waited for with ppoll (a socket read timeout would round them up
         // to a scheduler tick, which made every deferral cost 4 ms).
@@ -449,13 +443,7 @@ fn read_channel(shared: &Shared, link: &Link, channel: &MessageChannel, stream: 
             armed = true;
             continue;
         }
-        let now = shared.now_us();
-        let wait = timers
-            .iter()
-            .map(|(due, _)| Duration::from_micros(due.saturating_sub(now)))
-            .min()
-            .unwrap_or(READ_TICK)
-            .min(READ_TICK);
+        let wait = until_next_timer(shared, &timers);
         match channel.wait(stream.as_fd(), wait) {
             Ok(woken) if woken.other => {
                 // The home closed the connection (or broke the rules by
@@ -519,6 +507,18 @@ fn on_message(
         timers.push((due, slot));
     }
     Ok(())
+}
+
+/// How long the reader may sleep: until the first timer is due, at most
+/// `READ_TICK`.
+fn until_next_timer(shared: &Shared, timers: &[(u64, Arc<Slot>)]) -> Duration {
+    let now = shared.now_us();
+    timers
+        .iter()
+        .map(|(due, _)| Duration::from_micros(due.saturating_sub(now)))
+        .min()
+        .unwrap_or(READ_TICK)
+        .min(READ_TICK)
 }
 
 /// Answers the deferred callbacks whose hold time has passed; false when
