@@ -8,7 +8,7 @@
 //! | `page_server_request_errors_total` | counter | `op` (answered with an error status) |
 //! | `page_server_request_duration_seconds` | histogram | `op` (request decoded to answer queued) |
 //! | `page_server_connections` | gauge | `state` (`handshaken`, `pending`) |
-//! | `page_server_coherence_events_total` | counter | `event` (the coherence home's counters, `coherence::HomeStats`: `shared_grants`, `exclusive_grants`, `upgrades`, `invalidation_rounds`, `invalidations_sent`, `downgrades_sent`, `queued`, `retries`, `lost_answers`, `pages_lost`, `write_backs`, ..., and `refused_frames`) |
+//! | `page_server_coherence_events_total` | counter | `event` (the coherence home's counters, `coherence::HomeStats`: `shared_grants`, `exclusive_grants`, `upgrades`, `invalidation_rounds`, `invalidations_sent`, `downgrades_sent`, `queued`, `retries`, `lost_answers`, `pages_lost`, `write_backs`, ..., `refused_frames`, and `rdma_frames`: frames that came over RDMA message channels) |
 //! | `page_server_coherence_pages` | gauge | (pages with a coherence directory entry) |
 //!
 //! Only TCP requests pass through the server: RDMA reads and writes are
@@ -179,6 +179,7 @@ impl PageMetrics {
             ("stale_write_backs", h.stale_write_backs),
             ("actions_overflow", h.actions_overflow),
             ("refused_frames", coherence.refused_frames),
+            ("rdma_frames", coherence.rdma_frames),
         ] {
             // The home's counters only grow: the counter catches up.
             let counter = self.coherence_events.get_or_create(&EventLabels { event });
