@@ -80,6 +80,21 @@ pub fn handshake_asking(
     key: Option<&ClusterKey>,
     checksums: bool,
 ) -> Option<HelloAck> {
+    handshake_offering(s, client_id, node_id, key, checksums, None, false)
+}
+
+/// As [`handshake_asking`], offering the RDMA endpoint `rdma` and, with
+/// `coherence`, asking for a coherence channel (`rdma`'s address and key
+/// then name the client's message ring).
+pub fn handshake_offering(
+    s: &mut TcpStream,
+    client_id: u64,
+    node_id: &str,
+    key: Option<&ClusterKey>,
+    checksums: bool,
+    rdma: Option<rdma_transport::wire::RdmaHello>,
+    coherence: bool,
+) -> Option<HelloAck> {
     let challenge = hello(s, client_id);
     let proof = key.map(|key| {
         Transcript {
@@ -98,9 +113,9 @@ pub fn handshake_asking(
         2,
         &AuthRequest {
             proof,
-            rdma: None,
+            rdma,
             checksums,
-            coherence: false,
+            coherence,
         }
         .encode(),
     );

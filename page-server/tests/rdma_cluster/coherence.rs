@@ -6,10 +6,18 @@
 //! the home's count of frames that came over RDMA proves the channel
 //! carried them (over TCP it stays 0).
 
+use std::io::Read;
+use std::net::TcpStream;
 use std::sync::Arc;
 
 use common::coherent_copies::Node;
+use common::raw;
 use rdma_transport::coherent::{Mode, Recall};
+use rdma_transport::rdma::{MessageChannel, PortInfo, QpTimeouts};
+use rdma_transport::verbs::Context;
+use rdma_transport::wire::{
+    decode_to_node, encode_to_home, Header, RdmaHello, Status, ToNodeFrame, HEADER_LEN,
+};
 
 use super::*;
 
@@ -221,4 +229,152 @@ fn rdma_coherence_a_dead_owner_loses_its_pages_and_nothing_else() {
     b.modify(shared, filled(shared, 4)).unwrap();
     assert_eq!(b.read(shared).unwrap(), page_for(shared, 4));
     assert_eq!(home.coherence_stats().refused_frames, 0);
+}
+
+/// A node made by hand: its own message channel, handshaken over a raw
+/// socket, so that it can send what the library never would.
+struct RawNode {
+    channel: MessageChannel,
+    stream: TcpStream,
+}
+
+impl RawNode {
+    fn connect(home: &RunningServer, client_id: u64) -> Self {
+        let verbs = Verbs::load().expect("libibverbs");
+        let ctx = Context::open(&verbs, device_name().as_deref()).expect("device");
+        let port = PortInfo::query(&ctx, 1, None).expect("port");
+        let channel = MessageChannel::new(&ctx.alloc_pd().expect("pd"), &port).expect("channel");
+        let mut stream = TcpStream::connect(home.addr()).expect("connect");
+        let ring = channel.ring();
+        let offer = RdmaHello {
+            region_addr: ring.addr,
+            rkey: ring.rkey,
+            ..channel.hello()
+        };
+        let ack =
+            raw::handshake_offering(&mut stream, client_id, "a", None, false, Some(offer), true)
+                .expect("handshaken");
+        let remote = ack.rdma.expect("the home answers with RDMA");
+        let ring = ack.coherence.expect("and with its ring");
+        channel
+            .connect(&remote, ring, QpTimeouts::default())
+            .expect("channel connected");
+        Self { channel, stream }
+    }
+
+    /// The home's next message, within 10 s.
+    fn next(&self) -> Vec<u8> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let mut got = None;
+            self.channel
+                .poll(|bytes| {
+                    got = Some(bytes.to_vec());
+                    false
+                })
+                .expect("channel works");
+            if let Some(bytes) = got {
+                return bytes;
+            }
+            assert!(Instant::now() < deadline, "no message from the home");
+            self.channel.arm().expect("arm");
+            self.channel
+                .wait(
+                    std::os::fd::AsFd::as_fd(&self.stream),
+                    Duration::from_millis(100),
+                )
+                .expect("wait");
+        }
+    }
+
+    /// The home closed the connection (EOF within 10 s).
+    fn closed_by_home(mut self) -> bool {
+        self.stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        matches!(self.stream.read(&mut [0u8; 1]), Ok(0))
+    }
+}
+
+fn to_node(bytes: &[u8]) -> ToNodeFrame<'_> {
+    let header = Header::decode_prefix(bytes).unwrap().expect("a header");
+    assert_eq!(HEADER_LEN + header.payload_len(), bytes.len());
+    decode_to_node(&header, &bytes[HEADER_LEN..]).expect("a COH_TO_NODE frame")
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_coherence_forged_channel_messages_close_only_their_node() {
+    let test = "rdma_coherence_forged_channel_messages_close_only_their_node";
+    let (_db, coord, home) = rdma_home(test);
+    let honest = rdma_node(&coord.url(), 0);
+    let gpa = 7 * PAGE_SIZE as u64;
+    honest.modify(gpa, filled(gpa, 0x77)).unwrap();
+    honest.c().evict(gpa).unwrap();
+
+    // A hand-made node works like the library's: an out-of-range request
+    // is refused on the channel (the connection stays), a read is granted
+    // without the page, which it then reads from the home's region.
+    let node = RawNode::connect(&home, 41);
+    let read_req = ::coherence::ToHome::ReadReq { req: 1 };
+    let far = NODE_BYTES as u64;
+    node.channel
+        .send(&encode_to_home(far, &read_req, None))
+        .unwrap();
+    assert_eq!(
+        to_node(&node.next()),
+        ToNodeFrame::Refused {
+            offset: far,
+            status: Status::OutOfRange
+        }
+    );
+    node.channel
+        .send(&encode_to_home(gpa, &read_req, None))
+        .unwrap();
+    match to_node(&node.next()) {
+        ToNodeFrame::Msg(f) => {
+            assert!(matches!(f.msg, ::coherence::ToNode::Grant { .. }), "{f:?}");
+            assert_eq!(
+                (f.offset, f.page),
+                (gpa, None),
+                "over RDMA a grant comes without its page"
+            );
+        }
+        other => panic!("expected a grant, got {other:?}"),
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    assert_eq!(
+        *node.channel.read_page(gpa, deadline).unwrap(),
+        page_for(gpa, 0x77)
+    );
+    let closed_before = home.coherence_stats().refused_frames;
+    // It leaves (it holds a shared copy, which the home then forgets).
+    drop(node);
+
+    // What the library never sends: a frame of the other direction, bytes
+    // that are no frame, a frame with bytes after it. Each closes its
+    // node's connection (it is lost to the home), nothing else.
+    let mut trailing = encode_to_home(0, &read_req, None);
+    trailing.extend_from_slice(&[0xee; 8]);
+    let forged: [(&str, Vec<u8>); 3] = [
+        (
+            "a COH_TO_NODE frame",
+            rdma_transport::wire::encode_to_node(0, &::coherence::ToNode::Retry { req: 1 }, None),
+        ),
+        ("garbage", vec![0x5a; 100]),
+        ("a frame with trailing bytes", trailing),
+    ];
+    for (i, (what, bytes)) in forged.into_iter().enumerate() {
+        let node = RawNode::connect(&home, 50 + i as u64);
+        node.channel.send(&bytes).unwrap();
+        assert!(
+            node.closed_by_home(),
+            "{what}: the home closes that connection"
+        );
+        // The honest node is served as before.
+        honest.modify(gpa, filled(gpa, i as u8)).unwrap();
+        assert_eq!(honest.read(gpa).unwrap(), page_for(gpa, i as u8), "{what}");
+    }
+    assert_eq!(home.coherence_stats().refused_frames, closed_before);
+    say(&format!("{test}: 3 forged messages, 3 connections closed"));
 }
