@@ -378,3 +378,30 @@ fn rdma_coherence_forged_channel_messages_close_only_their_node() {
     assert_eq!(home.coherence_stats().refused_frames, closed_before);
     say(&format!("{test}: 3 forged messages, 3 connections closed"));
 }
+
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_coherence_with_a_home_without_rdma_uses_tcp() {
+    let test = "rdma_coherence_with_a_home_without_rdma_uses_tcp";
+    require_device(test);
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator(&db);
+    let home = server(&coord.url(), "a", 0, false);
+    assert!(home.rdma_region().is_none());
+    let manager = || {
+        TransportManager::connect(config(&coord.url(), TransportKind::Auto, PollMode::Busy))
+            .expect("manager connects")
+    };
+    // Managers with a device offer a channel; the home answers without
+    // RDMA, and coherence goes over TCP.
+    let a = Node::with_manager(manager(), 0);
+    let b = Node::with_manager(manager(), 0);
+    let gpa = 3 * PAGE_SIZE as u64;
+    a.modify(gpa, filled(gpa, 0x3c)).unwrap();
+    assert_eq!(b.read(gpa).unwrap(), page_for(gpa, 0x3c));
+    for node in [&a, &b] {
+        assert_eq!(node.c().connections(), [("a".to_owned(), None)]);
+    }
+    let stats = home.coherence_stats();
+    assert_eq!((stats.rdma_frames, stats.refused_frames), (0, 0));
+}
