@@ -382,13 +382,8 @@ impl MessageChannel {
         }
     }
 
-    /// Messages waiting for credits (for tests and metrics).
-    pub fn waiting(&self) -> usize {
-        self.send.lock().waiting.len()
-    }
-
     /// Writes `bytes` (empty: a credit-only message) into the peer's next
-    /// slot. The caller checked `can_post`.
+    /// slot. The caller checked `Credits::can_post`.
     fn post(&self, st: &mut SendSide, bytes: &[u8]) -> Result<(), ChannelError> {
         let Some(peer) = self.peer.get() else {
             return self.fail(ChannelError::Broken);
@@ -396,7 +391,7 @@ impl MessageChannel {
         let slot = st.credits.next_slot(CHANNEL_SLOTS) as usize;
         let local = self.local.at(slot * CHANNEL_SLOT_BYTES);
         // SAFETY: `bytes` fits a slot (checked by `send`); this send slot's
-        // last WRITE completed (`can_post`: fewer than CHANNEL_SLOTS
+        // last WRITE completed (`Credits::can_post`: fewer than CHANNEL_SLOTS
         // uncompleted), so the device no longer reads it, and only this
         // thread writes it (the send lock is held).
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), local, bytes.len()) };
