@@ -79,7 +79,7 @@ impl Outbound {
     pub(crate) fn send(&self, frames: &[&[u8]]) -> io::Result<()> {
         if let Some(channel) = &self.channel {
             // Never blocks: what credits do not allow yet waits in order.
-            return channel.send(&frames.concat()).map_err(io::Error::other);
+            return channel.send_parts(frames).map_err(io::Error::other);
         }
         let mut iovecs: Vec<libc::iovec> = frames
             .iter()

@@ -329,10 +329,19 @@ impl MessageChannel {
     /// # Errors
     /// A broken channel, a frame too long, a failed post.
     pub fn send(&self, frame: &[u8]) -> Result<(), ChannelError> {
-        if frame.is_empty() || frame.len() > CHANNEL_SLOT_BYTES {
+        self.send_parts(&[frame])
+    }
+
+    /// As [`Self::send`], for one message made of `parts` back to back
+    /// (copied into the send slot one after the other).
+    ///
+    /// # Errors
+    /// As [`Self::send`].
+    pub fn send_parts(&self, parts: &[&[u8]]) -> Result<(), ChannelError> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        if len == 0 || len > CHANNEL_SLOT_BYTES {
             return Err(ChannelError::Protocol(format!(
-                "a message of {} bytes (1..={CHANNEL_SLOT_BYTES})",
-                frame.len()
+                "a message of {len} bytes (1..={CHANNEL_SLOT_BYTES})"
             )));
         }
         if self.is_broken() {
@@ -341,9 +350,9 @@ impl MessageChannel {
         let mut st = self.send.lock();
         self.reap(&mut st)?;
         if st.waiting.is_empty() && st.credits.can_post(CHANNEL_SLOTS, false) {
-            return self.post(&mut st, frame);
+            return self.post(&mut st, parts);
         }
-        st.waiting.push_back(frame.to_vec());
+        st.waiting.push_back(parts.concat());
         st.stats.waited += 1;
         Ok(())
     }
@@ -382,25 +391,33 @@ impl MessageChannel {
         }
     }
 
-    /// Writes `bytes` (empty: a credit-only message) into the peer's next
-    /// slot. The caller checked `Credits::can_post`.
-    fn post(&self, st: &mut SendSide, bytes: &[u8]) -> Result<(), ChannelError> {
+    /// Writes `parts` back to back (none: a credit-only message) into the
+    /// peer's next slot. The caller checked `Credits::can_post`.
+    fn post(&self, st: &mut SendSide, parts: &[&[u8]]) -> Result<(), ChannelError> {
         let Some(peer) = self.peer.get() else {
             return self.fail(ChannelError::Broken);
         };
         let slot = st.credits.next_slot(CHANNEL_SLOTS) as usize;
-        let local = self.local.at(slot * CHANNEL_SLOT_BYTES);
-        // SAFETY: `bytes` fits a slot (checked by `send`); this send slot's
-        // last WRITE completed (`Credits::can_post`: fewer than CHANNEL_SLOTS
-        // uncompleted), so the device no longer reads it, and only this
-        // thread writes it (the send lock is held).
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), local, bytes.len()) };
+        let slot_at = slot * CHANNEL_SLOT_BYTES;
+        let local = self.local.at(slot_at);
+        let mut len = 0;
+        for part in parts {
+            let to = self.local.at(slot_at + len);
+            // SAFETY: the parts fit a slot together (checked by
+            // `send_parts`, or a queued message that was), so `part.len()`
+            // bytes from `to` are in this send slot; its last WRITE
+            // completed (`Credits::can_post`: fewer than CHANNEL_SLOTS
+            // uncompleted), so the device no longer reads it, and only this
+            // thread writes it (the send lock is held).
+            unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), to, part.len()) };
+            len += part.len();
+        }
         let sge = [Sge::new(
             local as u64,
-            u32::try_from(bytes.len()).unwrap_or(0),
+            u32::try_from(len).unwrap_or(0),
             self.local_mr.lkey(),
         )];
-        let sges: &[Sge] = if bytes.is_empty() { &[] } else { &sge };
+        let sges: &[Sge] = if len == 0 { &[] } else { &sge };
         let taken = self.taken.load(Ordering::Acquire);
         let remote = peer.ring.addr + (slot * CHANNEL_SLOT_BYTES) as u64;
         let mut wr = [
@@ -410,7 +427,7 @@ impl MessageChannel {
             return self.fail(err.into());
         }
         st.credits.posted(taken);
-        if bytes.is_empty() {
+        if len == 0 {
             st.stats.credit_only += 1;
         } else {
             st.stats.sent += 1;
@@ -448,7 +465,7 @@ impl MessageChannel {
             let Some(frame) = st.waiting.pop_front() else {
                 break;
             };
-            self.post(st, &frame)?;
+            self.post(st, &[&frame])?;
         }
         let taken = self.taken.load(Ordering::Acquire);
         if st.credits.wants_credit_message(taken, CHANNEL_SLOTS) {
