@@ -8,7 +8,8 @@
 #
 # Steps (each skipped when already done):
 #   1. apt-get install the host packages that are missing;
-#   2. fetch Debian's kernel package (the one linux-image-amd64 depends on)
+#   2. fetch Debian's kernel package (the one linux-image-amd64 of
+#      $SOFTROCE_KERNEL_SUITE, default bookworm-backports, depends on)
 #      with `apt-get download`, unpack it with dpkg-deb -x (it is never
 #      installed as the host kernel), run depmod, keep the rxe module closure
 #      and an uncompressed vmlinux for a fast PVH boot (bzImage as fallback);
@@ -30,7 +31,7 @@ readonly FORMAT_VERSION=1
 readonly HOST_PACKAGES=(
     qemu-system-x86 busybox-static rdma-core ibverbs-providers ibverbs-utils
     perftest libibverbs-dev librdmacm-dev cpio kmod iproute2 xz-utils
-    binutils gzip util-linux libc-bin bash
+    binutils gzip util-linux libc-bin bash zstd
 )
 
 # Userland packages whose files go into the base image: a new version of
@@ -130,18 +131,46 @@ fi
 
 # 2. Kernel ----------------------------------------------------------------
 
+# The VM's kernel comes from SOFTROCE_KERNEL_SUITE (default
+# bookworm-backports: 6.12, which has what the guest-memory tests need:
+# UFFDIO_CONTINUE_MODE_WP 6.4, PAGEMAP_SCAN 6.7; `bookworm` gives Debian
+# 12's own 6.1). Its package lists live in a private apt state under the
+# cache, so the host's sources and lists are never touched.
+readonly KERNEL_SUITE="${SOFTROCE_KERNEL_SUITE:-bookworm-backports}"
+kapt_dir="$SOFTROCE_CACHE_DIR/apt-$KERNEL_SUITE"
+kapt=(
+    -o "Dir::Etc::SourceList=$kapt_dir/sources.list"
+    -o "Dir::Etc::SourceParts=$kapt_dir/parts"
+    -o "Dir::State::Lists=$kapt_dir/lists"
+    -o "Dir::Cache=$kapt_dir/cache"
+    -o APT::Sandbox::User=root
+)
+mkdir -p "$kapt_dir"/{parts,lists/partial,cache/archives/partial}
+echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian $KERNEL_SUITE main" \
+    >"$kapt_dir/sources.list"
+
+kapt_updated=0
+kapt_update_once() {
+    if ((kapt_updated == 0)); then
+        progress "apt-get update ($KERNEL_SUITE, kernel only)"
+        apt_retry apt-get "${kapt[@]}" update -qq >/dev/null
+        kapt_updated=1
+    fi
+}
+
+# Prints nothing (and succeeds) while the suite's lists are not fetched.
 kernel_package() {
-    apt-cache depends linux-image-amd64 2>/dev/null |
+    { apt-cache "${kapt[@]}" depends linux-image-amd64 2>/dev/null || true; } |
         awk '$1 == "Depends:" && $2 ~ /^linux-image-[0-9]/ && !found { print $2; found = 1 }'
 }
 
 # apt-cache takes a second here (no pkgcache.bin): remember its answer for
 # as long as the package lists stay the same.
 lists_stamp() {
-    find /var/lib/apt/lists -maxdepth 1 -name '*Packages*' -printf '%T@ %s %f\n' 2>/dev/null |
+    find "$kapt_dir/lists" -maxdepth 1 -name '*Packages*' -printf '%T@ %s %f\n' 2>/dev/null |
         LC_ALL=C sort | sha256sum | cut -d' ' -f1
 }
-resolved_file="$SOFTROCE_CACHE_DIR/kernel-package"
+resolved_file="$SOFTROCE_CACHE_DIR/kernel-package-$KERNEL_SUITE"
 kpkg=
 if [[ -f "$resolved_file" ]]; then
     read -r stamp cached_kpkg <"$resolved_file" || true
@@ -150,7 +179,7 @@ fi
 if [[ -z "$kpkg" ]]; then
     kpkg="$(kernel_package)"
     if [[ -z "$kpkg" ]]; then
-        apt_update_once
+        kapt_update_once
         kpkg="$(kernel_package)"
     fi
     [[ -z "$kpkg" ]] || echo "$(lists_stamp) $kpkg" >"$resolved_file"
@@ -158,10 +187,10 @@ fi
 if [[ -z "$kpkg" ]]; then
     # No package lists and no network: keep using what was built before.
     if [[ -f "$SOFTROCE_CACHE_DIR/current.env" ]]; then
-        ((quiet)) || progress "cannot resolve linux-image-amd64; using the cached kernel"
+        ((quiet)) || progress "cannot resolve linux-image-amd64 in $KERNEL_SUITE; using the cached kernel"
         exit 0
     fi
-    softroce_die "cannot find the kernel package linux-image-amd64 depends on"
+    softroce_die "cannot find the kernel package linux-image-amd64 depends on in $KERNEL_SUITE"
 fi
 kver="${kpkg#linux-image-}"
 kdir="$SOFTROCE_CACHE_DIR/$kver"
@@ -174,10 +203,10 @@ build_kernel() {
     tmp="$(mktemp -d "$SOFTROCE_CACHE_DIR/kernel.XXXXXX")"
     # shellcheck disable=SC2064 # expand now: tmp is local
     trap "rm -rf '$tmp'" EXIT
-    if ! (cd "$tmp" && apt-get download -qq -o APT::Sandbox::User=root "$kpkg" >/dev/null); then
+    if ! (cd "$tmp" && apt-get "${kapt[@]}" download -qq "$kpkg" >/dev/null); then
         # Stale package lists name a version the mirror no longer has.
-        apt_update_once
-        (cd "$tmp" && apt-get download -qq -o APT::Sandbox::User=root "$kpkg" >/dev/null)
+        kapt_update_once
+        (cd "$tmp" && apt-get "${kapt[@]}" download -qq "$kpkg" >/dev/null)
     fi
     deb="$(echo "$tmp"/*.deb)"
     [[ -f "$deb" ]] || softroce_die "apt-get download $kpkg left no .deb"
@@ -204,10 +233,17 @@ build_kernel() {
             line="${line#insmod }"
             line="${line%% *}"
             rel="${line#"$root/lib/modules/$kver/"}"
+            # Newer kernels ship xz-compressed modules: stored plain, as
+            # busybox insmod loads them.
+            rel="${rel%.xz}"
             grep -qxF "$rel" "$kdir/modules/order" && continue
             [[ "$rel" == *.ko ]] || softroce_die "unsupported module format: $rel"
             mkdir -p "$kdir/modules/$(dirname "$rel")"
-            cp "$line" "$kdir/modules/$rel"
+            if [[ "$line" == *.ko.xz ]]; then
+                xz -dc "$line" >"$kdir/modules/$rel"
+            else
+                cp "$line" "$kdir/modules/$rel"
+            fi
             printf '%s\n' "$rel" >>"$kdir/modules/order"
         done <<<"$deps"
     done
@@ -230,7 +266,7 @@ read_le() {
 }
 
 # The bzImage's setup header says where its compressed payload (the
-# stripped vmlinux ELF) sits: decompress just that. Under TCG this saves
+# stripped vmlinux ELF, xz or zstd) sits: decompress just that. Under TCG this saves
 # the ~6 s the in-kernel xz decompressor would take at every boot.
 extract_vmlinux() {
     local bz="$1" out="$2" setup_sects pm_start payload_offset payload_length magic
@@ -240,10 +276,20 @@ extract_vmlinux() {
     payload_offset="$(read_le "$bz" $((0x248)) 4)"
     payload_length="$(read_le "$bz" $((0x24c)) 4)"
     magic="$(od -An -tx1 -j $((pm_start + payload_offset)) -N 6 "$bz" | tr -d ' ')"
-    [[ "$magic" == fd377a585a00 ]] || return 1 # not an xz payload
+    # The kernel's build appends the payload's size (4 bytes): xz stops
+    # before it by itself, zstd must not be given it.
+    local decompress
+    case "$magic" in
+        fd377a585a00) decompress=(xz -dc --single-stream) ;; # 6.1
+        28b52ffd*)                                          # 6.12
+            decompress=(zstd -dcq)
+            payload_length=$((payload_length - 4))
+            ;;
+        *) return 1 ;;
+    esac
     # tail is cut short by head (SIGPIPE): that is expected, not a failure.
     { tail -c +$((pm_start + payload_offset + 1)) "$bz" || true; } |
-        head -c "$payload_length" | xz -dc --single-stream >"$out" 2>/dev/null || return 1
+        head -c "$payload_length" | "${decompress[@]}" >"$out" 2>/dev/null || return 1
     # It must be an ELF with the Xen PVH entry note (type 0x12).
     readelf -h "$out" >/dev/null 2>&1 || return 1
     readelf -n "$out" 2>/dev/null |

@@ -11,6 +11,8 @@
 #[path = "rdma_cluster/coherence.rs"]
 mod coherence;
 mod common;
+#[path = "rdma_cluster/guest_alias.rs"]
+mod guest_alias;
 #[path = "rdma_cluster/keys.rs"]
 mod keys;
 #[path = "rdma_cluster/zero_copy.rs"]

@@ -276,8 +276,14 @@ typedef struct RtGuestMemoryConfig {
   // An `RtDirtyTracking` value (0, the default: `PAGEMAP_SCAN` where it
   // works).
   uint32_t dirty_tracking;
-  // Must be 0.
-  uint32_t reserved;
+  // 1: over RDMA, pages of a `shared_fd` region bounce through the
+  // manager's pool (its second mapping of the file is not registered
+  // with the device, and evict frees the file's pages). 0 (the default):
+  // it is registered once, so faults and write-backs move pages by RDMA
+  // straight into and out of guest memory; that pins (and allocates)
+  // every page of the region while it lives. No effect without RDMA or
+  // `shared_fd` (`GuestMemoryConfig::rdma_register_alias`).
+  uint32_t rdma_bounce;
 } RtGuestMemoryConfig;
 
 // Counters of a coherent region (`rt_coherent_memory_stats`).
@@ -648,6 +654,15 @@ uint8_t *rt_guest_memory_host_addr(const struct RtGuestMemory *memory);
 // # Safety
 // `memory` must be NULL or a live handle.
 uint32_t rt_guest_memory_dirty_tracking(const struct RtGuestMemory *memory);
+
+// 1 when the manager's RDMA reads and writes of the region's pages land in
+// and go out of guest memory directly (a `shared_fd` region whose second
+// mapping is registered with the device, see `rdma_bounce`); 0 when they
+// bounce through the pool, without RDMA, or for a NULL handle.
+//
+// # Safety
+// `memory` must be NULL or a live handle.
+uint32_t rt_guest_memory_rdma_zero_copy(const struct RtGuestMemory *memory);
 
 // Size of the region in bytes (0 for a NULL handle).
 //

@@ -169,8 +169,14 @@ pub struct RtGuestMemoryConfig {
     /// An `RtDirtyTracking` value (0, the default: `PAGEMAP_SCAN` where it
     /// works).
     pub dirty_tracking: u32,
-    /// Must be 0.
-    pub reserved: u32,
+    /// 1: over RDMA, pages of a `shared_fd` region bounce through the
+    /// manager's pool (its second mapping of the file is not registered
+    /// with the device, and evict frees the file's pages). 0 (the default):
+    /// it is registered once, so faults and write-backs move pages by RDMA
+    /// straight into and out of guest memory; that pins (and allocates)
+    /// every page of the region while it lives. No effect without RDMA or
+    /// `shared_fd` (`GuestMemoryConfig::rdma_register_alias`).
+    pub rdma_bounce: u32,
 }
 
 /// `struct_size` of the first layout (up to `on_fault_error_user`), still
@@ -186,7 +192,7 @@ const _: () = assert!(
         && offset_of!(RtGuestMemoryConfig, shared_offset_bytes) == FIRST_LAYOUT_BYTES + 8
         && offset_of!(RtGuestMemoryConfig, handed_over_mapping) == FIRST_LAYOUT_BYTES + 16
         && offset_of!(RtGuestMemoryConfig, dirty_tracking) == SECOND_LAYOUT_BYTES
-        && offset_of!(RtGuestMemoryConfig, reserved) == SECOND_LAYOUT_BYTES + 4
+        && offset_of!(RtGuestMemoryConfig, rdma_bounce) == SECOND_LAYOUT_BYTES + 4
         && size_of::<RtGuestMemoryConfig>() == SECOND_LAYOUT_BYTES + 8
 );
 
@@ -217,7 +223,7 @@ impl CConfig for RtGuestMemoryConfig {
             shared_offset_bytes: 0,
             handed_over_mapping: std::ptr::null_mut(),
             dirty_tracking: RtDirtyTracking::Auto as u32,
-            reserved: 0,
+            rdma_bounce: u32::from(!d.rdma_register_alias),
         }
     }
 }
@@ -375,6 +381,7 @@ pub unsafe extern "C" fn rt_guest_memory_create(
 pub(crate) unsafe fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryConfig, RtStatus> {
     const NAME: &str = RtGuestMemoryConfig::NAME;
     let pin_handlers = flag(c.pin_handlers, NAME, "pin_handlers")?;
+    let rdma_bounce = flag(c.rdma_bounce, NAME, "rdma_bounce")?;
     let Ok(size_bytes) = usize::try_from(c.size_bytes) else {
         return Err(fail(RtStatus::InvalidArgument, "size_bytes too large"));
     };
@@ -410,12 +417,6 @@ pub(crate) unsafe fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryC
             ))
         }
     };
-    if c.reserved != 0 {
-        return Err(fail(
-            RtStatus::InvalidArgument,
-            format!("{NAME}.reserved must be 0"),
-        ));
-    }
     let on_fault_error = c.on_fault_error.map(|f| {
         let cb = Callback {
             f,
@@ -439,6 +440,7 @@ pub(crate) unsafe fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryC
         on_fault_error,
         backing,
         dirty_tracking,
+        rdma_register_alias: !rdma_bounce,
     })
 }
 
@@ -574,6 +576,19 @@ pub unsafe extern "C" fn rt_guest_memory_dirty_tracking(memory: *const RtGuestMe
         DirtyTracking::PagemapScan => RtDirtyTracking::PagemapScan as u32,
         _ => RtDirtyTracking::WriteFaults as u32,
     })
+}
+
+/// 1 when the manager's RDMA reads and writes of the region's pages land in
+/// and go out of guest memory directly (a `shared_fd` region whose second
+/// mapping is registered with the device, see `rdma_bounce`); 0 when they
+/// bounce through the pool, without RDMA, or for a NULL handle.
+///
+/// # Safety
+/// `memory` must be NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn rt_guest_memory_rdma_zero_copy(memory: *const RtGuestMemory) -> u32 {
+    // SAFETY: the caller passes NULL or a live handle.
+    unsafe { memory.as_ref() }.map_or(0, |m| u32::from(m.inner.rdma_zero_copy()))
 }
 
 /// Size of the region in bytes (0 for a NULL handle).

@@ -99,7 +99,7 @@ fn guest_config_of_the_first_layout_still_works() {
     let (status, message) = create(&RtGuestMemoryConfig {
         struct_size: std::mem::size_of::<RtGuestMemoryConfig>() as u32,
         dirty_tracking: 0,
-        reserved: 0,
+        rdma_bounce: 0,
         ..old
     });
     assert_eq!(status, RtStatus::InvalidArgument);
@@ -144,8 +144,11 @@ fn guest_config_of_the_second_layout_and_bad_dirty_tracking() {
             "dirty_tracking 3 is not an RtDirtyTracking",
         ),
         (
-            RtGuestMemoryConfig { reserved: 1, ..d },
-            "reserved must be 0",
+            RtGuestMemoryConfig {
+                rdma_bounce: 2,
+                ..d
+            },
+            "rdma_bounce must be 0 or 1",
         ),
     ] {
         let (status, message) = create(&config);

@@ -215,6 +215,17 @@ pub struct GuestMemoryConfig {
     pub backing: GuestBacking,
     /// How dirty pages are found (see [`DirtyTracking`]).
     pub dirty_tracking: DirtyTracking,
+    /// With a shared-memory backing and a manager that uses RDMA: register
+    /// the region's second mapping of the file (the alias) with the device
+    /// once (the default, `true`), so a fault's RDMA READ lands straight in
+    /// guest memory and write-backs go out of it, with no pool frame and no
+    /// copy. Registration pins, and so allocates, every page of the region
+    /// while it lives (no on-demand paging), and evict then only unmaps
+    /// pages from the guest (the file keeps them: a hole would leave the
+    /// device on pages the file no longer holds). `false`: pages bounce
+    /// through the manager's pool and evict frees the file's pages.
+    /// Ignored for anonymous memory and without RDMA.
+    pub rdma_register_alias: bool,
 }
 
 impl GuestMemoryConfig {
@@ -244,6 +255,7 @@ impl Default for GuestMemoryConfig {
             on_fault_error: None,
             backing: GuestBacking::Anonymous,
             dirty_tracking: DirtyTracking::Auto,
+            rdma_register_alias: true,
         }
     }
 }
@@ -261,6 +273,7 @@ impl fmt::Debug for GuestMemoryConfig {
             .field("sigbus_method", &self.sigbus_method)
             .field("fault_mode", &self.fault_mode)
             .field("dirty_tracking", &self.dirty_tracking)
+            .field("rdma_register_alias", &self.rdma_register_alias)
             .field("on_fault_error", &self.on_fault_error.is_some())
             .field("backing", &self.backing)
             .finish()

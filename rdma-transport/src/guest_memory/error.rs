@@ -68,6 +68,13 @@ pub enum GuestMemoryError {
         #[source]
         source: io::Error,
     },
+    /// Registering the shared-memory file's alias with the RDMA device
+    /// failed ([`super::GuestMemoryConfig::rdma_register_alias`]).
+    #[error(
+        "registering guest memory with the RDMA device failed (raise `ulimit -l`, \
+         or set rdma_register_alias to false to bounce pages through the pool)"
+    )]
+    RdmaRegister(#[source] crate::rdma::RegisterError),
     /// A handler or prefetch thread could not be started.
     #[error("cannot start thread {name}")]
     Thread {

@@ -149,7 +149,9 @@ impl GuestMemory {
                 "fault_timeout_ms must be > 0".into(),
             ));
         }
-        let region = region::GuestRegion::new(config.gpa_base, config.size_bytes, &config.backing)?;
+        let mut region =
+            region::GuestRegion::new(config.gpa_base, config.size_bytes, &config.backing)?;
+        let alias_mr = register_alias(&manager, &config, &mut region)?;
         let scan = scan_dirty_tracking(&config, &region)?;
         let uffd = uffd::RegionUffd::for_region(&region, &config, scan)?;
         let pagemap = if scan {
@@ -177,6 +179,7 @@ impl GuestMemory {
             "guest memory registered with userfaultfd"
         );
         let shared = Arc::new(Shared {
+            alias_mr,
             manager,
             states: state::PageStates::new(region.pages()),
             region,
@@ -270,6 +273,15 @@ impl GuestMemory {
     /// Host address of `gpa`, when it is inside the region.
     pub fn host_addr(&self, gpa: u64) -> Option<*mut u8> {
         self.shared.region.host_range(gpa, 1).ok()
+    }
+
+    /// True when the manager's RDMA reads and writes of this region's pages
+    /// land in and go out of guest memory directly (a shared-memory backing
+    /// whose alias is registered with the device, see
+    /// [`GuestMemoryConfig::rdma_register_alias`]); false when they bounce
+    /// through the pool, or the manager has no RDMA.
+    pub fn rdma_zero_copy(&self) -> bool {
+        self.shared.alias_mr.is_some()
     }
 
     /// How the region finds dirty pages (`Auto` resolved).
@@ -458,4 +470,35 @@ fn handler_cpus(config: &GuestMemoryConfig) -> Vec<usize> {
     }
     let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
     (0..config.handler_threads).map(|i| i % ncpu).collect()
+}
+
+/// Registers a shared region's alias with the manager's RDMA device when
+/// the config asks for it (see [`GuestMemoryConfig::rdma_register_alias`]);
+/// `None` for anonymous memory, without RDMA, or when not asked.
+fn register_alias(
+    manager: &TransportManager,
+    config: &GuestMemoryConfig,
+    region: &mut region::GuestRegion,
+) -> Result<Option<crate::rdma::RegisteredMemory>, GuestMemoryError> {
+    let Some((ptr, len)) = region.alias() else {
+        return Ok(None);
+    };
+    if !config.rdma_register_alias {
+        return Ok(None);
+    }
+    // SAFETY: the alias stays mapped (read-write) until the handle, which
+    // `Shared` drops before the region, is dropped; requests into it are
+    // made only by the region's threads, all joined before that.
+    let handle =
+        unsafe { manager.register_memory(ptr, len) }.map_err(GuestMemoryError::RdmaRegister)?;
+    if !handle.is_rdma() {
+        // No RDMA: nothing was registered, TCP reads into the alias anyway.
+        return Ok(None);
+    }
+    region.keep_file_pages();
+    tracing::info!(
+        len_bytes = len,
+        "guest memory alias registered: RDMA moves pages straight into and out of it"
+    );
+    Ok(Some(handle))
 }

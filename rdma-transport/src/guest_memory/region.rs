@@ -38,6 +38,9 @@ pub(crate) struct GuestRegion {
     gpa_base: u64,
     pages: usize,
     unit_bytes: usize,
+    /// Set once the alias is registered with an RDMA device: the file's
+    /// pages are never freed (see [`Self::punch`]).
+    keep_file_pages: bool,
 }
 
 // SAFETY: `base` points into `map`, which is Send and Sync and lives as long
@@ -72,6 +75,7 @@ impl GuestRegion {
                 gpa_base,
                 pages: size_bytes / unit_bytes,
                 unit_bytes,
+                keep_file_pages: false,
             });
         }
         let map = MappedRegion::new(
@@ -97,7 +101,17 @@ impl GuestRegion {
             gpa_base,
             pages: size_bytes / PAGE_SIZE,
             unit_bytes: PAGE_SIZE,
+            keep_file_pages: false,
         })
+    }
+
+    /// From now on the file's pages are kept when pages are dropped: the
+    /// alias is registered with an RDMA device, whose memory region holds
+    /// the physical pages it pinned. A hole would give the file new pages
+    /// the device never sees, and READs would land where the guest never
+    /// looks.
+    pub(crate) fn keep_file_pages(&mut self) {
+        self.keep_file_pages = true;
     }
 
     pub(crate) fn base(&self) -> *mut u8 {
@@ -134,7 +148,6 @@ impl GuestRegion {
     /// pages as the guest mapping, never registered with userfaultfd, so it
     /// can be written before a page is mapped into the guest (e.g. an RDMA
     /// memory region to read pages straight into).
-    #[allow(dead_code)] // for the RDMA data path, wired later
     pub(crate) fn alias(&self) -> Option<(*mut u8, usize)> {
         match &self.map {
             Map::Shared(shared) => Some((shared.alias.as_ptr(), shared.alias.len_bytes())),
@@ -309,7 +322,9 @@ impl GuestRegion {
     /// Drops pages `[first, end)`: their memory is freed, poison markers go,
     /// and the next touch faults again. A shared region's file gets a hole
     /// there (after the guest mapping is cleared of its page table entries
-    /// and poison markers).
+    /// and poison markers), unless its pages are kept (registered alias:
+    /// then the next touch is a minor fault, and the page is fetched again
+    /// all the same).
     pub(crate) fn drop_pages(&self, first: usize, end: usize) -> io::Result<()> {
         if first >= end {
             return Ok(());
@@ -338,9 +353,11 @@ impl GuestRegion {
     }
 
     /// Frees the file's pages `[first, end)` of a shared region (a hole,
-    /// which discards their contents); no-op for an anonymous one.
+    /// which discards their contents); no-op for an anonymous one, and for
+    /// a shared one whose pages are kept ([`Self::keep_file_pages`]).
     pub(crate) fn punch(&self, first: usize, end: usize) -> io::Result<()> {
         match &self.map {
+            Map::Shared(_) if self.keep_file_pages => Ok(()),
             Map::Shared(shared) => {
                 shared.punch_hole(first * self.unit_bytes, (end - first) * self.unit_bytes)
             }

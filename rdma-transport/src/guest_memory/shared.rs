@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 use crate::error::TransportError;
 use crate::manager::TransportManager;
 use crate::page::Page;
+use crate::rdma::RegisteredMemory;
 
 use super::config::{GuestMemoryConfig, SigbusMethod};
 use super::prefetch::{PrefetchQueue, StreamTable};
@@ -59,6 +60,11 @@ pub(crate) struct Writeback {
 /// The state of one guest region.
 #[derive(Debug)]
 pub(crate) struct Shared {
+    /// The alias registered with the manager's RDMA device (shared
+    /// backing, RDMA): declared before `region` so it is unregistered
+    /// before the alias is unmapped; every handler thread, hence every
+    /// request into it, has ended by then (they hold this `Arc`).
+    pub alias_mr: Option<RegisteredMemory>,
     pub manager: Arc<TransportManager>,
     pub region: GuestRegion,
     pub uffd: RegionUffd,
