@@ -174,6 +174,8 @@ pub fn run(
                     pattern,
                 };
                 let base = ram.as_ptr() as usize;
+                let zero_copy = ram.rdma_zero_copy();
+                let zc_before = mgr.zero_copy_stats();
                 let outcome = touch_rounds(&ram, spec, |i| {
                     // SAFETY: page i was faulted in by the touch just before and
                     // stays mapped until the eviction after the round.
@@ -182,10 +184,21 @@ pub fn run(
                 })?;
                 let stats = ram.stats();
                 drop(ram);
+                let zc_after = mgr.zero_copy_stats();
                 let mut record = Record::new(label, spec, params.nodes, &outcome);
                 record.backing = Some(backing.name().into());
+                record.rdma_zero_copy = Some(zero_copy);
+                let rdma_pages = match (
+                    zc_after.direct_pages - zc_before.direct_pages,
+                    zc_after.framed_pages - zc_before.framed_pages,
+                ) {
+                    (0, 0) => String::new(),
+                    (direct, framed) => format!(
+                        "; RDMA: {direct} pages straight into guest RAM, {framed} through the pool"
+                    ),
+                };
                 lines.push(format!(
-                "fault {label}/{}, {pattern:?}: {:.0} faults/s, p50 {} us ({} fetched by faults, {} by prefetch)",
+                "fault {label}/{}, {pattern:?}: {:.0} faults/s, p50 {} us ({} fetched by faults, {} by prefetch{rdma_pages})",
                 params.data_path,
                 record.throughput.pages_per_s,
                 fmt_us(record.latency_us.p50),

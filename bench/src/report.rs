@@ -61,6 +61,11 @@ pub struct Record {
     /// `--op fault` only: what guest memory was made of (`anon`, `memfd`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backing: Option<String>,
+    /// `--op fault` only: whether RDMA moved the region's pages straight
+    /// into and out of guest RAM (a shared backing whose alias is
+    /// registered with the device), rather than through the pool.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rdma_zero_copy: Option<bool>,
     /// Flush runs only: how dirty pages were found (`wp-faults`: a
     /// userfaultfd write-protect fault on each first write).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -171,6 +176,7 @@ impl Record {
             api: None,
             placement: None,
             backing: None,
+            rdma_zero_copy: None,
             dirty_tracking: None,
         }
     }

@@ -132,6 +132,11 @@ VMEOF
             "read32|--op read --depth 32 --ops $((ops * 4))"
             "read16t10|--op read --depth 16 --ops $((ops * 4)) --rdma-ack-timeout 10"
             "event1|--op read --poll-mode event --ops $ops"
+            # Guest-memory faults, one vCPU, no read-ahead: anonymous memory
+            # (READ into a pool frame, then UFFDIO_COPY) against a memfd
+            # whose alias is registered (READ straight into guest RAM,
+            # then UFFDIO_CONTINUE); then flush with each backing.
+            "fault|--op fault --backing all --prefetch off --pattern random --ops $ops"
             # Coherent guest memory over RDMA message channels: 4 node
             # processes, every value checked (docs/coherence.md).
             "coherence|--op coherence --hv 4 --ops 300 --memory 64MiB"
@@ -212,7 +217,7 @@ if ((bench)); then
     if grep -q '^RDMABENCH FAILED' "$out"; then
         failed=1
     fi
-    checks=(read16:read read32:read read16t10:read event1:read)
+    checks=(read16:read read32:read read16t10:read event1:read fault:fault)
     for ((r = 1; r <= rounds; r++)); do
         checks+=("lat$r:read" "lat$r:write")
     done
@@ -285,6 +290,21 @@ if ((bench)); then
         [[ "$run" == *t10 ]] || awk -v r="$x" 'BEGIN { exit !(r != "n/a" && r >= 3) }' ||
             { echo "  target missed: $label at least 3x the one-in-flight rate"; missed=1; }
     done
+    # Faults: the memfd run must have moved its pages by RDMA straight
+    # into guest RAM (its JSON record says so).
+    faults="$(sed -n "s/^BENCHJSON fault //p" "$out" | sed 's/},{"transport"/}\n{"transport"/g' | grep '"op":"fault"')"
+    anon="$(grep '"backing":"anon"' <<<"$faults" | head -n 1)"
+    memfd="$(grep '"backing":"memfd"' <<<"$faults" | head -n 1)"
+    if [[ -n "$anon" && -n "$memfd" ]]; then
+        printf 'random faults, one vCPU, no read-ahead: anon p50 %.1f us, memfd p50 %.1f us (x%s; memfd zero-copy: %s)\n' \
+            "$(json p50 "$anon")" "$(json p50 "$memfd")" \
+            "$(ratio "$(json p50 "$memfd")" "$(json p50 "$anon")")" "$(json rdma_zero_copy "$memfd")"
+        [[ "$(json rdma_zero_copy "$memfd")" == true ]] ||
+            { echo "fault run: the memfd region did not move pages straight into guest RAM"; failed=1; }
+    else
+        echo "fault run: no anon or memfd record"
+        failed=1
+    fi
 fi
 echo "time: build ${build_s}s, VM run ${vm_s}s"
 if ((missed)) && [[ "${RDMA_PERF_STRICT:-0}" == 1 ]]; then
