@@ -151,7 +151,6 @@ impl GuestMemory {
         }
         let mut region =
             region::GuestRegion::new(config.gpa_base, config.size_bytes, &config.backing)?;
-        let alias_mr = register_alias(&manager, &config, &mut region)?;
         let scan = scan_dirty_tracking(&config, &region)?;
         let uffd = uffd::RegionUffd::for_region(&region, &config, scan)?;
         let pagemap = if scan {
@@ -170,6 +169,8 @@ impl GuestMemory {
             config.prefetch_max_pages = 0;
         }
         let sigbus = uffd.sigbus_method(config.sigbus_method)?;
+        // After the cheap checks: registration pins the whole region.
+        let alias_mr = register_alias(&manager, &config, &mut region)?;
         let stop_fd = stop_eventfd()?;
         tracing::debug!(
             gpa_base = region.gpa_base(),
