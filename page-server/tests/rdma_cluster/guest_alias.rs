@@ -82,16 +82,35 @@ fn check_all(test: &str, ram: &GuestMemory, seed: u8, other: &[usize], other_see
     }
 }
 
-fn faults_land_in_guest_ram(test: &str, tracking: DirtyTracking) {
+/// A coordinator and page-server "a" (RDMA) owning every page of the
+/// region, each filled with `page_for(gpa, seed)`; an RDMA manager and the
+/// region's GPAs. Keep the first value alive for the test.
+fn owner_node(
+    test: &str,
+    seed: u8,
+) -> (
+    (
+        tempfile::TempDir,
+        coordinator::RunningCoordinator,
+        RunningServer,
+    ),
+    Arc<TransportManager>,
+    Vec<u64>,
+) {
     require_device(test);
     let db = tempfile::tempdir().unwrap();
     let coord = coordinator(&db);
-    let _a = server(&coord.url(), "a", 0, true);
+    let a = server(&coord.url(), "a", 0, true);
     let mgr = Arc::new(rdma_manager(&coord.url(), PollMode::Busy));
     assert_all_rdma(&mgr);
-    let owner: Vec<Page> = (0..PAGES).map(|p| page_for(gpa(p), 11)).collect();
     let gpas: Vec<u64> = (0..PAGES).map(gpa).collect();
+    let owner: Vec<Page> = (0..PAGES).map(|p| page_for(gpa(p), seed)).collect();
     mgr.write_pages(&gpas, &owner).unwrap();
+    ((db, coord, a), mgr, gpas)
+}
+
+fn faults_land_in_guest_ram(test: &str, tracking: DirtyTracking) {
+    let (_cluster, mgr, gpas) = owner_node(test, 11);
 
     let fd = memfd(PAGES * PAGE_SIZE);
     let ram = region(&mgr, &fd, tracking, true);
@@ -211,15 +230,7 @@ fn rdma_memfd_guest_memory_faults_land_in_guest_ram_pagemap_scan() {
 #[ignore = "needs an RDMA device and Linux >= 6.4: run by deploy/softroce/run-rdma-tests.sh"]
 fn rdma_memfd_guest_memory_unregistered_bounces_and_frees() {
     let test = "rdma_memfd_guest_memory_unregistered_bounces_and_frees";
-    require_device(test);
-    let db = tempfile::tempdir().unwrap();
-    let coord = coordinator(&db);
-    let _a = server(&coord.url(), "a", 0, true);
-    let mgr = Arc::new(rdma_manager(&coord.url(), PollMode::Busy));
-    assert_all_rdma(&mgr);
-    let gpas: Vec<u64> = (0..PAGES).map(gpa).collect();
-    let owner: Vec<Page> = (0..PAGES).map(|p| page_for(gpa(p), 21)).collect();
-    mgr.write_pages(&gpas, &owner).unwrap();
+    let (_cluster, mgr, _) = owner_node(test, 21);
 
     let fd = memfd(PAGES * PAGE_SIZE);
     let ram = region(&mgr, &fd, DirtyTracking::Auto, false);
