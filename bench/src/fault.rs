@@ -102,6 +102,8 @@ pub struct Params {
     /// What guest memory is made of, per run, in order (each with every
     /// prefetch setting and pattern).
     pub backings: Vec<Backing>,
+    /// `GuestMemoryConfig::handler_cpus` (`--handler-cpus`).
+    pub handler_cpus: Option<Vec<usize>>,
 }
 
 /// Runs the fault benchmark; returns the table's records and the summary lines.
@@ -130,7 +132,10 @@ pub fn run(
     {
         let ram = GuestMemory::new(
             Arc::clone(mgr),
-            GuestMemoryConfig::new(gpa_base, pages * PAGE_SIZE),
+            GuestMemoryConfig {
+                handler_cpus: params.handler_cpus.clone(),
+                ..GuestMemoryConfig::new(gpa_base, pages * PAGE_SIZE)
+            },
         )
         .context("mapping guest memory")?;
         let warm = Spec {
@@ -162,7 +167,12 @@ pub fn run(
                     Arc::clone(mgr),
                     GuestMemoryConfig {
                         prefetch_max_pages: window,
-                        ..crate::guest::config(backing, gpa_base, pages * PAGE_SIZE)?
+                        ..crate::guest::config(
+                            backing,
+                            gpa_base,
+                            pages * PAGE_SIZE,
+                            params.handler_cpus.clone(),
+                        )?
                     },
                 )
                 .context("mapping guest memory")?;

@@ -54,6 +54,7 @@ pub fn run(
     ops: u64,
     backings: &[Backing],
     patterns: &[AccessPattern],
+    handler_cpus: Option<Vec<usize>>,
 ) -> anyhow::Result<(Vec<Record>, Vec<String>)> {
     let gpa_base = set.gpas[0];
     let pages = set.len();
@@ -71,7 +72,12 @@ pub fn run(
                 Arc::clone(mgr),
                 GuestMemoryConfig {
                     dirty_tracking: tracking,
-                    ..crate::guest::config(backing, gpa_base, pages * PAGE_SIZE)?
+                    ..crate::guest::config(
+                        backing,
+                        gpa_base,
+                        pages * PAGE_SIZE,
+                        handler_cpus.clone(),
+                    )?
                 },
             )
             .context("mapping guest memory")?;

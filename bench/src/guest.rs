@@ -10,11 +10,13 @@ use crate::matrix::Backing;
 
 /// A config for `size_bytes` of guest memory from `gpa_base` made of
 /// `backing` (a fresh memfd of that size for `memfd`, with `MFD_HUGETLB`
-/// for `hugetlbfs`), library defaults otherwise.
+/// for `hugetlbfs`), its handlers pinned as `--handler-cpus` says, library
+/// defaults otherwise.
 pub fn config(
     backing: Backing,
     gpa_base: u64,
     size_bytes: usize,
+    handler_cpus: Option<Vec<usize>>,
 ) -> anyhow::Result<GuestMemoryConfig> {
     let backing = match backing {
         Backing::Anon => GuestBacking::Anonymous,
@@ -33,6 +35,7 @@ pub fn config(
     };
     Ok(GuestMemoryConfig {
         backing,
+        handler_cpus,
         ..GuestMemoryConfig::new(gpa_base, size_bytes)
     })
 }

@@ -145,6 +145,12 @@ struct Args {
     /// `none` (not pinned: the library's default), or a list like `1,3`.
     #[arg(long, default_value = "last", value_parser = parse_cpus)]
     poller_cpus: PollerCpus,
+    /// CPUs to pin the guest-memory fault handlers to (`--op fault` and its
+    /// flush runs): `first` (the first CPUs, one per handler, away from the
+    /// pollers), `none` (not pinned: the library's default), or a list like
+    /// `0,2`.
+    #[arg(long, default_value = "first", value_parser = parse_handler_cpus)]
+    handler_cpus: HandlerCpus,
     /// The library call: copy (`read_pages`/`write_pages` with the bench's
     /// buffers, one batch of --depth at a time), frame (reads with
     /// `read_frame`, each page checked in its pool frame; one page per
@@ -217,17 +223,56 @@ impl PollerCpus {
 fn parse_cpus(s: &str) -> Result<PollerCpus, String> {
     match s {
         "last" => Ok(PollerCpus::Last),
-        "none" => Ok(PollerCpus::List(Vec::new())),
-        list => list
-            .split(',')
-            .map(|c| {
-                c.trim()
-                    .parse::<usize>()
-                    .map_err(|_| format!("expected last, none or CPU ids like 1,3; got {s:?}"))
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map(PollerCpus::List),
+        list => parse_cpu_list(list, "last").map(PollerCpus::List),
     }
+}
+
+/// `--handler-cpus`.
+#[derive(Debug, Clone)]
+enum HandlerCpus {
+    First,
+    List(Vec<usize>),
+}
+
+impl HandlerCpus {
+    /// The `GuestMemoryConfig::handler_cpus` value.
+    fn config(&self) -> Option<Vec<usize>> {
+        match self {
+            HandlerCpus::First => None,
+            HandlerCpus::List(cpus) => Some(cpus.clone()),
+        }
+    }
+
+    /// The CPU the (one) handler thread is pinned to, as the library
+    /// resolves it; empty: not pinned.
+    fn resolved(&self) -> Vec<usize> {
+        match self {
+            HandlerCpus::First => vec![0],
+            HandlerCpus::List(cpus) => cpus.clone(),
+        }
+    }
+}
+
+fn parse_handler_cpus(s: &str) -> Result<HandlerCpus, String> {
+    match s {
+        "first" => Ok(HandlerCpus::First),
+        list => parse_cpu_list(list, "first").map(HandlerCpus::List),
+    }
+}
+
+/// `none` (an empty list: not pinned) or CPU ids like `1,3`; `keyword` is
+/// the flag's other value, for the error message.
+fn parse_cpu_list(s: &str, keyword: &str) -> Result<Vec<usize>, String> {
+    if s == "none" {
+        return Ok(Vec::new());
+    }
+    s.split(',')
+        .map(|c| {
+            c.trim()
+                .parse::<usize>()
+                .map_err(|_| format!("expected {keyword}, none or CPU ids like 1,3; got {s:?}"))
+        })
+        .collect()
 }
 
 fn parse_poll_mode(s: &str) -> Result<PollMode, String> {
@@ -371,6 +416,7 @@ fn run() -> anyhow::Result<()> {
             .coordinator
             .is_none()
             .then_some(server_spin.as_micros() as u64),
+        handler_cpus: (args.op == Some(Op::Fault)).then(|| args.handler_cpus.resolved()),
     };
     let mgr = std::sync::Arc::new(
         TransportManager::connect(config.clone())
@@ -438,11 +484,19 @@ fn run() -> anyhow::Result<()> {
                 patterns: patterns.clone(),
                 prefetch: prefetch.clone(),
                 backings: backings.clone(),
+                handler_cpus: args.handler_cpus.config(),
             };
             let (recs, summary) = fault::run(&mgr, &set, &params)?;
             records.extend(recs);
             lines.extend(summary);
-            let (recs, summary) = flush::run(&mgr, &set, args.ops, &backings, &patterns)?;
+            let (recs, summary) = flush::run(
+                &mgr,
+                &set,
+                args.ops,
+                &backings,
+                &patterns,
+                args.handler_cpus.config(),
+            )?;
             records.extend(recs);
             lines.extend(summary);
             continue;

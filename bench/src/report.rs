@@ -88,6 +88,10 @@ pub struct Placement {
     /// `--coordinator`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub page_server_spin_us: Option<u64>,
+    /// CPUs the guest-memory fault handlers are pinned to (`--op fault`
+    /// only); empty: not pinned.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub handler_cpus: Option<Vec<usize>>,
 }
 
 impl Placement {
@@ -106,8 +110,13 @@ impl Placement {
             .page_server_spin_us
             .map(|us| format!(", local page-servers spin {us} us then block"))
             .unwrap_or_default();
+        let handlers = match self.handler_cpus.as_deref() {
+            None => String::new(),
+            Some([]) => ", fault handlers not pinned".to_owned(),
+            Some(cpus) => format!(", fault handlers pinned to CPU {cpus:?}"),
+        };
         format!(
-            "placement: poll mode {}, pollers {cpus}, {spin}{server}",
+            "placement: poll mode {}, pollers {cpus}, {spin}{server}{handlers}",
             self.poll_mode
         )
     }
