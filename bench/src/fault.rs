@@ -43,18 +43,39 @@ const SEED: u64 = 0xfa17;
 /// page-server thread it waits for (see docs/benchmarking.md, Fault path).
 pub const WAIT_SPIN_US: u64 = 10;
 
-/// The local cluster's page-server connection threads (in this process)
-/// stand in for remote nodes, which have CPUs of their own. On a 2-CPU host
-/// the last CPU belongs to the transport's busy poller; a server thread
-/// woken there waits for the scheduler to preempt the poller (up to a time
-/// slice), so they go to CPU 0, where the faulting thread sleeps in its
-/// fault and the handler yields while it waits for the answer. The
-/// baselines get the same placement (they run from a thread pinned to CPU
-/// 0, and threads inherit their creator's affinity).
-fn pin_local_servers() {
+/// Places the local cluster's page-server connection threads (in this
+/// process) for a run with `threads` faulting threads. They stand in for
+/// remote nodes, which have CPUs of their own.
+///
+/// One faulting thread: all on CPU 0, where the faulting thread sleeps in
+/// its fault and the handler waits for the answer, so every wake-up of a
+/// fault stays on one CPU. Left to the scheduler, a server thread lands on
+/// the other, idle CPU, and waking a halted vCPU costs tens of µs per fault
+/// (random p50 90 µs against 30 µs pinned, 2026-11-26).
+///
+/// Several faulting threads: not pinned. Both CPUs are busy then, and the
+/// servers' work (one loopback answer per fault) is half of what the
+/// faults cost; kept on CPU 0 it caps the rate (4 threads: 28-34k faults/s
+/// pinned, 41-45k unpinned, same host and hour).
+///
+/// The baselines run after the fault runs, with the last run's placement
+/// (each of their layouts pins its own threads).
+fn place_local_servers(threads: usize) {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return;
     };
+    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // SAFETY: a zeroed cpu_set_t is a valid empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let cpus = if threads == 1 {
+        0..1
+    } else {
+        0..ncpu.min(libc::CPU_SETSIZE as usize)
+    };
+    for cpu in cpus {
+        // SAFETY: cpu < CPU_SETSIZE, inside the set's bounds.
+        unsafe { libc::CPU_SET(cpu, &mut set) };
+    }
     for task in tasks.flatten() {
         let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
         let Some(tid) = task
@@ -65,16 +86,12 @@ fn pin_local_servers() {
             continue;
         };
         if comm.starts_with("page-conn") {
-            // SAFETY: a zeroed cpu_set_t is a valid empty set.
-            let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-            // SAFETY: CPU 0 is inside the set's bounds.
-            unsafe { libc::CPU_SET(0, &mut set) };
             // SAFETY: `set` is a live cpu_set_t of the size passed.
             let ret = unsafe {
                 libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set)
             };
             if ret != 0 {
-                tracing::warn!(tid, "cannot pin a page-server thread");
+                tracing::warn!(tid, "cannot place a page-server thread");
             }
         }
     }
@@ -123,7 +140,7 @@ pub fn run(
         bail!("--op fault needs one contiguous GPA range");
     }
     set.fill(mgr, SEED).context("filling remote memory")?;
-    pin_local_servers();
+    place_local_servers(params.threads);
     let mut records = Vec::new();
     let mut lines = Vec::new();
     // Warm-up, not measured: the first run after start-up is slower
@@ -163,58 +180,35 @@ pub fn run(
                     (true, Backing::Hugetlbfs) => ("uffd+huge", 0),
                     (false, Backing::Hugetlbfs) => ("uffd-nopf+huge", 0),
                 };
-                let ram = GuestMemory::new(
-                    Arc::clone(mgr),
-                    GuestMemoryConfig {
-                        prefetch_max_pages: window,
-                        ..crate::guest::config(
-                            backing,
-                            gpa_base,
-                            pages * PAGE_SIZE,
-                            params.handler_cpus.clone(),
-                        )?
-                    },
-                )
-                .context("mapping guest memory")?;
-                let spec = Spec {
-                    op: Op::Fault,
-                    ops: params.ops,
-                    threads: params.threads,
-                    depth: 1,
+                let run = Run {
+                    label,
+                    backing,
+                    window,
                     pattern,
                 };
-                let base = ram.as_ptr() as usize;
-                let zero_copy = ram.rdma_zero_copy();
-                let zc_before = mgr.zero_copy_stats();
-                let outcome = touch_rounds(&ram, spec, |i| {
-                    // SAFETY: page i was faulted in by the touch just before and
-                    // stays mapped until the eviction after the round.
-                    let page = unsafe { &*((base + i * PAGE_SIZE) as *const Page) };
-                    pattern::check(page, gpa_base + (i * PAGE_SIZE) as u64, SEED)
-                })?;
-                let stats = ram.stats();
-                drop(ram);
-                let zc_after = mgr.zero_copy_stats();
-                let mut record = Record::new(label, spec, params.nodes, &outcome);
-                record.backing = Some(backing.name().into());
-                record.rdma_zero_copy = Some(zero_copy);
-                let rdma_pages = match (
-                    zc_after.direct_pages - zc_before.direct_pages,
-                    zc_after.framed_pages - zc_before.framed_pages,
-                ) {
-                    (0, 0) => String::new(),
-                    (direct, framed) => format!(
-                        "; RDMA: {direct} pages straight into guest RAM, {framed} through the pool"
-                    ),
+                // With several vCPU threads, one thread first, in the same
+                // process, for the ratio of their rates.
+                let one = if params.threads > 1 {
+                    place_local_servers(1);
+                    let (record, line) = run.measure(mgr, set, params, 1)?;
+                    lines.push(line);
+                    let rate = record.throughput.pages_per_s;
+                    records.push(record);
+                    Some(rate)
+                } else {
+                    None
                 };
-                lines.push(format!(
-                "fault {label}/{}, {pattern:?}: {:.0} faults/s, p50 {} us ({} fetched by faults, {} by prefetch{rdma_pages})",
-                params.data_path,
-                record.throughput.pages_per_s,
-                fmt_us(record.latency_us.p50),
-                stats.missing_faults,
-                stats.prefetched_pages
-            ));
+                place_local_servers(params.threads);
+                let (record, line) = run.measure(mgr, set, params, params.threads)?;
+                lines.push(line);
+                if let Some(one) = one {
+                    lines.push(format!(
+                        "{label}, {pattern:?}: {} faulting threads {:.0} faults/s vs one {one:.0}: x{:.2}",
+                        params.threads,
+                        record.throughput.pages_per_s,
+                        record.throughput.pages_per_s / one.max(1e-9)
+                    ));
+                }
                 if backing == Backing::Anon {
                     ran.push((
                         pattern,
@@ -280,6 +274,85 @@ pub fn run(
         }
     }
     Ok((records, lines))
+}
+
+/// One fault run's configuration (the table label says which).
+struct Run {
+    label: &'static str,
+    backing: Backing,
+    /// Read-ahead window in pages (0: off).
+    window: usize,
+    pattern: AccessPattern,
+}
+
+impl Run {
+    /// Maps the guest memory, has `threads` threads fault every page in and
+    /// checks each; returns the record and its summary line.
+    fn measure(
+        &self,
+        mgr: &Arc<TransportManager>,
+        set: &WorkingSet,
+        params: &Params,
+        threads: usize,
+    ) -> anyhow::Result<(Record, String)> {
+        let gpa_base = set.gpas[0];
+        let pages = set.len();
+        let ram = GuestMemory::new(
+            Arc::clone(mgr),
+            GuestMemoryConfig {
+                prefetch_max_pages: self.window,
+                ..crate::guest::config(
+                    self.backing,
+                    gpa_base,
+                    pages * PAGE_SIZE,
+                    params.handler_cpus.clone(),
+                )?
+            },
+        )
+        .context("mapping guest memory")?;
+        let spec = Spec {
+            op: Op::Fault,
+            ops: params.ops,
+            threads,
+            depth: 1,
+            pattern: self.pattern,
+        };
+        let base = ram.as_ptr() as usize;
+        let zero_copy = ram.rdma_zero_copy();
+        let zc_before = mgr.zero_copy_stats();
+        let outcome = touch_rounds(&ram, spec, |i| {
+            // SAFETY: page i was faulted in by the touch just before and
+            // stays mapped until the eviction after the round.
+            let page = unsafe { &*((base + i * PAGE_SIZE) as *const Page) };
+            pattern::check(page, gpa_base + (i * PAGE_SIZE) as u64, SEED)
+        })?;
+        let stats = ram.stats();
+        drop(ram);
+        let zc_after = mgr.zero_copy_stats();
+        let mut record = Record::new(self.label, spec, params.nodes, &outcome);
+        record.backing = Some(self.backing.name().into());
+        record.rdma_zero_copy = Some(zero_copy);
+        let rdma_pages = match (
+            zc_after.direct_pages - zc_before.direct_pages,
+            zc_after.framed_pages - zc_before.framed_pages,
+        ) {
+            (0, 0) => String::new(),
+            (direct, framed) => {
+                format!("; RDMA: {direct} pages straight into guest RAM, {framed} through the pool")
+            }
+        };
+        let line = format!(
+            "fault {}/{}, {:?}, {threads} thread(s): {:.0} faults/s, p50 {} us ({} fetched by faults, {} by prefetch{rdma_pages})",
+            self.label,
+            params.data_path,
+            self.pattern,
+            record.throughput.pages_per_s,
+            fmt_us(record.latency_us.p50),
+            stats.missing_faults,
+            stats.prefetched_pages
+        );
+        Ok((record, line))
+    }
 }
 
 /// `spec.threads` threads touch every page of `[0, pages)` once per round in
