@@ -100,7 +100,7 @@ fn place_local_servers(threads: usize) {
 /// Toucher t runs on CPU t (mod the CPU count): toucher 0 shares CPU 0 with
 /// the fault handler (it sleeps in the fault while the handler works, and
 /// both wake-ups stay on one CPU); the transport's poller has the last CPU.
-fn pin_toucher(t: usize) {
+pub(crate) fn pin_toucher(t: usize) {
     let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
     let _ = core_affinity::set_for_current(core_affinity::CoreId { id: t % ncpu });
 }

@@ -83,7 +83,17 @@ pub fn run(
             .context("mapping guest memory")?;
             let tracking = tracking_name(ram.dirty_tracking());
             let dirty = dirty_set(pages, pattern);
-            let (outcome, per_write) = flush_rounds(mgr, &ram, &dirty, ops, backing.unit_pages())?;
+            // The writer is a vCPU: on CPU 0 with the handler, like the
+            // fault runs' first toucher (left to the scheduler, each
+            // write-protect fault can wake the handler on an idle CPU).
+            let (outcome, per_write) = std::thread::scope(|s| {
+                s.spawn(|| {
+                    crate::fault::pin_toucher(0);
+                    flush_rounds(mgr, &ram, &dirty, ops, backing.unit_pages())
+                })
+                .join()
+                .map_err(|_| anyhow::anyhow!("the flush thread panicked"))
+            })??;
             let spec = Spec {
                 op: Op::Write,
                 ops,
