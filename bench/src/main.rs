@@ -28,12 +28,19 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use page_server::ServerConfig;
 use rdma_transport::{ManagerConfig, PollMode, TransportKind, TransportManager, PAGE_SIZE};
 
 use crate::matrix::{BackingChoice, PatternChoice, PrefetchChoice};
 use crate::report::Record;
 use crate::workload::{Op, Spec, WorkingSet};
+
+/// The local page-servers' spin before they block, in µs, for reads and
+/// writes. They stand in for remote nodes with CPUs of their own; with two
+/// of them taking every other random request, the page-server's default 50
+/// µs often ran out between two requests, and waking a blocked server cost
+/// p99 x2.7-x4.1 of the bare ping-pong against x1.2-x2.0 with 200 µs
+/// (docs/benchmarking.md, "Waiting and thread placement").
+const LOCAL_SERVER_SPIN_US: u64 = 200;
 
 /// Latency and throughput benchmark of the remote-memory paging transport.
 #[derive(Debug, Parser)]
@@ -165,6 +172,12 @@ struct Args {
     /// (default: the library's).
     #[arg(long)]
     wait_spin_us: Option<u64>,
+    /// How long the local page-servers' connection threads spin for the
+    /// next request before they block, in microseconds (the page-server's
+    /// `--spin-us`; its default is 50). Default here: 200, or 0 for `--op
+    /// fault` (see docs/benchmarking.md, "Waiting and thread placement").
+    #[arg(long, value_name = "US")]
+    page_server_spin_us: Option<u64>,
     /// RDMA: local ACK timeout code of the QPs (4.096 us * 2^CODE; default:
     /// the library's 14, ~67 ms). SoftRoCE retransmits spuriously now and
     /// then, and each retransmission waits this long.
@@ -355,12 +368,12 @@ fn run() -> anyhow::Result<()> {
     if args.compare_rounds == 0 {
         bail!("--compare-rounds must be at least 1");
     }
-    // The fault op pins the local page-servers to the faulting thread's CPU
-    // (see fault.rs): there they must not spin.
-    let server_spin = match args.op {
-        Some(Op::Fault) => Duration::ZERO,
-        _ => ServerConfig::new("x", PAGE_SIZE).spin_before_block,
-    };
+    let server_spin = Duration::from_micros(args.page_server_spin_us.unwrap_or(match args.op {
+        // The fault op pins the local page-servers to the faulting thread's
+        // CPU (see fault.rs): there they must not spin.
+        Some(Op::Fault) => 0,
+        _ => LOCAL_SERVER_SPIN_US,
+    }));
     let mut cluster = match &args.coordinator {
         Some(_) => None,
         None => Some(cluster::LocalCluster::start_placed(
