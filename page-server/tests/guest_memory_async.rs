@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use rdma_transport::guest_memory::{GuestBacking, GuestMemory, GuestMemoryConfig, SharedFile};
-use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
+use rdma_transport::{ManagerConfig, PollMode, TransportManager, PAGE_SIZE};
 
 const NODE: u64 = NODE_BYTES as u64;
 /// Faulting threads on node a's pages, and pages each touches.
@@ -19,12 +19,21 @@ const PAGES_EACH: usize = 8;
 
 #[test]
 fn a_hung_node_delays_only_the_faults_that_need_it() {
-    hung_node_delays_only_its_faults(false);
+    hung_node_delays_only_its_faults(false, PollMode::Event);
 }
 
 #[test]
 fn shared_a_hung_node_delays_only_the_faults_that_need_it() {
-    hung_node_delays_only_its_faults(true);
+    hung_node_delays_only_its_faults(true, PollMode::Event);
+}
+
+/// Busy poll mode: the handler polls for up to `wait_spin_us` while
+/// fetches are in flight before it sleeps. One of them never answers: the
+/// handler must still take the new faults that come meanwhile, and go to
+/// sleep rather than spin until b comes back.
+#[test]
+fn busy_handler_a_hung_node_delays_only_the_faults_that_need_it() {
+    hung_node_delays_only_its_faults(false, PollMode::Busy);
 }
 
 /// One handler thread. Node b is SIGSTOPped (connected, silent) while a
@@ -32,7 +41,7 @@ fn shared_a_hung_node_delays_only_the_faults_that_need_it() {
 /// threads must all be served before b comes back. The request timeout is
 /// a minute, so a handler that waited for b's answer would serve none of
 /// them in time. Then b resumes and its fault is served with its page.
-fn hung_node_delays_only_its_faults(shared: bool) {
+fn hung_node_delays_only_its_faults(shared: bool, poll_mode: PollMode) {
     let db = tempfile::tempdir().unwrap();
     let coord = coordinator_on(
         &db.path().join("c.db"),
@@ -46,6 +55,8 @@ fn hung_node_delays_only_its_faults(shared: bool) {
             request_timeout_ms: 60_000,
             connect_timeout_ms: 500,
             poller_cpus: Some(vec![]),
+            poll_mode,
+            wait_spin_us: 2000,
             ..ManagerConfig::default()
         })
         .expect("manager connects"),
@@ -112,6 +123,14 @@ fn hung_node_delays_only_its_faults(shared: bool) {
         })
         .collect();
     let served = (0..THREADS).all(|_| done_rx.recv_timeout(Duration::from_secs(20)).is_ok());
+    // Only b's fetch is left in flight: a busy handler spins for at most
+    // wait_spin_us (2 ms), then sleeps. Its CPU time over a 300 ms window
+    // tells which (a measurement, not a synchronisation).
+    let handler_cpu_ms = served.then(|| {
+        let before = thread_cpu_ns("uffd-handler-0");
+        std::thread::sleep(Duration::from_millis(300));
+        (thread_cpu_ns("uffd-handler-0") - before) / 1_000_000
+    });
     let hung_meanwhile = !hung.is_finished();
     b.resume();
     assert!(
@@ -122,6 +141,11 @@ fn hung_node_delays_only_its_faults(shared: bool) {
     assert!(
         hung_meanwhile,
         "the fault on b's page was served while b was stopped"
+    );
+    let handler_cpu_ms = handler_cpu_ms.unwrap_or_default();
+    assert!(
+        handler_cpu_ms < 150,
+        "the handler ran {handler_cpu_ms} ms of 300 with only a hung fetch in flight: it spun instead of sleeping"
     );
     for r in readers {
         r.join().unwrap();
@@ -135,4 +159,17 @@ fn hung_node_delays_only_its_faults(shared: bool) {
         "one fetch per page"
     );
     assert_eq!((stats.fault_errors, stats.sigbus_raised), (0, 0));
+}
+
+/// CPU time (ns) of this process's thread named `name`, from
+/// /proc/self/task/*/schedstat (its first field).
+fn thread_cpu_ns(name: &str) -> u64 {
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim_end() == name {
+            let stat = std::fs::read_to_string(task.path().join("schedstat")).unwrap();
+            return stat.split_whitespace().next().unwrap().parse().unwrap();
+        }
+    }
+    panic!("no thread named {name}");
 }

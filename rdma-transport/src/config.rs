@@ -182,6 +182,15 @@ impl ManagerConfig {
         Duration::from_millis(self.connect_timeout_ms)
     }
 
+    /// How long a waiting caller (or fault handler) polls for its answer
+    /// before it blocks: `wait_spin_us` in busy mode, nothing in event mode.
+    pub(crate) fn caller_spin(&self) -> Duration {
+        match self.poll_mode {
+            PollMode::Busy => Duration::from_micros(self.wait_spin_us),
+            PollMode::Event => Duration::ZERO,
+        }
+    }
+
     /// The CPUs pollers are pinned to (empty: not pinned).
     pub(crate) fn resolved_poller_cpus(&self) -> Vec<usize> {
         if let Some(cpus) = &self.poller_cpus {

@@ -308,6 +308,12 @@ impl TransportManager {
         self.inner.completion_queue(reap)
     }
 
+    /// How long a waiting caller polls before it blocks (see
+    /// [`ManagerConfig::wait_spin_us`]): the fault handlers spin as long.
+    pub(crate) fn caller_spin(&self) -> std::time::Duration {
+        self.inner.config.caller_spin()
+    }
+
     /// The page pool.
     pub fn pool(&self) -> &PagePool {
         &self.inner.pool

@@ -94,6 +94,9 @@ pub(crate) fn run(shared: &Arc<Shared>, queue: CompletionQueue) {
         gpas: Vec::with_capacity(shared.region.unit_pages()),
         done: Vec::with_capacity(MAX_FETCHES),
     };
+    // Busy poll mode: while fetches are in flight, the thread polls for
+    // their answers (and new faults) before it sleeps.
+    let spin = shared.manager.caller_spin();
     while !shared.stop.load(Ordering::Acquire) {
         let timeout_ms = handler.next_retry_in_ms();
         // The sockets our fetches wait on are read here, not by their
@@ -106,8 +109,12 @@ pub(crate) fn run(shared: &Arc<Shared>, queue: CompletionQueue) {
             events: libc::POLLIN,
             revents: 0,
         }));
-        // SAFETY: `fds` is a live, correctly sized array of pollfds.
-        let ret = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+        let spin = if handler.in_flight() {
+            spin
+        } else {
+            Duration::ZERO
+        };
+        let ret = poll_fds(&mut fds, timeout_ms, spin);
         if ret < 0 {
             let err = std::io::Error::last_os_error();
             if err.kind() != std::io::ErrorKind::Interrupted {
@@ -127,6 +134,31 @@ pub(crate) fn run(shared: &Arc<Shared>, queue: CompletionQueue) {
         handler.run_due_retries();
     }
     handler.abandon();
+}
+
+/// `poll(2)` on `fds`: for up to `spin` without blocking, yielding the CPU
+/// between two tries (an answer that comes meanwhile wakes nobody: on a
+/// small host waking a sleeping thread costs more than the fetch), then
+/// blocking for up to `timeout_ms`.
+fn poll_fds(fds: &mut [libc::pollfd], timeout_ms: libc::c_int, spin: Duration) -> libc::c_int {
+    let poll = |fds: &mut [libc::pollfd], timeout_ms| {
+        // SAFETY: `fds` is a live, correctly sized array of pollfds.
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) }
+    };
+    if !spin.is_zero() {
+        let start = Instant::now();
+        loop {
+            let ret = poll(fds, 0);
+            if ret != 0 {
+                return ret;
+            }
+            if start.elapsed() >= spin {
+                break;
+            }
+            std::thread::yield_now();
+        }
+    }
+    poll(fds, timeout_ms)
 }
 
 struct Handler<'a> {
@@ -279,6 +311,12 @@ impl Handler<'_> {
             shared.release(page, 0, FETCHING, false);
             self.failed(fault, err);
         }
+    }
+
+    /// Whether any fetch is on the wire (every slot not in flight is in
+    /// `free`).
+    fn in_flight(&self) -> bool {
+        self.fetches.len() > self.free.len()
     }
 
     /// Puts the pages whose fetches completed in place.

@@ -257,10 +257,7 @@ impl CompletionQueue {
         }
         let start = Instant::now();
         let until = start + timeout;
-        let spin = match self.shared.inner.config.poll_mode {
-            crate::PollMode::Busy => Duration::from_micros(self.shared.inner.config.wait_spin_us),
-            crate::PollMode::Event => Duration::ZERO,
-        };
+        let spin = self.shared.inner.config.caller_spin();
         let mut got = 0;
         loop {
             got += self.poll(out);

@@ -8,11 +8,9 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use super::link::Link;
 use super::{Inner, Node};
-use crate::config::PollMode;
 use crate::error::TransportError;
 use crate::page::PAGE_SIZE;
 use crate::pool::PageFrame;
@@ -117,10 +115,7 @@ impl Inner {
         };
         #[cfg(any(test, feature = "test-hooks"))]
         super::unwind_hook::maybe_panic_after_submit();
-        let spin = match self.config.poll_mode {
-            PollMode::Busy => Duration::from_micros(self.config.wait_spin_us),
-            PollMode::Event => Duration::ZERO,
-        };
+        let spin = self.config.caller_spin();
         let conns = [Some(Arc::clone(conn))];
         let answered = crate::rdma::wait(&waiter, &conns, spin, &deadline);
         let (code, buf) = pending.settle(answered);
@@ -183,10 +178,7 @@ impl Inner {
         };
         #[cfg(any(test, feature = "test-hooks"))]
         super::unwind_hook::maybe_panic_after_submit();
-        let spin = match self.config.poll_mode {
-            PollMode::Busy => Duration::from_micros(self.config.wait_spin_us),
-            PollMode::Event => Duration::ZERO,
-        };
+        let spin = self.config.caller_spin();
         let conns = [Some(Arc::clone(conn))];
         let answered = crate::rdma::wait(&waiter, &conns, spin, deadline);
         let (code, _) = pending.settle(answered);

@@ -8,7 +8,7 @@
 //! A round is reusable: `reset` forgets only the entries the last round
 //! used, so a one-page request clears no large arrays.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::epoch::Fenced;
 use super::link::{self, Link};
@@ -17,7 +17,6 @@ use super::rdma_batch::{Pages, RdmaChunk};
 use super::request::{connection_lost, Outcome, Target};
 use super::tcp_chunk::{Sent, TcpChunk};
 use super::{Inner, Node};
-use crate::config::PollMode;
 use crate::tcp::{Request, TcpConnection, Waiter, MAX_CHUNK};
 use crate::wire::Opcode;
 
@@ -270,10 +269,7 @@ impl Inner {
     /// Waits (blocking) until every request of `round` was answered or
     /// `deadline` passed (false then).
     pub(super) fn wait_round(&self, round: &Round, waiter: &Waiter, deadline: Instant) -> bool {
-        let spin = match self.config.poll_mode {
-            PollMode::Busy => Duration::from_micros(self.config.wait_spin_us),
-            PollMode::Event => Duration::ZERO,
-        };
+        let spin = self.config.caller_spin();
         let tcp = &round.tcp.groups[..round.group_count];
         let rdma = &round.rdma.conns[..round.rdma.groups];
         if round.rdma.groups == 0 {

@@ -4,12 +4,11 @@
 //! sized for 64 requests) and the clock is read once.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::link::Link;
 use super::tcp_chunk::Sent;
 use super::Inner;
-use crate::config::PollMode;
 use crate::error::TransportError;
 use crate::tcp::{Request, TcpConnection, Waiter};
 use crate::wire::Opcode;
@@ -73,10 +72,7 @@ impl Inner {
                 pending.id = Some(ids[0]);
                 #[cfg(any(test, feature = "test-hooks"))]
                 super::unwind_hook::maybe_panic_after_submit();
-                let spin = match self.config.poll_mode {
-                    PollMode::Busy => Duration::from_micros(self.config.wait_spin_us),
-                    PollMode::Event => Duration::ZERO,
-                };
+                let spin = self.config.caller_spin();
                 let conns = [Some(Arc::clone(conn))];
                 let answered = crate::tcp::wait(&waiter, &conns, spin, deadline);
                 pending.settle(answered)
