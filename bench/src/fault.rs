@@ -43,36 +43,44 @@ const SEED: u64 = 0xfa17;
 /// page-server thread it waits for (see docs/benchmarking.md, Fault path).
 pub const WAIT_SPIN_US: u64 = 10;
 
-/// Places the local cluster's page-server connection threads (in this
-/// process) for a run with `threads` faulting threads. They stand in for
-/// remote nodes, which have CPUs of their own.
+/// The CPUs of the local cluster's page-server connection threads (in this
+/// process) for a run with `threads` faulting threads: `explicit` when
+/// `--page-server-cpus` gives them, else the bench's choice. They stand in
+/// for remote nodes, which have CPUs of their own.
 ///
-/// One faulting thread: all on CPU 0, where the faulting thread sleeps in
-/// its fault and the handler waits for the answer, so every wake-up of a
-/// fault stays on one CPU. Left to the scheduler, a server thread lands on
-/// the other, idle CPU, and waking a halted vCPU costs tens of µs per fault
+/// One faulting thread: CPU 0, where the faulting thread sleeps in its
+/// fault and the handler waits for the answer, so every wake-up of a fault
+/// stays on one CPU. Left to the scheduler, a server thread lands on the
+/// other, idle CPU, and waking a halted vCPU costs tens of µs per fault
 /// (random p50 90 µs against 30 µs pinned, 2026-11-26).
 ///
-/// Several faulting threads: not pinned. Both CPUs are busy then, and the
-/// servers' work (one loopback answer per fault) is half of what the
-/// faults cost; kept on CPU 0 it caps the rate (4 threads: 28-34k faults/s
-/// pinned, 41-45k unpinned, same host and hour).
+/// Several faulting threads: not pinned (empty). Both CPUs are busy then,
+/// and the servers' work (one loopback answer per fault) is half of what
+/// the faults cost; kept on CPU 0 it caps the rate (4 threads: 28-34k
+/// faults/s pinned, 41-45k unpinned, same host and hour).
 ///
 /// The baselines run after the fault runs, with the last run's placement
 /// (each of their layouts pins its own threads).
-fn place_local_servers(threads: usize) {
+fn server_cpus(threads: usize, explicit: Option<&[usize]>) -> Vec<usize> {
+    match explicit {
+        Some(cpus) => cpus.to_vec(),
+        None if threads == 1 => vec![0],
+        None => Vec::new(),
+    }
+}
+
+/// Pins the local page-server connection threads to `cpus` (empty: every
+/// CPU, i.e. not pinned).
+pub(crate) fn pin_local_servers(cpus: &[usize]) {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return;
     };
     let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let all: Vec<usize> = (0..ncpu).collect();
+    let cpus = if cpus.is_empty() { &all[..] } else { cpus };
     // SAFETY: a zeroed cpu_set_t is a valid empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    let cpus = if threads == 1 {
-        0..1
-    } else {
-        0..ncpu.min(libc::CPU_SETSIZE as usize)
-    };
-    for cpu in cpus {
+    for &cpu in cpus.iter().filter(|&&c| c < libc::CPU_SETSIZE as usize) {
         // SAFETY: cpu < CPU_SETSIZE, inside the set's bounds.
         unsafe { libc::CPU_SET(cpu, &mut set) };
     }
@@ -121,6 +129,9 @@ pub struct Params {
     pub backings: Vec<Backing>,
     /// `GuestMemoryConfig::handler_cpus` (`--handler-cpus`).
     pub handler_cpus: Option<Vec<usize>>,
+    /// `--page-server-cpus` (`None`: the bench's choice per run, see
+    /// [`server_cpus`]).
+    pub server_cpus: Option<Vec<usize>>,
 }
 
 /// Runs the fault benchmark; returns the table's records and the summary lines.
@@ -140,7 +151,7 @@ pub fn run(
         bail!("--op fault needs one contiguous GPA range");
     }
     set.fill(mgr, SEED).context("filling remote memory")?;
-    place_local_servers(params.threads);
+    pin_local_servers(&server_cpus(params.threads, params.server_cpus.as_deref()));
     let mut records = Vec::new();
     let mut lines = Vec::new();
     // Warm-up, not measured: the first run after start-up is slower
@@ -189,7 +200,7 @@ pub fn run(
                 // With several vCPU threads, one thread first, in the same
                 // process, for the ratio of their rates.
                 let one = if params.threads > 1 {
-                    place_local_servers(1);
+                    pin_local_servers(&server_cpus(1, params.server_cpus.as_deref()));
                     let (record, line) = run.measure(mgr, set, params, 1)?;
                     lines.push(line);
                     let rate = record.throughput.pages_per_s;
@@ -198,7 +209,7 @@ pub fn run(
                 } else {
                     None
                 };
-                place_local_servers(params.threads);
+                pin_local_servers(&server_cpus(params.threads, params.server_cpus.as_deref()));
                 let (record, line) = run.measure(mgr, set, params, params.threads)?;
                 lines.push(line);
                 if let Some(one) = one {

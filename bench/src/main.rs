@@ -178,6 +178,11 @@ struct Args {
     /// fault` (see docs/benchmarking.md, "Waiting and thread placement").
     #[arg(long, value_name = "US")]
     page_server_spin_us: Option<u64>,
+    /// CPUs of the local page-servers' connection threads: `auto` (the
+    /// bench's choice: not pinned, and for `--op fault` CPU 0 with one
+    /// faulting thread), `none` (not pinned) or a list like `1`.
+    #[arg(long, default_value = "auto", value_parser = parse_server_cpus)]
+    page_server_cpus: ServerCpus,
     /// RDMA: local ACK timeout code of the QPs (4.096 us * 2^CODE; default:
     /// the library's 14, ~67 ms). SoftRoCE retransmits spuriously now and
     /// then, and each retransmission waits this long.
@@ -270,6 +275,17 @@ fn parse_handler_cpus(s: &str) -> Result<HandlerCpus, String> {
     match s {
         "first" => Ok(HandlerCpus::First),
         list => parse_cpu_list(list, "first").map(HandlerCpus::List),
+    }
+}
+
+/// `--page-server-cpus`: `None` for `auto`.
+#[derive(Debug, Clone)]
+struct ServerCpus(Option<Vec<usize>>);
+
+fn parse_server_cpus(s: &str) -> Result<ServerCpus, String> {
+    match s {
+        "auto" => Ok(ServerCpus(None)),
+        list => parse_cpu_list(list, "auto").map(|cpus| ServerCpus(Some(cpus))),
     }
 }
 
@@ -430,11 +446,20 @@ fn run() -> anyhow::Result<()> {
             .is_none()
             .then_some(server_spin.as_micros() as u64),
         handler_cpus: (args.op == Some(Op::Fault)).then(|| args.handler_cpus.resolved()),
+        page_server_cpus: args.page_server_cpus.0.clone(),
     };
     let mgr = std::sync::Arc::new(
         TransportManager::connect(config.clone())
             .with_context(|| format!("connecting to the cluster at {url}"))?,
     );
+    // The fault op places them per run (fault.rs).
+    if let (Some(cpus), false, true) = (
+        &args.page_server_cpus.0,
+        args.op == Some(Op::Fault),
+        args.coordinator.is_none(),
+    ) {
+        fault::pin_local_servers(cpus);
+    }
     let map = mgr.map();
     let nodes = map.nodes().len();
     let limit_pages = args.memory / PAGE_SIZE;
@@ -498,6 +523,7 @@ fn run() -> anyhow::Result<()> {
                 prefetch: prefetch.clone(),
                 backings: backings.clone(),
                 handler_cpus: args.handler_cpus.config(),
+                server_cpus: args.page_server_cpus.0.clone(),
             };
             let (recs, summary) = fault::run(&mgr, &set, &params)?;
             records.extend(recs);

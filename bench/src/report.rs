@@ -92,6 +92,10 @@ pub struct Placement {
     /// only); empty: not pinned.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub handler_cpus: Option<Vec<usize>>,
+    /// CPUs the local page-servers' connection threads are pinned to, when
+    /// `--page-server-cpus` gives them; empty: not pinned.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub page_server_cpus: Option<Vec<usize>>,
 }
 
 impl Placement {
@@ -115,8 +119,13 @@ impl Placement {
             Some([]) => ", fault handlers not pinned".to_owned(),
             Some(cpus) => format!(", fault handlers pinned to CPU {cpus:?}"),
         };
+        let servers = match self.page_server_cpus.as_deref() {
+            None => String::new(),
+            Some([]) => ", local page-servers not pinned".to_owned(),
+            Some(cpus) => format!(", local page-servers pinned to CPU {cpus:?}"),
+        };
         format!(
-            "placement: poll mode {}, pollers {cpus}, {spin}{server}{handlers}",
+            "placement: poll mode {}, pollers {cpus}, {spin}{server}{handlers}{servers}",
             self.poll_mode
         )
     }
