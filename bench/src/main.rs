@@ -150,14 +150,14 @@ struct Args {
     poll_mode: PollMode,
     /// CPUs to pin the pollers to: `last` (the last CPUs, one per poller),
     /// `none` (not pinned: the library's default), or a list like `1,3`.
-    #[arg(long, default_value = "last", value_parser = parse_cpus)]
-    poller_cpus: PollerCpus,
+    #[arg(long, default_value = "last", value_parser = parse_poller_cpus)]
+    poller_cpus: CpuChoice,
     /// CPUs to pin the guest-memory fault handlers to (`--op fault` and its
     /// flush runs): `first` (the first CPUs, one per handler, away from the
     /// pollers), `none` (not pinned: the library's default), or a list like
     /// `0,2`.
     #[arg(long, default_value = "first", value_parser = parse_handler_cpus)]
-    handler_cpus: HandlerCpus,
+    handler_cpus: CpuChoice,
     /// The library call: copy (`read_pages`/`write_pages` with the bench's
     /// buffers, one batch of --depth at a time), frame (reads with
     /// `read_frame`, each page checked in its pool frame; one page per
@@ -182,7 +182,7 @@ struct Args {
     /// bench's choice: not pinned, and for `--op fault` CPU 0 with one
     /// faulting thread), `none` (not pinned) or a list like `1`.
     #[arg(long, default_value = "auto", value_parser = parse_server_cpus)]
-    page_server_cpus: ServerCpus,
+    page_server_cpus: CpuChoice,
     /// RDMA: local ACK timeout code of the QPs (4.096 us * 2^CODE; default:
     /// the library's 14, ~67 ms). SoftRoCE retransmits spuriously now and
     /// then, and each retransmission waits this long.
@@ -209,84 +209,29 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
     }
 }
 
-/// `--poller-cpus`.
+/// A `--*-cpus` flag: `None` for its keyword (`last`, `first`, `auto`: the
+/// automatic choice), else the list (empty for `none`: not pinned). Its
+/// value is the library's `Option<Vec<usize>>` as it is.
 #[derive(Debug, Clone)]
-enum PollerCpus {
-    Last,
-    List(Vec<usize>),
+struct CpuChoice(Option<Vec<usize>>);
+
+fn parse_poller_cpus(s: &str) -> Result<CpuChoice, String> {
+    parse_cpu_choice(s, "last")
 }
 
-impl PollerCpus {
-    /// The `ManagerConfig::poller_cpus` value.
-    fn config(&self) -> Option<Vec<usize>> {
-        match self {
-            PollerCpus::Last => None,
-            PollerCpus::List(cpus) => Some(cpus.clone()),
-        }
-    }
-
-    /// The CPUs `pollers` pollers are pinned to (empty: not pinned), as the
-    /// library resolves them.
-    fn resolved(&self, pollers: usize) -> Vec<usize> {
-        match self {
-            PollerCpus::Last => {
-                let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
-                (0..pollers.max(1)).map(|i| ncpu - 1 - (i % ncpu)).collect()
-            }
-            PollerCpus::List(cpus) => cpus.clone(),
-        }
-    }
+fn parse_handler_cpus(s: &str) -> Result<CpuChoice, String> {
+    parse_cpu_choice(s, "first")
 }
 
-fn parse_cpus(s: &str) -> Result<PollerCpus, String> {
-    match s {
-        "last" => Ok(PollerCpus::Last),
-        list => parse_cpu_list(list, "last").map(PollerCpus::List),
-    }
+fn parse_server_cpus(s: &str) -> Result<CpuChoice, String> {
+    parse_cpu_choice(s, "auto")
 }
 
-/// `--handler-cpus`.
-#[derive(Debug, Clone)]
-enum HandlerCpus {
-    First,
-    List(Vec<usize>),
-}
-
-impl HandlerCpus {
-    /// The `GuestMemoryConfig::handler_cpus` value.
-    fn config(&self) -> Option<Vec<usize>> {
-        match self {
-            HandlerCpus::First => None,
-            HandlerCpus::List(cpus) => Some(cpus.clone()),
-        }
+fn parse_cpu_choice(s: &str, keyword: &str) -> Result<CpuChoice, String> {
+    if s == keyword {
+        return Ok(CpuChoice(None));
     }
-
-    /// The CPU the (one) handler thread is pinned to, as the library
-    /// resolves it; empty: not pinned.
-    fn resolved(&self) -> Vec<usize> {
-        match self {
-            HandlerCpus::First => vec![0],
-            HandlerCpus::List(cpus) => cpus.clone(),
-        }
-    }
-}
-
-fn parse_handler_cpus(s: &str) -> Result<HandlerCpus, String> {
-    match s {
-        "first" => Ok(HandlerCpus::First),
-        list => parse_cpu_list(list, "first").map(HandlerCpus::List),
-    }
-}
-
-/// `--page-server-cpus`: `None` for `auto`.
-#[derive(Debug, Clone)]
-struct ServerCpus(Option<Vec<usize>>);
-
-fn parse_server_cpus(s: &str) -> Result<ServerCpus, String> {
-    match s {
-        "auto" => Ok(ServerCpus(None)),
-        list => parse_cpu_list(list, "auto").map(|cpus| ServerCpus(Some(cpus))),
-    }
+    parse_cpu_list(s, keyword).map(|cpus| CpuChoice(Some(cpus)))
 }
 
 /// `none` (an empty list: not pinned) or CPU ids like `1,3`; `keyword` is
@@ -421,7 +366,7 @@ fn run() -> anyhow::Result<()> {
         transport: args.transport,
         poll_mode: args.poll_mode,
         poller_threads: args.pollers,
-        poller_cpus: args.poller_cpus.config(),
+        poller_cpus: args.poller_cpus.0.clone(),
         wait_spin_us: args.wait_spin_us.unwrap_or(match args.op {
             Some(Op::Fault) => fault::WAIT_SPIN_US,
             _ => ManagerConfig::default().wait_spin_us,
@@ -439,13 +384,21 @@ fn run() -> anyhow::Result<()> {
             PollMode::Busy => "busy".into(),
             PollMode::Event => "event".into(),
         },
-        poller_cpus: args.poller_cpus.resolved(config.poller_threads),
+        // As the library resolves them: the last CPUs, one per poller.
+        poller_cpus: args.poller_cpus.0.clone().unwrap_or_else(|| {
+            let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (0..config.poller_threads.max(1))
+                .map(|i| ncpu - 1 - (i % ncpu))
+                .collect()
+        }),
         wait_spin_us: config.wait_spin_us,
         page_server_spin_us: args
             .coordinator
             .is_none()
             .then_some(server_spin.as_micros() as u64),
-        handler_cpus: (args.op == Some(Op::Fault)).then(|| args.handler_cpus.resolved()),
+        // The fault op's one handler: CPU 0 when `first`.
+        handler_cpus: (args.op == Some(Op::Fault))
+            .then(|| args.handler_cpus.0.clone().unwrap_or_else(|| vec![0])),
         page_server_cpus: args.page_server_cpus.0.clone(),
     };
     let mgr = std::sync::Arc::new(
@@ -522,7 +475,7 @@ fn run() -> anyhow::Result<()> {
                 patterns: patterns.clone(),
                 prefetch: prefetch.clone(),
                 backings: backings.clone(),
-                handler_cpus: args.handler_cpus.config(),
+                handler_cpus: args.handler_cpus.0.clone(),
                 server_cpus: args.page_server_cpus.0.clone(),
             };
             let (recs, summary) = fault::run(&mgr, &set, &params)?;
@@ -534,7 +487,7 @@ fn run() -> anyhow::Result<()> {
                 args.ops,
                 &backings,
                 &patterns,
-                args.handler_cpus.config(),
+                args.handler_cpus.0.clone(),
             )?;
             records.extend(recs);
             lines.extend(summary);
