@@ -39,7 +39,7 @@ use crate::workload::{Op, Spec, WorkingSet};
 /// of them taking every other random request, the page-server's default 50
 /// µs often ran out between two requests, and waking a blocked server cost
 /// p99 x2.7-x4.1 of the bare ping-pong against x1.2-x2.0 with 200 µs
-/// (docs/benchmarking.md, "Waiting and thread placement").
+/// (docs/benchmarking.md, "Bench placement, 2026-11-26").
 const LOCAL_SERVER_SPIN_US: u64 = 200;
 
 /// Latency and throughput benchmark of the remote-memory paging transport.
@@ -175,7 +175,7 @@ struct Args {
     /// How long the local page-servers' connection threads spin for the
     /// next request before they block, in microseconds (the page-server's
     /// `--spin-us`; its default is 50). Default here: 200, or 0 for `--op
-    /// fault` (see docs/benchmarking.md, "Waiting and thread placement").
+    /// fault` (see docs/benchmarking.md, "Bench placement, 2026-11-26").
     #[arg(long, value_name = "US")]
     page_server_spin_us: Option<u64>,
     /// CPUs of the local page-servers' connection threads: `auto` (the
