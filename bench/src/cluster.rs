@@ -156,3 +156,40 @@ impl Drop for LocalCluster {
         }
     }
 }
+
+/// Pins the local cluster's page-server connection threads (they run in
+/// this process, named `page-conn-*`) to `cpus` (empty: every CPU, i.e. not
+/// pinned).
+pub(crate) fn pin_local_servers(cpus: &[usize]) {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return;
+    };
+    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let all: Vec<usize> = (0..ncpu).collect();
+    let cpus = if cpus.is_empty() { &all[..] } else { cpus };
+    // SAFETY: a zeroed cpu_set_t is a valid empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for &cpu in cpus.iter().filter(|&&c| c < libc::CPU_SETSIZE as usize) {
+        // SAFETY: cpu < CPU_SETSIZE, inside the set's bounds.
+        unsafe { libc::CPU_SET(cpu, &mut set) };
+    }
+    for task in tasks.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        let Some(tid) = task
+            .file_name()
+            .to_str()
+            .and_then(|t| t.parse::<libc::pid_t>().ok())
+        else {
+            continue;
+        };
+        if comm.starts_with("page-conn") {
+            // SAFETY: `set` is a live cpu_set_t of the size passed.
+            let ret = unsafe {
+                libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set)
+            };
+            if ret != 0 {
+                tracing::warn!(tid, "cannot place a page-server thread");
+            }
+        }
+    }
+}

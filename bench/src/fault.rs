@@ -69,42 +69,6 @@ fn server_cpus(threads: usize, explicit: Option<&[usize]>) -> Vec<usize> {
     }
 }
 
-/// Pins the local page-server connection threads to `cpus` (empty: every
-/// CPU, i.e. not pinned).
-pub(crate) fn pin_local_servers(cpus: &[usize]) {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return;
-    };
-    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let all: Vec<usize> = (0..ncpu).collect();
-    let cpus = if cpus.is_empty() { &all[..] } else { cpus };
-    // SAFETY: a zeroed cpu_set_t is a valid empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    for &cpu in cpus.iter().filter(|&&c| c < libc::CPU_SETSIZE as usize) {
-        // SAFETY: cpu < CPU_SETSIZE, inside the set's bounds.
-        unsafe { libc::CPU_SET(cpu, &mut set) };
-    }
-    for task in tasks.flatten() {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        let Some(tid) = task
-            .file_name()
-            .to_str()
-            .and_then(|t| t.parse::<libc::pid_t>().ok())
-        else {
-            continue;
-        };
-        if comm.starts_with("page-conn") {
-            // SAFETY: `set` is a live cpu_set_t of the size passed.
-            let ret = unsafe {
-                libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set)
-            };
-            if ret != 0 {
-                tracing::warn!(tid, "cannot place a page-server thread");
-            }
-        }
-    }
-}
-
 /// Toucher t runs on CPU t (mod the CPU count): toucher 0 shares CPU 0 with
 /// the fault handler (it sleeps in the fault while the handler works, and
 /// both wake-ups stay on one CPU); the transport's poller has the last CPU.
@@ -134,6 +98,14 @@ pub struct Params {
     pub server_cpus: Option<Vec<usize>>,
 }
 
+impl Params {
+    /// Places the local page-servers for a run with `threads` faulting
+    /// threads.
+    fn place_servers(&self, threads: usize) {
+        crate::cluster::pin_local_servers(&server_cpus(threads, self.server_cpus.as_deref()));
+    }
+}
+
 /// Runs the fault benchmark; returns the table's records and the summary lines.
 pub fn run(
     mgr: &Arc<TransportManager>,
@@ -151,7 +123,7 @@ pub fn run(
         bail!("--op fault needs one contiguous GPA range");
     }
     set.fill(mgr, SEED).context("filling remote memory")?;
-    pin_local_servers(&server_cpus(params.threads, params.server_cpus.as_deref()));
+    params.place_servers(params.threads);
     let mut records = Vec::new();
     let mut lines = Vec::new();
     // Warm-up, not measured: the first run after start-up is slower
@@ -200,7 +172,7 @@ pub fn run(
                 // With several vCPU threads, one thread first, in the same
                 // process, for the ratio of their rates.
                 let one = if params.threads > 1 {
-                    pin_local_servers(&server_cpus(1, params.server_cpus.as_deref()));
+                    params.place_servers(1);
                     let (record, line) = run.measure(mgr, set, params, 1)?;
                     lines.push(line);
                     let rate = record.throughput.pages_per_s;
@@ -209,7 +181,7 @@ pub fn run(
                 } else {
                     None
                 };
-                pin_local_servers(&server_cpus(params.threads, params.server_cpus.as_deref()));
+                params.place_servers(params.threads);
                 let (record, line) = run.measure(mgr, set, params, params.threads)?;
                 lines.push(line);
                 if let Some(one) = one {

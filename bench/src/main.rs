@@ -411,7 +411,7 @@ fn run() -> anyhow::Result<()> {
         args.op == Some(Op::Fault),
         args.coordinator.is_none(),
     ) {
-        fault::pin_local_servers(cpus);
+        cluster::pin_local_servers(cpus);
     }
     let map = mgr.map();
     let nodes = map.nodes().len();

@@ -96,7 +96,7 @@ pub(crate) fn run(shared: &Arc<Shared>, queue: CompletionQueue) {
     };
     // Busy poll mode: while fetches are in flight, the thread polls for
     // their answers (and new faults) before it sleeps.
-    let spin = shared.manager.caller_spin();
+    let busy_spin = shared.manager.caller_spin();
     while !shared.stop.load(Ordering::Acquire) {
         let timeout_ms = handler.next_retry_in_ms();
         // The sockets our fetches wait on are read here, not by their
@@ -110,7 +110,7 @@ pub(crate) fn run(shared: &Arc<Shared>, queue: CompletionQueue) {
             revents: 0,
         }));
         let spin = if handler.in_flight() {
-            spin
+            busy_spin
         } else {
             Duration::ZERO
         };
