@@ -117,6 +117,7 @@ impl Inner {
             fallbacks: Mutex::new(0),
             fallbacks_done: Condvar::new(),
             eventfd,
+            eventfd_signalled: AtomicBool::new(false),
             sleeper: Mutex::new(None),
             stop: AtomicBool::new(false),
             callback: Mutex::new(callback),

@@ -37,6 +37,8 @@ pub(super) struct Shared {
     pub(super) fallbacks: Mutex<usize>,
     pub(super) fallbacks_done: Condvar,
     pub(super) eventfd: Option<OwnedFd>,
+    /// The eventfd was written since the last drain.
+    pub(super) eventfd_signalled: AtomicBool,
     /// A thread waiting in `wait` (poll mode) or the callback thread.
     pub(super) sleeper: Mutex<Option<Thread>>,
     pub(super) stop: AtomicBool,
@@ -112,11 +114,21 @@ impl Shared {
             if ret < 0 {
                 tracing::debug!(err = %std::io::Error::last_os_error(), "completion eventfd write failed");
             }
+            // After the write: a drain that sees the flag finds the count
+            // there (or a later one's), so the eventfd never stays
+            // readable with the flag down.
+            self.eventfd_signalled.store(true, Ordering::Release);
         }
     }
 
+    /// Resets the eventfd if it was signalled since the last drain; a
+    /// reap that finds nothing signalled costs no system call (the fault
+    /// handler reaps after every answer it reads itself).
     pub(super) fn drain_eventfd(&self) {
         if let Some(fd) = &self.eventfd {
+            if !self.eventfd_signalled.swap(false, Ordering::AcqRel) {
+                return;
+            }
             let mut buf = [0u8; 8];
             // SAFETY: reads at most 8 bytes into a live buffer; the fd is non-blocking.
             let _ = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
