@@ -179,8 +179,9 @@ struct Args {
     #[arg(long, value_name = "US")]
     page_server_spin_us: Option<u64>,
     /// CPUs of the local page-servers' connection threads: `auto` (the
-    /// bench's choice: not pinned, and for `--op fault` CPU 0 with one
-    /// faulting thread), `none` (not pinned) or a list like `1`.
+    /// bench's choice: with one thread the pollers' CPU for reads and
+    /// writes and CPU 0 for `--op fault`, else not pinned), `none` (not
+    /// pinned) or a list like `1`.
     #[arg(long, default_value = "auto", value_parser = parse_server_cpus)]
     page_server_cpus: CpuChoice,
     /// RDMA: local ACK timeout code of the QPs (4.096 us * 2^CODE; default:
@@ -225,6 +226,30 @@ fn parse_handler_cpus(s: &str) -> Result<CpuChoice, String> {
 
 fn parse_server_cpus(s: &str) -> Result<CpuChoice, String> {
     parse_cpu_choice(s, "auto")
+}
+
+/// The CPUs of the local page-servers' connection threads for the read and
+/// write runs: `--page-server-cpus`, or with `auto` and one caller thread,
+/// the pollers' CPUs. The caller then has its CPU to itself and the
+/// servers spin on the other one, as in the bare ping-pong's best layout
+/// (`cross-cpu-spinning`); left to the scheduler, the two servers of the
+/// default cluster shared the caller's CPU half the time (depth-1 read p50
+/// median x1.39 of the bare ping-pong against x1.22 pinned, 8 alternated
+/// runs each, docs/benchmarking.md). Several caller threads need both CPUs:
+/// not pinned. Nor are they when a run restarts a server or compares with
+/// a second cluster, whose servers (or a restarted one's threads) would not
+/// be placed alike. The fault op places them per run (fault.rs).
+fn local_server_cpus(args: &Args, poller_cpus: &[usize]) -> Option<Vec<usize>> {
+    let plain_local_run = args.coordinator.is_none()
+        && args.threads == 1
+        && args.fail_node_after_ms.is_none()
+        && !args.compare_insecure
+        && !args.compare_replicas;
+    match (&args.page_server_cpus.0, args.op) {
+        (Some(cpus), _) => Some(cpus.clone()),
+        (None, None | Some(Op::Read | Op::Write)) if plain_local_run => Some(poller_cpus.to_vec()),
+        _ => None,
+    }
 }
 
 fn parse_cpu_choice(s: &str, keyword: &str) -> Result<CpuChoice, String> {
@@ -379,18 +404,19 @@ fn run() -> anyhow::Result<()> {
             .unwrap_or(ManagerConfig::default().page_checksums),
         ..ManagerConfig::default()
     };
+    // As the library resolves them: the last CPUs, one per poller.
+    let poller_cpus = args.poller_cpus.0.clone().unwrap_or_else(|| {
+        let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (0..config.poller_threads.max(1))
+            .map(|i| ncpu - 1 - (i % ncpu))
+            .collect()
+    });
     let placement = report::Placement {
         poll_mode: match config.poll_mode {
             PollMode::Busy => "busy".into(),
             PollMode::Event => "event".into(),
         },
-        // As the library resolves them: the last CPUs, one per poller.
-        poller_cpus: args.poller_cpus.0.clone().unwrap_or_else(|| {
-            let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
-            (0..config.poller_threads.max(1))
-                .map(|i| ncpu - 1 - (i % ncpu))
-                .collect()
-        }),
+        poller_cpus: poller_cpus.clone(),
         wait_spin_us: config.wait_spin_us,
         page_server_spin_us: args
             .coordinator
@@ -399,7 +425,7 @@ fn run() -> anyhow::Result<()> {
         // The fault op's one handler: CPU 0 when `first`.
         handler_cpus: (args.op == Some(Op::Fault))
             .then(|| args.handler_cpus.0.clone().unwrap_or_else(|| vec![0])),
-        page_server_cpus: args.page_server_cpus.0.clone(),
+        page_server_cpus: local_server_cpus(&args, &poller_cpus),
     };
     let mgr = std::sync::Arc::new(
         TransportManager::connect(config.clone())
@@ -407,7 +433,7 @@ fn run() -> anyhow::Result<()> {
     );
     // The fault op places them per run (fault.rs).
     if let (Some(cpus), false, true) = (
-        &args.page_server_cpus.0,
+        &placement.page_server_cpus,
         args.op == Some(Op::Fault),
         args.coordinator.is_none(),
     ) {
