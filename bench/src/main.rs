@@ -835,3 +835,41 @@ fn progress_bar(total: u64, label: &str) -> ProgressBar {
     bar.enable_steady_tick(Duration::from_millis(500));
     bar
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The local page-servers' CPUs for `argv` when the pollers are on CPU 1.
+    fn servers(argv: &[&str]) -> Option<Vec<usize>> {
+        let args = Args::try_parse_from(std::iter::once("bench").chain(argv.iter().copied()))
+            .expect("valid flags");
+        local_server_cpus(&args, &[1])
+    }
+
+    #[test]
+    fn local_servers_join_the_pollers_only_on_a_plain_run_with_one_caller() {
+        assert_eq!(
+            servers(&[]),
+            Some(vec![1]),
+            "the default write and read runs"
+        );
+        assert_eq!(servers(&["--op", "read", "--depth", "32"]), Some(vec![1]));
+        assert_eq!(servers(&["--op", "read", "--threads", "4"]), None);
+        assert_eq!(
+            servers(&["--op", "fault"]),
+            None,
+            "placed per run by fault.rs"
+        );
+        assert_eq!(servers(&["--coordinator", "http://127.0.0.1:1"]), None);
+        assert_eq!(servers(&["--compare-insecure"]), None);
+        assert_eq!(servers(&["--compare-replicas", "--replicas", "2"]), None);
+        assert_eq!(servers(&["--fail-node-after-ms", "100"]), None);
+        assert_eq!(servers(&["--page-server-cpus", "none"]), Some(vec![]));
+        assert_eq!(
+            servers(&["--page-server-cpus", "0", "--threads", "4"]),
+            Some(vec![0]),
+            "an explicit list always holds"
+        );
+    }
+}
