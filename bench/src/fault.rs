@@ -17,10 +17,12 @@
 //! userfaultfd fault resolved by `UFFDIO_COPY` from a local buffer (same
 //! handler-thread pinning as ours) and the bare TCP ping-pong (32 B request,
 //! 32 B + 4 KiB reply) in its best layout (bench/src/baseline/mod.rs); the
-//! report compares each of our runs' p50 with the sum of their p50s.
+//! report compares each of our runs' p50 with the sum of their p50s. Then
+//! the two as one bare program (`bare-fault`: a userfaultfd handler that
+//! fetches each page from the bare ping-pong server, in each layout), to
+//! which each run's p50 is compared too, with how far that bare program is
+//! from the sum.
 
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -252,8 +254,26 @@ pub fn run(
                 ));
             }
             lines.push(report::layouts_line(&tcp));
+            // The whole remote fault as one bare program: whether the sum
+            // above can be had at all on this machine.
+            let bare = crate::baseline::run_remote_fault(spec, pages.min(16384), SEED)?;
+            let mut remote = Record::baseline(spec, &bare);
+            remote.transport = "bare-fault".into();
+            for &(_, prefetch, p50, _) in ran.iter().filter(|r| r.0 == pattern) {
+                lines.push(format!(
+                    "{pattern:?} fault p50 {} us (prefetch {}) vs the bare remote fault {} us ({}, x{} of the sum above): x{}",
+                    fmt_us(p50),
+                    if prefetch { "on" } else { "off" },
+                    fmt_us(remote.latency_us.p50),
+                    bare.layout.name(),
+                    fmt_ratio(remote.latency_us.p50 / sum.max(1e-9)),
+                    fmt_ratio(p50 / remote.latency_us.p50.max(1e-9))
+                ));
+            }
+            lines.push(report::layouts_line(&remote));
             records.push(local);
             records.push(tcp);
+            records.push(remote);
         }
     }
     Ok((records, lines))
@@ -402,7 +422,7 @@ fn touch_rounds(
 
 /// The page order of each thread for one round of `touches` touches:
 /// disjoint slices of the region, shuffled for the random pattern.
-fn orders(pages: usize, touches: usize, spec: Spec, round: u64) -> Vec<Vec<usize>> {
+pub(crate) fn orders(pages: usize, touches: usize, spec: Spec, round: u64) -> Vec<Vec<usize>> {
     let threads = spec.threads.max(1);
     let per_thread = pages / threads;
     let mut rng = rand::rngs::SmallRng::seed_from_u64(SEED ^ round);
@@ -419,120 +439,15 @@ fn orders(pages: usize, touches: usize, spec: Spec, round: u64) -> Vec<Vec<usize
         .collect()
 }
 
-/// A userfaultfd fault served by `UFFDIO_COPY` from a local buffer: one
-/// handler thread pinned like ours, blocking in `poll` like ours.
+/// A userfaultfd fault served by `UFFDIO_COPY` from a local buffer
+/// filled with the page's pattern: toucher and handler on CPU 0 like ours,
+/// the handler blocking in `poll` like ours.
 fn local_uffd_baseline(pages: usize, spec: Spec) -> anyhow::Result<Outcome> {
-    use rdma_transport::uffd::{Event, EventBuffer, FaultMode, RegisterMode, Userfaultfd};
-    let len = pages * PAGE_SIZE;
-    let region = rdma_transport::region::MappedRegion::new(
-        len,
-        rdma_transport::region::MapOptions {
-            try_huge_pages: false,
-            populate: false,
-        },
-    )?;
-    let uffd = Userfaultfd::open(FaultMode::UserOnly).context("userfaultfd")?;
-    uffd.enable(0).context("UFFDIO_API")?;
-    uffd.register(region.as_ptr(), len, RegisterMode::MISSING)
-        .context("UFFDIO_REGISTER")?;
-    let uffd = Arc::new(uffd);
-    let stop = Arc::new(AtomicBool::new(false));
-    let base = region.as_ptr() as usize;
-    let handler = {
-        let (uffd, stop) = (Arc::clone(&uffd), Arc::clone(&stop));
-        std::thread::spawn(move || {
-            let _ = core_affinity::set_for_current(core_affinity::CoreId { id: 0 });
-            let mut src: Page = [0u8; PAGE_SIZE];
-            let mut events = EventBuffer::new(16);
-            while !stop.load(Ordering::Relaxed) {
-                let mut fd = libc::pollfd {
-                    fd: uffd.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                };
-                // SAFETY: one live pollfd.
-                if unsafe { libc::poll(&mut fd, 1, 50) } <= 0 {
-                    continue;
-                }
-                if uffd.read_events(&mut events).is_err() {
-                    continue;
-                }
-                for event in events.events() {
-                    if let Event::Pagefault(fault) = event {
-                        let page_addr = fault.addr & !(PAGE_SIZE - 1);
-                        let gpa = (page_addr - base) as u64;
-                        pattern::fill(&mut src, gpa, SEED);
-                        // SAFETY: `src` is a live page; `page_addr` is a
-                        // missing page of the registered region, read by
-                        // the toucher only through raw pointers.
-                        let _ = unsafe {
-                            uffd.copy(src.as_ptr(), page_addr as *mut u8, PAGE_SIZE, false, true)
-                        };
-                    }
-                }
-            }
-        })
-    };
-    let check = |i: usize| {
-        // SAFETY: page i was faulted in by the touch before this check and
-        // stays mapped until the next round's eviction.
-        let page = unsafe { &*((base + i * PAGE_SIZE) as *const Page) };
-        pattern::check(page, (i * PAGE_SIZE) as u64, SEED)
-    };
-    let result = std::thread::scope(|s| {
-        s.spawn(|| {
-            pin_toucher(0);
-            touch_local(base, pages, spec, check, &region)
-        })
-        .join()
-        .unwrap_or_else(|_| Err(anyhow::anyhow!("local baseline toucher panicked")))
-    });
-    stop.store(true, Ordering::Relaxed);
-    let _ = handler.join();
-    result
-}
-
-fn touch_local(
-    base: usize,
-    pages: usize,
-    spec: Spec,
-    check: impl Fn(usize) -> bool,
-    region: &rdma_transport::region::MappedRegion,
-) -> anyhow::Result<Outcome> {
-    let mut total = Outcome::empty(Duration::ZERO);
-    let per_round = (pages as u64).min(spec.ops);
-    let rounds = spec.ops.div_ceil(per_round);
-    for round in 0..rounds {
-        let touches = per_round.min(spec.ops - round * per_round) as usize;
-        let order = orders(pages, touches, Spec { threads: 1, ..spec }, round).remove(0);
-        let t0 = Instant::now();
-        for &i in &order {
-            let addr = (base + i * PAGE_SIZE) as *const u64;
-            let t = Instant::now();
-            // SAFETY: first word of page i of the live region.
-            let word = unsafe { std::ptr::read_volatile(addr) };
-            let ns = t.elapsed().as_nanos() as u64;
-            std::hint::black_box(word);
-            let _ = total.latency_ns.record(ns.max(1));
-            if !check(i) {
-                total.bad_pages += 1;
-            }
-        }
-        total.elapsed += t0.elapsed();
-        total.ops_done += touches as u64;
-        total.pages_checked += touches as u64;
-        // SAFETY: drops the pages of our own region so the next round
-        // faults again.
-        let ret = unsafe {
-            libc::madvise(
-                region.as_ptr().cast(),
-                region.len_bytes(),
-                libc::MADV_DONTNEED,
-            )
-        };
-        if ret != 0 {
-            bail!("madvise: {}", std::io::Error::last_os_error());
-        }
-    }
-    Ok(total)
+    crate::baseline::uffd_fault::run(pages, spec, SEED, 0, || {
+        let fill: crate::baseline::uffd_fault::Fetch = Box::new(|off, page| {
+            pattern::fill(page, off, SEED);
+            Ok(())
+        });
+        Ok(fill)
+    })
 }

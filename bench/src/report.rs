@@ -398,11 +398,15 @@ pub fn layouts_line(base: &Record) -> String {
         .iter()
         .map(|l| format!("{} {}/{} us", l.layout, fmt_us(l.p50_us), fmt_us(l.p99_us)))
         .collect();
+    let what = match base.op {
+        Op::Fault => format!("bare remote fault ({:?})", base.pattern),
+        op => format!(
+            "bare TCP baseline ({op:?} {:?}, depth {})",
+            base.pattern, base.depth
+        ),
+    };
     format!(
-        "bare TCP baseline ({:?} {:?}, depth {}): best layout {} of {} (p50/p99: {})",
-        base.op,
-        base.pattern,
-        base.depth,
+        "{what}: best layout {} of {} (p50/p99: {})",
         base.layout.as_deref().unwrap_or("-"),
         base.layouts.len(),
         tried.join(", ")

@@ -19,6 +19,8 @@ mod conn;
 mod layout;
 mod pingpong;
 mod pipelined;
+mod remote_fault;
+pub mod uffd_fault;
 
 use anyhow::bail;
 
@@ -48,6 +50,28 @@ pub fn run(spec: Spec, pages: usize, seed: u64) -> anyhow::Result<Best> {
 /// As [`run`], each write sent to `servers` bare servers at once (see
 /// [`pingpong`]): what a replicated write costs a bare program here.
 pub fn run_fanout(spec: Spec, pages: usize, seed: u64, servers: usize) -> anyhow::Result<Best> {
+    lowest_p50(servers, |layout, placement, server_cpus| {
+        pingpong::run(spec, pages, seed, layout, placement.0, server_cpus)
+    })
+}
+
+/// The bare remote fault ([`remote_fault`]): `spec.ops` userfaultfd faults
+/// over `pages` pages of `seed`'s pattern, each page fetched from the bare
+/// ping-pong server, in every layout this process can have (toucher and
+/// handler on the first CPU, like ours); the one with the lowest p50.
+pub fn run_remote_fault(spec: Spec, pages: usize, seed: u64) -> anyhow::Result<Best> {
+    lowest_p50(1, |layout, placement, _| {
+        remote_fault::run(spec, pages, seed, layout, placement)
+    })
+}
+
+/// Runs `run(layout, (client CPU, server CPU), server CPUs)` with
+/// `servers` server threads in every layout this process can have, and
+/// keeps the one with the lowest p50 (the first on a tie).
+fn lowest_p50(
+    servers: usize,
+    mut run: impl FnMut(Layout, (usize, usize), &[usize]) -> anyhow::Result<Outcome>,
+) -> anyhow::Result<Best> {
     let cpus = layout::allowed_cpus();
     let mut best: Option<(Layout, Outcome)> = None;
     let mut tried = Vec::new();
@@ -65,7 +89,7 @@ pub fn run_fanout(spec: Spec, pages: usize, seed: u64, servers: usize) -> anyhow
             );
             continue;
         };
-        let outcome = pingpong::run(spec, pages, seed, layout, placement.0, &server_cpus)?;
+        let outcome = run(layout, placement, &server_cpus)?;
         let result = LayoutResult::new(layout.name(), placement, &outcome);
         all_verified &= result.verified;
         let better = match &best {
