@@ -102,7 +102,7 @@ fn writes_and_batches_complete_through_the_eventfd() {
     let deadline = Instant::now() + Duration::from_secs(10);
     while done.is_empty() {
         assert!(Instant::now() < deadline, "write batch never completed");
-        wait_readable(fd);
+        readable_within(fd, 1000);
         queue.poll(&mut done);
     }
     let c = done.pop().unwrap();
@@ -111,7 +111,7 @@ fn writes_and_batches_complete_through_the_eventfd() {
     queue.submit_read(&gpas, zeroed(gpas.len()), 2).unwrap();
     while done.is_empty() {
         assert!(Instant::now() < deadline, "read batch never completed");
-        wait_readable(fd);
+        readable_within(fd, 1000);
         queue.poll(&mut done);
     }
     let c = done.pop().unwrap();
@@ -125,32 +125,24 @@ fn writes_and_batches_complete_through_the_eventfd() {
     // more reap: a signal may come after the reap that delivered the last
     // completion, for that same completion.)
     assert_eq!(queue.poll(&mut done), 0);
-    assert!(!readable_now(fd), "the eventfd stays readable after a reap");
+    assert!(
+        !readable_within(fd, 0),
+        "the eventfd stays readable after a reap"
+    );
 }
 
-/// Whether `fd` is readable right now.
-fn readable_now(fd: i32) -> bool {
+/// Whether `fd` becomes readable within `timeout_ms` (0: right now), by
+/// poll(2).
+fn readable_within(fd: i32, timeout_ms: i32) -> bool {
     let mut pfd = libc::pollfd {
         fd,
         events: libc::POLLIN,
         revents: 0,
     };
     // SAFETY: one valid pollfd.
-    let ret = unsafe { libc::poll(&mut pfd, 1, 0) };
+    let ret = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
     assert!(ret >= 0, "poll failed");
     ret == 1
-}
-
-/// Blocks in poll(2) until `fd` is readable (at most 1 s).
-fn wait_readable(fd: i32) {
-    let mut pfd = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd.
-    let ret = unsafe { libc::poll(&mut pfd, 1, 1000) };
-    assert!(ret >= 0, "poll failed");
 }
 
 #[test]
