@@ -404,13 +404,7 @@ fn run() -> anyhow::Result<()> {
             .unwrap_or(ManagerConfig::default().page_checksums),
         ..ManagerConfig::default()
     };
-    // As the library resolves them: the last CPUs, one per poller.
-    let poller_cpus = args.poller_cpus.0.clone().unwrap_or_else(|| {
-        let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
-        (0..config.poller_threads.max(1))
-            .map(|i| ncpu - 1 - (i % ncpu))
-            .collect()
-    });
+    let poller_cpus = config.resolved_poller_cpus();
     let placement = report::Placement {
         poll_mode: match config.poll_mode {
             PollMode::Busy => "busy".into(),

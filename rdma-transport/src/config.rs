@@ -191,8 +191,10 @@ impl ManagerConfig {
         }
     }
 
-    /// The CPUs pollers are pinned to (empty: not pinned).
-    pub(crate) fn resolved_poller_cpus(&self) -> Vec<usize> {
+    /// The CPUs the pollers are pinned to (empty: not pinned): `poller_cpus`,
+    /// or when it is `None` the last CPUs of the host, one per poller. An
+    /// embedder placing its own threads away from them can ask.
+    pub fn resolved_poller_cpus(&self) -> Vec<usize> {
         if let Some(cpus) = &self.poller_cpus {
             return cpus.clone();
         }
