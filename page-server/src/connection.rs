@@ -17,7 +17,7 @@ use crate::coherence_home::{self, CohSession, CoherenceHome};
 use crate::conns::RdmaUse;
 use crate::handshake::{self, Refusal, ServerAuth, Session};
 use crate::limits::ConnGuard;
-use crate::metrics::{Op, PageMetrics};
+use crate::metrics::{Op, PageMetrics, RequestTally};
 use crate::outbound::Outbound;
 use crate::rdma::RdmaExport;
 use crate::recovery_guard::RecoveryGuard;
@@ -235,7 +235,10 @@ pub(crate) fn serve(
     guard: &mut ConnGuard,
 ) -> io::Result<()> {
     let mut coh = CohSession::default();
-    let result = serve_messages(stream, exported, spin, guard, &mut coh);
+    let mut tally = RequestTally::new();
+    let result = serve_messages(stream, exported, spin, guard, &mut coh, &mut tally);
+    // Requests whose answers could not be sent were served all the same.
+    exported.metrics.publish(&mut tally);
     // No message from this connection can follow: its node (if it took
     // part in coherence) is lost.
     coherence_home::disconnect(exported, &mut coh);
@@ -248,6 +251,7 @@ fn serve_messages(
     spin: Duration,
     guard: &mut ConnGuard,
     coh: &mut CohSession,
+    tally: &mut RequestTally,
 ) -> io::Result<()> {
     stream.set_nodelay(true)?;
     let mut buf = vec![0u8; RECV_BUF_BYTES];
@@ -271,6 +275,7 @@ fn serve_messages(
             Err(e) => return Err(e),
         };
         end += n;
+        tally.restart();
         let mut close = None;
         let mut requests = 0usize;
         while close.is_none() {
@@ -303,10 +308,11 @@ fn serve_messages(
                 // them before a later WRITE changes what they must show. A
                 // coherence message's answers go out at once, by the
                 // coherence home: answers gathered so far go first.
-                outbox.flush(stream, coh.outbound().map(|o| &**o))?;
+                send(&mut outbox, tally, stream, exported, coh)?;
             }
             if header.opcode == Opcode::CohToHome && session.is_ready() {
                 coherence_home::on_frame(exported, &header, payload, stream, coh);
+                tally.restart();
                 if coh.is_node() {
                     // A node may hold pages for long without a message;
                     // closing its connection would declare it lost (and
@@ -314,9 +320,9 @@ fn serve_messages(
                     guard.exempt_from_idle_timeout();
                 }
             } else if let Err(refusal) =
-                handle(&header, payload, exported, &mut session, &mut outbox)
+                handle(&header, payload, exported, &mut session, &mut outbox, tally)
             {
-                outbox.flush(stream, coh.outbound().map(|o| &**o))?;
+                send(&mut outbox, tally, stream, exported, coh)?;
                 return Err(io::Error::new(
                     io::ErrorKind::PermissionDenied,
                     refusal.to_string(),
@@ -352,15 +358,16 @@ fn serve_messages(
                 if let Some(channel) = session.qp.as_ref().and_then(|q| q.channel()).cloned() {
                     // A coherence connection over RDMA: its frames come
                     // through the channel from now on.
+                    exported.metrics.publish(tally);
                     outbox.flush(stream, None)?;
                     return crate::coherence_channel::serve(stream, exported, &channel, coh, spin);
                 }
             }
             if outbox.is_full() {
-                outbox.flush(stream, coh.outbound().map(|o| &**o))?;
+                send(&mut outbox, tally, stream, exported, coh)?;
             }
         }
-        outbox.flush(stream, coh.outbound().map(|o| &**o))?;
+        send(&mut outbox, tally, stream, exported, coh)?;
         if let Some(err) = close {
             guard.protocol_error();
             return Err(io::Error::new(
@@ -381,6 +388,22 @@ fn serve_messages(
             start = 0;
         }
     }
+}
+
+/// Sends the answers gathered in `outbox`, after publishing the requests
+/// they answer (a client that has its answer finds it in the metrics); the
+/// next request's duration starts after the send.
+fn send(
+    outbox: &mut Outbox,
+    tally: &mut RequestTally,
+    stream: &TcpStream,
+    exported: &Exported,
+    coh: &CohSession,
+) -> io::Result<()> {
+    exported.metrics.publish(tally);
+    outbox.flush(stream, coh.outbound().map(|o| &**o))?;
+    tally.restart();
+    Ok(())
 }
 
 /// Reads from the socket: with a `spin` (non-blocking socket), polls
@@ -497,6 +520,7 @@ fn handle(
     exported: &Exported,
     session: &mut Session,
     outbox: &mut Outbox,
+    tally: &mut RequestTally,
 ) -> Result<(), Refusal> {
     let answer = |status: Status| Header {
         opcode: header.opcode.response(),
@@ -540,7 +564,6 @@ fn handle(
             return Err(Refusal::BeforeHandshake)
         }
         Opcode::Read => {
-            let started = Instant::now();
             // With checksums the page is copied (its sum must match what is
             // sent); without, it goes out of the region itself.
             let page = exported.check(header).map(|off| {
@@ -569,10 +592,9 @@ fn handle(
                     false
                 }
             };
-            exported.metrics.observe(Op::Read, served, started);
+            tally.record(Op::Read, served);
         }
         Opcode::Write => {
-            let started = Instant::now();
             let status = match exported.check(header) {
                 // A page that does not match its checksum is refused, not
                 // applied; the framing held, so the connection stays.
@@ -587,9 +609,7 @@ fn handle(
                 Err(status) => status,
             };
             outbox.push(answer(status), Payload::None);
-            exported
-                .metrics
-                .observe(Op::Write, status == Status::Ok, started);
+            tally.record(Op::Write, status == Status::Ok);
         }
         Opcode::HelloAck
         | Opcode::Challenge

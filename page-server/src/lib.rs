@@ -15,6 +15,7 @@ mod coherence_home;
 mod config;
 mod connection;
 mod conns;
+mod duration_histogram;
 mod handshake;
 mod layout;
 mod limits;

@@ -17,12 +17,13 @@
 use std::fmt;
 use std::time::Instant;
 
+use crate::duration_histogram::{DurationHistogram, LocalDurations};
+
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use rdma_transport::PAGE_SIZE;
 
@@ -57,12 +58,80 @@ struct OpMetrics {
     served: Counter,
     bytes: Counter,
     errors: Counter,
-    duration: Histogram,
+    duration: DurationHistogram,
 }
 
-/// Request durations from 2 µs to about 65 ms, doubling.
-fn duration_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(0.000_002, 2.0, 16))
+impl OpMetrics {
+    fn publish(&self, tally: &mut OpTally) {
+        if tally.served != 0 {
+            self.served.inc_by(tally.served);
+            self.bytes.inc_by(tally.served * PAGE_SIZE as u64);
+        }
+        if tally.errors != 0 {
+            self.errors.inc_by(tally.errors);
+        }
+        (tally.served, tally.errors) = (0, 0);
+        self.duration.publish(&mut tally.durations);
+    }
+}
+
+/// One operation's requests that one connection has answered but not yet
+/// published.
+#[derive(Debug, Default)]
+struct OpTally {
+    served: u64,
+    errors: u64,
+    durations: LocalDurations,
+}
+
+/// One connection's requests not yet added to the shared metrics: the
+/// serving path counts into it without touching anything shared and
+/// publishes it (`PageMetrics::publish`) once per batch of answers, before
+/// they are sent.
+///
+/// A request's duration runs from `mark` (the end of the previous request
+/// of the batch, or the moment its bytes were read) to its answer being
+/// queued: one clock read per request.
+#[derive(Debug)]
+pub(crate) struct RequestTally {
+    mark: Instant,
+    read: OpTally,
+    write: OpTally,
+}
+
+impl RequestTally {
+    pub fn new() -> Self {
+        Self {
+            mark: Instant::now(),
+            read: OpTally::default(),
+            write: OpTally::default(),
+        }
+    }
+
+    /// Starts the next request's duration now (after a wait or work that
+    /// is not a page request's).
+    pub fn restart(&mut self) {
+        self.mark = Instant::now();
+    }
+
+    /// Counts one page request whose answer was just queued; `ok` when it
+    /// was served.
+    pub fn record(&mut self, op: Op, ok: bool) {
+        let now = Instant::now();
+        let tally = match op {
+            Op::Read => &mut self.read,
+            Op::Write => &mut self.write,
+        };
+        if ok {
+            tally.served += 1;
+        } else {
+            tally.errors += 1;
+        }
+        tally
+            .durations
+            .record(now.saturating_duration_since(self.mark));
+        self.mark = now;
+    }
 }
 
 /// The page-server's metrics.
@@ -87,9 +156,7 @@ impl PageMetrics {
         let served = Family::<OpLabels, Counter>::default();
         let bytes = Family::<OpLabels, Counter>::default();
         let errors = Family::<OpLabels, Counter>::default();
-        let durations = Family::<OpLabels, Histogram, fn() -> Histogram>::new_with_constructor(
-            duration_histogram,
-        );
+        let durations = Family::<OpLabels, DurationHistogram>::default();
         let connections = Family::<StateLabels, Gauge>::default();
         registry.register("pages_served", "Pages read or written", served.clone());
         registry.register("bytes", "Page bytes read or written", bytes.clone());
@@ -139,19 +206,10 @@ impl PageMetrics {
         }
     }
 
-    /// Counts one page request begun at `started`; `ok` when it was served.
-    pub fn observe(&self, op: Op, ok: bool, started: Instant) {
-        let metrics = match op {
-            Op::Read => &self.read,
-            Op::Write => &self.write,
-        };
-        if ok {
-            metrics.served.inc();
-            metrics.bytes.inc_by(PAGE_SIZE as u64);
-        } else {
-            metrics.errors.inc();
-        }
-        metrics.duration.observe(started.elapsed().as_secs_f64());
+    /// Adds a connection's tally to the metrics and empties it.
+    pub fn publish(&self, tally: &mut RequestTally) {
+        self.read.publish(&mut tally.read);
+        self.write.publish(&mut tally.write);
     }
 
     /// The OpenMetrics text, with the connection gauges from `stats` and the
