@@ -6,7 +6,7 @@
 //! | `page_server_pages_served_total` | counter | `op` (`read`, `write`) |
 //! | `page_server_bytes_total` | counter | `op` |
 //! | `page_server_request_errors_total` | counter | `op` (answered with an error status) |
-//! | `page_server_request_duration_seconds` | histogram | `op` (request decoded to answer queued) |
+//! | `page_server_request_duration_seconds` | histogram | `op` (end of the previous request of the batch, or the read that brought it, to answer queued; see `RequestTally`) |
 //! | `page_server_connections` | gauge | `state` (`handshaken`, `pending`) |
 //! | `page_server_coherence_events_total` | counter | `event` (the coherence home's counters, `coherence::HomeStats`: `shared_grants`, `exclusive_grants`, `upgrades`, `invalidation_rounds`, `invalidations_sent`, `downgrades_sent`, `queued`, `retries`, `lost_answers`, `pages_lost`, `write_backs`, ..., `refused_frames`, and `rdma_frames`: frames that came over RDMA message channels) |
 //! | `page_server_coherence_pages` | gauge | (pages with a coherence directory entry) |
@@ -167,7 +167,7 @@ impl PageMetrics {
         );
         registry.register(
             "request_duration_seconds",
-            "Time from a decoded page request to its queued answer",
+            "Time a page request took, from the end of the one before it in the batch (or the read that brought it) to its queued answer",
             durations.clone(),
         );
         registry.register(
