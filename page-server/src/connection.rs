@@ -309,6 +309,7 @@ fn serve_messages(
                 // coherence message's answers go out at once, by the
                 // coherence home: answers gathered so far go first.
                 send(&mut outbox, tally, stream, exported, coh)?;
+                tally.restart();
             }
             if header.opcode == Opcode::CohToHome && session.is_ready() {
                 coherence_home::on_frame(exported, &header, payload, stream, coh);
@@ -365,6 +366,7 @@ fn serve_messages(
             }
             if outbox.is_full() {
                 send(&mut outbox, tally, stream, exported, coh)?;
+                tally.restart();
             }
         }
         send(&mut outbox, tally, stream, exported, coh)?;
@@ -391,8 +393,9 @@ fn serve_messages(
 }
 
 /// Sends the answers gathered in `outbox`, after publishing the requests
-/// they answer (a client that has its answer finds it in the metrics); the
-/// next request's duration starts after the send.
+/// they answer (a client that has its answer finds it in the metrics). A
+/// caller that goes on with requests read before restarts `tally`: the
+/// send is no part of the next request's duration.
 fn send(
     outbox: &mut Outbox,
     tally: &mut RequestTally,
@@ -401,9 +404,7 @@ fn send(
     coh: &CohSession,
 ) -> io::Result<()> {
     exported.metrics.publish(tally);
-    outbox.flush(stream, coh.outbound().map(|o| &**o))?;
-    tally.restart();
-    Ok(())
+    outbox.flush(stream, coh.outbound().map(|o| &**o))
 }
 
 /// Reads from the socket: with a `spin` (non-blocking socket), polls
