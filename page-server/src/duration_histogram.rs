@@ -42,7 +42,6 @@ fn bound_seconds(bucket: usize) -> f64 {
 #[derive(Debug, Default)]
 pub(crate) struct LocalDurations {
     buckets: [u64; BUCKETS],
-    count: u64,
     sum_ns: u64,
 }
 
@@ -50,7 +49,6 @@ impl LocalDurations {
     pub(crate) fn record(&mut self, duration: Duration) {
         let ns = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
         self.buckets[bucket_of(ns)] += 1;
-        self.count += 1;
         self.sum_ns = self.sum_ns.saturating_add(ns);
     }
 }
@@ -70,7 +68,8 @@ pub(crate) struct DurationHistogram(Arc<Shared>);
 impl DurationHistogram {
     /// Adds `local`'s counts and empties it.
     pub(crate) fn publish(&self, local: &mut LocalDurations) {
-        if local.count == 0 {
+        let count: u64 = local.buckets.iter().sum();
+        if count == 0 {
             return;
         }
         let shared = &self.0;
@@ -84,9 +83,7 @@ impl DurationHistogram {
             .fetch_add(std::mem::take(&mut local.sum_ns), Ordering::Relaxed);
         // Last: a scrape that sees this count sees the buckets it covers
         // (paired with the Acquire load in `encode`).
-        shared
-            .count
-            .fetch_add(std::mem::take(&mut local.count), Ordering::Release);
+        shared.count.fetch_add(count, Ordering::Release);
     }
 }
 
@@ -151,7 +148,7 @@ mod tests {
         }
         histogram.publish(&mut local);
         histogram.publish(&mut local);
-        assert_eq!(local.count, 0);
+        assert_eq!(local.buckets, [0; BUCKETS]);
         let mut registry = prometheus_client::registry::Registry::default();
         registry.register("d_seconds", "durations", histogram.clone());
         let mut text = String::new();

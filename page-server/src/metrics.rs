@@ -17,8 +17,6 @@
 use std::fmt;
 use std::time::Instant;
 
-use crate::duration_histogram::{DurationHistogram, LocalDurations};
-
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -27,6 +25,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use rdma_transport::PAGE_SIZE;
 
+use crate::duration_histogram::{DurationHistogram, LocalDurations};
 use crate::stats::ServerStats;
 
 /// A page operation.
