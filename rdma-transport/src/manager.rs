@@ -86,6 +86,9 @@ struct Inner {
     latency: latency::RecentLatency,
     /// Page-I/O counters (`stats.rs`).
     counters: stats::Counters,
+    /// Pages TCP answers put straight into their destination, on every
+    /// connection (`ZeroCopyStats::tcp_direct_pages`).
+    tcp_landed_pages: Arc<std::sync::atomic::AtomicU64>,
 }
 
 #[derive(Debug, Default)]
@@ -165,6 +168,7 @@ impl TransportManager {
             clock: Instant::now(),
             latency: latency::RecentLatency::default(),
             counters: stats::Counters::default(),
+            tcp_landed_pages: Arc::default(),
         });
         inner.install_map(map, Install::Always);
         // Every node at once: one that is down costs one connect timeout in

@@ -231,6 +231,7 @@ impl Inner {
                     let mut pages = super::rdma_batch::Pages { frame: None };
                     lane.round.opcode = batch.opcode;
                     lane.round.deferred = true;
+                    lane.round.land_direct = true;
                     // Held across the submission: answers from the first
                     // nodes of the round must not look like the end of it
                     // (and queue it) while later nodes are still to go.

@@ -90,6 +90,7 @@ impl Resolve for Resolver {
             key: inner.config.cluster_key.as_ref(),
             checksums: false,
             coherence: offer.is_some(),
+            landed_pages: None,
         };
         let mut stream = dial(&home.addr, inner.config.connect_timeout()).map_err(failed)?;
         let ack = handshake(&mut stream, &home.addr, &auth, offer).map_err(failed)?;

@@ -142,7 +142,9 @@ impl Inner {
 
 impl CompletionQueue {
     /// Reads the pages at `gpas` into `pages` (`pages.len() == gpas.len()`),
-    /// all in flight at once; the buffer comes back in the completion.
+    /// all in flight at once; the buffer comes back in the completion. A
+    /// page whose read failed holds unspecified bytes (over TCP an answer
+    /// may be read straight into its page and checked there).
     ///
     /// # Errors
     /// [`TransportError::Config`] when the lengths differ or are zero; every
@@ -184,8 +186,12 @@ impl CompletionQueue {
     }
 
     /// Reads the pages at `gpas` into memory the caller keeps (e.g. guest
-    /// memory): page i lands at `pages + i * 4096`, with no copy in between
-    /// over TCP.
+    /// memory): page i lands at `pages + i * 4096`. Over TCP, an answer
+    /// read while its request is the only one in flight on its connection
+    /// goes from the socket straight into its page (one `readv`; its
+    /// checksum is checked there); others are copied once from the
+    /// connection's receive buffer (`ZeroCopyStats::tcp_direct_pages`
+    /// counts the former). A page whose read failed holds unspecified bytes.
     ///
     /// # Safety
     /// `pages` must be valid for writes of `gpas.len()` pages and must not

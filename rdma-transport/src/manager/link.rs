@@ -255,6 +255,7 @@ impl Inner {
             key: self.config.cluster_key.as_ref(),
             checksums: self.config.page_checksums,
             coherence: false,
+            landed_pages: Some(&self.tcp_landed_pages),
         }
     }
 }

@@ -10,8 +10,9 @@ use super::TransportManager;
 use crate::rdma::{RegisterError, RegisteredMemory};
 
 /// How many pages RDMA moved straight from or into registered caller
-/// memory, and how many through a pool frame (a bounce, or `read_frame`).
-/// Both zero on a host without RDMA.
+/// memory, and how many through a pool frame (a bounce, or `read_frame`),
+/// both zero on a host without RDMA; and how many TCP answers were read
+/// from the socket straight into their page.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ZeroCopyStats {
@@ -27,6 +28,10 @@ pub struct ZeroCopyStats {
     /// Drains that could not be confirmed (marker not posted or not
     /// completed in time: the device might still write those pages).
     pub drain_failures: u64,
+    /// Pages of asynchronous reads that TCP read from the socket straight
+    /// into their destination (the caller's or guest memory), with no copy
+    /// out of a receive buffer. (Other TCP answers are copied once.)
+    pub tcp_direct_pages: u64,
 }
 
 impl TransportManager {
@@ -82,18 +87,18 @@ impl TransportManager {
 
     /// Counts of pages moved with and without a bounce through the pool.
     pub fn zero_copy_stats(&self) -> ZeroCopyStats {
-        match self.inner.rdma.as_ref() {
-            Some(rdma) => {
-                let registry = &rdma.device.registry;
-                ZeroCopyStats {
-                    regions: registry.len(),
-                    direct_pages: registry.direct_pages.load(Ordering::Relaxed),
-                    framed_pages: registry.framed_pages.load(Ordering::Relaxed),
-                    drains: registry.drains.load(Ordering::Relaxed),
-                    drain_failures: registry.drain_failures.load(Ordering::Relaxed),
-                }
-            }
-            None => ZeroCopyStats::default(),
+        let mut stats = ZeroCopyStats {
+            tcp_direct_pages: self.inner.tcp_landed_pages.load(Ordering::Relaxed),
+            ..ZeroCopyStats::default()
+        };
+        if let Some(rdma) = self.inner.rdma.as_ref() {
+            let registry = &rdma.device.registry;
+            stats.regions = registry.len();
+            stats.direct_pages = registry.direct_pages.load(Ordering::Relaxed);
+            stats.framed_pages = registry.framed_pages.load(Ordering::Relaxed);
+            stats.drains = registry.drains.load(Ordering::Relaxed);
+            stats.drain_failures = registry.drain_failures.load(Ordering::Relaxed);
         }
+        stats
     }
 }

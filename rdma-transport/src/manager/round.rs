@@ -33,6 +33,10 @@ pub(super) struct Round {
     /// TCP requests are queued on their connections for `flush` (the
     /// completion queue's doorbell) instead of written at once.
     pub(super) deferred: bool,
+    /// READ answers may be read from the socket straight into the pages
+    /// (asynchronous submissions, whose pages are unspecified after a
+    /// failure); false keeps a failed READ's page untouched.
+    pub(super) land_direct: bool,
     /// Whether the round is parked on its connections (`park`).
     parked: bool,
     /// Whether that parking includes the TCP connections.
@@ -49,6 +53,7 @@ impl Round {
             early: Outcome::default(),
             opcode: Opcode::Read,
             deferred: false,
+            land_direct: false,
             parked: false,
             parked_tcp: false,
         }
@@ -168,6 +173,7 @@ impl Inner {
             let mut reqs = [Request {
                 offset: 0,
                 page: std::ptr::null_mut(),
+                direct: false,
             }; MAX_CHUNK];
             let mut members = [0usize; MAX_CHUNK];
             let mut fenced = [Fenced {
@@ -182,6 +188,7 @@ impl Inner {
                     reqs[m] = Request {
                         offset: t.loc.remote_offset,
                         page: t.page,
+                        direct: round.land_direct,
                     };
                     members[m] = j;
                     fenced[m] = Fenced {

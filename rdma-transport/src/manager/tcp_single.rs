@@ -66,6 +66,7 @@ impl Inner {
         let request = [Request {
             offset: loc.remote_offset,
             page,
+            direct: false,
         }];
         let code = match conn.submit(opcode, &request, &mut ids, &waiter, deadline) {
             Ok(()) => {

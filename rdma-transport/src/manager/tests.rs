@@ -215,6 +215,7 @@ fn a_submit_on_a_connection_that_broke_first_fails_at_once() {
         key: None,
         checksums: false,
         coherence: false,
+        landed_pages: None,
     };
     let conn =
         TcpConnection::connect(&addr.to_string(), &auth, Duration::from_secs(5)).expect("connect");
@@ -225,6 +226,7 @@ fn a_submit_on_a_connection_that_broke_first_fails_at_once() {
     let reqs = [Request {
         offset: 0,
         page: page.as_mut_ptr(),
+        direct: false,
     }];
     let far = Instant::now() + Duration::from_secs(30);
     let result = conn.submit(Opcode::Read, &reqs, &mut ids, &waiter, far);

@@ -144,7 +144,7 @@ pub(crate) fn dial_rdma(
     let node_id = auth.node_id;
     let Some(remote) = ack.rdma else {
         return Ok(Dialed::TcpOnly(Arc::new(TcpConnection::from_handshaken(
-            node_id, addr, stream, ack,
+            auth, addr, stream, ack,
         )?)));
     };
     connect_qp(&qp, &device.port, psn, &remote, device.timeouts).map_err(verbs_err)?;
@@ -343,7 +343,7 @@ impl RdmaConnection {
             return Err(fail(None, "send queue full until the deadline"));
         }
         let id = loop {
-            if let Some(id) = self.inflight.arm(std::ptr::null_mut(), 0, waiter) {
+            if let Some(id) = self.inflight.arm(std::ptr::null_mut(), 0, waiter, false) {
                 break id;
             }
             if deadline.passed() {

@@ -6,7 +6,8 @@
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -50,6 +51,10 @@ pub(crate) struct ClientAuth<'a> {
     /// Ask for a coherence channel (with an RDMA endpoint whose address and
     /// key are the client's message ring: `crate::rdma::MessageChannel`).
     pub(crate) coherence: bool,
+    /// Counts the pages this connection's answers put straight into their
+    /// destination (shared by every connection of a manager; `None`: a
+    /// counter of the connection's own).
+    pub(crate) landed_pages: Option<&'a Arc<AtomicU64>>,
 }
 
 /// A connected, handshaken page-server connection.
@@ -71,6 +76,9 @@ pub(crate) struct TcpConnection {
     pub(crate) blocking_reader: AtomicBool,
     broken: AtomicBool,
     pub(crate) ack: HelloAck,
+    /// Pages read from the socket straight into their destination (no copy
+    /// out of the receive buffer): `receive.rs`.
+    pub(crate) landed_pages: Arc<AtomicU64>,
 }
 
 /// One request of a chunk.
@@ -79,6 +87,10 @@ pub(crate) struct Request {
     pub(crate) offset: u64,
     /// READ: where the page goes. WRITE: where it comes from.
     pub(crate) page: *mut u8,
+    /// READ: the answer may be read from the socket straight into `page`,
+    /// which is then unspecified if the request fails (its checksum is
+    /// checked there). False keeps a failed READ's page untouched.
+    pub(crate) direct: bool,
 }
 
 impl TcpConnection {
@@ -91,13 +103,13 @@ impl TcpConnection {
     ) -> Result<Self, ConnectError> {
         let mut stream = dial(addr, timeout)?;
         let ack = handshake(&mut stream, addr, auth, None)?;
-        Self::from_handshaken(auth.node_id, addr, stream, ack)
+        Self::from_handshaken(auth, addr, stream, ack)
     }
 
     /// Wraps a stream whose HELLO handshake is done (e.g. one where the
     /// client offered RDMA and the server declined) as the TCP data path.
     pub(crate) fn from_handshaken(
-        node_id: &str,
+        auth: &ClientAuth<'_>,
         addr: &str,
         stream: TcpStream,
         ack: HelloAck,
@@ -109,7 +121,7 @@ impl TcpConnection {
                 source,
             })?;
         Ok(Self {
-            node_id: node_id.to_owned(),
+            node_id: auth.node_id.to_owned(),
             stream,
             send_lock: Mutex::new(()),
             deferred: Mutex::new(super::deferred::Deferred::default()),
@@ -119,6 +131,7 @@ impl TcpConnection {
             blocking_reader: AtomicBool::new(false),
             broken: AtomicBool::new(false),
             ack,
+            landed_pages: auth.landed_pages.map_or_else(Arc::default, Arc::clone),
         })
     }
 
@@ -206,13 +219,13 @@ impl TcpConnection {
         deadline: Instant,
         drain: bool,
     ) -> io::Result<(u64, [u8; HEADER_LEN])> {
-        let dst = if opcode == Opcode::Read {
-            req.page
-        } else {
-            std::ptr::null_mut()
-        };
+        let read = opcode == Opcode::Read;
+        let dst = if read { req.page } else { std::ptr::null_mut() };
         let id = loop {
-            if let Some(id) = self.inflight.arm(dst, req.offset, waiter) {
+            if let Some(id) = self
+                .inflight
+                .arm(dst, req.offset, waiter, read && req.direct)
+            {
                 break id;
             }
             if Instant::now() >= deadline {

@@ -9,6 +9,13 @@
 //! payload, records the status, signals the waiter) → DONE. The caller may
 //! instead move PENDING → CANCELLED (deadline passed), after which the poller
 //! never touches the slot's buffer or waiter again.
+//!
+//! A request marked `direct` may also go PENDING → LANDING before its answer
+//! is read: the reader then owns the slot's buffer and reads the socket
+//! straight into it (`receive.rs`). If the bytes were its answer, LANDING →
+//! DONE as from COMPLETING; if not, the reader moves those bytes back to
+//! its receive buffer and LANDING → PENDING. A caller that cancels meanwhile
+//! waits for the slot to leave LANDING (one non-blocking read).
 
 use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::thread::Thread;
@@ -19,12 +26,15 @@ use crossbeam_queue::ArrayQueue;
 /// Number of slots per connection (requests in flight at once).
 pub(crate) const SLOTS: usize = 1024;
 const SLOT_BITS: u32 = 10;
-const PHASE_BITS: u32 = 2;
-const PHASE_MASK: u64 = 0b11;
+const PHASE_BITS: u32 = 3;
+const PHASE_MASK: u64 = 0b111;
 const FREE: u64 = 0;
 const PENDING: u64 = 1;
 const COMPLETING: u64 = 2;
 const DONE: u64 = 3;
+const LANDING: u64 = 4;
+/// `Inflight::last_direct` when no direct request may be landed.
+const NO_CANDIDATE: u64 = u64::MAX;
 /// A cancelled slot is simply FREE with its id kept (see `cancel`).
 const CANCELLED: u64 = FREE;
 
@@ -177,6 +187,21 @@ struct Slot {
 pub(crate) struct Inflight {
     slots: Box<[Slot]>,
     free: ArrayQueue<u16>,
+    /// The id of the last direct READ armed (`NO_CANDIDATE` after any
+    /// other request): the reader lands an answer straight in its buffer
+    /// when it is the only request in flight.
+    last_direct: AtomicU64,
+}
+
+/// A direct READ whose slot the reader holds (LANDING): it may write the
+/// `PAGE_SIZE` bytes at `dst` until it calls `Inflight::landed` or
+/// `Inflight::unland`.
+#[derive(Debug)]
+pub(crate) struct Landing {
+    pub(crate) id: u64,
+    pub(crate) slot: usize,
+    pub(crate) dst: *mut u8,
+    pub(crate) offset: u64,
 }
 
 /// What the poller should do with an answer's payload.
@@ -207,19 +232,33 @@ impl Inflight {
         for i in 0..SLOTS {
             let _ = free.push(i as u16);
         }
-        Self { slots, free }
+        Self {
+            slots,
+            free,
+            last_direct: AtomicU64::new(NO_CANDIDATE),
+        }
     }
 
     /// Takes a free slot and arms it; returns the request id. `dst` is the
     /// READ destination (null for WRITE). The caller must keep `dst` and
     /// `waiter` alive until the slot is released by `finish` or `cancel`.
-    pub(crate) fn arm(&self, dst: *mut u8, offset: u64, waiter: &Waiter) -> Option<u64> {
+    /// `direct`: the answer may be read straight into `dst` (see
+    /// [`Inflight::land`]); the caller takes `dst`'s contents as unspecified
+    /// if the request fails.
+    pub(crate) fn arm(
+        &self,
+        dst: *mut u8,
+        offset: u64,
+        waiter: &Waiter,
+        direct: bool,
+    ) -> Option<u64> {
         let slot_index = self.free.pop()? as usize;
         let slot = &self.slots[slot_index];
         let old_id = slot.state.load(Ordering::Relaxed) >> PHASE_BITS;
         let generation =
             (old_id >> SLOT_BITS).wrapping_add(1) & ((1 << (64 - SLOT_BITS - PHASE_BITS)) - 1);
         let id = (generation << SLOT_BITS) | slot_index as u64;
+        let direct = direct && !dst.is_null();
         slot.dst.store(dst, Ordering::Relaxed);
         slot.offset.store(offset, Ordering::Relaxed);
         slot.waiter
@@ -228,7 +267,48 @@ impl Inflight {
         waiter.add(1);
         slot.state
             .store((id << PHASE_BITS) | PENDING, Ordering::SeqCst);
+        self.last_direct
+            .store(if direct { id } else { NO_CANDIDATE }, Ordering::Relaxed);
         Some(id)
+    }
+
+    /// Reader (holding the receive buffer): takes the slot of the last
+    /// direct READ armed, if it is the only request in flight and still
+    /// pending, so that its answer can be read straight into its buffer.
+    /// Give it back with [`Inflight::landed`] or [`Inflight::unland`].
+    pub(crate) fn land(&self) -> Option<Landing> {
+        let id = self.last_direct.load(Ordering::Relaxed);
+        if id == NO_CANDIDATE || SLOTS - self.free.len() != 1 {
+            return None;
+        }
+        let slot_index = (id & ((1 << SLOT_BITS) - 1)) as usize;
+        let slot = &self.slots[slot_index];
+        let pending = (id << PHASE_BITS) | PENDING;
+        let landing = (id << PHASE_BITS) | LANDING;
+        // On the exact id: a slot re-armed since (another id) stays alone.
+        slot.state
+            .compare_exchange(pending, landing, Ordering::AcqRel, Ordering::Relaxed)
+            .ok()?;
+        Some(Landing {
+            id,
+            slot: slot_index,
+            dst: slot.dst.load(Ordering::Relaxed),
+            offset: slot.offset.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Reader: the bytes read into a landing slot were its answer; records
+    /// its outcome and wakes its waiter (as `complete` does).
+    pub(crate) fn landed(&self, landing: Landing, code: u32) {
+        self.complete(landing.slot, code);
+    }
+
+    /// Reader: the bytes read were not the landing slot's answer (they
+    /// have been moved out of its buffer): the request is pending again.
+    pub(crate) fn unland(&self, landing: Landing) {
+        self.slots[landing.slot]
+            .state
+            .store((landing.id << PHASE_BITS) | PENDING, Ordering::SeqCst);
     }
 
     /// Poller: claims the slot an answer names, if that request still waits.
@@ -265,8 +345,8 @@ impl Inflight {
         let slot = &self.slots[slot_index];
         slot.code.store(code, Ordering::Relaxed);
         let waiter = slot.waiter.load(Ordering::Relaxed);
-        // SAFETY: the slot was claimed (PENDING → COMPLETING), so its caller is
-        // still blocked in `finish`/`cancel`, which wait for DONE before
+        // SAFETY: the slot was claimed (PENDING → COMPLETING or LANDING), so
+        // its caller is still blocked in `finish`/`cancel`, which wait for DONE before
         // returning; the waiter it armed the slot with is therefore alive.
         unsafe { (*waiter).complete_one() };
         let state = slot.state.load(Ordering::Relaxed);
@@ -274,7 +354,9 @@ impl Inflight {
             .store((state & !PHASE_MASK) | DONE, Ordering::Release);
     }
 
-    /// Poller: fails every request still pending (connection lost).
+    /// Poller: fails every request still pending (connection lost). A
+    /// LANDING slot is left to its reader, which fails it or puts it back
+    /// to PENDING and then sweeps again (`receive.rs`).
     pub(crate) fn fail_all(&self, code: u32) {
         for (i, slot) in self.slots.iter().enumerate() {
             let state = slot.state.load(Ordering::SeqCst);
@@ -315,15 +397,25 @@ impl Inflight {
         let slot = &self.slots[slot_index];
         let pending = (request_id << PHASE_BITS) | PENDING;
         let cancelled = (request_id << PHASE_BITS) | CANCELLED;
-        if slot
-            .state
-            .compare_exchange(pending, cancelled, Ordering::SeqCst, Ordering::Relaxed)
-            .is_ok()
-        {
-            let _ = self.free.push(slot_index as u16);
-            return None;
+        let landing = (request_id << PHASE_BITS) | LANDING;
+        loop {
+            match slot.state.compare_exchange(
+                pending,
+                cancelled,
+                Ordering::SeqCst,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => {
+                    let _ = self.free.push(slot_index as u16);
+                    return None;
+                }
+                // A reader is reading the socket into the buffer (one
+                // non-blocking read): wait until it knows whose bytes they
+                // were.
+                Err(state) if state == landing => std::thread::yield_now(),
+                Err(_) => return Some(self.finish(request_id)),
+            }
         }
-        Some(self.finish(request_id))
     }
 
     fn release(&self, slot_index: usize, request_id: u64) {
@@ -344,7 +436,7 @@ mod tests {
     fn answer_completes_matching_request_only() {
         let t = Inflight::new();
         let w = Waiter::new();
-        let id = t.arm(std::ptr::null_mut(), 0, &w).unwrap();
+        let id = t.arm(std::ptr::null_mut(), 0, &w, false).unwrap();
         assert!(
             matches!(t.claim(id + (1 << SLOT_BITS)), Claim::Stale),
             "other generation"
@@ -362,15 +454,15 @@ mod tests {
     fn cancelled_request_ignores_late_answer_and_slot_is_reused() {
         let t = Inflight::new();
         let w = Waiter::new();
-        let id = t.arm(std::ptr::null_mut(), 0, &w).unwrap();
+        let id = t.arm(std::ptr::null_mut(), 0, &w, false).unwrap();
         assert_eq!(t.cancel(id), None);
         assert!(matches!(t.claim(id), Claim::Stale));
         // Reuse every slot; none may accept the old id.
         let ids: Vec<_> = (0..SLOTS)
-            .map(|_| t.arm(std::ptr::null_mut(), 0, &w).unwrap())
+            .map(|_| t.arm(std::ptr::null_mut(), 0, &w, false).unwrap())
             .collect();
         assert!(
-            t.arm(std::ptr::null_mut(), 0, &w).is_none(),
+            t.arm(std::ptr::null_mut(), 0, &w, false).is_none(),
             "table is bounded"
         );
         assert!(!ids.contains(&id));

@@ -3,8 +3,14 @@
 //! Whoever holds a connection's receive buffer does this: a caller waiting
 //! for its own answers (no hand-off at all on the way back), or the
 //! connection's poller thread when no caller is waiting.
+//!
+//! An answer is read into the receive buffer, checked, and its page copied
+//! to the caller's. When one direct READ (an asynchronous one: its page is
+//! unspecified if it fails) is alone in flight, its answer is instead read
+//! straight into its page with one `readv` and checked there; bytes that
+//! turn out to be something else go back to the receive buffer.
 
-use std::io::{self, Read};
+use std::io::{self, IoSliceMut, Read};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -13,7 +19,7 @@ use std::time::{Duration, Instant};
 use parking_lot::MutexGuard;
 
 use super::connection::TcpConnection;
-use super::inflight::{Claim, Waiter, CODE_CHECKSUM, CODE_CONN_LOST, CODE_PROTOCOL};
+use super::inflight::{Claim, Landing, Waiter, CODE_CHECKSUM, CODE_CONN_LOST, CODE_PROTOCOL};
 use crate::page::PAGE_SIZE;
 use crate::wire::{page_checksum, Header, Opcode, Status, HEADER_LEN, MAX_PAYLOAD_BYTES};
 
@@ -53,15 +59,33 @@ impl TcpConnection {
     fn read_and_complete(&self, rb: &mut RecvBuf) -> Result<bool, u32> {
         let mut any = false;
         loop {
-            match self.stream().read(&mut rb.buf[rb.end..]) {
+            let room = rb.buf.len() - rb.end;
+            // With nothing buffered, the next bytes start an answer: if one
+            // direct READ alone is in flight, they are read straight into
+            // its page.
+            let landing = if rb.end == 0 {
+                self.inflight.land()
+            } else {
+                None
+            };
+            let read = match &landing {
+                Some(landing) => self.read_landing(rb, landing),
+                None => self.stream().read(&mut rb.buf[rb.end..]),
+            };
+            match read {
                 Ok(0) => {
                     tracing::debug!(node = %self.node_id, "page-server closed the connection");
+                    if let Some(landing) = landing {
+                        self.inflight.landed(landing, CODE_CONN_LOST);
+                    }
                     return Err(CODE_CONN_LOST);
                 }
                 Ok(n) => {
                     any = true;
-                    let room = rb.buf.len() - rb.end;
-                    rb.end += n;
+                    match landing {
+                        Some(landing) => self.settle_landing(rb, landing, n),
+                        None => rb.end += n,
+                    }
                     self.parse(rb)?;
                     if n < room {
                         // The socket had less than the room left: it is
@@ -71,13 +95,90 @@ impl TcpConnection {
                         return Ok(true);
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(any),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if let Some(landing) = landing {
+                        self.unland(landing);
+                    }
+                    return Ok(any);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                    if let Some(landing) = landing {
+                        self.unland(landing);
+                    }
+                }
                 Err(e) => {
                     tracing::debug!(node = %self.node_id, err = %e, "connection read failed");
+                    if let Some(landing) = landing {
+                        self.inflight.landed(landing, CODE_CONN_LOST);
+                    }
                     return Err(CODE_CONN_LOST);
                 }
             }
+        }
+    }
+
+    /// One `readv` into an empty receive buffer with `landing`'s page in
+    /// the place its payload would take: header bytes to the buffer's
+    /// start, the next `PAGE_SIZE` bytes to the page, the rest to the
+    /// buffer after the gap the page leaves.
+    fn read_landing(&self, rb: &mut RecvBuf, landing: &Landing) -> io::Result<usize> {
+        let (header, rest) = rb.buf.split_at_mut(HEADER_LEN);
+        // SAFETY: the slot is LANDING, so its caller is blocked (or its
+        // asynchronous submission in flight) with `dst` lent to us alone:
+        // `PAGE_SIZE` live, writable bytes no one else touches until we
+        // call `landed` or `unland`. It does not overlap the receive buffer.
+        let page = unsafe { std::slice::from_raw_parts_mut(landing.dst, PAGE_SIZE) };
+        let mut iov = [
+            IoSliceMut::new(header),
+            IoSliceMut::new(page),
+            IoSliceMut::new(&mut rest[PAGE_SIZE..]),
+        ];
+        self.stream().read_vectored(&mut iov)
+    }
+
+    /// After `read_landing` read `n` bytes: if they hold the landing
+    /// request's whole, successful answer, its page is checked where it
+    /// landed and the request completed; else the bytes that went to the
+    /// page move into the gap in the receive buffer (the stream is whole
+    /// again there) and the request goes back to waiting.
+    fn settle_landing(&self, rb: &mut RecvBuf, landing: Landing, n: usize) {
+        rb.end = n;
+        let answer_end = HEADER_LEN + PAGE_SIZE;
+        if n >= answer_end {
+            if let Ok(Some(header)) = Header::decode_prefix(&rb.buf[..HEADER_LEN]) {
+                if is_answer_to(&header, &landing) {
+                    // SAFETY: as in `read_landing`; the slot is still LANDING.
+                    let page = unsafe { std::slice::from_raw_parts(landing.dst, PAGE_SIZE) };
+                    let code = if self.ack.checksums && page_checksum(page) != header.checksum {
+                        // As in `complete`, but the page is already in
+                        // place: the caller takes it as unspecified, since
+                        // the request failed.
+                        tracing::warn!(node = %self.node_id, request_id = header.request_id, offset = header.offset, "READ answer fails its page checksum");
+                        CODE_CHECKSUM
+                    } else {
+                        self.landed_pages.fetch_add(1, Ordering::Relaxed);
+                        0
+                    };
+                    self.inflight.landed(landing, code);
+                    rb.start = answer_end;
+                    return;
+                }
+            }
+        }
+        let in_page = n.saturating_sub(HEADER_LEN).min(PAGE_SIZE);
+        // SAFETY: as in `read_landing`; the slot is still LANDING.
+        let page = unsafe { std::slice::from_raw_parts(landing.dst, PAGE_SIZE) };
+        // The gap `HEADER_LEN..HEADER_LEN + PAGE_SIZE` the page left.
+        rb.buf[HEADER_LEN..HEADER_LEN + in_page].copy_from_slice(&page[..in_page]);
+        self.unland(landing);
+    }
+
+    /// Puts a landing request back to waiting. A connection that broke
+    /// meanwhile skipped it when it failed its requests: fail it now.
+    fn unland(&self, landing: Landing) {
+        self.inflight.unland(landing);
+        if self.is_broken() {
+            self.inflight.fail_all(CODE_CONN_LOST);
         }
     }
 
@@ -159,6 +260,17 @@ impl TcpConnection {
         }
         Ok(())
     }
+}
+
+/// Whether `header` is the successful answer, page included, of the READ
+/// in `landing` (any other message goes through `complete`).
+fn is_answer_to(header: &Header, landing: &Landing) -> bool {
+    header.request_id == landing.id
+        && header.opcode == Opcode::ReadResp
+        && header.status == Status::Ok
+        && header.payload_len() == PAGE_SIZE
+        && header.offset == landing.offset
+        && header.length as usize == PAGE_SIZE
 }
 
 /// Connections one caller blocks on by itself at most; a call spread over
@@ -325,3 +437,6 @@ impl Drop for BlockingReaders<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use super::connection::TcpConnection;
+use super::connection::{ClientAuth, TcpConnection};
 use super::inflight::Waiter;
 use super::poller::Pollers;
 use super::receive::wait;
@@ -16,8 +16,9 @@ use crate::config::PollMode;
 use crate::page::PAGE_SIZE;
 use crate::wire::{Header, HelloAck, Opcode};
 
-/// A connection whose other end the test writes answers to, and its poller.
-fn connection() -> (Arc<TcpConnection>, TcpStream, Pollers) {
+/// A connection (with page checksums or not) whose other end the test
+/// writes answers to, without a poller.
+pub(super) fn bare_connection(checksums: bool) -> (Arc<TcpConnection>, TcpStream) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
     let (server, _) = listener.accept().unwrap();
@@ -27,9 +28,23 @@ fn connection() -> (Arc<TcpConnection>, TcpStream, Pollers) {
         page_size: PAGE_SIZE as u32,
         rdma: None,
         coherence: None,
-        checksums: false,
+        checksums,
     };
-    let conn = Arc::new(TcpConnection::from_handshaken("n", "test", client, ack).unwrap());
+    let auth = ClientAuth {
+        client_id: 1,
+        node_id: "n",
+        key: None,
+        checksums,
+        coherence: false,
+        landed_pages: None,
+    };
+    let conn = Arc::new(TcpConnection::from_handshaken(&auth, "test", client, ack).unwrap());
+    (conn, server)
+}
+
+/// A connection whose other end the test writes answers to, and its poller.
+fn connection() -> (Arc<TcpConnection>, TcpStream, Pollers) {
+    let (conn, server) = bare_connection(false);
     let pollers = Pollers::start(1, &[], PollMode::Event, Duration::ZERO).unwrap();
     pollers.add(&conn);
     (conn, server, pollers)
@@ -50,7 +65,7 @@ fn caller(
         let waiter = Waiter::new();
         let id = conn
             .inflight
-            .arm(std::ptr::null_mut(), offset, &waiter)
+            .arm(std::ptr::null_mut(), offset, &waiter, false)
             .unwrap();
         ids.send(id).unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);

@@ -1,0 +1,221 @@
+//! Answers read straight into their page (`Inflight::land`): the page is
+//! checked where it landed, and bytes that turn out to be another message
+//! go back to the stream intact.
+
+use std::io::Write;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::super::inflight::{Waiter, CODE_CHECKSUM, CODE_CONN_LOST};
+use super::super::wait_tests::bare_connection;
+use super::TcpConnection;
+use crate::page::PAGE_SIZE;
+use crate::wire::{page_checksum, Header, Opcode, Status};
+
+/// The bytes of a successful READ answer: header (with `checksum`) and page.
+fn answer(id: u64, offset: u64, page: &[u8; PAGE_SIZE], checksum: u32) -> Vec<u8> {
+    let header = Header {
+        opcode: Opcode::ReadResp,
+        status: Status::Ok,
+        request_id: id,
+        offset,
+        length: PAGE_SIZE as u32,
+        checksum,
+    };
+    let mut bytes = header.encode().to_vec();
+    bytes.extend_from_slice(page);
+    bytes
+}
+
+fn good_answer(id: u64, offset: u64, byte: u8) -> Vec<u8> {
+    let page = [byte; PAGE_SIZE];
+    answer(id, offset, &page, page_checksum(&page))
+}
+
+/// Reads answers (as a caller holding the receive buffer would) until
+/// `waiter` has none outstanding; bounded.
+fn read_until_done(conn: &TcpConnection, waiter: &Waiter) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !waiter.is_done() {
+        assert!(Instant::now() < deadline, "no answer within 10 s");
+        let _ = conn.progress(&mut conn.recv.lock());
+        std::thread::yield_now();
+    }
+}
+
+fn landed(conn: &TcpConnection) -> u64 {
+    conn.landed_pages.load(Ordering::Relaxed)
+}
+
+#[test]
+fn an_answer_alone_in_flight_lands_in_its_page_and_is_checked_there() {
+    let (conn, mut server) = bare_connection(true);
+    let mut page = [0u8; PAGE_SIZE];
+    let waiter = Waiter::new();
+    let id = conn
+        .inflight
+        .arm(page.as_mut_ptr(), 0x3000, &waiter, true)
+        .unwrap();
+    server.write_all(&good_answer(id, 0x3000, 0xab)).unwrap();
+    read_until_done(&conn, &waiter);
+    assert_eq!(conn.inflight.finish(id), 0);
+    assert!(page.iter().all(|&b| b == 0xab), "the page that landed");
+    assert_eq!(landed(&conn), 1, "not read straight into the page");
+
+    // A corrupted page is caught where it landed; the connection stays.
+    let mut corrupt = [0xcdu8; PAGE_SIZE];
+    let checksum = page_checksum(&corrupt);
+    corrupt[100] ^= 1;
+    let id = conn
+        .inflight
+        .arm(page.as_mut_ptr(), 0x4000, &waiter, true)
+        .unwrap();
+    server
+        .write_all(&answer(id, 0x4000, &corrupt, checksum))
+        .unwrap();
+    read_until_done(&conn, &waiter);
+    assert_eq!(conn.inflight.finish(id), CODE_CHECKSUM);
+    assert_eq!(landed(&conn), 1, "a corrupted page counted as delivered");
+
+    let id = conn
+        .inflight
+        .arm(page.as_mut_ptr(), 0x5000, &waiter, true)
+        .unwrap();
+    server.write_all(&good_answer(id, 0x5000, 0xef)).unwrap();
+    read_until_done(&conn, &waiter);
+    assert_eq!(conn.inflight.finish(id), 0);
+    assert!(page.iter().all(|&b| b == 0xef));
+    assert_eq!(landed(&conn), 2);
+    assert!(!conn.is_broken());
+}
+
+#[test]
+fn a_stale_answer_read_into_the_page_goes_back_to_the_stream() {
+    let (conn, mut server) = bare_connection(true);
+    let mut abandoned = [0u8; PAGE_SIZE];
+    let gone = conn
+        .inflight
+        .arm(abandoned.as_mut_ptr(), 0, &Waiter::new(), true)
+        .unwrap();
+    assert_eq!(conn.inflight.cancel(gone), None);
+    let waiter = Waiter::new();
+    let mut page = [0u8; PAGE_SIZE];
+    let id = conn
+        .inflight
+        .arm(page.as_mut_ptr(), 0x1000, &waiter, true)
+        .unwrap();
+    // One write: the first read takes the stale answer's header into the
+    // buffer, its page into ours, and our whole answer behind the gap.
+    let mut bytes = good_answer(gone, 0, 0xcc);
+    bytes.extend(good_answer(id, 0x1000, 0xbb));
+    server.write_all(&bytes).unwrap();
+    read_until_done(&conn, &waiter);
+    assert_eq!(conn.inflight.finish(id), 0, "the stream lost its framing");
+    assert!(page.iter().all(|&b| b == 0xbb), "our page holds another's");
+    assert!(
+        abandoned.iter().all(|&b| b == 0),
+        "a cancelled request's page was written"
+    );
+    assert!(!conn.is_broken());
+}
+
+#[test]
+fn an_error_answer_and_a_split_answer_complete_as_without_landing() {
+    let (conn, mut server) = bare_connection(true);
+    let waiter = Waiter::new();
+    let mut page = [0u8; PAGE_SIZE];
+    let id = conn
+        .inflight
+        .arm(page.as_mut_ptr(), 0x1000, &waiter, true)
+        .unwrap();
+    let refused = Header {
+        status: Status::OutOfRange,
+        ..Header::request(Opcode::Error, id, 0x1000, 0)
+    };
+    server.write_all(&refused.encode()).unwrap();
+    read_until_done(&conn, &waiter);
+    assert_eq!(
+        conn.inflight.finish(id),
+        u32::from(Status::OutOfRange as u16)
+    );
+
+    // Header and part of the page, then the rest: the part read first
+    // goes back to the buffer and the answer completes from there.
+    let id = conn
+        .inflight
+        .arm(page.as_mut_ptr(), 0x2000, &waiter, true)
+        .unwrap();
+    let bytes = good_answer(id, 0x2000, 0x77);
+    let split = bytes.len() - 3000;
+    server.write_all(&bytes[..split]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !conn.progress(&mut conn.recv.lock()).unwrap() {
+        assert!(Instant::now() < deadline, "the first part never came");
+        std::thread::yield_now();
+    }
+    assert!(!waiter.is_done(), "completed on part of its page");
+    server.write_all(&bytes[split..]).unwrap();
+    read_until_done(&conn, &waiter);
+    assert_eq!(conn.inflight.finish(id), 0);
+    assert!(page.iter().all(|&b| b == 0x77));
+    assert!(!conn.is_broken());
+}
+
+#[test]
+fn a_connection_broken_while_an_answer_lands_fails_that_request_too() {
+    let (conn, _server) = bare_connection(false);
+    let waiter = Waiter::new();
+    let mut page = [0u8; PAGE_SIZE];
+    let id = conn
+        .inflight
+        .arm(page.as_mut_ptr(), 0, &waiter, true)
+        .unwrap();
+    let landing = conn.inflight.land().expect("alone in flight");
+    // Another thread finds the connection dead meanwhile: its sweep must
+    // leave the landing slot to its reader...
+    conn.mark_broken(CODE_CONN_LOST);
+    assert!(
+        !waiter.is_done(),
+        "a landing slot was completed under its reader"
+    );
+    // ... which fails it when it puts it back.
+    conn.unland(landing);
+    assert!(
+        waiter.is_done(),
+        "the request was left pending on a dead connection"
+    );
+    assert_eq!(conn.inflight.finish(id), CODE_CONN_LOST);
+}
+
+#[test]
+fn only_a_direct_read_alone_in_flight_lands() {
+    let (conn, _server) = bare_connection(false);
+    let mut a = [0u8; PAGE_SIZE];
+    let mut b = [0u8; PAGE_SIZE];
+    let plain = conn
+        .inflight
+        .arm(a.as_mut_ptr(), 0, &Waiter::new(), false)
+        .unwrap();
+    assert!(conn.inflight.land().is_none(), "a copy-API read landed");
+    assert_eq!(conn.inflight.cancel(plain), None);
+    let first = conn
+        .inflight
+        .arm(a.as_mut_ptr(), 0, &Waiter::new(), true)
+        .unwrap();
+    let waiter = Waiter::new();
+    let second = conn
+        .inflight
+        .arm(b.as_mut_ptr(), 0x1000, &waiter, true)
+        .unwrap();
+    assert!(conn.inflight.land().is_none(), "landed with two in flight");
+    assert_eq!(conn.inflight.cancel(first), None);
+    let landing = conn.inflight.land().expect("alone in flight now");
+    assert_eq!(landing.id, second);
+    // While it lands, nobody else may complete it.
+    assert!(matches!(
+        conn.inflight.claim(second),
+        super::super::inflight::Claim::Stale
+    ));
+    conn.inflight.landed(landing, 7);
+    assert_eq!(conn.inflight.finish(second), 7);
+}
