@@ -335,6 +335,10 @@ impl Run {
         let mut record = Record::new(self.label, spec, params.nodes, &outcome);
         record.backing = Some(self.backing.name().into());
         record.rdma_zero_copy = Some(zero_copy);
+        let tcp_direct = zc_after.tcp_direct_pages - zc_before.tcp_direct_pages;
+        if params.data_path == "tcp" {
+            record.tcp_direct_pages = Some(tcp_direct);
+        }
         let rdma_pages = match (
             zc_after.direct_pages - zc_before.direct_pages,
             zc_after.framed_pages - zc_before.framed_pages,
@@ -344,8 +348,12 @@ impl Run {
                 format!("; RDMA: {direct} pages straight into guest RAM, {framed} through the pool")
             }
         };
+        let tcp_pages = match tcp_direct {
+            0 => String::new(),
+            direct => format!("; TCP: {direct} read straight into guest RAM"),
+        };
         let line = format!(
-            "fault {}/{}, {:?}, {threads} thread(s): {:.0} faults/s, p50 {} us ({} fetched by faults, {} by prefetch{rdma_pages})",
+            "fault {}/{}, {:?}, {threads} thread(s): {:.0} faults/s, p50 {} us ({} fetched by faults, {} by prefetch{rdma_pages}{tcp_pages})",
             self.label,
             params.data_path,
             self.pattern,

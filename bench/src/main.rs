@@ -541,8 +541,10 @@ fn run() -> anyhow::Result<()> {
                     failed.run(spec, seed, nodes, &progress)?
                 }
                 _ => {
+                    let landed_before = mgr.zero_copy_stats().tcp_direct_pages;
                     let mut outcome =
                         workload::run_api(&mgr, &set, spec, seed, &progress, args.api);
+                    let landed = mgr.zero_copy_stats().tcp_direct_pages - landed_before;
                     if op == Op::Write {
                         outcome.bad_pages +=
                             set.verify_all(&mgr).context("reading back written pages")?;
@@ -550,6 +552,9 @@ fn run() -> anyhow::Result<()> {
                     }
                     let mut r = Record::new(&data_path_name(&mgr), spec, nodes, &outcome);
                     r.replicas = args.replicas;
+                    if r.transport == "tcp" {
+                        r.tcp_direct_pages = Some(landed);
+                    }
                     r
                 }
             };

@@ -66,6 +66,12 @@ pub struct Record {
     /// registered with the device), rather than through the pool.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rdma_zero_copy: Option<bool>,
+    /// Our TCP runs: pages whose answer was read from the socket straight
+    /// into their destination (guest memory, or the caller's page), with no
+    /// copy out of a receive buffer (asynchronous reads alone in flight on
+    /// their connection; every other TCP answer is copied once).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tcp_direct_pages: Option<u64>,
     /// Flush runs only: how dirty pages were found (`wp-faults`: a
     /// userfaultfd write-protect fault on each first write).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -195,6 +201,7 @@ impl Record {
             placement: None,
             backing: None,
             rdma_zero_copy: None,
+            tcp_direct_pages: None,
             dirty_tracking: None,
         }
     }

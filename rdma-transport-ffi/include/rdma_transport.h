@@ -483,6 +483,24 @@ typedef struct RtManagerStats {
   uint64_t pages_read;
   // Pages written by calls that succeeded.
   uint64_t pages_written;
+  // Memory ranges registered with the RDMA device now (e.g. a shared
+  // guest region's alias).
+  uint64_t rdma_registered_regions;
+  // Pages RDMA moved straight into or out of registered memory (no pool
+  // frame), by requests that succeeded.
+  uint64_t rdma_direct_pages;
+  // Pages RDMA moved through a pool frame, by requests that succeeded.
+  uint64_t rdma_framed_pages;
+  // Failed requests on registered memory whose queue pair was drained
+  // before the call returned.
+  uint64_t rdma_drains;
+  // Drains that could not be confirmed (the device might still write
+  // those pages).
+  uint64_t rdma_drain_failures;
+  // Pages of asynchronous reads (queue submissions, guest-memory
+  // faults) that TCP read from the socket straight into their page,
+  // with no copy out of a receive buffer.
+  uint64_t tcp_direct_pages;
 } RtManagerStats;
 
 // One node of the map (`rt_manager_node_info`). Set `struct_size` to

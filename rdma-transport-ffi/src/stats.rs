@@ -3,6 +3,7 @@
 //! of the map and its data path).
 
 use std::ffi::c_char;
+use std::mem::{offset_of, size_of};
 
 use rdma_transport::DataPath;
 
@@ -45,10 +46,37 @@ pub struct RtManagerStats {
     pub pages_read: u64,
     /// Pages written by calls that succeeded.
     pub pages_written: u64,
+    /// Memory ranges registered with the RDMA device now (e.g. a shared
+    /// guest region's alias).
+    pub rdma_registered_regions: u64,
+    /// Pages RDMA moved straight into or out of registered memory (no pool
+    /// frame), by requests that succeeded.
+    pub rdma_direct_pages: u64,
+    /// Pages RDMA moved through a pool frame, by requests that succeeded.
+    pub rdma_framed_pages: u64,
+    /// Failed requests on registered memory whose queue pair was drained
+    /// before the call returned.
+    pub rdma_drains: u64,
+    /// Drains that could not be confirmed (the device might still write
+    /// those pages).
+    pub rdma_drain_failures: u64,
+    /// Pages of asynchronous reads (queue submissions, guest-memory
+    /// faults) that TCP read from the socket straight into their page,
+    /// with no copy out of a receive buffer.
+    pub tcp_direct_pages: u64,
 }
+
+/// `struct_size` of the first layout (up to `pages_written`), still
+/// filled: the zero-copy counters are left out.
+const FIRST_LAYOUT_BYTES: usize = 8 + 12 * 8;
+const _: () = assert!(
+    offset_of!(RtManagerStats, rdma_registered_regions) == FIRST_LAYOUT_BYTES
+        && size_of::<RtManagerStats>() == FIRST_LAYOUT_BYTES + 6 * 8
+);
 
 impl COut for RtManagerStats {
     const NAME: &'static str = "RtManagerStats";
+    const OLD_SIZES: &'static [usize] = &[FIRST_LAYOUT_BYTES];
 }
 
 /// The data path of a node's connection (`RtNodeInfo.data_path`).
@@ -102,6 +130,7 @@ pub unsafe extern "C" fn rt_manager_stats(
             Err(status) => return status,
         };
         let s = manager.stats();
+        let z = manager.zero_copy_stats();
         let value = RtManagerStats {
             struct_size: 0,
             map_version: s.map_version,
@@ -116,6 +145,12 @@ pub unsafe extern "C" fn rt_manager_stats(
             calls_timed_out: s.calls_timed_out,
             pages_read: s.pages_read,
             pages_written: s.pages_written,
+            rdma_registered_regions: count(z.regions),
+            rdma_direct_pages: z.direct_pages,
+            rdma_framed_pages: z.framed_pages,
+            rdma_drains: z.drains,
+            rdma_drain_failures: z.drain_failures,
+            tcp_direct_pages: z.tcp_direct_pages,
         };
         // SAFETY: the caller passes NULL or a struct of `struct_size` bytes.
         match unsafe { write_out(stats, &value) } {

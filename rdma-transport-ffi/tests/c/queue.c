@@ -236,6 +236,18 @@ static int eventfd_mode_with_poll(RtManager *m) {
   /* Woken by the answers, not by the requests' deadline (5 s here). */
   EXPECT(now_s() - t0 < 2.0);
   for (unsigned i = 0; i < 4; i++) EXPECT(holds(rpages[i], gpas[i], SEED));
+  /* A read alone in flight is read from the socket straight into its
+     page; the statistics say so. */
+  RtManagerStats before = {.struct_size = sizeof before};
+  CHECK(rt_manager_stats(m, &before));
+  memset(rpages[0], 0, PAGE);
+  CHECK(rt_queue_submit_read(q, &gpas[2], 1, rpages[0], 300));
+  CHECK(rt_queue_wait(q, out, 1, 1, 5000, &n));
+  EXPECT(n == 1 && out[0].user_data == 300 && out[0].status == RT_STATUS_OK);
+  EXPECT(holds(rpages[0], gpas[2], SEED));
+  RtManagerStats after = {.struct_size = sizeof after};
+  CHECK(rt_manager_stats(m, &after));
+  EXPECT(after.tcp_direct_pages == before.tcp_direct_pages + 1);
   rt_queue_destroy(q);
   return 0;
 }

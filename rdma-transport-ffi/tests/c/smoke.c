@@ -11,6 +11,7 @@
 #include "rdma_transport.h"
 
 #include <inttypes.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -158,6 +159,12 @@ int main(int argc, char **argv) {
   EXPECT(rt_manager_node_count(m) == 2);
   RtManagerStats bad = {.struct_size = sizeof bad + 8};
   EXPECT(rt_manager_stats(m, &bad) == RT_STATUS_STRUCT_SIZE && bad.node_count == 0);
+  /* A program built against the first layout (up to pages_written) gets
+     that much, and nothing past it is written. */
+  RtManagerStats old = {.struct_size = offsetof(RtManagerStats, rdma_registered_regions)};
+  old.tcp_direct_pages = 77;
+  CHECK(rt_manager_stats(m, &old));
+  EXPECT(old.node_count == 2 && old.tcp_direct_pages == 77);
 
   /* Every node, by index: its id and data path. */
   int seen = 0;
