@@ -10,7 +10,7 @@
 //! instead move PENDING → CANCELLED (deadline passed), after which the poller
 //! never touches the slot's buffer or waiter again.
 //!
-//! A request marked `direct` may also go PENDING → LANDING before its answer
+//! A request armed `direct` may also go PENDING → LANDING before its answer
 //! is read: the reader then owns the slot's buffer and reads the socket
 //! straight into it (`receive.rs`). If the bytes were its answer, LANDING →
 //! DONE as from COMPLETING; if not, the reader moves those bytes back to
@@ -345,9 +345,10 @@ impl Inflight {
         let slot = &self.slots[slot_index];
         slot.code.store(code, Ordering::Relaxed);
         let waiter = slot.waiter.load(Ordering::Relaxed);
-        // SAFETY: the slot was claimed (PENDING → COMPLETING or LANDING), so
-        // its caller is still blocked in `finish`/`cancel`, which wait for DONE before
-        // returning; the waiter it armed the slot with is therefore alive.
+        // SAFETY: the slot was claimed (PENDING → COMPLETING or LANDING),
+        // so its caller is still blocked in `finish`/`cancel`, which wait
+        // for DONE before returning; the waiter it armed the slot with is
+        // therefore alive.
         unsafe { (*waiter).complete_one() };
         let state = slot.state.load(Ordering::Relaxed);
         slot.state
