@@ -219,3 +219,19 @@ fn only_a_direct_read_alone_in_flight_lands() {
     conn.inflight.landed(landing, 7);
     assert_eq!(conn.inflight.finish(second), 7);
 }
+
+#[test]
+fn a_peer_that_closes_while_an_answer_would_land_fails_the_request() {
+    let (conn, server) = bare_connection(true);
+    let waiter = Waiter::new();
+    let mut page = [0x5au8; PAGE_SIZE];
+    let id = conn
+        .inflight
+        .arm(page.as_mut_ptr(), 0, &waiter, true)
+        .unwrap();
+    drop(server);
+    read_until_done(&conn, &waiter);
+    assert_eq!(conn.inflight.finish(id), CODE_CONN_LOST);
+    assert!(conn.is_broken());
+    assert!(page.iter().all(|&b| b == 0x5a), "nothing was read into it");
+}
