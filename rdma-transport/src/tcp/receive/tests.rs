@@ -3,6 +3,7 @@
 //! go back to the stream intact.
 
 use std::io::Write;
+use std::net::TcpStream;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -234,4 +235,99 @@ fn a_peer_that_closes_while_an_answer_would_land_fails_the_request() {
     assert_eq!(conn.inflight.finish(id), CODE_CONN_LOST);
     assert!(conn.is_broken());
     assert!(page.iter().all(|&b| b == 0x5a), "nothing was read into it");
+}
+
+/// Writes `bytes` to the peer in the pieces `cuts` makes, letting the
+/// reader take each piece before the next is written, so that reads end
+/// at those points.
+fn write_in_pieces(conn: &TcpConnection, server: &mut TcpStream, bytes: &[u8], cuts: &[usize]) {
+    let mut from = 0;
+    for &cut in cuts.iter().chain(std::iter::once(&bytes.len())) {
+        if cut <= from {
+            continue;
+        }
+        server.write_all(&bytes[from..cut]).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // One read takes the whole piece (loopback delivers it before the
+        // write returns, and it is below the buffer's room).
+        while !conn.progress(&mut conn.recv.lock()).unwrap() {
+            assert!(Instant::now() < deadline, "a piece never came");
+            std::thread::yield_now();
+        }
+        from = cut;
+    }
+}
+
+/// Many seeded streams: each request alone in flight gets its answer
+/// after a stale answer or not, as an error or a page, in one piece or cut
+/// anywhere. Whatever lands and whatever goes back to the buffer, every
+/// request completes with its own outcome and page, and the stream keeps
+/// its framing.
+#[test]
+fn answers_cut_anywhere_complete_with_their_own_pages() {
+    use rand::{Rng, SeedableRng};
+    let (conn, mut server) = bare_connection(true);
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(0x1a4d);
+    let mut landed_before = 0;
+    let mut whole_alone = 0;
+    for round in 0..300u64 {
+        let offset = (round % 64) * PAGE_SIZE as u64;
+        let mut bytes = Vec::new();
+        let mut abandoned = [0u8; PAGE_SIZE];
+        let stale = rng.gen_bool(0.3);
+        if stale {
+            let gone = conn
+                .inflight
+                .arm(abandoned.as_mut_ptr(), offset, &Waiter::new(), true)
+                .unwrap();
+            assert_eq!(conn.inflight.cancel(gone), None);
+            bytes.extend(good_answer(gone, offset, 0xcc));
+        }
+        let waiter = Waiter::new();
+        let mut page = [0u8; PAGE_SIZE];
+        let id = conn
+            .inflight
+            .arm(page.as_mut_ptr(), offset, &waiter, true)
+            .unwrap();
+        let byte = (round % 200) as u8 + 1;
+        let refused = rng.gen_bool(0.2);
+        if refused {
+            let header = Header {
+                status: Status::OutOfRange,
+                ..Header::request(Opcode::Error, id, offset, 0)
+            };
+            bytes.extend(header.encode());
+        } else {
+            bytes.extend(good_answer(id, offset, byte));
+        }
+        let mut cuts: Vec<usize> = (0..rng.gen_range(0..3))
+            .map(|_| rng.gen_range(1..bytes.len()))
+            .collect();
+        cuts.sort_unstable();
+        if !stale && !refused && cuts.is_empty() {
+            whole_alone += 1;
+        }
+        write_in_pieces(&conn, &mut server, &bytes, &cuts);
+        assert!(waiter.is_done(), "round {round}: not completed");
+        let code = conn.inflight.finish(id);
+        if refused {
+            assert_eq!(code, u32::from(Status::OutOfRange as u16), "round {round}");
+        } else {
+            assert_eq!(code, 0, "round {round}");
+            assert!(page.iter().all(|&b| b == byte), "round {round}: wrong page");
+        }
+        assert!(
+            abandoned.iter().all(|&b| b == 0),
+            "round {round}: a cancelled request's page was written"
+        );
+        assert!(!conn.is_broken(), "round {round}: framing lost");
+        let landed_now = landed(&conn);
+        assert!(landed_now >= landed_before && landed_now <= landed_before + 1);
+        landed_before = landed_now;
+    }
+    // Every answer that came whole, alone and first landed; others may.
+    assert!(
+        landed_before >= whole_alone,
+        "{landed_before} < {whole_alone}"
+    );
 }
