@@ -100,7 +100,8 @@ pub(crate) fn run(shared: &Arc<Shared>, queue: CompletionQueue) {
     while !shared.stop.load(Ordering::Acquire) {
         let timeout_ms = handler.next_retry_in_ms();
         // The sockets our fetches wait on are read here, not by their
-        // pollers: an answer wakes this thread directly.
+        // pollers: an answer wakes this thread directly. (This also writes
+        // the fetches submitted since the last pass, all of them at once.)
         sockets.clear();
         handler.queue.tcp_connections(&mut sockets);
         fds.truncate(FIXED_FDS);

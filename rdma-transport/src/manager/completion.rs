@@ -311,14 +311,21 @@ impl CompletionQueue {
     /// an answer costs one wake-up instead of the poller's plus the
     /// eventfd's. The eventfd still signals RDMA answers, fallbacks and
     /// deadlines. The fault handlers do this.
+    ///
+    /// The reaper then also rings the doorbell: a submission is not written
+    /// at once but by the reaper's next `tcp_connections` (which it calls
+    /// before each wait) or `poll`, so the faults it read together go out
+    /// with one `writev` per connection.
     pub(crate) fn read_tcp_myself(&self) {
         self.shared.reaper_reads_tcp.store(true, Ordering::Relaxed);
     }
 
-    /// The TCP connections the queue's rounds on the wire wait on (see
-    /// [`CompletionQueue::read_tcp_myself`]).
+    /// Writes what was submitted since the last call or `poll` (the
+    /// doorbell), then adds the TCP connections the queue's rounds on the
+    /// wire wait on to `out` (see [`CompletionQueue::read_tcp_myself`]).
     pub(crate) fn tcp_connections(&self, out: &mut Vec<Option<Arc<crate::tcp::TcpConnection>>>) {
-        let st = self.shared.stepper.lock();
+        let mut st = self.shared.stepper.lock();
+        self.shared.flush(&mut st);
         for &t in &st.active {
             st.lanes[t].round.tcp_connections(out);
         }

@@ -322,9 +322,10 @@ impl Shared {
             st.waiting.push_back(token);
         }
         self.start_waiting(&mut st);
-        if self.mode != Mode::Poll {
+        if self.mode != Mode::Poll && !self.reaper_reads_tcp.load(Ordering::Relaxed) {
             // Nobody may reap before an answer: ring the doorbell now. (In
-            // poll mode the next `poll` or `wait` does, so a burst of
+            // poll mode the next `poll` or `wait` does, and a reaper that
+            // reads the sockets itself does before it waits, so a burst of
             // submissions goes out with one write per connection.)
             self.flush(&mut st);
         }
