@@ -44,6 +44,18 @@ fn read_until_done(conn: &TcpConnection, waiter: &Waiter) {
     }
 }
 
+/// Arms a direct READ of the page at `offset` into `page`; its id.
+fn arm_direct(
+    conn: &TcpConnection,
+    page: &mut [u8; PAGE_SIZE],
+    offset: u64,
+    waiter: &Waiter,
+) -> u64 {
+    conn.inflight
+        .arm(page.as_mut_ptr(), offset, waiter, true)
+        .expect("a free slot")
+}
+
 fn landed(conn: &TcpConnection) -> u64 {
     conn.landed_pages.load(Ordering::Relaxed)
 }
@@ -53,10 +65,7 @@ fn an_answer_alone_in_flight_lands_in_its_page_and_is_checked_there() {
     let (conn, mut server) = bare_connection(true);
     let mut page = [0u8; PAGE_SIZE];
     let waiter = Waiter::new();
-    let id = conn
-        .inflight
-        .arm(page.as_mut_ptr(), 0x3000, &waiter, true)
-        .unwrap();
+    let id = arm_direct(&conn, &mut page, 0x3000, &waiter);
     server.write_all(&good_answer(id, 0x3000, 0xab)).unwrap();
     read_until_done(&conn, &waiter);
     assert_eq!(conn.inflight.finish(id), 0);
@@ -67,10 +76,7 @@ fn an_answer_alone_in_flight_lands_in_its_page_and_is_checked_there() {
     let mut corrupt = [0xcdu8; PAGE_SIZE];
     let checksum = page_checksum(&corrupt);
     corrupt[100] ^= 1;
-    let id = conn
-        .inflight
-        .arm(page.as_mut_ptr(), 0x4000, &waiter, true)
-        .unwrap();
+    let id = arm_direct(&conn, &mut page, 0x4000, &waiter);
     server
         .write_all(&answer(id, 0x4000, &corrupt, checksum))
         .unwrap();
@@ -78,10 +84,7 @@ fn an_answer_alone_in_flight_lands_in_its_page_and_is_checked_there() {
     assert_eq!(conn.inflight.finish(id), CODE_CHECKSUM);
     assert_eq!(landed(&conn), 1, "a corrupted page counted as delivered");
 
-    let id = conn
-        .inflight
-        .arm(page.as_mut_ptr(), 0x5000, &waiter, true)
-        .unwrap();
+    let id = arm_direct(&conn, &mut page, 0x5000, &waiter);
     server.write_all(&good_answer(id, 0x5000, 0xef)).unwrap();
     read_until_done(&conn, &waiter);
     assert_eq!(conn.inflight.finish(id), 0);
@@ -94,17 +97,12 @@ fn an_answer_alone_in_flight_lands_in_its_page_and_is_checked_there() {
 fn a_stale_answer_read_into_the_page_goes_back_to_the_stream() {
     let (conn, mut server) = bare_connection(true);
     let mut abandoned = [0u8; PAGE_SIZE];
-    let gone = conn
-        .inflight
-        .arm(abandoned.as_mut_ptr(), 0, &Waiter::new(), true)
-        .unwrap();
+    let gone_waiter = Waiter::new();
+    let gone = arm_direct(&conn, &mut abandoned, 0, &gone_waiter);
     assert_eq!(conn.inflight.cancel(gone), None);
     let waiter = Waiter::new();
     let mut page = [0u8; PAGE_SIZE];
-    let id = conn
-        .inflight
-        .arm(page.as_mut_ptr(), 0x1000, &waiter, true)
-        .unwrap();
+    let id = arm_direct(&conn, &mut page, 0x1000, &waiter);
     // One write: the first read takes the stale answer's header into the
     // buffer, its page into ours, and our whole answer behind the gap.
     let mut bytes = good_answer(gone, 0, 0xcc);
@@ -125,10 +123,7 @@ fn an_error_answer_and_a_split_answer_complete_as_without_landing() {
     let (conn, mut server) = bare_connection(true);
     let waiter = Waiter::new();
     let mut page = [0u8; PAGE_SIZE];
-    let id = conn
-        .inflight
-        .arm(page.as_mut_ptr(), 0x1000, &waiter, true)
-        .unwrap();
+    let id = arm_direct(&conn, &mut page, 0x1000, &waiter);
     let refused = Header {
         status: Status::OutOfRange,
         ..Header::request(Opcode::Error, id, 0x1000, 0)
@@ -142,10 +137,7 @@ fn an_error_answer_and_a_split_answer_complete_as_without_landing() {
 
     // Header and part of the page, then the rest: the part read first
     // goes back to the buffer and the answer completes from there.
-    let id = conn
-        .inflight
-        .arm(page.as_mut_ptr(), 0x2000, &waiter, true)
-        .unwrap();
+    let id = arm_direct(&conn, &mut page, 0x2000, &waiter);
     let bytes = good_answer(id, 0x2000, 0x77);
     let split = bytes.len() - 3000;
     server.write_all(&bytes[..split]).unwrap();
@@ -167,10 +159,7 @@ fn a_connection_broken_while_an_answer_lands_fails_that_request_too() {
     let (conn, _server) = bare_connection(false);
     let waiter = Waiter::new();
     let mut page = [0u8; PAGE_SIZE];
-    let id = conn
-        .inflight
-        .arm(page.as_mut_ptr(), 0, &waiter, true)
-        .unwrap();
+    let id = arm_direct(&conn, &mut page, 0, &waiter);
     let landing = conn.inflight.land().expect("alone in flight");
     // Another thread finds the connection dead meanwhile: its sweep must
     // leave the landing slot to its reader...
@@ -193,21 +182,17 @@ fn only_a_direct_read_alone_in_flight_lands() {
     let (conn, _server) = bare_connection(false);
     let mut a = [0u8; PAGE_SIZE];
     let mut b = [0u8; PAGE_SIZE];
+    let plain_waiter = Waiter::new();
     let plain = conn
         .inflight
-        .arm(a.as_mut_ptr(), 0, &Waiter::new(), false)
+        .arm(a.as_mut_ptr(), 0, &plain_waiter, false)
         .unwrap();
     assert!(conn.inflight.land().is_none(), "a copy-API read landed");
     assert_eq!(conn.inflight.cancel(plain), None);
-    let first = conn
-        .inflight
-        .arm(a.as_mut_ptr(), 0, &Waiter::new(), true)
-        .unwrap();
+    let first_waiter = Waiter::new();
+    let first = arm_direct(&conn, &mut a, 0, &first_waiter);
     let waiter = Waiter::new();
-    let second = conn
-        .inflight
-        .arm(b.as_mut_ptr(), 0x1000, &waiter, true)
-        .unwrap();
+    let second = arm_direct(&conn, &mut b, 0x1000, &waiter);
     assert!(conn.inflight.land().is_none(), "landed with two in flight");
     assert_eq!(conn.inflight.cancel(first), None);
     let landing = conn.inflight.land().expect("alone in flight now");
@@ -226,10 +211,7 @@ fn a_peer_that_closes_while_an_answer_would_land_fails_the_request() {
     let (conn, server) = bare_connection(true);
     let waiter = Waiter::new();
     let mut page = [0x5au8; PAGE_SIZE];
-    let id = conn
-        .inflight
-        .arm(page.as_mut_ptr(), 0, &waiter, true)
-        .unwrap();
+    let id = arm_direct(&conn, &mut page, 0, &waiter);
     drop(server);
     read_until_done(&conn, &waiter);
     assert_eq!(conn.inflight.finish(id), CODE_CONN_LOST);
@@ -276,19 +258,14 @@ fn answers_cut_anywhere_complete_with_their_own_pages() {
         let mut abandoned = [0u8; PAGE_SIZE];
         let stale = rng.gen_bool(0.3);
         if stale {
-            let gone = conn
-                .inflight
-                .arm(abandoned.as_mut_ptr(), offset, &Waiter::new(), true)
-                .unwrap();
+            let gone_waiter = Waiter::new();
+            let gone = arm_direct(&conn, &mut abandoned, offset, &gone_waiter);
             assert_eq!(conn.inflight.cancel(gone), None);
             bytes.extend(good_answer(gone, offset, 0xcc));
         }
         let waiter = Waiter::new();
         let mut page = [0u8; PAGE_SIZE];
-        let id = conn
-            .inflight
-            .arm(page.as_mut_ptr(), offset, &waiter, true)
-            .unwrap();
+        let id = arm_direct(&conn, &mut page, offset, &waiter);
         let byte = (round % 200) as u8 + 1;
         let refused = rng.gen_bool(0.2);
         if refused {
