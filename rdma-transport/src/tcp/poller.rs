@@ -171,6 +171,14 @@ fn run(handle: &PollerHandle, cpu: Option<usize>, mode: PollMode, idle_spin: Dur
             }
             continue;
         }
+        if ret == 0 && spinning {
+            // Nothing yet: on a small host the page-server or the caller
+            // this poller waits for may be queued behind it on this very
+            // CPU. Let it run (without this, a busy poller sharing a CPU
+            // with a local page-server held each answer back until the
+            // scheduler preempted it, ~1 ms: docs/benchmarking.md).
+            std::thread::yield_now();
+        }
         if pollfds[0].revents != 0 {
             handle.drain_wake();
         }
