@@ -44,8 +44,8 @@ const SEED: u64 = 0xfa17;
 /// on a 2-CPU host the handler must park soon, or it starves the
 /// page-server thread it waits for; with several faulting threads it must
 /// not park too soon, or each answer costs a wake-up (see
-/// docs/benchmarking.md, Fault path: 10 and 30 µs give the same one-thread
-/// faults, 30 gives four threads ~10% more).
+/// docs/benchmarking.md, "Handler spin and four faulting threads": 10 and
+/// 30 µs give the same one-thread faults, 30 gives four threads more).
 pub const WAIT_SPIN_US: u64 = 30;
 
 /// The CPUs of the local cluster's page-server connection threads (in this
