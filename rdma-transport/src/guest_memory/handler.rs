@@ -103,7 +103,7 @@ pub(crate) fn run(shared: &Arc<Shared>, queue: CompletionQueue) {
         // pollers: an answer wakes this thread directly. (This also writes
         // the fetches submitted since the last pass, all of them at once.)
         sockets.clear();
-        handler.queue.tcp_connections(&mut sockets);
+        handler.queue.before_wait(&mut sockets);
         fds.truncate(FIXED_FDS);
         fds.extend(sockets.iter().flatten().map(|c| libc::pollfd {
             fd: c.stream().as_raw_fd(),

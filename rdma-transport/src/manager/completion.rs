@@ -305,7 +305,7 @@ impl CompletionQueue {
     }
 
     /// From now on the reaper waits on the TCP sockets of the rounds on
-    /// the wire itself ([`CompletionQueue::tcp_connections`], in its own
+    /// the wire itself ([`CompletionQueue::before_wait`], in its own
     /// poll loop next to the eventfd) and calls [`CompletionQueue::poll`]
     /// when one is readable: their pollers are not asked to read them, and
     /// an answer costs one wake-up instead of the poller's plus the
@@ -313,7 +313,7 @@ impl CompletionQueue {
     /// deadlines. The fault handlers do this.
     ///
     /// The reaper then also rings the doorbell: a submission is not written
-    /// at once but by the reaper's next `tcp_connections` (which it calls
+    /// at once but by the reaper's next `before_wait` (which it calls
     /// before each wait) or `poll`, so the faults it read together go out
     /// with one `writev` per connection.
     pub(crate) fn read_tcp_myself(&self) {
@@ -323,7 +323,7 @@ impl CompletionQueue {
     /// Writes what was submitted since the last call or `poll` (the
     /// doorbell), then adds the TCP connections the queue's rounds on the
     /// wire wait on to `out` (see [`CompletionQueue::read_tcp_myself`]).
-    pub(crate) fn tcp_connections(&self, out: &mut Vec<Option<Arc<crate::tcp::TcpConnection>>>) {
+    pub(crate) fn before_wait(&self, out: &mut Vec<Option<Arc<crate::tcp::TcpConnection>>>) {
         let mut st = self.shared.stepper.lock();
         self.shared.flush(&mut st);
         for &t in &st.active {

@@ -143,12 +143,13 @@ impl TcpConnection {
     /// again there) and the request goes back to waiting.
     fn settle_landing(&self, rb: &mut RecvBuf, landing: Landing, n: usize) {
         rb.end = n;
+        // SAFETY: as in `read_landing`; the slot stays LANDING until
+        // `landed` or `unland` below, after the last use of `page`.
+        let page = unsafe { std::slice::from_raw_parts(landing.dst, PAGE_SIZE) };
         let answer_end = HEADER_LEN + PAGE_SIZE;
         if n >= answer_end {
             if let Ok(Some(header)) = Header::decode_prefix(&rb.buf[..HEADER_LEN]) {
                 if is_answer_to(&header, &landing) {
-                    // SAFETY: as in `read_landing`; the slot is still LANDING.
-                    let page = unsafe { std::slice::from_raw_parts(landing.dst, PAGE_SIZE) };
                     let code = if self.ack.checksums && page_checksum(page) != header.checksum {
                         // As in `complete`, but the page is already in
                         // place: the caller takes it as unspecified, since
@@ -166,8 +167,6 @@ impl TcpConnection {
             }
         }
         let in_page = n.saturating_sub(HEADER_LEN).min(PAGE_SIZE);
-        // SAFETY: as in `read_landing`; the slot is still LANDING.
-        let page = unsafe { std::slice::from_raw_parts(landing.dst, PAGE_SIZE) };
         // The gap `HEADER_LEN..HEADER_LEN + PAGE_SIZE` the page left.
         rb.buf[HEADER_LEN..HEADER_LEN + in_page].copy_from_slice(&page[..in_page]);
         self.unland(landing);
