@@ -241,7 +241,10 @@ pub(crate) fn on_frame(
             let owner =
                 matches!(page.directory(), Directory::Modified { owner, .. } if owner == node);
             let stored = match frame.page {
-                Some(data) if owner => ex.guard.client_write(&ex.region, off, data).is_ok(),
+                Some(data) if owner => ex
+                    .guard
+                    .client_write(&ex.region, &ex.sums, off, data, None)
+                    .is_ok(),
                 _ => false,
             };
             if !stored {

@@ -19,6 +19,7 @@ use crate::handshake::{self, Refusal, ServerAuth, Session};
 use crate::limits::ConnGuard;
 use crate::metrics::{Op, PageMetrics, RequestTally};
 use crate::outbound::Outbound;
+use crate::page_sums::PageSums;
 use crate::rdma::RdmaExport;
 use crate::recovery_guard::RecoveryGuard;
 
@@ -41,6 +42,9 @@ pub(crate) struct Exported {
     /// Keeps client writes from being overwritten by a replica recovery's
     /// older copy (every client WRITE goes through it).
     pub(crate) guard: RecoveryGuard,
+    /// The pages' checksums between writes (every write of the region, all
+    /// through `guard`, drops or sets its page's).
+    pub(crate) sums: PageSums,
     /// The coherence directory of the exported pages (`coherence_home.rs`).
     pub(crate) coherence: CoherenceHome,
     /// Pages served, bytes, errors and durations, by operation.
@@ -109,19 +113,26 @@ impl Outbox {
     }
 
     /// Copies the region's page at `off` (bounds already checked) and
-    /// returns the copy with its checksum. A checksummed answer is sent from
-    /// a copy, not the region: a WRITE on another connection between now
-    /// and the `writev` would otherwise send bytes the checksum does not
-    /// cover.
-    fn copy_page(&mut self, region: &MappedRegion, off: usize) -> Option<(Payload, u32)> {
+    /// returns the copy with its checksum, which `sums` keeps if no write of
+    /// the page ran meanwhile. A page without a kept sum is sent from a copy,
+    /// not the region: its sum must cover the bytes sent.
+    fn copy_page(
+        &mut self,
+        region: &MappedRegion,
+        sums: &PageSums,
+        off: usize,
+    ) -> Option<(Payload, u32)> {
         if self.copies_used == self.copies.len() {
             self.copies.push(vec![0u8; PAGE_SIZE].into_boxed_slice());
         }
         let index = self.copies_used;
         let copy = &mut self.copies[index];
+        let before = sums.before_copy(off);
         region.read_at(off, copy).ok()?;
+        let sum = page_checksum(copy);
+        sums.cache_if_unchanged(off, before, sum);
         self.copies_used += 1;
-        Some((Payload::Copy(index), page_checksum(copy)))
+        Some((Payload::Copy(index), sum))
     }
 
     fn push(&mut self, header: Header, payload: Payload) {
@@ -565,12 +576,21 @@ fn handle(
             return Err(Refusal::BeforeHandshake)
         }
         Opcode::Read => {
-            // With checksums the page is copied (its sum must match what is
-            // sent); without, it goes out of the region itself.
+            // Without checksums, or with the page's sum kept since it was
+            // written (`page_sums.rs`), the page goes out of the region
+            // itself; else it is copied and summed (its sum must match what
+            // is sent).
             let page = exported.check(header).map(|off| {
-                if session.checksums {
+                let kept = session.checksums.then(|| exported.sums.cached(off));
+                if let Some(Some(sum)) = kept {
+                    tally.record_kept_sum();
+                    exported
+                        .region
+                        .ptr_at(off, PAGE_SIZE)
+                        .map(|page| (answer(Status::Ok).with_checksum(sum), Payload::Region(page)))
+                } else if session.checksums {
                     outbox
-                        .copy_page(&exported.region, off)
+                        .copy_page(&exported.region, &exported.sums, off)
                         .map(|(copy, sum)| (answer(Status::Ok).with_checksum(sum), copy))
                 } else {
                     exported
@@ -603,7 +623,14 @@ fn handle(
                     tracing::debug!(offset = header.offset, "WRITE fails its page checksum");
                     Status::BadChecksum
                 }
-                Ok(off) => match exported.guard.client_write(&exported.region, off, payload) {
+                Ok(off) => match exported.guard.client_write(
+                    &exported.region,
+                    &exported.sums,
+                    off,
+                    payload,
+                    // Checked above: the sum of the bytes written.
+                    session.checksums.then_some(header.checksum),
+                ) {
                     Ok(()) => Status::Ok,
                     Err(_) => Status::OutOfRange,
                 },

@@ -24,6 +24,7 @@ mod log_limit;
 mod metrics;
 mod metrics_http;
 mod outbound;
+mod page_sums;
 mod rdma;
 mod recovery;
 mod recovery_guard;

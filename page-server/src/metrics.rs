@@ -7,6 +7,7 @@
 //! | `page_server_bytes_total` | counter | `op` |
 //! | `page_server_request_errors_total` | counter | `op` (answered with an error status) |
 //! | `page_server_request_duration_seconds` | histogram | `op` (end of the previous request of the batch, or the read that brought it, to answer queued; see `RequestTally`) |
+//! | `page_server_read_sums_kept_total` | counter | (checksummed READ answers sent out of the region with the sum kept since the page was written: no copy; `page_sums.rs`) |
 //! | `page_server_connections` | gauge | `state` (`handshaken`, `pending`) |
 //! | `page_server_coherence_events_total` | counter | `event` (the coherence home's counters, `coherence::HomeStats`: `shared_grants`, `exclusive_grants`, `upgrades`, `invalidation_rounds`, `invalidations_sent`, `downgrades_sent`, `queued`, `retries`, `lost_answers`, `pages_lost`, `write_backs`, ..., `refused_frames`, and `rdma_frames`: frames that came over RDMA message channels) |
 //! | `page_server_coherence_pages` | gauge | (pages with a coherence directory entry) |
@@ -96,6 +97,8 @@ pub(crate) struct RequestTally {
     mark: Instant,
     read: OpTally,
     write: OpTally,
+    /// READ answers sent with a kept sum (`PageSums::cached`).
+    kept_sums: u64,
 }
 
 impl RequestTally {
@@ -104,6 +107,7 @@ impl RequestTally {
             mark: Instant::now(),
             read: OpTally::default(),
             write: OpTally::default(),
+            kept_sums: 0,
         }
     }
 
@@ -111,6 +115,11 @@ impl RequestTally {
     /// is not a page request's).
     pub fn restart(&mut self) {
         self.mark = Instant::now();
+    }
+
+    /// Counts a READ answer sent with its page's kept sum (no copy).
+    pub fn record_kept_sum(&mut self) {
+        self.kept_sums += 1;
     }
 
     /// Counts one page request whose answer was just queued; `ok` when it
@@ -138,6 +147,7 @@ pub(crate) struct PageMetrics {
     registry: Registry,
     read: OpMetrics,
     write: OpMetrics,
+    kept_sums: Counter,
     connections: Family<StateLabels, Gauge>,
     coherence_events: Family<EventLabels, Counter>,
     coherence_pages: Gauge,
@@ -157,7 +167,13 @@ impl PageMetrics {
         let errors = Family::<OpLabels, Counter>::default();
         let durations = Family::<OpLabels, DurationHistogram>::default();
         let connections = Family::<StateLabels, Gauge>::default();
+        let kept_sums = Counter::default();
         registry.register("pages_served", "Pages read or written", served.clone());
+        registry.register(
+            "read_sums_kept",
+            "Checksummed READ answers sent out of the region with the sum kept since the page was written",
+            kept_sums.clone(),
+        );
         registry.register("bytes", "Page bytes read or written", bytes.clone());
         registry.register(
             "request_errors",
@@ -198,6 +214,7 @@ impl PageMetrics {
         Self {
             read: op("read"),
             write: op("write"),
+            kept_sums,
             registry,
             connections,
             coherence_events,
@@ -209,6 +226,15 @@ impl PageMetrics {
     pub fn publish(&self, tally: &mut RequestTally) {
         self.read.publish(&mut tally.read);
         self.write.publish(&mut tally.write);
+        if tally.kept_sums != 0 {
+            self.kept_sums.inc_by(tally.kept_sums);
+            tally.kept_sums = 0;
+        }
+    }
+
+    /// READ answers sent with a kept sum so far (`ServerStats`).
+    pub fn kept_sums(&self) -> u64 {
+        self.kept_sums.get()
     }
 
     /// The OpenMetrics text, with the connection gauges from `stats` and the

@@ -454,7 +454,12 @@ impl Worker {
             let mut batch_applied = 0u64;
             for (i, page) in buf[..count].iter().enumerate() {
                 let off = dest + (first as usize + i) * PAGE_SIZE;
-                if self.server.exported.guard.apply_copy(region, off, page)? {
+                if self.server.exported.guard.apply_copy(
+                    region,
+                    &self.server.exported.sums,
+                    off,
+                    page,
+                )? {
                     batch_applied += 1;
                 }
             }

@@ -26,6 +26,8 @@ use parking_lot::{Mutex, MutexGuard};
 use rdma_transport::region::MappedRegion;
 use rdma_transport::PAGE_SIZE;
 
+use crate::page_sums::PageSums;
+
 /// Stripe locks: page `i` is guarded by stripe `i % STRIPES`. 64 makes a
 /// word of the bitmap hold exactly one page of each stripe.
 const STRIPES: usize = 64;
@@ -72,24 +74,33 @@ impl RecoveryGuard {
     }
 
     /// A client's WRITE of `page` at region offset `off` (page aligned).
+    /// `sum`: the page's checksum, when the client sent one and it was
+    /// checked; `sums` keeps it if no other write of the page overlapped.
     ///
     /// # Errors
     /// `InvalidInput` when the page is not inside the region.
     pub(crate) fn client_write(
         &self,
         region: &MappedRegion,
+        sums: &PageSums,
         off: usize,
         page: &[u8],
+        sum: Option<u32>,
     ) -> io::Result<()> {
+        let ticket = sums.writing(off);
         if !self.active.load(Ordering::Acquire) {
-            return region.write_at(off, page);
+            region.write_at(off, page)?;
+            ticket.finish(sum);
+            return Ok(());
         }
         let index = off / PAGE_SIZE;
         let _stripe = self.stripes[index % STRIPES].lock();
         if let Some(word) = self.written.get(index / 64) {
             word.fetch_or(1 << (index % 64), Ordering::Relaxed);
         }
-        region.write_at(off, page)
+        region.write_at(off, page)?;
+        ticket.finish(sum);
+        Ok(())
     }
 
     /// The recovery's copy of `page` at region offset `off` (page aligned):
@@ -101,6 +112,7 @@ impl RecoveryGuard {
     pub(crate) fn apply_copy(
         &self,
         region: &MappedRegion,
+        sums: &PageSums,
         off: usize,
         page: &[u8],
     ) -> io::Result<bool> {
@@ -113,6 +125,7 @@ impl RecoveryGuard {
         if written {
             return Ok(false);
         }
+        let _ticket = sums.writing(off);
         region.write_at(off, page)?;
         Ok(true)
     }
@@ -139,6 +152,11 @@ mod tests {
         .expect("region")
     }
 
+    /// The guard's tests are about ordering: no sums kept.
+    fn no_sums() -> PageSums {
+        PageSums::new(0, false)
+    }
+
     fn page(fill: u8) -> Vec<u8> {
         vec![fill; PAGE_SIZE]
     }
@@ -153,12 +171,15 @@ mod tests {
     fn inactive_guard_writes_through_and_marks_nothing() {
         let (r, g) = (region(), RecoveryGuard::new(PAGES * PAGE_SIZE));
         assert!(!g.is_active());
-        g.client_write(&r, 3 * PAGE_SIZE, &page(1)).unwrap();
+        g.client_write(&r, &no_sums(), 3 * PAGE_SIZE, &page(1), None)
+            .unwrap();
         assert_eq!(at(&r, 3), page(1));
         // A write before the recovery began is in the source's copy too:
         // the copy applies.
         g.begin();
-        assert!(g.apply_copy(&r, 3 * PAGE_SIZE, &page(2)).unwrap());
+        assert!(g
+            .apply_copy(&r, &no_sums(), 3 * PAGE_SIZE, &page(2))
+            .unwrap());
         assert_eq!(at(&r, 3), page(2));
     }
 
@@ -169,26 +190,40 @@ mod tests {
         // The recovery fetched the old contents (0xAA) from the source...
         let fetched = page(0xAA);
         // ...then a client wrote the page here (and to the source)...
-        g.client_write(&r, 7 * PAGE_SIZE, &page(0x55)).unwrap();
+        g.client_write(&r, &no_sums(), 7 * PAGE_SIZE, &page(0x55), None)
+            .unwrap();
         // ...then the recovery applies its stale copy: dropped.
-        assert!(!g.apply_copy(&r, 7 * PAGE_SIZE, &fetched).unwrap());
+        assert!(!g
+            .apply_copy(&r, &no_sums(), 7 * PAGE_SIZE, &fetched)
+            .unwrap());
         assert_eq!(at(&r, 7), page(0x55));
         // Its neighbours (same word, other stripes) still take the copy.
-        assert!(g.apply_copy(&r, 6 * PAGE_SIZE, &fetched).unwrap());
-        assert!(g.apply_copy(&r, 8 * PAGE_SIZE, &fetched).unwrap());
+        assert!(g
+            .apply_copy(&r, &no_sums(), 6 * PAGE_SIZE, &fetched)
+            .unwrap());
+        assert!(g
+            .apply_copy(&r, &no_sums(), 8 * PAGE_SIZE, &fetched)
+            .unwrap());
         // The same stripe, another word: not written either.
-        assert!(g.apply_copy(&r, (7 + 64) * PAGE_SIZE, &fetched).unwrap());
+        assert!(g
+            .apply_copy(&r, &no_sums(), (7 + 64) * PAGE_SIZE, &fetched)
+            .unwrap());
     }
 
     #[test]
     fn write_after_the_copy_wins() {
         let (r, g) = (region(), RecoveryGuard::new(PAGES * PAGE_SIZE));
         g.begin();
-        assert!(g.apply_copy(&r, 9 * PAGE_SIZE, &page(0xAA)).unwrap());
-        g.client_write(&r, 9 * PAGE_SIZE, &page(0x55)).unwrap();
+        assert!(g
+            .apply_copy(&r, &no_sums(), 9 * PAGE_SIZE, &page(0xAA))
+            .unwrap());
+        g.client_write(&r, &no_sums(), 9 * PAGE_SIZE, &page(0x55), None)
+            .unwrap();
         assert_eq!(at(&r, 9), page(0x55));
         // A second copy of it (a retry from another source) is dropped.
-        assert!(!g.apply_copy(&r, 9 * PAGE_SIZE, &page(0xAA)).unwrap());
+        assert!(!g
+            .apply_copy(&r, &no_sums(), 9 * PAGE_SIZE, &page(0xAA))
+            .unwrap());
         assert_eq!(at(&r, 9), page(0x55));
     }
 
@@ -196,14 +231,15 @@ mod tests {
     fn a_new_recovery_starts_with_a_fresh_bitmap() {
         let (r, g) = (region(), RecoveryGuard::new(PAGES * PAGE_SIZE));
         g.begin();
-        g.client_write(&r, 0, &page(1)).unwrap();
+        g.client_write(&r, &no_sums(), 0, &page(1), None).unwrap();
         g.end();
         assert!(!g.is_active());
         // Not marked while inactive.
-        g.client_write(&r, PAGE_SIZE, &page(1)).unwrap();
+        g.client_write(&r, &no_sums(), PAGE_SIZE, &page(1), None)
+            .unwrap();
         g.begin();
-        assert!(g.apply_copy(&r, 0, &page(2)).unwrap());
-        assert!(g.apply_copy(&r, PAGE_SIZE, &page(2)).unwrap());
+        assert!(g.apply_copy(&r, &no_sums(), 0, &page(2)).unwrap());
+        assert!(g.apply_copy(&r, &no_sums(), PAGE_SIZE, &page(2)).unwrap());
     }
 
     #[test]
@@ -211,8 +247,10 @@ mod tests {
         let (r, g) = (region(), RecoveryGuard::new(PAGES * PAGE_SIZE));
         g.begin();
         let beyond = (PAGES + 100) * PAGE_SIZE;
-        assert!(g.client_write(&r, beyond, &page(1)).is_err());
-        assert!(g.apply_copy(&r, beyond, &page(1)).is_err());
+        assert!(g
+            .client_write(&r, &no_sums(), beyond, &page(1), None)
+            .is_err());
+        assert!(g.apply_copy(&r, &no_sums(), beyond, &page(1)).is_err());
     }
 
     /// Clients and the copy race on every page: every page a client wrote
@@ -227,7 +265,7 @@ mod tests {
             std::thread::spawn(move || {
                 for round in 0..20 {
                     for i in 0..PAGES {
-                        g.apply_copy(&r, i * PAGE_SIZE, &page(0xC0 | (round & 1)))
+                        g.apply_copy(&r, &no_sums(), i * PAGE_SIZE, &page(0xC0 | (round & 1)))
                             .unwrap();
                     }
                 }
@@ -240,7 +278,7 @@ mod tests {
                     // Writer w writes the pages i with i % 4 == w, twice.
                     for _ in 0..2 {
                         for i in (w..PAGES).step_by(4) {
-                            g.client_write(&r, i * PAGE_SIZE, &page(w as u8 + 1))
+                            g.client_write(&r, &no_sums(), i * PAGE_SIZE, &page(w as u8 + 1), None)
                                 .unwrap();
                         }
                     }
@@ -259,5 +297,58 @@ mod tests {
                 assert!(got == page(0xC0) || got == page(0xC1), "copied page {i}");
             }
         }
+    }
+
+    /// Two clients write the same page at the same moment, each with its
+    /// page's sum, round after round (a recovery running in every other
+    /// round); between rounds, a sum kept for the page is the sum of what
+    /// the page holds, whichever write ended last or however they mixed.
+    #[test]
+    fn writes_at_the_same_moment_keep_no_wrong_sum() {
+        const ROUNDS: usize = 10_000;
+        let r = Arc::new(region());
+        let g = Arc::new(RecoveryGuard::new(PAGES * PAGE_SIZE));
+        let sums = Arc::new(PageSums::new(PAGES * PAGE_SIZE, true));
+        let start = Arc::new(std::sync::Barrier::new(3));
+        let done = Arc::new(std::sync::Barrier::new(3));
+        let writers: Vec<_> = (0..2u8)
+            .map(|w| {
+                let (r, g, sums) = (Arc::clone(&r), Arc::clone(&g), Arc::clone(&sums));
+                let (start, done) = (Arc::clone(&start), Arc::clone(&done));
+                std::thread::spawn(move || {
+                    for round in 0..ROUNDS {
+                        let p = page((round as u8) ^ (w * 0x55));
+                        let sum = rdma_transport::wire::page_checksum(&p);
+                        start.wait();
+                        g.client_write(&r, &sums, 0, &p, Some(sum)).unwrap();
+                        done.wait();
+                    }
+                })
+            })
+            .collect();
+        let mut kept = 0;
+        for round in 0..ROUNDS {
+            if round % 2 == 0 {
+                g.begin();
+            } else {
+                g.end();
+            }
+            start.wait();
+            done.wait();
+            if let Some(sum) = sums.cached(0) {
+                kept += 1;
+                let held = at(&r, 0);
+                assert_eq!(
+                    sum,
+                    rdma_transport::wire::page_checksum(&held),
+                    "round {round}"
+                );
+            }
+        }
+        for w in writers {
+            w.join().unwrap();
+        }
+        // Most rounds' writes do not overlap on two CPUs: their sums are kept.
+        assert!(kept > 0, "no round kept a sum");
     }
 }

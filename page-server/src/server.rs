@@ -20,6 +20,7 @@ use crate::layout::Layout;
 use crate::limits::Timeouts;
 use crate::metrics::PageMetrics;
 use crate::metrics_http::MetricsEndpoint;
+use crate::page_sums::PageSums;
 use crate::rdma::RdmaExport;
 use crate::recovery::Recovery;
 use crate::recovery_guard::RecoveryGuard;
@@ -131,6 +132,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             addr: config.listen,
             source,
         })?;
+    let rdma_enabled = rdma.is_some();
     let shared = Arc::new(Shared {
         exported: Exported {
             rdma,
@@ -140,6 +142,8 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             auth: ServerAuth::new(config.node_id.clone(), config.cluster_key.clone()),
             page_checksums: config.page_checksums,
             guard: RecoveryGuard::new(memory_bytes),
+            // RDMA writes the region without this side seeing it: no sums.
+            sums: PageSums::new(memory_bytes, !rdma_enabled),
             coherence: CoherenceHome::default(),
             metrics: PageMetrics::new(),
         },
@@ -342,6 +346,7 @@ impl RunningServer {
     pub fn stats(&self) -> ServerStats {
         let mut stats = self.shared.admission.stats();
         self.shared.recovery.fill(&mut stats);
+        stats.reads_with_kept_sums = self.shared.exported.metrics.kept_sums();
         stats
     }
 

@@ -44,6 +44,10 @@ pub struct ServerStats {
     /// Pages copied in from a live replica by recoveries (pages a client
     /// wrote during a recovery are not counted: the copy skipped them).
     pub recovered_pages: u64,
+    /// Checksummed READ answers sent out of the region with the checksum
+    /// kept since the page was written, without a copy (0 on a server with
+    /// RDMA, which keeps no sums).
+    pub reads_with_kept_sums: u64,
 }
 
 /// Why the server refused or closed a connection.

@@ -125,3 +125,175 @@ fn pages_round_trip_with_checksums_on_and_off() {
         round_trip_all_pages(&mgr, 2, 7, 3);
     }
 }
+
+/// A checksummed READ of a page whose sum the server kept since its
+/// checksummed WRITE is sent without a copy (`reads_with_kept_sums`); a
+/// write without a checksum, from another connection, drops the kept sum,
+/// so the next READ carries the sum of the new bytes, not the old one.
+#[test]
+fn a_kept_sum_answers_reads_until_any_write_of_the_page() {
+    let server = page_server::spawn(ServerConfig::new("k", NODE_BYTES)).unwrap();
+    let mut summed = connect(server.addr());
+    assert!(
+        raw::handshake_asking(&mut summed, 1, "k", None, true)
+            .unwrap()
+            .checksums
+    );
+    let mut plain = connect(server.addr());
+    assert!(
+        !raw::handshake_asking(&mut plain, 2, "k", None, false)
+            .unwrap()
+            .checksums
+    );
+    let off = 0x7000;
+    let kept = || server.stats().reads_with_kept_sums;
+
+    let first = page_for(off, 1);
+    assert_eq!(
+        write(&mut summed, 1, off, &first, page_checksum(&first)),
+        Status::Ok
+    );
+    for id in 2..4 {
+        let (h, page) = read(&mut summed, id, off);
+        assert_eq!(
+            (page.as_slice(), h.checksum),
+            (&first[..], page_checksum(&first))
+        );
+    }
+    assert_eq!(
+        kept(),
+        2,
+        "both reads were answered with the sum kept by the write"
+    );
+
+    let second = page_for(off, 2);
+    assert_eq!(write(&mut plain, 3, off, &second, 0), Status::Ok);
+    let (h, page) = read(&mut summed, 4, off);
+    assert_eq!(page, second);
+    assert_eq!(
+        h.checksum,
+        page_checksum(&second),
+        "a stale kept sum was sent"
+    );
+    assert_eq!(
+        kept(),
+        2,
+        "a write without a sum leaves none: the read copied the page"
+    );
+    // That read summed its copy, no write ran meanwhile: the sum is kept now.
+    let (h, page) = read(&mut summed, 5, off);
+    assert_eq!(
+        (page, h.checksum),
+        (second.to_vec(), page_checksum(&second))
+    );
+    assert_eq!(kept(), 3);
+
+    // A WRITE refused for its checksum changes nothing: the kept sum stays.
+    let third = page_for(off, 3);
+    assert_eq!(write(&mut summed, 6, off, &third, 1), Status::BadChecksum);
+    let (h, page) = read(&mut summed, 7, off);
+    assert_eq!(
+        (page, h.checksum),
+        (second.to_vec(), page_checksum(&second))
+    );
+    assert_eq!(kept(), 4);
+}
+
+/// Writers with and without checksums and checksummed readers race on the
+/// same pages, each on its own connection. While they race, an answer may
+/// carry a sum that does not cover its bytes (a write landed between the
+/// sum and the send; the client reports it as a checksum error, which the
+/// fault path retries). Once the writers are done, no page may be left
+/// with a wrong kept sum: every page reads back as last written, with its
+/// own sum, over and over.
+#[test]
+fn racing_writes_leave_no_wrong_kept_sum() {
+    const PAGES: u64 = 8;
+    const WRITES: u64 = 1500;
+    let server = page_server::spawn(ServerConfig::new("r", NODE_BYTES)).unwrap();
+    let addr = server.addr();
+    let open = |id: u64, checksums: bool| {
+        let mut s = connect(addr);
+        let ack = raw::handshake_asking(&mut s, id, "r", None, checksums).unwrap();
+        assert_eq!(ack.checksums, checksums);
+        s
+    };
+    let writers: Vec<_> = [(10, true), (11, false)]
+        .into_iter()
+        .map(|(id, checksums)| {
+            let mut s = open(id, checksums);
+            std::thread::spawn(move || {
+                for i in 0..WRITES {
+                    let off = (i % PAGES) * PAGE_SIZE as u64;
+                    let page = vec![(i as u8) | if checksums { 0x80 } else { 0 }; PAGE_SIZE];
+                    let sum = if checksums { page_checksum(&page) } else { 0 };
+                    assert_eq!(write(&mut s, i, off, &page, sum), Status::Ok);
+                }
+            })
+        })
+        .collect();
+    let readers: Vec<_> = (0..2u64)
+        .map(|r| {
+            let mut s = open(20 + r, true);
+            std::thread::spawn(move || {
+                let mut mismatched = 0u64;
+                for i in 0..WRITES {
+                    let off = ((i * 3 + r) % PAGES) * PAGE_SIZE as u64;
+                    let (h, page) = read(&mut s, i, off);
+                    if h.checksum != page_checksum(&page) {
+                        mismatched += 1;
+                    }
+                }
+                mismatched
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join().expect("writer");
+    }
+    let mismatched: u64 = readers.into_iter().map(|r| r.join().expect("reader")).sum();
+
+    // No write runs any more: every answer's sum covers its bytes (a page
+    // two writes hit at once may hold bytes of both; its sum is still its own).
+    let mut summed = open(30, true);
+    for round in 0..2 {
+        for p in 0..PAGES {
+            let (h, page) = read(&mut summed, 50 + round, p * PAGE_SIZE as u64);
+            assert_eq!(h.checksum, page_checksum(&page), "page {p} after the race");
+        }
+    }
+
+    // Settle: each page written once more, alone, half of them with a sum.
+    let mut plain = open(31, false);
+    let mut last = Vec::new();
+    for p in 0..PAGES {
+        let off = p * PAGE_SIZE as u64;
+        let page = page_for(off, 40 + p as u8);
+        let status = if p % 2 == 0 {
+            write(&mut summed, p, off, &page, page_checksum(&page))
+        } else {
+            write(&mut plain, p, off, &page, 0)
+        };
+        assert_eq!(status, Status::Ok);
+        last.push(page);
+    }
+    let before = server.stats().reads_with_kept_sums;
+    for round in 0..3 {
+        for (p, expected) in last.iter().enumerate() {
+            let (h, page) = read(&mut summed, 100 + round, p as u64 * PAGE_SIZE as u64);
+            assert_eq!(&page[..], &expected[..], "page {p} round {round}");
+            assert_eq!(
+                h.checksum,
+                page_checksum(expected),
+                "page {p} round {round}: wrong sum"
+            );
+        }
+    }
+    // Pages written with a sum are answered from it from the first read;
+    // the others from the second (the first read's sum is kept).
+    assert_eq!(
+        server.stats().reads_with_kept_sums - before,
+        3 * PAGES - PAGES / 2,
+        "{mismatched} answers of the race carried a sum that did not cover them"
+    );
+}
