@@ -165,10 +165,39 @@ impl EtcdCluster {
             }
             assert!(
                 Instant::now() < deadline,
-                "the etcd cluster elected no leader within {START_LIMIT:?}"
+                "the etcd cluster elected no leader within {START_LIMIT:?}: {}",
+                self.diagnosis()
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// What each member says of itself, and the end of its log: for a
+    /// failure message (an election that never ends has been seen once).
+    fn diagnosis(&self) -> String {
+        let mut out = String::new();
+        for (index, member) in self.members.iter().enumerate() {
+            let state = if member.child.is_none() {
+                "killed".to_owned()
+            } else {
+                match self.status(index) {
+                    Some(status) => format!(
+                        "member {} leader {} term {}",
+                        status["header"]["member_id"], status["leader"], status["raftTerm"]
+                    ),
+                    None => "no status".to_owned(),
+                }
+            };
+            let log = self._dir.path().join(format!("{}.log", member.name));
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(8).collect();
+            out.push_str(&format!(
+                "\n{}: {state}; log, newest first: {}",
+                member.name,
+                tail.join(" | ")
+            ));
+        }
+        out
     }
 
     /// The running member that reports itself leader now, if any.
