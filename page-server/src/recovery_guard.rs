@@ -12,7 +12,10 @@
 //! client write then overwrites it): the client's page is what stays.
 //!
 //! When no recovery runs, a client write costs one atomic load more than a
-//! plain copy into the region.
+//! plain copy into the region (and, on a server that keeps page sums, the
+//! two updates of its page's entry: `page_sums.rs`). Every write of the
+//! region goes through here, recovery copies included, so that no kept sum
+//! outlives a change of its page.
 //!
 //! Writes that loaded "inactive" just before [`RecoveryGuard::begin`] are
 //! not marked; they finish long before the copy starts, which waits a grace
