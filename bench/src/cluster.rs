@@ -84,6 +84,17 @@ impl LocalCluster {
             .context("a client of the local coordinator")
     }
 
+    /// READ answers the running page-servers have sent out of their region
+    /// with the page's sum kept since its write (no copy), since they
+    /// started (`ServerStats::reads_with_kept_sums`).
+    pub fn reads_with_kept_sums(&self) -> u64 {
+        self.servers
+            .iter()
+            .filter_map(|(_, server)| server.as_ref())
+            .map(|s| s.stats().reads_with_kept_sums)
+            .sum()
+    }
+
     /// Takes page-server `node_id` out of the cluster, still running, for
     /// the caller to stop (`RunningServer::abort`). `None` when there is no
     /// such node or it is stopped already.

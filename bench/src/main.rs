@@ -30,6 +30,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use rdma_transport::{ManagerConfig, PollMode, TransportKind, TransportManager, PAGE_SIZE};
 
+use crate::cluster::LocalCluster;
 use crate::matrix::{BackingChoice, PatternChoice, PrefetchChoice};
 use crate::report::Record;
 use crate::workload::{Op, Spec, WorkingSet};
@@ -542,9 +543,14 @@ fn run() -> anyhow::Result<()> {
                 }
                 _ => {
                     let landed_before = mgr.zero_copy_stats().tcp_direct_pages;
+                    let kept_before = cluster.as_ref().map(LocalCluster::reads_with_kept_sums);
                     let mut outcome =
                         workload::run_api(&mgr, &set, spec, seed, &progress, args.api);
                     let landed = mgr.zero_copy_stats().tcp_direct_pages - landed_before;
+                    let kept = cluster
+                        .as_ref()
+                        .zip(kept_before)
+                        .map(|(c, before)| c.reads_with_kept_sums() - before);
                     if op == Op::Write {
                         outcome.bad_pages +=
                             set.verify_all(&mgr).context("reading back written pages")?;
@@ -554,6 +560,15 @@ fn run() -> anyhow::Result<()> {
                     r.replicas = args.replicas;
                     if r.transport == "tcp" {
                         r.tcp_direct_pages = Some(landed);
+                        if op == Op::Read && config.page_checksums {
+                            r.server_kept_sum_reads = kept;
+                            if let Some(kept) = kept {
+                                lines.push(format!(
+                                    "page-servers: {kept} of {} READ answers sent out of their region with the sum kept since the page's write (no copy)",
+                                    outcome.ops_done
+                                ));
+                            }
+                        }
                     }
                     r
                 }

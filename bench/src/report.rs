@@ -72,6 +72,12 @@ pub struct Record {
     /// their connection; every other TCP answer is copied once).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tcp_direct_pages: Option<u64>,
+    /// Read runs against the local cluster: checksummed READ answers its
+    /// page-servers sent straight out of their region with the sum kept
+    /// since the page was written (every other checksummed answer is a copy
+    /// of the page, summed when taken).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_kept_sum_reads: Option<u64>,
     /// Flush runs only: how dirty pages were found (`wp-faults`: a
     /// userfaultfd write-protect fault on each first write).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -202,6 +208,7 @@ impl Record {
             backing: None,
             rdma_zero_copy: None,
             tcp_direct_pages: None,
+            server_kept_sum_reads: None,
             dirty_tracking: None,
         }
     }
