@@ -203,15 +203,20 @@ impl TransportManager {
         Ok(Self { inner, refresher })
     }
 
-    /// Reads the page at `gpa` into `page`.
+    /// Reads the page at `gpa` into `page`. A page that fails its checksum
+    /// is read once more before the error is returned (see
+    /// [`TransportError::Checksum`]).
     ///
     /// # Errors
     /// [`TransportError::Unaligned`], [`TransportError::UnknownGpa`],
     /// [`TransportError::NodeDown`], [`TransportError::Timeout`],
-    /// [`TransportError::Refused`], [`TransportError::Protocol`].
+    /// [`TransportError::Refused`], [`TransportError::Protocol`],
+    /// [`TransportError::Checksum`].
     pub fn read_page(&self, gpa: u64, page: &mut Page) -> Result<(), TransportError> {
-        self.inner
-            .run_counted(Opcode::Read, &[gpa], page.as_mut_ptr(), 1, None)
+        read_once_more(|| {
+            self.inner
+                .run_counted(Opcode::Read, &[gpa], page.as_mut_ptr(), 1, None)
+        })
     }
 
     /// Writes `page` to the page at `gpa`; returns once the owner acknowledged it.
@@ -225,14 +230,16 @@ impl TransportManager {
 
     /// Reads `pages[i]` from `gpas[i]` for every i, with all requests in
     /// flight at once (up to 64 per connection per round). On error, returns
-    /// the first one; the other pages may or may not have been read.
+    /// the first one; the other pages may or may not have been read. A batch
+    /// in which a page failed its checksum is read once more, as
+    /// [`TransportManager::read_page`] does.
     ///
     /// # Errors
     /// As [`TransportManager::read_page`], and [`TransportError::Config`] when
     /// the slices' lengths differ.
     pub fn read_pages(&self, gpas: &[u64], pages: &mut [Page]) -> Result<(), TransportError> {
         check_lengths(gpas.len(), pages.len())?;
-        self.run_batch(Opcode::Read, gpas, pages.as_mut_ptr().cast())
+        read_once_more(|| self.run_batch(Opcode::Read, gpas, pages.as_mut_ptr().cast()))
     }
 
     /// Writes `pages[i]` to `gpas[i]` for every i, all in flight at once.
@@ -465,6 +472,23 @@ impl Drop for TransportManager {
                 link.mark_broken();
             }
         }
+    }
+}
+
+/// Runs a blocking read, and once more if a page failed its checksum: a
+/// page corrupted on the way, or (more likely) one a WRITE from another
+/// client changed while the page-server was sending it out of its memory
+/// with the checksum it kept (docs/wire-protocol.md, "Page checksums"). A
+/// second failure is returned. The asynchronous API reports the first.
+fn read_once_more(
+    mut read: impl FnMut() -> Result<(), TransportError>,
+) -> Result<(), TransportError> {
+    match read() {
+        Err(TransportError::Checksum { node, gpa, .. }) => {
+            tracing::debug!(%node, gpa, "a page failed its checksum: reading once more");
+            read()
+        }
+        other => other,
     }
 }
 

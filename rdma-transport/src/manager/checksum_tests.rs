@@ -42,8 +42,13 @@ fn take_write(stream: &mut TcpStream) -> (Header, Vec<u8>) {
 #[test]
 fn a_corrupted_read_answer_is_a_checksum_error_and_leaves_the_page_alone() {
     let (addr, node) = fake_checksum_node(|mut stream| {
-        let first = read_header(&mut stream);
-        answer_read_corrupted(&mut stream, &first, 0xab);
+        // `read_page` reads a page that failed its checksum once more:
+        // corrupted twice, it is an error.
+        for _ in 0..2 {
+            let read = read_header(&mut stream);
+            assert_eq!(read.offset, 0, "the same page, read again");
+            answer_read_corrupted(&mut stream, &read, 0xab);
+        }
         // The connection stays usable: the next answer is delivered.
         let second = read_header(&mut stream);
         answer_read(&mut stream, &second, 0xcd);
@@ -65,6 +70,39 @@ fn a_corrupted_read_answer_is_a_checksum_error_and_leaves_the_page_alone() {
     mgr.read_page(PAGE_SIZE as u64, &mut page)
         .expect("the next read on the same connection");
     assert!(page.iter().all(|&b| b == 0xcd));
+    drop(mgr);
+    node.join().expect("node");
+}
+
+/// A page that fails its checksum once (torn by a concurrent write, or
+/// corrupted on the way) is read again by the blocking calls: the caller
+/// gets the good page, never the bad one.
+#[test]
+fn a_blocking_read_reads_a_page_that_failed_its_checksum_once_more() {
+    let (addr, node) = fake_checksum_node(|mut stream| {
+        let first = read_header(&mut stream);
+        answer_read_corrupted(&mut stream, &first, 0xab);
+        let again = read_header(&mut stream);
+        assert_eq!(again.offset, first.offset);
+        answer_read(&mut stream, &again, 0xcd);
+        // A batch whose second page fails once: the whole batch again.
+        let (a, b) = (read_header(&mut stream), read_header(&mut stream));
+        answer_read(&mut stream, &a, 0x01);
+        answer_read_corrupted(&mut stream, &b, 0x02);
+        let (a, b) = (read_header(&mut stream), read_header(&mut stream));
+        answer_read(&mut stream, &a, 0x03);
+        answer_read(&mut stream, &b, 0x04);
+    });
+    let mgr = TransportManager::from_map(config(true), map_of(1, &[("a", addr)])).expect("manager");
+    let mut page = [0x11u8; PAGE_SIZE];
+    mgr.read_page(0, &mut page)
+        .expect("the second answer is good");
+    assert!(page.iter().all(|&b| b == 0xcd));
+    let mut pages = [[0u8; PAGE_SIZE]; 2];
+    mgr.read_pages(&[0, PAGE_SIZE as u64], &mut pages)
+        .expect("the batch read again is good");
+    assert!(pages[0].iter().all(|&b| b == 0x03));
+    assert!(pages[1].iter().all(|&b| b == 0x04));
     drop(mgr);
     node.join().expect("node");
 }
