@@ -142,8 +142,9 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             auth: ServerAuth::new(config.node_id.clone(), config.cluster_key.clone()),
             page_checksums: config.page_checksums,
             guard: RecoveryGuard::new(memory_bytes),
-            // RDMA writes the region without this side seeing it: no sums.
-            sums: PageSums::new(memory_bytes, !rdma_enabled),
+            // RDMA writes the region without this side seeing it: no sums;
+            // nor any on a server that offers no checksums.
+            sums: PageSums::new(memory_bytes, !rdma_enabled && config.page_checksums),
             coherence: CoherenceHome::default(),
             metrics: PageMetrics::new(),
         },

@@ -46,7 +46,7 @@ pub struct ServerStats {
     pub recovered_pages: u64,
     /// Checksummed READ answers sent out of the region with the checksum
     /// kept since the page was written, without a copy (0 on a server with
-    /// RDMA, which keeps no sums).
+    /// RDMA or without checksums, which keeps no sums).
     pub reads_with_kept_sums: u64,
 }
 
