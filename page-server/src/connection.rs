@@ -581,23 +581,23 @@ fn handle(
             // itself; else it is copied and summed (its sum must match what
             // is sent).
             let page = exported.check(header).map(|off| {
-                let kept = session.checksums.then(|| exported.sums.cached(off));
-                if let Some(Some(sum)) = kept {
-                    tally.record_kept_sum();
-                    exported
-                        .region
-                        .ptr_at(off, PAGE_SIZE)
-                        .map(|page| (answer(Status::Ok).with_checksum(sum), Payload::Region(page)))
-                } else if session.checksums {
-                    outbox
-                        .copy_page(&exported.region, &exported.sums, off)
-                        .map(|(copy, sum)| (answer(Status::Ok).with_checksum(sum), copy))
-                } else {
-                    exported
-                        .region
-                        .ptr_at(off, PAGE_SIZE)
-                        .map(|page| (answer(Status::Ok), Payload::Region(page)))
-                }
+                let sum = match session.checksums.then(|| exported.sums.cached(off)) {
+                    Some(None) => {
+                        return outbox
+                            .copy_page(&exported.region, &exported.sums, off)
+                            .map(|(copy, sum)| (answer(Status::Ok).with_checksum(sum), copy));
+                    }
+                    Some(Some(kept)) => {
+                        tally.record_kept_sum();
+                        kept
+                    }
+                    // No checksums: bytes 28..32 stay zero.
+                    None => 0,
+                };
+                exported
+                    .region
+                    .ptr_at(off, PAGE_SIZE)
+                    .map(|page| (answer(Status::Ok).with_checksum(sum), Payload::Region(page)))
             });
             let served = match page {
                 Ok(Some((header, payload))) => {

@@ -91,16 +91,14 @@ impl RecoveryGuard {
         sum: Option<u32>,
     ) -> io::Result<()> {
         let ticket = sums.writing(off);
-        if !self.active.load(Ordering::Acquire) {
-            region.write_at(off, page)?;
-            ticket.finish(sum);
-            return Ok(());
-        }
-        let index = off / PAGE_SIZE;
-        let _stripe = self.stripes[index % STRIPES].lock();
-        if let Some(word) = self.written.get(index / 64) {
-            word.fetch_or(1 << (index % 64), Ordering::Relaxed);
-        }
+        let _stripe = self.active.load(Ordering::Acquire).then(|| {
+            let index = off / PAGE_SIZE;
+            let stripe = self.stripes[index % STRIPES].lock();
+            if let Some(word) = self.written.get(index / 64) {
+                word.fetch_or(1 << (index % 64), Ordering::Relaxed);
+            }
+            stripe
+        });
         region.write_at(off, page)?;
         ticket.finish(sum);
         Ok(())
