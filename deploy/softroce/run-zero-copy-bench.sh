@@ -49,6 +49,7 @@ b="$(softroce_shell_quote "$bench_exe")"
 {
     echo '#!/bin/sh'
     echo 'failed=0'
+    echo 'echo "VMCLOCK $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource) kernel $SOFTROCE_KERNEL_VERSION"'
     cat <<'VMEOF'
 # PERFBW <test> tx_depth=N msg_per_s=..: perftest's bandwidth tests, 4096 B.
 bw() {
@@ -108,6 +109,7 @@ failed=0
 grep -q '^RDMABENCH FAILED' "$out" && failed=1
 echo
 echo "==== zero-copy RDMA vs perftest (same boot) ===="
+grep -a '^VMCLOCK ' "$out" | sed 's/^VMCLOCK /VM clocksource: /' || true
 printf '%-6s | %-28s | %-30s | %-28s\n' round "READ p50 us zc/bounce/perf" "WRITE mean us zc/bounce/perf" "depth16 pages/s zc/bounce/perf"
 declare -A all=()
 for ((r = 1; r <= rounds; r++)); do
