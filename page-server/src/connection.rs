@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use rdma_transport::region::MappedRegion;
 use rdma_transport::wire::{
-    page_checksum, DecodeError, Header, Opcode, Status, HEADER_LEN, MAX_PAYLOAD_BYTES,
+    offset_bound_checksum, page_checksum, DecodeError, Header, Opcode, Status, HEADER_LEN,
+    MAX_PAYLOAD_BYTES,
 };
 use rdma_transport::PAGE_SIZE;
 
@@ -616,11 +617,19 @@ fn handle(
             tally.record(Op::Read, served);
         }
         Opcode::Write => {
+            // The page's own sum; with offset-bound sums the header's covers
+            // the offset too, so a WRITE whose offset changed on the way
+            // fails here instead of landing on another page.
+            let page_sum = session.checksums.then(|| page_checksum(payload));
+            let claimed = page_sum.map(|sum| match session.bound_sums {
+                true => offset_bound_checksum(sum, header.offset),
+                false => sum,
+            });
             let status = match exported.check(header) {
                 // A page that does not match its checksum is refused, not
                 // applied; the framing held, so the connection stays.
-                Ok(_) if session.checksums && page_checksum(payload) != header.checksum => {
-                    tracing::debug!(offset = header.offset, "WRITE fails its page checksum");
+                Ok(_) if claimed.is_some_and(|sum| sum != header.checksum) => {
+                    tracing::debug!(offset = header.offset, "WRITE fails its checksum");
                     Status::BadChecksum
                 }
                 Ok(off) => match exported.guard.client_write(
@@ -628,8 +637,9 @@ fn handle(
                     &exported.sums,
                     off,
                     payload,
-                    // Checked above: the sum of the bytes written.
-                    session.checksums.then_some(header.checksum),
+                    // Checked above: the sum of the bytes written (the
+                    // page's own, as READ answers carry).
+                    page_sum,
                 ) {
                     Ok(()) => Status::Ok,
                     Err(_) => Status::OutOfRange,

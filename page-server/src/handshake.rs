@@ -98,6 +98,9 @@ pub(crate) struct Session {
     /// Page checksums agreed in the HELLO_ACK: WRITEs are checked, READ
     /// answers carry one.
     pub(crate) checksums: bool,
+    /// With `checksums`: the client asked for offset-bound WRITE checksums
+    /// (`rdma_transport::wire::offset_bound_checksum`), and got them.
+    pub(crate) bound_sums: bool,
     /// The client asked for RDMA and was answered without it: a replica
     /// recovery was running (see `Connections::pause_rdma`).
     pub(crate) rdma_withheld: bool,
@@ -233,6 +236,7 @@ pub(crate) fn on_auth(
     }
     session.stage = Stage::Ready;
     session.checksums = request.checksums && offer_checksums;
+    session.bound_sums = session.checksums && request.bound_sums;
     let mut coherence = None;
     let rdma = match (&request.rdma, rdma) {
         (Some(_), RdmaOffer::Paused) => {
@@ -286,6 +290,7 @@ pub(crate) fn on_auth(
         page_size: PAGE_SIZE as u32,
         rdma,
         checksums: session.checksums,
+        bound_sums: session.bound_sums,
         coherence,
     }
     .encode())

@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::raw::{self, read_framed};
 use common::*;
 use page_server::ServerConfig;
-use rdma_transport::wire::{page_checksum, Header, Opcode, Status};
+use rdma_transport::wire::{offset_bound_checksum, page_checksum, Header, Opcode, Status};
 use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
 
 fn connect(addr: SocketAddr) -> TcpStream {
@@ -84,6 +84,62 @@ fn a_write_with_a_wrong_checksum_is_refused_and_not_applied() {
     // The connection keeps serving, and the page is unchanged.
     let (_, page) = read(&mut s, 14, 0x3000);
     assert_eq!(page, good, "a WRITE that failed its checksum was applied");
+}
+
+/// A WRITE whose offset is damaged on the way, its page and the page's
+/// sum intact: with offset-bound sums it fails its checksum and no page
+/// changes; with page-only sums (a client from before them) it lands on
+/// the other page. READ answers carry the page's own sum either way.
+#[test]
+fn a_write_whose_offset_changed_on_the_way_is_refused_with_bound_sums() {
+    let server = page_server::spawn(ServerConfig::new("c", NODE_BYTES)).unwrap();
+    let mut s = connect(server.addr());
+    let ack = raw::handshake_bound_sums(&mut s, 1, "c", None).expect("handshake");
+    assert!(ack.checksums && ack.bound_sums, "agreed by default");
+
+    let (meant, hit) = (0x3000u64, 0x2000u64);
+    let before = page_for(hit, 1);
+    let bound = |page: &[u8], off| offset_bound_checksum(page_checksum(page), off);
+    assert_eq!(
+        write(&mut s, 10, hit, &before, bound(&before, hit)),
+        Status::Ok
+    );
+    // The page-only sum is no longer enough on this connection.
+    assert_eq!(
+        write(&mut s, 11, hit, &before, page_checksum(&before)),
+        Status::BadChecksum
+    );
+    // Meant for 0x3000, summed for 0x3000, bit 12 of the offset lost.
+    let page = page_for(meant, 2);
+    assert_eq!(
+        write(&mut s, 12, hit, &page, bound(&page, meant)),
+        Status::BadChecksum
+    );
+    let (h, got) = read(&mut s, 13, hit);
+    assert_eq!(got, before, "the damaged WRITE changed another page");
+    assert_eq!(
+        h.checksum,
+        page_checksum(&before),
+        "READ answers: the page's sum"
+    );
+    // Sent where it belongs, it is applied.
+    assert_eq!(
+        write(&mut s, 14, meant, &page, bound(&page, meant)),
+        Status::Ok
+    );
+    assert_eq!(read(&mut s, 15, meant).1, page);
+
+    // The same damage from a client with page-only sums is not caught:
+    // what offset-bound sums are for.
+    let mut old = connect(server.addr());
+    let ack = raw::handshake_asking(&mut old, 2, "c", None, true).expect("handshake");
+    assert!(ack.checksums && !ack.bound_sums, "only what was asked");
+    let other = page_for(meant, 3);
+    assert_eq!(
+        write(&mut old, 20, hit, &other, page_checksum(&other)),
+        Status::Ok
+    );
+    assert_eq!(read(&mut old, 21, hit).1, other);
 }
 
 #[test]

@@ -198,6 +198,7 @@ fn a_refused_hello_keeps_the_framing() {
                 proof: None,
                 rdma: None,
                 checksums: false,
+                bound_sums: false,
                 coherence: false,
             }
             .encode(),

@@ -57,7 +57,7 @@ pub(crate) fn map_of(version: u64, nodes: &[(&str, SocketAddr)]) -> MapResponse 
 pub(crate) fn fake_node<T: Send + 'static>(
     script: impl FnOnce(TcpStream) -> T + Send + 'static,
 ) -> (SocketAddr, JoinHandle<T>) {
-    fake_node_with(false, script)
+    fake_node_with(false, false, script)
 }
 
 /// As [`fake_node`], but the handshake agrees to page checksums, and fails
@@ -65,11 +65,20 @@ pub(crate) fn fake_node<T: Send + 'static>(
 pub(crate) fn fake_checksum_node<T: Send + 'static>(
     script: impl FnOnce(TcpStream) -> T + Send + 'static,
 ) -> (SocketAddr, JoinHandle<T>) {
-    fake_node_with(true, script)
+    fake_node_with(true, false, script)
+}
+
+/// As [`fake_checksum_node`], and agreeing to offset-bound WRITE checksums
+/// (failing if the client does not ask for them).
+pub(crate) fn fake_bound_sums_node<T: Send + 'static>(
+    script: impl FnOnce(TcpStream) -> T + Send + 'static,
+) -> (SocketAddr, JoinHandle<T>) {
+    fake_node_with(true, true, script)
 }
 
 fn fake_node_with<T: Send + 'static>(
     checksums: bool,
+    bound_sums: bool,
     script: impl FnOnce(TcpStream) -> T + Send + 'static,
 ) -> (SocketAddr, JoinHandle<T>) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -79,15 +88,16 @@ fn fake_node_with<T: Send + 'static>(
         stream
             .set_read_timeout(Some(Duration::from_secs(20)))
             .expect("timeout");
-        serve_hello(&mut stream, checksums);
+        serve_hello(&mut stream, checksums, bound_sums);
         script(stream)
     });
     (addr, handle)
 }
 
 /// The server side of the handshake, without a cluster key (insecure);
-/// `checksums`: agree to page checksums (the client must have asked).
-fn serve_hello(stream: &mut TcpStream, checksums: bool) {
+/// `checksums`: agree to page checksums, `bound_sums`: and to offset-bound
+/// WRITE checksums (the client must have asked).
+fn serve_hello(stream: &mut TcpStream, checksums: bool, bound_sums: bool) {
     let header = read_header(stream);
     assert_eq!(header.opcode, Opcode::Hello);
     let mut payload = vec![0u8; header.payload_len()];
@@ -109,6 +119,10 @@ fn serve_hello(stream: &mut TcpStream, checksums: bool) {
         auth.checksums || !checksums,
         "the client did not ask for checksums"
     );
+    assert!(
+        auth.bound_sums || !bound_sums,
+        "the client did not ask for offset-bound sums"
+    );
     let ack = HelloAck {
         region_size_bytes: NODE_BYTES,
         epoch: 7,
@@ -116,6 +130,9 @@ fn serve_hello(stream: &mut TcpStream, checksums: bool) {
         rdma: None,
         coherence: None,
         checksums,
+        // `false`: a page-server from before offset-bound sums, whose
+        // WRITEs carry the page's own sum.
+        bound_sums,
     }
     .encode();
     send(stream, Opcode::HelloAck, &ack);

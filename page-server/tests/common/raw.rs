@@ -95,6 +95,41 @@ pub fn handshake_offering(
     rdma: Option<rdma_transport::wire::RdmaHello>,
     coherence: bool,
 ) -> Option<HelloAck> {
+    let request = AuthRequest {
+        proof: None,
+        rdma,
+        checksums,
+        // As a client from before offset-bound WRITE sums.
+        bound_sums: false,
+        coherence,
+    };
+    handshake_with(s, client_id, node_id, key, request)
+}
+
+/// As [`handshake_asking`] with checksums, also asking for offset-bound
+/// WRITE checksums (`rdma_transport::wire::offset_bound_checksum`).
+pub fn handshake_bound_sums(
+    s: &mut TcpStream,
+    client_id: u64,
+    node_id: &str,
+    key: Option<&ClusterKey>,
+) -> Option<HelloAck> {
+    let request = AuthRequest {
+        checksums: true,
+        bound_sums: true,
+        ..AuthRequest::default()
+    };
+    handshake_with(s, client_id, node_id, key, request)
+}
+
+/// The handshake sending `request` as the AUTH, with the proof of `key`.
+fn handshake_with(
+    s: &mut TcpStream,
+    client_id: u64,
+    node_id: &str,
+    key: Option<&ClusterKey>,
+    request: AuthRequest,
+) -> Option<HelloAck> {
     let challenge = hello(s, client_id);
     let proof = key.map(|key| {
         Transcript {
@@ -111,13 +146,7 @@ pub fn handshake_offering(
         s,
         Opcode::Auth,
         2,
-        &AuthRequest {
-            proof,
-            rdma,
-            checksums,
-            coherence,
-        }
-        .encode(),
+        &AuthRequest { proof, ..request }.encode(),
     );
     let mut b = [0u8; HEADER_LEN];
     if s.read_exact(&mut b).is_err() {

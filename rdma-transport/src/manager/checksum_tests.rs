@@ -10,9 +10,10 @@ use crate::config::{ManagerConfig, PollMode, TransportKind};
 use crate::error::TransportError;
 use crate::page::PAGE_SIZE;
 use crate::testing::{
-    answer_read, answer_read_corrupted, fake_checksum_node, fake_node, map_of, read_header,
+    answer_read, answer_read_corrupted, fake_bound_sums_node, fake_checksum_node, fake_node,
+    map_of, read_header,
 };
-use crate::wire::{page_checksum, Header, Opcode};
+use crate::wire::{offset_bound_checksum, page_checksum, Header, Opcode};
 
 fn config(page_checksums: bool) -> ManagerConfig {
     ManagerConfig {
@@ -110,20 +111,33 @@ fn a_blocking_read_reads_a_page_that_failed_its_checksum_once_more() {
 #[test]
 fn a_write_carries_its_pages_checksum_only_when_negotiated() {
     let page = [0x5au8; PAGE_SIZE];
-    for (agreed, asked) in [(true, true), (false, true), (false, false)] {
+    // (checksums agreed, offset-bound sums agreed, checksums asked)
+    for (agreed, bound, asked) in [
+        (true, true, true),
+        (true, false, true),
+        (false, false, true),
+        (false, false, false),
+    ] {
         let script = |mut stream: TcpStream| take_write(&mut stream);
-        let (addr, node) = if agreed {
-            fake_checksum_node(script)
-        } else {
-            fake_node(script)
+        let (addr, node) = match (agreed, bound) {
+            (true, true) => fake_bound_sums_node(script),
+            (true, false) => fake_checksum_node(script),
+            _ => fake_node(script),
         };
         let mgr =
             TransportManager::from_map(config(asked), map_of(1, &[("a", addr)])).expect("manager");
         mgr.write_page(PAGE_SIZE as u64, &page).expect("write");
         let (header, sent) = node.join().expect("node");
         assert_eq!(sent, page);
-        let expected = if agreed { page_checksum(&page) } else { 0 };
-        assert_eq!(header.checksum, expected, "agreed {agreed}, asked {asked}");
+        let expected = match (agreed, bound) {
+            (true, true) => offset_bound_checksum(page_checksum(&page), header.offset),
+            (true, false) => page_checksum(&page),
+            _ => 0,
+        };
+        assert_eq!(
+            header.checksum, expected,
+            "agreed {agreed}, bound {bound}, asked {asked}"
+        );
         drop(mgr);
     }
 }

@@ -20,8 +20,8 @@ use crate::page::{Page, PAGE_SIZE};
 use crate::parking::Parking;
 use crate::sys::cvt;
 use crate::wire::{
-    page_checksum, AuthRequest, Challenge, Header, HelloAck, HelloRequest, Opcode, RdmaHello,
-    Status, HEADER_LEN, HELLO_ACK_LEN, VERSION,
+    offset_bound_checksum, page_checksum, AuthRequest, Challenge, Header, HelloAck, HelloRequest,
+    Opcode, RdmaHello, Status, HEADER_LEN, HELLO_ACK_LEN, VERSION,
 };
 
 /// Requests one call writes with one `writev` at most.
@@ -244,7 +244,12 @@ impl TcpConnection {
             // SAFETY: for WRITE, `page` points at a caller-owned page that
             // stays borrowed until the request is answered or cancelled.
             let page: &Page = unsafe { &*req.page.cast::<Page>() };
-            header = header.with_checksum(page_checksum(page));
+            let sum = page_checksum(page);
+            header = header.with_checksum(if self.ack.bound_sums {
+                offset_bound_checksum(sum, req.offset)
+            } else {
+                sum
+            });
         }
         Ok((id, header.encode()))
     }
@@ -358,6 +363,10 @@ pub(crate) fn handshake(
         proof,
         rdma,
         checksums: auth.checksums,
+        // Always with checksums: a page-server that predates offset-bound
+        // sums refuses the flag, as one that predates checksums refuses
+        // theirs (docs/wire-protocol.md).
+        bound_sums: auth.checksums,
         coherence: auth.coherence,
     };
     send(stream, Opcode::Auth, &request.encode()).map_err(io_err)?;
@@ -380,7 +389,7 @@ pub(crate) fn handshake(
                 payload.len()
             ))
         })?;
-    if ack.checksums && !auth.checksums {
+    if (ack.checksums || ack.bound_sums) && !auth.checksums {
         return Err(bad(
             "HELLO_ACK agrees to page checksums this client did not ask for".into(),
         ));

@@ -29,6 +29,7 @@ pub(super) fn bare_connection(checksums: bool) -> (Arc<TcpConnection>, TcpStream
         rdma: None,
         coherence: None,
         checksums,
+        bound_sums: checksums,
     };
     let auth = ClientAuth {
         client_id: 1,

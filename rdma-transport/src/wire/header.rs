@@ -151,6 +151,23 @@ pub fn page_checksum(page: &[u8]) -> u32 {
     crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, page) as u32
 }
 
+/// The checksum of a WRITE on a connection that agreed to offset-bound sums
+/// (see [`crate::wire::AuthRequest::bound_sums`]): CRC-32C of the page
+/// followed by the 8 little-endian bytes of `offset`, from `page_sum` (the
+/// page's [`page_checksum`]) without reading the page again. A WRITE whose
+/// offset changed on the way then fails its checksum like one whose page
+/// did, instead of landing on another page.
+pub fn offset_bound_checksum(page_sum: u32, offset: u64) -> u32 {
+    // CRC-32C's register starts at !0 and the result is the register
+    // inverted: going on from a finished sum starts from its inverse.
+    let mut digest = crc_fast::Digest::new_with_init_state(
+        crc_fast::CrcAlgorithm::Crc32Iscsi,
+        u64::from(!page_sum),
+    );
+    digest.update(&offset.to_le_bytes());
+    digest.finalize() as u32
+}
+
 impl Header {
     /// A request header.
     pub const fn request(opcode: Opcode, request_id: u64, offset: u64, length: u32) -> Self {
@@ -317,6 +334,26 @@ mod tests {
         let before = page_checksum(&page);
         page[4095] ^= 1;
         assert_ne!(page_checksum(&page), before);
+    }
+
+    #[test]
+    fn an_offset_bound_checksum_is_the_crc_of_the_page_then_its_offset() {
+        let page: Vec<u8> = (0..PAGE_SIZE).map(|i| (i * 13 + 1) as u8).collect();
+        for offset in [0u64, 0x3000, 0x2000, u64::MAX] {
+            let mut whole = page.clone();
+            whole.extend_from_slice(&offset.to_le_bytes());
+            assert_eq!(
+                offset_bound_checksum(page_checksum(&page), offset),
+                page_checksum(&whole),
+                "offset {offset:#x}"
+            );
+        }
+        // One bit of the offset changes the sum.
+        let sum = page_checksum(&page);
+        assert_ne!(
+            offset_bound_checksum(sum, 0x3000),
+            offset_bound_checksum(sum, 0x2000)
+        );
     }
 
     #[test]

@@ -14,6 +14,12 @@ const FLAG_NO_KEY: u32 = 2;
 const FLAG_AUTH_CHECKSUMS: u32 = 4;
 /// Flag bit (HELLO_ACK): the server agrees to page checksums.
 const FLAG_ACK_CHECKSUMS: u32 = 2;
+/// Flag bit (AUTH, with [`FLAG_AUTH_CHECKSUMS`]): the client asks that a
+/// WRITE's checksum cover its offset too ([`crate::wire::offset_bound_checksum`]).
+const FLAG_AUTH_BOUND_SUMS: u32 = 16;
+/// Flag bit (HELLO_ACK, with [`FLAG_ACK_CHECKSUMS`]): the server agrees to
+/// offset-bound WRITE checksums.
+const FLAG_ACK_BOUND_SUMS: u32 = 8;
 /// Flag bit (AUTH, with [`FLAG_RDMA`]): the connection is a coherence
 /// channel; the RDMA section's address and key are the client's message
 /// ring ([`MessageRing`]).
@@ -188,7 +194,9 @@ impl Challenge {
 }
 
 /// AUTH payload: fixed 40 bytes (flags u32: bit 0 RDMA section follows,
-/// bit 1 no key, bit 2 checksums asked; reserved u32; client proof [32],
+/// bit 1 no key, bit 2 checksums asked, bit 3 coherence channel, bit 4
+/// offset-bound WRITE checksums asked (only with bit 2); reserved u32;
+/// client proof [32],
 /// zero without a key), then the optional RDMA section (the client's QP
 /// endpoint).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -200,6 +208,12 @@ pub struct AuthRequest {
     /// The client asks for page checksums on this connection (TCP data
     /// path only; see [`crate::wire::Header::checksum`]).
     pub checksums: bool,
+    /// With `checksums`: the client asks that each WRITE's checksum cover
+    /// the WRITE's offset as well as its page
+    /// ([`crate::wire::offset_bound_checksum`]), so that a WRITE whose
+    /// offset is damaged on the way is refused instead of applied to
+    /// another page.
+    pub bound_sums: bool,
     /// The connection is a coherence channel (only with `rdma`, whose
     /// `region_addr` and `rkey` are then the client's message ring).
     pub coherence: bool,
@@ -215,6 +229,9 @@ impl AuthRequest {
         }
         if self.checksums {
             flags |= FLAG_AUTH_CHECKSUMS;
+            if self.bound_sums {
+                flags |= FLAG_AUTH_BOUND_SUMS;
+            }
         }
         if self.coherence && self.rdma.is_some() {
             flags |= FLAG_AUTH_COHERENCE;
@@ -232,7 +249,17 @@ impl AuthRequest {
     pub fn decode(b: &[u8]) -> Option<Self> {
         let fixed = b.get(..AUTH_FIXED_LEN)?;
         let flags = u32_at(fixed, 0);
-        if flags & !(FLAG_RDMA | FLAG_NO_KEY | FLAG_AUTH_CHECKSUMS | FLAG_AUTH_COHERENCE) != 0 {
+        let known = FLAG_RDMA
+            | FLAG_NO_KEY
+            | FLAG_AUTH_CHECKSUMS
+            | FLAG_AUTH_COHERENCE
+            | FLAG_AUTH_BOUND_SUMS;
+        if flags & !known != 0 {
+            return None;
+        }
+        let checksums = flags & FLAG_AUTH_CHECKSUMS != 0;
+        let bound_sums = flags & FLAG_AUTH_BOUND_SUMS != 0;
+        if bound_sums && !checksums {
             return None;
         }
         let coherence = flags & FLAG_AUTH_COHERENCE != 0;
@@ -248,7 +275,8 @@ impl AuthRequest {
         Some(Self {
             proof: (flags & FLAG_NO_KEY == 0).then(|| array_at(fixed, 8)),
             rdma,
-            checksums: flags & FLAG_AUTH_CHECKSUMS != 0,
+            checksums,
+            bound_sums,
             coherence,
         })
     }
@@ -256,7 +284,8 @@ impl AuthRequest {
 
 /// HELLO_ACK payload: fixed 24 bytes (region size u64, server epoch u64,
 /// page size u32, flags u32: bit 0 RDMA section follows, bit 1 checksums
-/// agreed), then the optional RDMA section.
+/// agreed, bit 2 message ring follows, bit 3 offset-bound WRITE checksums
+/// agreed (only with bit 1)), then the optional RDMA section.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct HelloAck {
     /// Size of the exported region in bytes.
@@ -271,6 +300,9 @@ pub struct HelloAck {
     /// The server agrees to page checksums (only ever set when the
     /// client's AUTH asked for them).
     pub checksums: bool,
+    /// With `checksums`: the server agrees to offset-bound WRITE checksums
+    /// (only ever set when the client's AUTH asked for them).
+    pub bound_sums: bool,
     /// The server's message ring, when the client asked for a coherence
     /// channel and got RDMA (only with `rdma`).
     pub coherence: Option<MessageRing>,
@@ -286,6 +318,9 @@ impl HelloAck {
         let mut flags = if self.rdma.is_some() { FLAG_RDMA } else { 0 };
         if self.checksums {
             flags |= FLAG_ACK_CHECKSUMS;
+            if self.bound_sums {
+                flags |= FLAG_ACK_BOUND_SUMS;
+            }
         }
         let ring = self.coherence.filter(|_| self.rdma.is_some());
         if ring.is_some() {
@@ -332,6 +367,7 @@ impl HelloAck {
             page_size: u32_at(fixed, 16),
             rdma,
             checksums: flags & FLAG_ACK_CHECKSUMS != 0,
+            bound_sums: flags & FLAG_ACK_CHECKSUMS != 0 && flags & FLAG_ACK_BOUND_SUMS != 0,
             coherence,
         })
     }
@@ -392,11 +428,13 @@ mod tests {
                     proof,
                     rdma: r,
                     checksums,
+                    bound_sums: checksums,
                     coherence: r.is_some() && checksums,
                 };
                 assert_eq!(AuthRequest::decode(&a.encode()), Some(a));
                 let a = AuthRequest {
                     checksums: !checksums,
+                    bound_sums: false,
                     ..a
                 };
                 assert_eq!(AuthRequest::decode(&a.encode()), Some(a));
@@ -410,9 +448,15 @@ mod tests {
                     page_size: 4096,
                     rdma: r,
                     checksums,
+                    bound_sums: checksums,
                     coherence: None,
                 };
                 assert_eq!(HelloAck::decode(&a.encode()), Some(a));
+                let plain = HelloAck {
+                    bound_sums: false,
+                    ..a
+                };
+                assert_eq!(HelloAck::decode(&plain.encode()), Some(plain));
                 if r.is_some() {
                     let ring = MessageRing {
                         addr: 0x7f12_3400_0000,
@@ -451,6 +495,7 @@ mod tests {
             proof: Some([4; 32]),
             rdma: Some(rdma()),
             checksums: true,
+            bound_sums: true,
             coherence: true,
         }
         .encode();
@@ -472,6 +517,7 @@ mod tests {
             proof: Some([4; 32]),
             rdma: None,
             checksums: false,
+            bound_sums: false,
             coherence: false,
         }
         .encode();
@@ -487,6 +533,7 @@ mod tests {
             page_size: 4096,
             rdma: None,
             checksums: true,
+            bound_sums: false,
             coherence: None,
         }
         .encode();
@@ -496,10 +543,14 @@ mod tests {
         ring_only[20] |= FLAG_ACK_COHERENCE as u8;
         ring_only.extend_from_slice(&[0u8; RING_LEN]);
         assert_eq!(HelloAck::decode(&ring_only), None);
-        // An AUTH flag bit beyond the coherence bit is still refused.
+        // An AUTH flag bit beyond the offset-bound sums bit is still
+        // refused, and that bit without checksums.
         let mut unknown = AuthRequest::default().encode();
-        unknown[0] |= 16;
+        unknown[0] |= 32;
         assert_eq!(AuthRequest::decode(&unknown), None);
+        let mut bound_alone = AuthRequest::default().encode();
+        bound_alone[0] |= FLAG_AUTH_BOUND_SUMS as u8;
+        assert_eq!(AuthRequest::decode(&bound_alone), None);
     }
 
     #[test]
@@ -507,6 +558,7 @@ mod tests {
         let plain = AuthRequest::default().encode();
         let asked = AuthRequest {
             checksums: true,
+            bound_sums: false,
             ..AuthRequest::default()
         }
         .encode();
@@ -518,6 +570,7 @@ mod tests {
             page_size: 4096,
             rdma: None,
             checksums,
+            bound_sums: false,
             coherence: None,
         };
         let (off, on) = (ack(false).encode(), ack(true).encode());
@@ -525,6 +578,26 @@ mod tests {
         assert_eq!(u32_at(&on, 20), 2, "HELLO_ACK bit 1");
         assert_eq!(&on[..20], &off[..20]);
         assert_eq!(on.len(), HELLO_ACK_LEN);
+        let bound = AuthRequest {
+            checksums: true,
+            bound_sums: true,
+            ..AuthRequest::default()
+        }
+        .encode();
+        assert_eq!(u32_at(&bound, 0), u32_at(&plain, 0) | 4 | 16, "AUTH bit 4");
+        let bound_ack = HelloAck {
+            bound_sums: true,
+            ..ack(true)
+        }
+        .encode();
+        assert_eq!(u32_at(&bound_ack, 20), 2 | 8, "HELLO_ACK bit 3");
+        // Without checksums the bit is not sent.
+        let unbound = AuthRequest {
+            bound_sums: true,
+            ..AuthRequest::default()
+        }
+        .encode();
+        assert_eq!(unbound, plain);
     }
 
     #[test]
@@ -533,6 +606,7 @@ mod tests {
             proof: None,
             rdma: Some(rdma()),
             checksums: false,
+            bound_sums: false,
             coherence: false,
         }
         .encode();
@@ -556,6 +630,7 @@ mod tests {
                 proof: None,
                 rdma: Some(rdma()),
                 checksums: false,
+                bound_sums: false,
                 coherence: false,
             }
             .encode();
@@ -567,6 +642,7 @@ mod tests {
                 page_size: 4096,
                 rdma: Some(rdma()),
                 checksums: false,
+                bound_sums: false,
                 coherence: None,
             }
             .encode();
