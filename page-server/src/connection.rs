@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use rdma_transport::region::MappedRegion;
 use rdma_transport::wire::{
-    offset_bound_checksum, page_checksum, DecodeError, Header, Opcode, Status, HEADER_LEN,
+    page_checksum, write_checksum, DecodeError, Header, Opcode, Status, HEADER_LEN,
     MAX_PAYLOAD_BYTES,
 };
 use rdma_transport::PAGE_SIZE;
@@ -617,33 +617,34 @@ fn handle(
             tally.record(Op::Read, served);
         }
         Opcode::Write => {
-            // The page's own sum; with offset-bound sums the header's covers
-            // the offset too, so a WRITE whose offset changed on the way
-            // fails here instead of landing on another page.
-            let page_sum = session.checksums.then(|| page_checksum(payload));
-            let claimed = page_sum.map(|sum| match session.bound_sums {
-                true => offset_bound_checksum(sum, header.offset),
-                false => sum,
-            });
             let status = match exported.check(header) {
-                // A page that does not match its checksum is refused, not
-                // applied; the framing held, so the connection stays.
-                Ok(_) if claimed.is_some_and(|sum| sum != header.checksum) => {
-                    tracing::debug!(offset = header.offset, "WRITE fails its checksum");
-                    Status::BadChecksum
+                Ok(off) => {
+                    // The page's own sum (what READ answers carry); the
+                    // header's covers the offset too with offset-bound sums,
+                    // so a WRITE whose offset changed on the way fails here
+                    // instead of landing on another page.
+                    let page_sum = session.checksums.then(|| page_checksum(payload));
+                    let claimed =
+                        page_sum.map(|sum| write_checksum(sum, header.offset, session.bound_sums));
+                    if claimed.is_some_and(|sum| sum != header.checksum) {
+                        // Refused, not applied; the framing held, so the
+                        // connection stays.
+                        tracing::debug!(offset = header.offset, "WRITE fails its checksum");
+                        Status::BadChecksum
+                    } else {
+                        // Checked: `page_sum` is the sum of the bytes written.
+                        match exported.guard.client_write(
+                            &exported.region,
+                            &exported.sums,
+                            off,
+                            payload,
+                            page_sum,
+                        ) {
+                            Ok(()) => Status::Ok,
+                            Err(_) => Status::OutOfRange,
+                        }
+                    }
                 }
-                Ok(off) => match exported.guard.client_write(
-                    &exported.region,
-                    &exported.sums,
-                    off,
-                    payload,
-                    // Checked above: the sum of the bytes written (the
-                    // page's own, as READ answers carry).
-                    page_sum,
-                ) {
-                    Ok(()) => Status::Ok,
-                    Err(_) => Status::OutOfRange,
-                },
                 Err(status) => status,
             };
             outbox.push(answer(status), Payload::None);

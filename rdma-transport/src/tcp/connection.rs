@@ -20,8 +20,8 @@ use crate::page::{Page, PAGE_SIZE};
 use crate::parking::Parking;
 use crate::sys::cvt;
 use crate::wire::{
-    offset_bound_checksum, page_checksum, AuthRequest, Challenge, Header, HelloAck, HelloRequest,
-    Opcode, RdmaHello, Status, HEADER_LEN, HELLO_ACK_LEN, VERSION,
+    page_checksum, write_checksum, AuthRequest, Challenge, Header, HelloAck, HelloRequest, Opcode,
+    RdmaHello, Status, HEADER_LEN, HELLO_ACK_LEN, VERSION,
 };
 
 /// Requests one call writes with one `writev` at most.
@@ -244,12 +244,11 @@ impl TcpConnection {
             // SAFETY: for WRITE, `page` points at a caller-owned page that
             // stays borrowed until the request is answered or cancelled.
             let page: &Page = unsafe { &*req.page.cast::<Page>() };
-            let sum = page_checksum(page);
-            header = header.with_checksum(if self.ack.bound_sums {
-                offset_bound_checksum(sum, req.offset)
-            } else {
-                sum
-            });
+            header = header.with_checksum(write_checksum(
+                page_checksum(page),
+                req.offset,
+                self.ack.bound_sums,
+            ));
         }
         Ok((id, header.encode()))
     }
@@ -389,7 +388,7 @@ pub(crate) fn handshake(
                 payload.len()
             ))
         })?;
-    if (ack.checksums || ack.bound_sums) && !auth.checksums {
+    if ack.checksums && !auth.checksums {
         return Err(bad(
             "HELLO_ACK agrees to page checksums this client did not ask for".into(),
         ));

@@ -168,6 +168,17 @@ pub fn offset_bound_checksum(page_sum: u32, offset: u64) -> u32 {
     digest.finalize() as u32
 }
 
+/// The checksum a WRITE of `offset` carries, for a page whose own sum is
+/// `page_sum`: that sum, or [`offset_bound_checksum`] on a connection that
+/// agreed to offset-bound sums. The sender and the page-server both use it.
+pub fn write_checksum(page_sum: u32, offset: u64, bound_sums: bool) -> u32 {
+    if bound_sums {
+        offset_bound_checksum(page_sum, offset)
+    } else {
+        page_sum
+    }
+}
+
 impl Header {
     /// A request header.
     pub const fn request(opcode: Opcode, request_id: u64, offset: u64, length: u32) -> Self {

@@ -15,8 +15,8 @@ pub use coherence::{
     CohFrame, ToNodeFrame, COH_BODY_LEN,
 };
 pub use header::{
-    offset_bound_checksum, page_checksum, DecodeError, Header, Opcode, HEADER_LEN, MAGIC,
-    MAX_PAYLOAD_BYTES, VERSION,
+    offset_bound_checksum, page_checksum, write_checksum, DecodeError, Header, Opcode, HEADER_LEN,
+    MAGIC, MAX_PAYLOAD_BYTES, VERSION,
 };
 pub use hello::{
     AuthRequest, Challenge, HelloAck, HelloRequest, MessageRing, RdmaHello, AUTH_MAX_LEN,
