@@ -45,6 +45,10 @@ pub struct CoherenceStats {
     pub refused_frames: u64,
     /// Coherence frames that came over RDMA message channels.
     pub rdma_frames: u64,
+    /// Coherence frames taken from connections that agreed to offset-bound
+    /// sums (each frame's checksum covers its offset, body and page): a
+    /// home whose nodes are all upgraded takes every frame this way.
+    pub bound_frames: u64,
 }
 
 /// The coherence directory of one page-server.
@@ -58,6 +62,8 @@ pub(crate) struct CoherenceHome {
     refused: AtomicU64,
     /// Frames that came over RDMA message channels.
     rdma_frames: AtomicU64,
+    /// Frames decoded with offset-bound sums.
+    bound_frames: AtomicU64,
     /// Test hook: RDMA message channels take no message while set.
     held: std::sync::atomic::AtomicBool,
     hold: Mutex<()>,
@@ -79,6 +85,9 @@ enum Slot {
 pub(crate) struct CohSession {
     outbound: Option<Arc<Outbound>>,
     node: Option<NodeId>,
+    /// The connection agreed to offset-bound sums (set once handshaken):
+    /// its coherence frames carry them both ways.
+    bound_sums: bool,
 }
 
 impl CohSession {
@@ -98,11 +107,25 @@ impl CohSession {
     pub(crate) fn over_channel(
         stream: &TcpStream,
         channel: Arc<rdma_transport::rdma::MessageChannel>,
+        bound_sums: bool,
     ) -> std::io::Result<Self> {
         Ok(Self {
-            outbound: Some(Arc::new(Outbound::over_channel(stream, channel)?)),
+            outbound: Some(Arc::new(Outbound::over_channel(
+                stream, channel, bound_sums,
+            )?)),
             node: None,
+            bound_sums,
         })
+    }
+
+    /// Whether the connection agreed to offset-bound sums.
+    pub(crate) fn bound_sums(&self) -> bool {
+        self.bound_sums
+    }
+
+    /// The connection's handshake agreed to offset-bound sums (or not).
+    pub(crate) fn set_bound_sums(&mut self, bound_sums: bool) {
+        self.bound_sums = bound_sums;
     }
 }
 
@@ -114,6 +137,7 @@ impl CoherenceHome {
             pages: self.pages.lock().len(),
             refused_frames: self.refused.load(Ordering::Relaxed),
             rdma_frames: self.rdma_frames.load(Ordering::Relaxed),
+            bound_frames: self.bound_frames.load(Ordering::Relaxed),
         }
     }
 
@@ -186,7 +210,7 @@ pub(crate) fn on_frame(
     let home = &ex.coherence;
     let outbound = match &session.outbound {
         Some(o) => Arc::clone(o),
-        None => match Outbound::new(stream) {
+        None => match Outbound::new(stream, session.bound_sums) {
             Ok(o) => {
                 let o = Arc::new(o);
                 session.outbound = Some(Arc::clone(&o));
@@ -205,8 +229,13 @@ pub(crate) fn on_frame(
             tracing::debug!(%err, "coherence refusal not sent");
         }
     };
-    let frame = match decode_to_home(header, payload) {
-        Ok(f) => f,
+    let frame = match decode_to_home(header, payload, session.bound_sums) {
+        Ok(f) => {
+            if session.bound_sums {
+                home.bound_frames.fetch_add(1, Ordering::Relaxed);
+            }
+            f
+        }
         Err(err) => {
             tracing::debug!(offset = header.offset, %err, "malformed coherence message");
             return refuse(Status::BadLength);
@@ -315,7 +344,7 @@ fn send(ex: &Exported, off: usize, to: NodeId, msg: &ToNode) {
         }
         data = Some(page);
     }
-    let frame = encode_to_node(off as u64, msg, data.as_deref());
+    let frame = encode_to_node(off as u64, msg, data.as_deref(), outbound.bound_sums());
     if let Err(err) = outbound.send(&[&frame]) {
         // Gone, or took no data for the stall timeout: part of the frame
         // may be out, and a callback that never arrives would be waited

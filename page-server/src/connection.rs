@@ -345,6 +345,7 @@ fn serve_messages(
             requests += 1;
             guard.count_request();
             if session.is_ready() && !guard.is_handshaken() {
+                coh.set_bound_sums(session.bound_sums);
                 if !guard.handshake_done() {
                     // Closed before its HELLO_ACK is sent: see `ConnGuard`.
                     return Err(io::Error::new(

@@ -9,7 +9,7 @@
 //! | `page_server_request_duration_seconds` | histogram | `op` (end of the previous request of the batch, or the read that brought it, to answer queued; see `RequestTally`) |
 //! | `page_server_read_sums_kept_total` | counter | (checksummed READ answers sent out of the region with the sum kept since the page was written: no copy; `page_sums.rs`) |
 //! | `page_server_connections` | gauge | `state` (`handshaken`, `pending`) |
-//! | `page_server_coherence_events_total` | counter | `event` (the coherence home's counters, `coherence::HomeStats`: `shared_grants`, `exclusive_grants`, `upgrades`, `invalidation_rounds`, `invalidations_sent`, `downgrades_sent`, `queued`, `retries`, `lost_answers`, `pages_lost`, `write_backs`, ..., `refused_frames`, and `rdma_frames`: frames that came over RDMA message channels) |
+//! | `page_server_coherence_events_total` | counter | `event` (the coherence home's counters, `coherence::HomeStats`: `shared_grants`, `exclusive_grants`, `upgrades`, `invalidation_rounds`, `invalidations_sent`, `downgrades_sent`, `queued`, `retries`, `lost_answers`, `pages_lost`, `write_backs`, ..., `refused_frames`, `rdma_frames`: frames that came over RDMA message channels, and `bound_frames`: frames whose checksum covered their offset and body, from nodes that agreed to offset-bound sums) |
 //! | `page_server_coherence_pages` | gauge | (pages with a coherence directory entry) |
 //!
 //! Only TCP requests pass through the server: RDMA reads and writes are
@@ -263,6 +263,7 @@ impl PageMetrics {
             ("actions_overflow", h.actions_overflow),
             ("refused_frames", coherence.refused_frames),
             ("rdma_frames", coherence.rdma_frames),
+            ("bound_frames", coherence.bound_frames),
         ] {
             // The home's counters only grow: the counter catches up.
             let counter = self.coherence_events.get_or_create(&EventLabels { event });

@@ -22,11 +22,15 @@ pub(crate) struct Outbound {
     stream: TcpStream,
     lock: Mutex<()>,
     channel: Option<Arc<MessageChannel>>,
+    /// The connection agreed to offset-bound sums: coherence frames to it
+    /// carry them (`wire::coherence_checksum`).
+    bound_sums: bool,
 }
 
 impl Outbound {
-    /// For the connection of `stream`.
-    pub(crate) fn new(stream: &TcpStream) -> io::Result<Self> {
+    /// For the connection of `stream` (`bound_sums`: it agreed to
+    /// offset-bound sums).
+    pub(crate) fn new(stream: &TcpStream, bound_sums: bool) -> io::Result<Self> {
         let stream = stream.try_clone()?;
         // A blocking socket (no spin) would otherwise block a sender, which
         // holds a page's lock, for as long as the node takes no data. (A
@@ -37,6 +41,7 @@ impl Outbound {
             stream,
             lock: Mutex::new(()),
             channel: None,
+            bound_sums,
         })
     }
 
@@ -44,11 +49,17 @@ impl Outbound {
     pub(crate) fn over_channel(
         stream: &TcpStream,
         channel: Arc<MessageChannel>,
+        bound_sums: bool,
     ) -> io::Result<Self> {
         Ok(Self {
             channel: Some(channel),
-            ..Self::new(stream)?
+            ..Self::new(stream, bound_sums)?
         })
+    }
+
+    /// Whether coherence frames on this connection carry offset-bound sums.
+    pub(crate) fn bound_sums(&self) -> bool {
+        self.bound_sums
     }
 
     /// Whether a grant carries its page (TCP); over RDMA the node reads it

@@ -383,26 +383,32 @@ fn bad_coherence_frames_are_refused_and_the_server_keeps_serving() {
     let mut s = raw_client(&server, &key);
     let refusal = |s: &mut TcpStream| {
         let (h, payload) = read_framed(s);
-        match decode_to_node(&h, &payload) {
+        match decode_to_node(&h, &payload, false) {
             Ok(ToNodeFrame::Refused { offset, status }) => (offset, status),
             other => panic!("expected a refusal, got {other:?}"),
         }
     };
     // Out of the region, unaligned.
     let read_req = coherence::ToHome::ReadReq { req: 1 };
-    s.write_all(&encode_to_home(NODE_BYTES as u64, &read_req, None))
+    s.write_all(&encode_to_home(NODE_BYTES as u64, &read_req, None, false))
         .unwrap();
     assert_eq!(refusal(&mut s), (NODE_BYTES as u64, Status::OutOfRange));
-    s.write_all(&encode_to_home(12, &read_req, None)).unwrap();
+    s.write_all(&encode_to_home(12, &read_req, None, false))
+        .unwrap();
     assert_eq!(refusal(&mut s), (12, Status::Unaligned));
     // A body of an unknown kind.
-    let mut frame = encode_to_home(0, &read_req, None);
+    let mut frame = encode_to_home(0, &read_req, None, false);
     frame[HEADER_LEN] = 0xee;
     s.write_all(&frame).unwrap();
     assert_eq!(refusal(&mut s), (0, Status::BadLength));
     // A write-back whose page fails its checksum.
     let page = page_for(0, 1);
-    let mut frame = encode_to_home(0, &coherence::ToHome::WriteBack { version: 1 }, Some(&page));
+    let mut frame = encode_to_home(
+        0,
+        &coherence::ToHome::WriteBack { version: 1 },
+        Some(&page),
+        false,
+    );
     let last = frame.len() - 1;
     frame[last] ^= 1;
     s.write_all(&frame).unwrap();
@@ -422,6 +428,7 @@ fn bad_coherence_frames_are_refused_and_the_server_keeps_serving() {
         gpa - GPA_BASE,
         &coherence::ToHome::WriteBack { version: 1 },
         Some(&[0xffu8; PAGE_SIZE]),
+        false,
     );
     s.write_all(&claim).unwrap();
     let mut byte = [0u8; 1];
@@ -453,9 +460,10 @@ fn an_owner_that_claims_a_write_back_without_the_page_is_not_believed() {
         req: 1,
         upgrade: false,
     };
-    s.write_all(&encode_to_home(off, &write_req, None)).unwrap();
+    s.write_all(&encode_to_home(off, &write_req, None, false))
+        .unwrap();
     let (h, payload) = read_framed(&mut s);
-    let version = match decode_to_node(&h, &payload) {
+    let version = match decode_to_node(&h, &payload, false) {
         Ok(ToNodeFrame::Msg(f)) => match f.msg {
             coherence::ToNode::Grant {
                 req: 1,
@@ -474,7 +482,8 @@ fn an_owner_that_claims_a_write_back_without_the_page_is_not_believed() {
     // "I wrote version 1 back" without the page: not believed, and the
     // home closes the connection of a node that says so.
     let claim = coherence::ToHome::WriteBack { version };
-    s.write_all(&encode_to_home(off, &claim, None)).unwrap();
+    s.write_all(&encode_to_home(off, &claim, None, false))
+        .unwrap();
     let mut byte = [0u8; 1];
     assert_eq!(
         std::io::Read::read(&mut s, &mut byte).unwrap_or(0),
@@ -505,4 +514,115 @@ fn a_version_3_peer_is_refused() {
     let (h, payload) = read_framed(&mut s);
     assert_eq!((h.opcode, h.status), (Opcode::Error, Status::BadVersion));
     assert!(payload.is_empty());
+}
+
+/// Library nodes agree to offset-bound sums with their home (they ask for
+/// them in the handshake): every frame the home takes from them is bound.
+/// (Frames the home sends back are bound too: a node decodes them so, and
+/// the exchange below would fail otherwise.)
+#[test]
+fn library_nodes_bind_their_coherence_frames() {
+    let (server, key) = home();
+    let (a, b) = (node(&server, &key, 0), node(&server, &key, 0));
+    let gpa = GPA_BASE + 6 * PAGE_SIZE as u64;
+    a.modify(gpa, filled(gpa, 4)).unwrap();
+    // b's read downgrades a, whose ack carries the page back.
+    assert_eq!(b.read(gpa).unwrap(), page_for(gpa, 4));
+    let stats = server.coherence_stats();
+    // At least a's WRITE_REQ, b's READ_REQ and a's DOWNGRADE_ACK.
+    assert!(
+        stats.bound_frames >= 3,
+        "frames taken with bound sums: {}",
+        stats.bound_frames
+    );
+    assert_eq!(stats.refused_frames, 0);
+}
+
+/// What offset-bound sums close at the home: a node owns two pages at the
+/// same version and writes one back, and the frame's offset changes on the
+/// way to the other's. With page-only sums (a connection that did not
+/// agree to bound sums) the home takes it as the other page's write-back
+/// and serves the first page's data as the second's; with bound sums the
+/// frame fails its checksum, is refused, and the page stays as it was.
+#[test]
+fn a_write_back_whose_offset_changed_on_the_way_is_refused_with_bound_sums() {
+    for bound_sums in [false, true] {
+        let (server, key) = home();
+        let mut s = TcpStream::connect(server.addr()).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let ack = if bound_sums {
+            raw::handshake_bound_sums(&mut s, 78, HOME, Some(&key))
+        } else {
+            raw::handshake(&mut s, 78, HOME, Some(&key))
+        }
+        .expect("handshake");
+        assert_eq!(ack.bound_sums, bound_sums);
+        let (off_a, off_b) = (2 * PAGE_SIZE as u64, 7 * PAGE_SIZE as u64);
+        let mut versions = Vec::new();
+        for (req, off) in [(1, off_a), (2, off_b)] {
+            let write_req = coherence::ToHome::WriteReq {
+                req,
+                upgrade: false,
+            };
+            s.write_all(&encode_to_home(off, &write_req, None, bound_sums))
+                .unwrap();
+            let (h, payload) = read_framed(&mut s);
+            match decode_to_node(&h, &payload, bound_sums) {
+                Ok(ToNodeFrame::Msg(f)) => match f.msg {
+                    coherence::ToNode::Grant {
+                        mode: coherence::Mode::Exclusive,
+                        version,
+                        ..
+                    } => versions.push(version),
+                    other => panic!("expected an exclusive grant, got {other:?}"),
+                },
+                other => panic!("expected a grant, got {other:?}"),
+            }
+        }
+        assert_eq!(versions[0], versions[1], "both pages owned at one version");
+        let data_a = page_for(GPA_BASE + off_a, 5);
+        let write_back = coherence::ToHome::WriteBack {
+            version: versions[0],
+        };
+        let mut frame = encode_to_home(off_a, &write_back, Some(&data_a), bound_sums);
+        let sent = Header::decode_prefix(&frame).unwrap().expect("a header");
+        let moved = Header {
+            offset: off_b,
+            ..sent
+        };
+        frame[..HEADER_LEN].copy_from_slice(&moved.encode());
+        s.write_all(&frame).unwrap();
+        if bound_sums {
+            let (h, payload) = read_framed(&mut s);
+            assert_eq!(
+                decode_to_node(&h, &payload, true),
+                Ok(ToNodeFrame::Refused {
+                    offset: off_b,
+                    status: Status::BadLength
+                })
+            );
+        }
+        // Page b at the home, by a plain READ on the same connection (taken
+        // after the frame: a connection's messages are served in order).
+        let header = Header::request(Opcode::Read, 9, off_b, PAGE_SIZE as u32);
+        s.write_all(&header.encode()).unwrap();
+        let (h, data) = read_framed(&mut s);
+        assert_eq!(
+            (h.opcode, h.status, h.request_id),
+            (Opcode::ReadResp, Status::Ok, 9)
+        );
+        let stats = server.coherence_stats();
+        if bound_sums {
+            assert_eq!(data, vec![0u8; PAGE_SIZE], "page b as it was");
+            assert_eq!(stats.refused_frames, 1);
+            assert_eq!(stats.bound_frames, 2, "the two WRITE_REQs");
+        } else {
+            assert_eq!(
+                data,
+                data_a.to_vec(),
+                "page-only sums: page a's data taken as page b's"
+            );
+            assert_eq!((stats.refused_frames, stats.bound_frames), (0, 0));
+        }
+    }
 }

@@ -137,7 +137,9 @@ pub struct ManagerConfig {
     /// docs/wire-protocol.md). TCP data path only: pages moved by RDMA are
     /// not checksummed. A corrupted page is [`crate::TransportError::Checksum`],
     /// never data. Default on: one page in flight pays nothing measurable,
-    /// 32 in flight about 7 % of throughput (docs/benchmarking.md).
+    /// 32 in flight about 7 % of throughput (docs/benchmarking.md). On,
+    /// each WRITE's sum and each coherence frame's also cover its offset
+    /// (and a coherence frame's body), where the page-server agrees.
     pub page_checksums: bool,
     /// Replicated ranges: how long a read waits for a replica before it
     /// goes to the next live one (the slow request is abandoned). 0

@@ -299,7 +299,7 @@ impl RawNode {
 fn to_node(bytes: &[u8]) -> ToNodeFrame<'_> {
     let header = Header::decode_prefix(bytes).unwrap().expect("a header");
     assert_eq!(HEADER_LEN + header.payload_len(), bytes.len());
-    decode_to_node(&header, &bytes[HEADER_LEN..]).expect("a COH_TO_NODE frame")
+    decode_to_node(&header, &bytes[HEADER_LEN..], false).expect("a COH_TO_NODE frame")
 }
 
 #[test]
@@ -319,7 +319,7 @@ fn rdma_coherence_forged_channel_messages_close_only_their_node() {
     let read_req = ::coherence::ToHome::ReadReq { req: 1 };
     let far = NODE_BYTES as u64;
     node.channel
-        .send(&encode_to_home(far, &read_req, None))
+        .send(&encode_to_home(far, &read_req, None, false))
         .unwrap();
     assert_eq!(
         to_node(&node.next()),
@@ -329,7 +329,7 @@ fn rdma_coherence_forged_channel_messages_close_only_their_node() {
         }
     );
     node.channel
-        .send(&encode_to_home(gpa, &read_req, None))
+        .send(&encode_to_home(gpa, &read_req, None, false))
         .unwrap();
     match to_node(&node.next()) {
         ToNodeFrame::Msg(f) => {
@@ -354,12 +354,17 @@ fn rdma_coherence_forged_channel_messages_close_only_their_node() {
     // What the library never sends: a frame of the other direction, bytes
     // that are no frame, a frame with bytes after it. Each closes its
     // node's connection (it is lost to the home), nothing else.
-    let mut trailing = encode_to_home(0, &read_req, None);
+    let mut trailing = encode_to_home(0, &read_req, None, false);
     trailing.extend_from_slice(&[0xee; 8]);
     let forged: [(&str, Vec<u8>); 3] = [
         (
             "a COH_TO_NODE frame",
-            rdma_transport::wire::encode_to_node(0, &::coherence::ToNode::Retry { req: 1 }, None),
+            rdma_transport::wire::encode_to_node(
+                0,
+                &::coherence::ToNode::Retry { req: 1 },
+                None,
+                false,
+            ),
         ),
         ("garbage", vec![0x5a; 100]),
         ("a frame with trailing bytes", trailing),

@@ -46,6 +46,8 @@ pub(crate) struct Link {
     /// Over RDMA: the frames go through this channel, and `stream` only
     /// tells that the home is gone (no writer thread then).
     channel: Option<Arc<MessageChannel>>,
+    /// Frames carry offset-bound sums both ways (agreed in the handshake).
+    bound_sums: bool,
     /// How long an `acquire` waits (and a grant's READ, and a close's
     /// drain of the channel).
     timeout_ms: u64,
@@ -68,7 +70,11 @@ impl Link {
         node: &str,
         dialed: Dialed,
     ) -> Result<Arc<Self>, TransportError> {
-        let Dialed { stream, channel } = dialed;
+        let Dialed {
+            stream,
+            channel,
+            bound_sums,
+        } = dialed;
         let down = |e: io::Error| TransportError::NodeDown {
             node: node.to_owned(),
             reason: format!("coherence connection: {e}"),
@@ -83,6 +89,7 @@ impl Link {
             node: node.to_owned(),
             stream,
             channel,
+            bound_sums,
             timeout_ms: shared.config.timeout_ms.max(1),
             outgoing: Mutex::new(Some(tx)),
             queued: Arc::new(AtomicUsize::new(0)),
@@ -151,7 +158,7 @@ impl Link {
         msg: &ToHome,
         page: Option<&Page>,
     ) -> Result<(), TransportError> {
-        let frame = encode_to_home(offset, msg, page);
+        let frame = encode_to_home(offset, msg, page, self.bound_sums);
         if let Some(channel) = &self.channel {
             if self.is_dead() {
                 return Err(self.down("coherence connection closed"));
@@ -359,7 +366,8 @@ fn read_loop(shared: &Shared, link: &Link, mut stream: TcpStream) {
             if end - start < total {
                 break;
             }
-            let frame = match decode_to_node(&header, &buf[start + HEADER_LEN..start + total]) {
+            let payload = &buf[start + HEADER_LEN..start + total];
+            let frame = match decode_to_node(&header, payload, link.bound_sums) {
                 Ok(f) => f,
                 Err(e) => {
                     tracing::warn!(node = %link.node, err = %e, "malformed coherence message; dropping the connection");
@@ -483,7 +491,7 @@ fn on_message(
             HEADER_LEN + header.payload_len()
         )));
     }
-    let frame = decode_to_node(&header, &bytes[HEADER_LEN..])
+    let frame = decode_to_node(&header, &bytes[HEADER_LEN..], link.bound_sums)
         .map_err(|e| bad(format!("malformed coherence message: {e}")))?;
     let offset = match frame {
         crate::wire::ToNodeFrame::Msg(f) => f.offset,

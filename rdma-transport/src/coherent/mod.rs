@@ -133,6 +133,9 @@ pub(crate) trait Resolve: Send + Sync + std::fmt::Debug {
 pub(crate) struct Dialed {
     pub(crate) stream: TcpStream,
     pub(crate) channel: Option<Arc<crate::rdma::MessageChannel>>,
+    /// The home agreed to offset-bound sums: every frame's checksum covers
+    /// its offset, body and page (`wire::coherence_checksum`).
+    pub(crate) bound_sums: bool,
 }
 
 /// This process as a node of a coherent VM. Made by

@@ -88,7 +88,12 @@ impl Resolve for Resolver {
             client_id: inner.client_id,
             node_id: &home.node,
             key: inner.config.cluster_key.as_ref(),
-            checksums: false,
+            // Coherence frames always carry a page's CRC-32C; asking for
+            // checksums also asks for offset-bound sums, which bind each
+            // frame's sum to its offset and body too (a home that agrees
+            // says so in its HELLO_ACK). Off (to reach page-servers from
+            // before checksums), frames keep page-only sums.
+            checksums: inner.config.page_checksums,
             coherence: offer.is_some(),
             landed_pages: None,
         };
@@ -105,6 +110,10 @@ impl Resolve for Resolver {
             }
             _ => None,
         };
-        Ok(Dialed { stream, channel })
+        Ok(Dialed {
+            stream,
+            channel,
+            bound_sums: ack.bound_sums,
+        })
     }
 }

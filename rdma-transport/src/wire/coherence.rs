@@ -5,8 +5,13 @@
 //! region; length: the payload's) and a payload of a 32-byte body, followed
 //! by the page (4096 bytes) when the body's "page follows" flag is set: a
 //! grant carries the home's data, a write-back or an ack that reports a
-//! write-back carries the node's. A page is always covered by a CRC-32C in
-//! the header's checksum field. Body layout (little-endian):
+//! write-back carries the node's. The header's checksum field holds
+//! [`coherence_checksum`]: on a connection that agreed to offset-bound sums
+//! (`AuthRequest::bound_sums`) a CRC-32C of the page (when one follows),
+//! the body and the offset, so a frame whose offset, body or page changed
+//! on the way fails it, frames without a page included; otherwise a CRC-32C
+//! of the page alone (and nothing checked without one). Body layout
+//! (little-endian):
 //!
 //! | bytes | field |
 //! |---|---|
@@ -276,18 +281,48 @@ fn to_node_body(msg: &ToNode) -> Body {
     body
 }
 
-fn encode(opcode: Opcode, offset: u64, mut body: Body, page: Option<&Page>) -> Vec<u8> {
-    let mut length = COH_BODY_LEN;
-    let mut checksum = 0;
+/// The checksum a coherence frame about the page at `offset` carries, with
+/// `body` (its 32 bytes as sent) and `page` (when one follows). With
+/// `bound_sums` (the connection agreed to offset-bound sums): CRC-32C of
+/// the page, then the body, then the offset's 8 little-endian bytes.
+/// Without: the page's CRC-32C, 0 when no page follows (such frames are
+/// not checked then), as before offset-bound sums existed.
+pub fn coherence_checksum(
+    offset: u64,
+    body: &[u8; COH_BODY_LEN],
+    page: Option<&[u8]>,
+    bound_sums: bool,
+) -> u32 {
+    if !bound_sums {
+        return page.map_or(0, page_checksum);
+    }
+    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
     if let Some(page) = page {
+        digest.update(page);
+    }
+    digest.update(body);
+    digest.update(&offset.to_le_bytes());
+    digest.finalize() as u32
+}
+
+fn encode(
+    opcode: Opcode,
+    offset: u64,
+    mut body: Body,
+    page: Option<&Page>,
+    bound_sums: bool,
+) -> Vec<u8> {
+    let mut length = COH_BODY_LEN;
+    if page.is_some() {
         body.flags |= FLAG_PAGE;
         length += PAGE_SIZE;
-        checksum = page_checksum(page);
     }
+    let body = body.encode();
+    let checksum = coherence_checksum(offset, &body, page.map(|p| &p[..]), bound_sums);
     let header = Header::request(opcode, 0, offset, length as u32).with_checksum(checksum);
     let mut out = Vec::with_capacity(HEADER_LEN + length);
     out.extend_from_slice(&header.encode());
-    out.extend_from_slice(&body.encode());
+    out.extend_from_slice(&body);
     if let Some(page) = page {
         out.extend_from_slice(page);
     }
@@ -295,15 +330,28 @@ fn encode(opcode: Opcode, offset: u64, mut body: Body, page: Option<&Page>) -> V
 }
 
 /// A node → home frame: `msg` about the page at `offset`, with the page
-/// written back when there is one.
-pub fn encode_to_home(offset: u64, msg: &ToHome, page: Option<&Page>) -> Vec<u8> {
-    encode(Opcode::CohToHome, offset, to_home_body(msg), page)
+/// written back when there is one; `bound_sums`: the connection agreed to
+/// offset-bound sums (see [`coherence_checksum`]).
+pub fn encode_to_home(offset: u64, msg: &ToHome, page: Option<&Page>, bound_sums: bool) -> Vec<u8> {
+    encode(
+        Opcode::CohToHome,
+        offset,
+        to_home_body(msg),
+        page,
+        bound_sums,
+    )
 }
 
 /// A home → node frame: `msg` about the page at `offset`, with the home's
-/// page for a grant.
-pub fn encode_to_node(offset: u64, msg: &ToNode, page: Option<&Page>) -> Vec<u8> {
-    encode(Opcode::CohToNode, offset, to_node_body(msg), page)
+/// page for a grant; `bound_sums` as in [`encode_to_home`].
+pub fn encode_to_node(offset: u64, msg: &ToNode, page: Option<&Page>, bound_sums: bool) -> Vec<u8> {
+    encode(
+        Opcode::CohToNode,
+        offset,
+        to_node_body(msg),
+        page,
+        bound_sums,
+    )
 }
 
 /// The home's refusal of a node → home frame about the page at `offset`.
@@ -319,6 +367,7 @@ pub fn encode_refusal(offset: u64, status: Status) -> [u8; HEADER_LEN] {
 fn split<'a>(
     header: &Header,
     payload: &'a [u8],
+    bound_sums: bool,
 ) -> Result<(Body, Kind, Option<&'a [u8]>), CohDecodeError> {
     let (body_bytes, page) = match payload.len() {
         COH_BODY_LEN => (payload, None),
@@ -330,6 +379,13 @@ fn split<'a>(
     };
     let mut fixed = [0u8; COH_BODY_LEN];
     fixed.copy_from_slice(body_bytes);
+    // First: a frame damaged on the way is a checksum failure, whatever
+    // its damaged fields would say.
+    if (bound_sums || page.is_some())
+        && coherence_checksum(header.offset, &fixed, page, bound_sums) != header.checksum
+    {
+        return Err(CohDecodeError::Checksum);
+    }
     let body = Body::decode(&fixed);
     let kind = Kind::from_u8(body.kind).ok_or(CohDecodeError::BadKind(body.kind))?;
     let bad_flags = CohDecodeError::BadFlags {
@@ -342,11 +398,6 @@ fn split<'a>(
     {
         return Err(bad_flags);
     }
-    if let Some(p) = page {
-        if page_checksum(p) != header.checksum {
-            return Err(CohDecodeError::Checksum);
-        }
-    }
     Ok((body, kind, page))
 }
 
@@ -358,6 +409,7 @@ fn split<'a>(
 pub fn decode_to_home<'a>(
     header: &Header,
     payload: &'a [u8],
+    bound_sums: bool,
 ) -> Result<CohFrame<'a, ToHome>, CohDecodeError> {
     if header.opcode != Opcode::CohToHome {
         return Err(CohDecodeError::WrongOpcode(header.opcode));
@@ -365,7 +417,7 @@ pub fn decode_to_home<'a>(
     if header.status != Status::Ok {
         return Err(CohDecodeError::UnexpectedStatus(header.status));
     }
-    let (body, kind, page) = split(header, payload)?;
+    let (body, kind, page) = split(header, payload, bound_sums)?;
     let msg = match kind {
         Kind::ReadReq => ToHome::ReadReq { req: body.req },
         Kind::WriteReq => ToHome::WriteReq {
@@ -418,6 +470,7 @@ pub fn decode_to_home<'a>(
 pub fn decode_to_node<'a>(
     header: &Header,
     payload: &'a [u8],
+    bound_sums: bool,
 ) -> Result<ToNodeFrame<'a>, CohDecodeError> {
     if header.opcode != Opcode::CohToNode {
         return Err(CohDecodeError::WrongOpcode(header.opcode));
@@ -431,7 +484,7 @@ pub fn decode_to_node<'a>(
             status: header.status,
         });
     }
-    let (body, kind, page) = split(header, payload)?;
+    let (body, kind, page) = split(header, payload, bound_sums)?;
     let msg = match kind {
         Kind::Grant => ToNode::Grant {
             req: body.req,
@@ -564,10 +617,10 @@ mod tests {
                     }
             );
             let with = carries.then_some(&*page);
-            let frame = encode_to_home(0x3000, &msg, with);
+            let frame = encode_to_home(0x3000, &msg, with, false);
             let (header, payload) = parse(&frame);
             assert_eq!(header.opcode, Opcode::CohToHome);
-            let got = decode_to_home(&header, payload).unwrap();
+            let got = decode_to_home(&header, payload, false).unwrap();
             assert_eq!(got.offset, 0x3000);
             assert_eq!(got.msg, msg);
             assert_eq!(got.page, with.map(|p| &p[..]));
@@ -579,9 +632,9 @@ mod tests {
         let page = page_of(0xa5);
         for msg in all_to_node() {
             let with = matches!(msg, ToNode::Grant { .. }).then_some(&*page);
-            let frame = encode_to_node(0x1000, &msg, with);
+            let frame = encode_to_node(0x1000, &msg, with, false);
             let (header, payload) = parse(&frame);
-            let got = decode_to_node(&header, payload).unwrap();
+            let got = decode_to_node(&header, payload, false).unwrap();
             assert_eq!(
                 got,
                 ToNodeFrame::Msg(CohFrame {
@@ -594,7 +647,7 @@ mod tests {
         let refusal = encode_refusal(0x2000, Status::OutOfRange);
         let (header, payload) = parse(&refusal);
         assert_eq!(
-            decode_to_node(&header, payload),
+            decode_to_node(&header, payload, false),
             Ok(ToNodeFrame::Refused {
                 offset: 0x2000,
                 status: Status::OutOfRange
@@ -602,45 +655,153 @@ mod tests {
         );
     }
 
+    /// Every message both ways, with and without the page it may carry.
+    fn every_frame(bound_sums: bool) -> Vec<(Vec<u8>, bool)> {
+        let page = page_of(0x3c);
+        let mut frames = Vec::new();
+        for msg in all_to_home() {
+            let frame = encode_to_home(0x7000, &msg, None, bound_sums);
+            frames.push((frame, true));
+            if matches!(msg, ToHome::WriteBack { .. }) {
+                frames.push((encode_to_home(0x7000, &msg, Some(&page), bound_sums), true));
+            }
+        }
+        for msg in all_to_node() {
+            let with = matches!(msg, ToNode::Grant { .. }).then_some(&*page);
+            frames.push((encode_to_node(0x7000, &msg, with, bound_sums), false));
+        }
+        frames
+    }
+
+    fn decode_any(frame: &[u8], to_home: bool, bound_sums: bool) -> Result<u64, CohDecodeError> {
+        let (header, payload) = parse(frame);
+        if to_home {
+            decode_to_home(&header, payload, bound_sums).map(|f| f.offset)
+        } else {
+            match decode_to_node(&header, payload, bound_sums)? {
+                ToNodeFrame::Msg(f) => Ok(f.offset),
+                ToNodeFrame::Refused { offset, .. } => Ok(offset),
+            }
+        }
+    }
+
+    #[test]
+    fn every_message_round_trips_with_bound_sums() {
+        for (frame, to_home) in every_frame(true) {
+            assert_eq!(decode_any(&frame, to_home, true), Ok(0x7000));
+        }
+    }
+
+    /// With offset-bound sums, a frame whose offset, body or page changed
+    /// on the way is refused, pageless frames included. With page-only
+    /// sums the same changes to the offset or a pageless body go through:
+    /// what the binding closes (a write-back landing on another page, a
+    /// callback answered with another sequence number).
+    #[test]
+    fn with_bound_sums_a_frame_changed_anywhere_on_the_way_fails_its_checksum() {
+        for bound_sums in [true, false] {
+            for (frame, to_home) in every_frame(bound_sums) {
+                let (header, _) = parse(&frame);
+                let has_page = frame.len() > HEADER_LEN + COH_BODY_LEN;
+                // The offset, one bit at a time (page-aligned bits: the
+                // offsets a home would take).
+                for bit in 12..40 {
+                    let mut damaged = frame.clone();
+                    let moved = Header {
+                        offset: header.offset ^ (1u64 << bit),
+                        ..header
+                    };
+                    damaged[..HEADER_LEN].copy_from_slice(&moved.encode());
+                    let got = decode_any(&damaged, to_home, bound_sums);
+                    if bound_sums {
+                        assert_eq!(got, Err(CohDecodeError::Checksum), "offset bit {bit}");
+                    } else {
+                        assert_eq!(
+                            got,
+                            Ok(moved.offset),
+                            "page-only sums do not cover the offset"
+                        );
+                    }
+                }
+                // Every body byte.
+                for at in HEADER_LEN..HEADER_LEN + COH_BODY_LEN {
+                    let mut damaged = frame.clone();
+                    damaged[at] ^= 0x01;
+                    let got = decode_any(&damaged, to_home, bound_sums);
+                    if bound_sums {
+                        assert_eq!(got, Err(CohDecodeError::Checksum), "body byte {at}");
+                    } else {
+                        assert_ne!(
+                            got,
+                            Err(CohDecodeError::Checksum),
+                            "page-only sums do not cover the body"
+                        );
+                    }
+                }
+                // The page, when there is one: refused either way.
+                if has_page {
+                    let mut damaged = frame.clone();
+                    damaged[HEADER_LEN + COH_BODY_LEN + 100] ^= 0x80;
+                    assert_eq!(
+                        decode_any(&damaged, to_home, bound_sums),
+                        Err(CohDecodeError::Checksum)
+                    );
+                }
+            }
+        }
+    }
+
+    /// Both sides take the mode from one handshake; a frame sent in the
+    /// other mode is refused whenever its sum is checked.
+    #[test]
+    fn a_page_only_frame_fails_on_a_bound_connection() {
+        for (frame, to_home) in every_frame(false) {
+            assert_eq!(
+                decode_any(&frame, to_home, true),
+                Err(CohDecodeError::Checksum)
+            );
+        }
+    }
+
     #[test]
     fn a_corrupted_page_is_refused() {
         let page = page_of(1);
-        let mut frame = encode_to_home(0, &ToHome::WriteBack { version: 1 }, Some(&page));
+        let mut frame = encode_to_home(0, &ToHome::WriteBack { version: 1 }, Some(&page), false);
         let last = frame.len() - 1;
         frame[last] ^= 0x10;
         let (header, payload) = parse(&frame);
         assert_eq!(
-            decode_to_home(&header, payload),
+            decode_to_home(&header, payload, false),
             Err(CohDecodeError::Checksum)
         );
     }
 
     #[test]
     fn malformed_bodies_are_refused() {
-        let frame = encode_to_home(0, &ToHome::ReadReq { req: 1 }, None);
+        let frame = encode_to_home(0, &ToHome::ReadReq { req: 1 }, None, false);
         let (header, payload) = parse(&frame);
         let mut body = payload.to_vec();
         body[0] = 99;
         assert_eq!(
-            decode_to_home(&header, &body),
+            decode_to_home(&header, &body, false),
             Err(CohDecodeError::BadKind(99))
         );
         // A home → node kind sent to the home.
         body[0] = Kind::Grant as u8;
         assert_eq!(
-            decode_to_home(&header, &body),
+            decode_to_home(&header, &body, false),
             Err(CohDecodeError::BadKind(16))
         );
         let mut body = payload.to_vec();
         body[1] = FLAG_KEPT;
         assert!(matches!(
-            decode_to_home(&header, &body),
+            decode_to_home(&header, &body, false),
             Err(CohDecodeError::BadFlags { .. })
         ));
         let mut body = payload.to_vec();
         body[3] = 1;
         assert!(matches!(
-            decode_to_home(&header, &body),
+            decode_to_home(&header, &body, false),
             Err(CohDecodeError::BadFlags { .. })
         ));
         // The page flag without a page, and a page without the flag.
@@ -648,14 +809,16 @@ mod tests {
         body[0] = Kind::WriteBack as u8;
         body[1] = FLAG_PAGE;
         assert!(matches!(
-            decode_to_home(&header, &body),
+            decode_to_home(&header, &body, false),
             Err(CohDecodeError::BadFlags { .. })
         ));
         let mut long = payload.to_vec();
         long[0] = Kind::WriteBack as u8;
         long.extend_from_slice(&[0u8; PAGE_SIZE]);
+        // (Its page's sum right: the flags are what is wrong.)
+        let summed = header.with_checksum(page_checksum(&[0u8; PAGE_SIZE]));
         assert!(matches!(
-            decode_to_home(&header, &long),
+            decode_to_home(&summed, &long, false),
             Err(CohDecodeError::BadFlags { .. })
         ));
         // An ack carrying a page but reporting no write-back.
@@ -666,11 +829,12 @@ mod tests {
                 written_back: Some(1),
             },
             Some(&page_of(2)),
+            false,
         );
         ack[HEADER_LEN + 1] &= !FLAG_VALUE;
         let (h, p) = parse(&ack);
         assert!(matches!(
-            decode_to_home(&h, p),
+            decode_to_home(&h, p, false),
             Err(CohDecodeError::BadFlags { .. })
         ));
         // Lengths that are neither a body nor a body and a page.
@@ -683,13 +847,13 @@ mod tests {
         ] {
             let bytes = vec![0u8; n];
             assert_eq!(
-                decode_to_home(&header, &bytes),
+                decode_to_home(&header, &bytes, false),
                 Err(CohDecodeError::BadLength(n))
             );
         }
         // The wrong direction.
         assert_eq!(
-            decode_to_node(&header, payload),
+            decode_to_node(&header, payload, false),
             Err(CohDecodeError::WrongOpcode(Opcode::CohToHome))
         );
         // A bad grant mode.
@@ -703,11 +867,15 @@ mod tests {
                 data_version: 0,
             },
             Some(&page_of(3)),
+            false,
         );
         let mut bytes = grant.clone();
         bytes[HEADER_LEN + 2] = 7;
         let (h, p) = parse(&bytes);
-        assert_eq!(decode_to_node(&h, p), Err(CohDecodeError::BadMode(7)));
+        assert_eq!(
+            decode_to_node(&h, p, false),
+            Err(CohDecodeError::BadMode(7))
+        );
         // A refusal with a payload.
         let (h, _) = parse(&grant);
         let refused = Header {
@@ -715,7 +883,7 @@ mod tests {
             ..h
         };
         assert_eq!(
-            decode_to_node(&refused, &grant[HEADER_LEN..]),
+            decode_to_node(&refused, &grant[HEADER_LEN..], false),
             Err(CohDecodeError::BadLength(COH_BODY_LEN + PAGE_SIZE))
         );
     }
@@ -753,9 +921,9 @@ mod tests {
             }
             let mut h = Header::request(Opcode::CohToHome, 0, next(), len as u32);
             h.checksum = next() as u32;
-            let _ = decode_to_home(&h, &bytes);
+            let _ = decode_to_home(&h, &bytes, false);
             h.opcode = Opcode::CohToNode;
-            let _ = decode_to_node(&h, &bytes);
+            let _ = decode_to_node(&h, &bytes, false);
         }
     }
 }
