@@ -224,7 +224,7 @@ pub(crate) fn on_frame(
     };
     let refuse = |status: Status| {
         home.count_refused();
-        let frame = encode_refusal(header.offset, status);
+        let frame = encode_refusal(header.offset, status, session.bound_sums);
         if let Err(err) = outbound.send(&[&frame]) {
             tracing::debug!(%err, "coherence refusal not sent");
         }

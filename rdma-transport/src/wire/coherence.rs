@@ -354,12 +354,28 @@ pub fn encode_to_node(offset: u64, msg: &ToNode, page: Option<&Page>, bound_sums
     )
 }
 
-/// The home's refusal of a node → home frame about the page at `offset`.
-pub fn encode_refusal(offset: u64, status: Status) -> [u8; HEADER_LEN] {
+/// The checksum of the home's refusal of a frame about the page at
+/// `offset`: with `bound_sums`, CRC-32C of the status's 2 little-endian
+/// bytes and then the offset's 8 (a refusal has no body: a changed offset
+/// would fail another page's request); without, 0 (not checked).
+pub fn refusal_checksum(offset: u64, status: Status, bound_sums: bool) -> u32 {
+    if !bound_sums {
+        return 0;
+    }
+    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    digest.update(&(status as u16).to_le_bytes());
+    digest.update(&offset.to_le_bytes());
+    digest.finalize() as u32
+}
+
+/// The home's refusal of a node → home frame about the page at `offset`;
+/// `bound_sums` as in [`encode_to_home`].
+pub fn encode_refusal(offset: u64, status: Status, bound_sums: bool) -> [u8; HEADER_LEN] {
     Header {
         status,
         ..Header::request(Opcode::CohToNode, 0, offset, 0)
     }
+    .with_checksum(refusal_checksum(offset, status, bound_sums))
     .encode()
 }
 
@@ -478,6 +494,9 @@ pub fn decode_to_node<'a>(
     if header.status != Status::Ok {
         if !payload.is_empty() {
             return Err(CohDecodeError::BadLength(payload.len()));
+        }
+        if bound_sums && refusal_checksum(header.offset, header.status, true) != header.checksum {
+            return Err(CohDecodeError::Checksum);
         }
         return Ok(ToNodeFrame::Refused {
             offset: header.offset,
@@ -644,7 +663,7 @@ mod tests {
                 })
             );
         }
-        let refusal = encode_refusal(0x2000, Status::OutOfRange);
+        let refusal = encode_refusal(0x2000, Status::OutOfRange, false);
         let (header, payload) = parse(&refusal);
         assert_eq!(
             decode_to_node(&header, payload, false),
@@ -747,6 +766,49 @@ mod tests {
                         Err(CohDecodeError::Checksum)
                     );
                 }
+            }
+        }
+    }
+
+    /// A refusal has no body: with bound sums its checksum covers its
+    /// status and offset, so a refusal moved to another page (or made
+    /// another refusal) on the way is refused in turn instead of failing
+    /// another page's request.
+    #[test]
+    fn with_bound_sums_a_refusal_changed_on_the_way_fails_its_checksum() {
+        for bound_sums in [true, false] {
+            let frame = encode_refusal(0x5000, Status::OutOfRange, bound_sums);
+            let (header, payload) = parse(&frame);
+            assert_eq!(
+                decode_to_node(&header, payload, bound_sums),
+                Ok(ToNodeFrame::Refused {
+                    offset: 0x5000,
+                    status: Status::OutOfRange
+                })
+            );
+            for bit in 12..40 {
+                let moved = Header {
+                    offset: header.offset ^ (1u64 << bit),
+                    ..header
+                };
+                let got = decode_to_node(&moved, payload, bound_sums);
+                if bound_sums {
+                    assert_eq!(got, Err(CohDecodeError::Checksum), "offset bit {bit}");
+                } else {
+                    assert!(
+                        matches!(got, Ok(ToNodeFrame::Refused { offset, .. }) if offset == moved.offset)
+                    );
+                }
+            }
+            let other = Header {
+                status: Status::Unaligned,
+                ..header
+            };
+            let got = decode_to_node(&other, payload, bound_sums);
+            if bound_sums {
+                assert_eq!(got, Err(CohDecodeError::Checksum));
+            } else {
+                assert!(got.is_ok());
             }
         }
     }

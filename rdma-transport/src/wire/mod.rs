@@ -11,8 +11,8 @@ mod hello;
 mod status;
 
 pub use coherence::{
-    decode_to_home, decode_to_node, encode_refusal, encode_to_home, encode_to_node, CohDecodeError,
-    CohFrame, ToNodeFrame, COH_BODY_LEN,
+    coherence_checksum, decode_to_home, decode_to_node, encode_refusal, encode_to_home,
+    encode_to_node, refusal_checksum, CohDecodeError, CohFrame, ToNodeFrame, COH_BODY_LEN,
 };
 pub use header::{
     offset_bound_checksum, page_checksum, write_checksum, DecodeError, Header, Opcode, HEADER_LEN,
