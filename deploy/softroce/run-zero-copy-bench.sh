@@ -50,6 +50,7 @@ b="$(softroce_shell_quote "$bench_exe")"
     echo '#!/bin/sh'
     echo 'failed=0'
     echo 'echo "VMCLOCK $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource) kernel $SOFTROCE_KERNEL_VERSION"'
+    echo 'grep -qw "idle=poll" /proc/cmdline && echo "VMIDLE poll" || echo "VMIDLE halt"'
     cat <<'VMEOF'
 # PERFBW <test> tx_depth=N msg_per_s=..: perftest's bandwidth tests, 4096 B.
 bw() {
@@ -110,6 +111,10 @@ grep -q '^RDMABENCH FAILED' "$out" && failed=1
 echo
 echo "==== zero-copy RDMA vs perftest (same boot) ===="
 grep -a '^VMCLOCK ' "$out" | sed 's/^VMCLOCK /VM clocksource: /' || true
+if grep -aq '^VMIDLE halt' "$out" && ! grep -aq '^VMCLOCK .* kernel 6\.1\.' "$out"; then
+    # rxe runs requests in kworkers there: see docs/softroce.md.
+    echo "note: idle vCPUs halt in this boot; for latency ratios against perftest boot with SOFTROCE_KERNEL_ARGS=idle=poll (docs/softroce.md)"
+fi
 printf '%-6s | %-28s | %-30s | %-28s\n' round "READ p50 us zc/bounce/perf" "WRITE mean us zc/bounce/perf" "depth16 pages/s zc/bounce/perf"
 declare -A all=()
 for ((r = 1; r <= rounds; r++)); do
