@@ -29,6 +29,7 @@ use rdma_transport::wire::{decode_to_home, encode_refusal, encode_to_node, Heade
 use rdma_transport::{Page, PAGE_SIZE};
 
 use crate::connection::Exported;
+use crate::metrics::Damaged;
 use crate::outbound::Outbound;
 
 /// What a page-server's coherence home did so far
@@ -237,7 +238,12 @@ pub(crate) fn on_frame(
             f
         }
         Err(err) => {
-            tracing::debug!(offset = header.offset, %err, "malformed coherence message");
+            if err == rdma_transport::wire::CohDecodeError::Checksum {
+                let peer = stream.peer_addr().ok().map(|a| a.ip());
+                ex.damaged_on_the_way(Damaged::CoherenceFrame, peer, header.offset);
+            } else {
+                tracing::debug!(offset = header.offset, %err, "malformed coherence message");
+            }
             return refuse(Status::BadLength);
         }
     };

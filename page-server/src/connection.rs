@@ -18,7 +18,8 @@ use crate::coherence_home::{self, CohSession, CoherenceHome};
 use crate::conns::RdmaUse;
 use crate::handshake::{self, Refusal, ServerAuth, Session};
 use crate::limits::ConnGuard;
-use crate::metrics::{Op, PageMetrics, RequestTally};
+use crate::log_limit::LogLimit;
+use crate::metrics::{Damaged, Op, PageMetrics, RequestTally};
 use crate::outbound::Outbound;
 use crate::page_sums::PageSums;
 use crate::rdma::RdmaExport;
@@ -50,9 +51,33 @@ pub(crate) struct Exported {
     pub(crate) coherence: CoherenceHome,
     /// Pages served, bytes, errors and durations, by operation.
     pub(crate) metrics: PageMetrics,
+    /// At most one warning per interval about data damaged on the way.
+    pub(crate) damage_log: LogLimit,
 }
 
 impl Exported {
+    /// A WRITE or a coherence frame from `peer`, about the page at
+    /// `offset`, failed its checksum and was refused: counted, and warned
+    /// about (rate-limited): data damaged between two hosts means a faulty
+    /// NIC, link or memory that an operator must look at.
+    pub(crate) fn damaged_on_the_way(
+        &self,
+        what: Damaged,
+        peer: Option<std::net::IpAddr>,
+        offset: u64,
+    ) {
+        self.metrics.checksum_failed(what);
+        if let Some(suppressed) = self.damage_log.event() {
+            tracing::warn!(
+                ?what,
+                ?peer,
+                offset,
+                suppressed,
+                "refused data that failed its checksum: damaged on the way (check NICs, links and memory between the hosts)"
+            );
+        }
+    }
+
     /// Checks a page request against the region; the region offset on success.
     fn check(&self, header: &Header) -> Result<usize, Status> {
         if header.length as usize != PAGE_SIZE {
@@ -630,7 +655,7 @@ fn handle(
                     if claimed.is_some_and(|sum| sum != header.checksum) {
                         // Refused, not applied; the framing held, so the
                         // connection stays.
-                        tracing::debug!(offset = header.offset, "WRITE fails its checksum");
+                        exported.damaged_on_the_way(Damaged::Write, session.peer, header.offset);
                         Status::BadChecksum
                     } else {
                         // Checked: `page_sum` is the sum of the bytes written.

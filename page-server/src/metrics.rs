@@ -8,6 +8,7 @@
 //! | `page_server_request_errors_total` | counter | `op` (answered with an error status) |
 //! | `page_server_request_duration_seconds` | histogram | `op` (end of the previous request of the batch, or the read that brought it, to answer queued; see `RequestTally`) |
 //! | `page_server_read_sums_kept_total` | counter | (checksummed READ answers sent out of the region with the sum kept since the page was written: no copy; `page_sums.rs`) |
+//! | `page_server_checksum_failures_total` | counter | `carrier` (`write`, `coherence_frame`: refused because the checksum did not match, i.e. damaged on the way) |
 //! | `page_server_connections` | gauge | `state` (`handshaken`, `pending`) |
 //! | `page_server_coherence_events_total` | counter | `event` (the coherence home's counters, `coherence::HomeStats`: `shared_grants`, `exclusive_grants`, `upgrades`, `invalidation_rounds`, `invalidations_sent`, `downgrades_sent`, `queued`, `retries`, `lost_answers`, `pages_lost`, `write_backs`, ..., `refused_frames`, `rdma_frames`: frames that came over RDMA message channels, and `bound_frames`: frames whose checksum covered their offset and body, from nodes that agreed to offset-bound sums) |
 //! | `page_server_coherence_pages` | gauge | (pages with a coherence directory entry) |
@@ -49,6 +50,30 @@ struct StateLabels {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EventLabels {
     event: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CarrierLabels {
+    carrier: &'static str,
+}
+
+/// What arrived with a checksum that did not match
+/// ([`PageMetrics::checksum_failed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Damaged {
+    /// A WRITE's page or offset.
+    Write,
+    /// A coherence frame's page, body or offset.
+    CoherenceFrame,
+}
+
+impl Damaged {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Write => "write",
+            Self::CoherenceFrame => "coherence_frame",
+        }
+    }
 }
 
 /// One operation's metrics, taken out of their families once so that the
@@ -148,6 +173,7 @@ pub(crate) struct PageMetrics {
     read: OpMetrics,
     write: OpMetrics,
     kept_sums: Counter,
+    checksum_failures: Family<CarrierLabels, Counter>,
     connections: Family<StateLabels, Gauge>,
     coherence_events: Family<EventLabels, Counter>,
     coherence_pages: Gauge,
@@ -168,7 +194,19 @@ impl PageMetrics {
         let durations = Family::<OpLabels, DurationHistogram>::default();
         let connections = Family::<StateLabels, Gauge>::default();
         let kept_sums = Counter::default();
+        let checksum_failures = Family::<CarrierLabels, Counter>::default();
         registry.register("pages_served", "Pages read or written", served.clone());
+        registry.register(
+            "checksum_failures",
+            "WRITEs and coherence frames refused because their checksum did not match (damaged on the way)",
+            checksum_failures.clone(),
+        );
+        for what in [Damaged::Write, Damaged::CoherenceFrame] {
+            // Shown at 0 from the start: an alert can watch it.
+            drop(checksum_failures.get_or_create(&CarrierLabels {
+                carrier: what.label(),
+            }));
+        }
         registry.register(
             "read_sums_kept",
             "Checksummed READ answers sent out of the region with the sum kept since the page was written",
@@ -215,6 +253,7 @@ impl PageMetrics {
             read: op("read"),
             write: op("write"),
             kept_sums,
+            checksum_failures,
             registry,
             connections,
             coherence_events,
@@ -235,6 +274,30 @@ impl PageMetrics {
     /// READ answers sent with a kept sum so far (`ServerStats`).
     pub fn kept_sums(&self) -> u64 {
         self.kept_sums.get()
+    }
+
+    /// Counts one refused WRITE or coherence frame whose checksum did not
+    /// match.
+    pub(crate) fn checksum_failed(&self, what: Damaged) {
+        self.checksum_failures
+            .get_or_create(&CarrierLabels {
+                carrier: what.label(),
+            })
+            .inc();
+    }
+
+    /// Checksum failures so far, of every kind (`ServerStats`).
+    pub(crate) fn checksum_failures(&self) -> u64 {
+        [Damaged::Write, Damaged::CoherenceFrame]
+            .into_iter()
+            .map(|what| {
+                self.checksum_failures
+                    .get_or_create(&CarrierLabels {
+                        carrier: what.label(),
+                    })
+                    .get()
+            })
+            .sum()
     }
 
     /// The OpenMetrics text, with the connection gauges from `stats` and the

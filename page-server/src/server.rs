@@ -147,6 +147,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             sums: PageSums::new(memory_bytes, !rdma_enabled && config.page_checksums),
             coherence: CoherenceHome::default(),
             metrics: PageMetrics::new(),
+            damage_log: crate::log_limit::LogLimit::new(std::time::Duration::from_secs(10)),
         },
         stop: AtomicBool::new(false),
         admission: Arc::new(Admission::new(
@@ -348,6 +349,7 @@ impl RunningServer {
         let mut stats = self.shared.admission.stats();
         self.shared.recovery.fill(&mut stats);
         stats.reads_with_kept_sums = self.shared.exported.metrics.kept_sums();
+        stats.checksum_failures = self.shared.exported.metrics.checksum_failures();
         stats
     }
 

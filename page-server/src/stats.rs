@@ -48,6 +48,10 @@ pub struct ServerStats {
     /// kept since the page was written, without a copy (0 on a server with
     /// RDMA or without checksums, which keeps no sums).
     pub reads_with_kept_sums: u64,
+    /// WRITEs and coherence frames refused because their checksum did not
+    /// match: damaged on the way (metric
+    /// `page_server_checksum_failures_total{carrier}`).
+    pub checksum_failures: u64,
 }
 
 /// Why the server refused or closed a connection.

@@ -84,6 +84,8 @@ fn a_write_with_a_wrong_checksum_is_refused_and_not_applied() {
     // The connection keeps serving, and the page is unchanged.
     let (_, page) = read(&mut s, 14, 0x3000);
     assert_eq!(page, good, "a WRITE that failed its checksum was applied");
+    // Both counted as damaged on the way (a warning is logged too).
+    assert_eq!(server.stats().checksum_failures, 2);
 }
 
 /// A WRITE whose offset is damaged on the way, its page and the page's

@@ -616,6 +616,11 @@ fn a_write_back_whose_offset_changed_on_the_way_is_refused_with_bound_sums() {
             assert_eq!(data, vec![0u8; PAGE_SIZE], "page b as it was");
             assert_eq!(stats.refused_frames, 1);
             assert_eq!(stats.bound_frames, 2, "the two WRITE_REQs");
+            assert_eq!(
+                server.stats().checksum_failures,
+                1,
+                "counted as damaged on the way"
+            );
         } else {
             assert_eq!(
                 data,
@@ -623,6 +628,7 @@ fn a_write_back_whose_offset_changed_on_the_way_is_refused_with_bound_sums() {
                 "page-only sums: page a's data taken as page b's"
             );
             assert_eq!((stats.refused_frames, stats.bound_frames), (0, 0));
+            assert_eq!(server.stats().checksum_failures, 0);
         }
     }
 }

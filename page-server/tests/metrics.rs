@@ -62,6 +62,8 @@ fn metrics_count_pages_bytes_and_durations() {
         r#"page_server_read_sums_kept_total 6"#,
         r#"page_server_request_duration_seconds_count{op="write"} 3"#,
         r#"page_server_connections{state="handshaken"} 1"#,
+        r#"page_server_checksum_failures_total{carrier="write"} 0"#,
+        r#"page_server_checksum_failures_total{carrier="coherence_frame"} 0"#,
     ] {
         assert!(has(line), "missing {line}:\n{body}");
     }
@@ -118,6 +120,7 @@ fn metrics_count_coherence_events() {
     let stats = server.coherence_stats();
     assert!(stats.home.exclusive_grants >= 6, "{stats:?}");
     assert!(stats.home.downgrades_sent >= 6, "{stats:?}");
+    assert!(stats.bound_frames >= 12, "{stats:?}");
 
     let answer = http(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
     let (_, body) = answer.split_once("\r\n\r\n").expect("head and body");
@@ -136,6 +139,11 @@ fn metrics_count_coherence_events() {
             stats.home.shared_grants
         ),
         r#"page_server_coherence_events_total{event="pages_lost"} 0"#.to_owned(),
+        // The nodes' frames all carry offset-bound sums.
+        format!(
+            r#"page_server_coherence_events_total{{event="bound_frames"}} {}"#,
+            stats.bound_frames
+        ),
         "page_server_coherence_pages 1".to_owned(),
     ] {
         assert!(has(&line), "no {line:?} in:\n{body}");
