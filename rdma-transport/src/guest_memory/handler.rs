@@ -52,6 +52,17 @@ const MAX_FETCHES: usize = 256;
 /// eventfds are looked at every this many socket reads.
 const UFFD_CHECK_EVERY: u32 = 4;
 
+/// How a handler's spin on its one fetch ended.
+enum Spun {
+    /// Completions were taken: the next pass starts.
+    Served,
+    /// Its `poll` of the fixed fds found them ready (this many): the pass
+    /// goes on with their `revents`.
+    Ready(libc::c_int),
+    /// Nothing within the spin: the pass blocks in `poll`.
+    Idle,
+}
+
 /// A fault whose page could not be fetched yet.
 #[derive(Debug, Clone, Copy)]
 struct PendingFault {
@@ -113,7 +124,7 @@ pub(crate) fn run(shared: &Arc<Shared>, queue: CompletionQueue) {
             events: libc::POLLIN,
             revents: 0,
         }));
-        let mut spin = if handler.in_flight() {
+        let spin = if handler.in_flight() {
             busy_spin
         } else {
             Duration::ZERO
@@ -123,14 +134,18 @@ pub(crate) fn run(shared: &Arc<Shared>, queue: CompletionQueue) {
         // system call fewer per try, and one fewer for the answer). With
         // more in flight, `poll` sees new faults and answers at once,
         // which serves several vCPUs better.
-        if !spin.is_zero() && handler.in_flight_count() == 1 {
-            if handler.spin_reading(&mut fds, &mut events, spin) {
-                handler.run_due_retries();
-                continue;
+        let ret = if !spin.is_zero() && handler.in_flight_count() == 1 {
+            match handler.spin_reading(&mut fds, spin) {
+                Spun::Served => {
+                    handler.run_due_retries();
+                    continue;
+                }
+                Spun::Ready(ret) => ret,
+                Spun::Idle => poll_fds(&mut fds, timeout_ms, Duration::ZERO),
             }
-            spin = Duration::ZERO;
-        }
-        let ret = poll_fds(&mut fds, timeout_ms, spin);
+        } else {
+            poll_fds(&mut fds, timeout_ms, spin)
+        };
         if ret < 0 {
             let err = std::io::Error::last_os_error();
             if err.kind() != std::io::ErrorKind::Interrupted {
@@ -331,36 +346,24 @@ impl Handler<'_> {
 
     /// Spins for up to `spin` reading the fetches' sockets (a read that
     /// finds nothing is one system call, like a bare client's spin), with a
-    /// look at the userfaultfd every few tries. True when it served
-    /// something (the caller starts its next pass), false when the spin
-    /// ran out with nothing to do (the caller then blocks in `poll`).
-    fn spin_reading(
-        &mut self,
-        fds: &mut [libc::pollfd],
-        events: &mut EventBuffer,
-        spin: Duration,
-    ) -> bool {
+    /// zero-timeout `poll` of the fixed fds (userfaultfd, stop, queue)
+    /// every few tries.
+    fn spin_reading(&mut self, fds: &mut [libc::pollfd], spin: Duration) -> Spun {
         let start = Instant::now();
         let mut tries = 0u32;
         loop {
             if self.complete() > 0 {
-                return true;
+                return Spun::Served;
             }
             tries = tries.wrapping_add(1);
             if tries % UFFD_CHECK_EVERY == 0 {
                 // SAFETY: `fds` is a live, correctly sized array of pollfds.
                 let ret = unsafe { libc::poll(fds.as_mut_ptr(), FIXED_FDS as libc::nfds_t, 0) };
                 if ret > 0 {
-                    if fds[2].revents != 0 {
-                        self.complete();
-                    }
-                    if fds[0].revents & libc::POLLIN != 0 {
-                        self.drain(events);
-                    }
-                    return true;
+                    return Spun::Ready(ret);
                 }
                 if start.elapsed() >= spin {
-                    return false;
+                    return Spun::Idle;
                 }
             }
             // As the other spins: whoever answers may be queued behind us.

@@ -29,6 +29,7 @@
 
 use coherence::{Mode, ToHome, ToNode};
 
+use super::header::crc32c_of;
 use super::{page_checksum, Header, Opcode, Status, HEADER_LEN};
 use crate::page::{Page, PAGE_SIZE};
 
@@ -296,13 +297,7 @@ pub fn coherence_checksum(
     if !bound_sums {
         return page.map_or(0, page_checksum);
     }
-    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
-    if let Some(page) = page {
-        digest.update(page);
-    }
-    digest.update(body);
-    digest.update(&offset.to_le_bytes());
-    digest.finalize() as u32
+    crc32c_of(&[page.unwrap_or_default(), body, &offset.to_le_bytes()])
 }
 
 fn encode(
@@ -362,10 +357,7 @@ pub fn refusal_checksum(offset: u64, status: Status, bound_sums: bool) -> u32 {
     if !bound_sums {
         return 0;
     }
-    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
-    digest.update(&(status as u16).to_le_bytes());
-    digest.update(&offset.to_le_bytes());
-    digest.finalize() as u32
+    crc32c_of(&[&(status as u16).to_le_bytes(), &offset.to_le_bytes()])
 }
 
 /// The home's refusal of a node → home frame about the page at `offset`;

@@ -151,6 +151,15 @@ pub fn page_checksum(page: &[u8]) -> u32 {
     crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, page) as u32
 }
 
+/// CRC-32C of `parts` one after the other, as of their concatenation.
+pub(crate) fn crc32c_of(parts: &[&[u8]]) -> u32 {
+    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    for part in parts {
+        digest.update(part);
+    }
+    digest.finalize() as u32
+}
+
 /// The checksum of a WRITE on a connection that agreed to offset-bound sums
 /// (see [`crate::wire::AuthRequest::bound_sums`]): CRC-32C of the page
 /// followed by the 8 little-endian bytes of `offset`, from `page_sum` (the
