@@ -98,6 +98,8 @@ pub struct Params {
     pub backings: Vec<Backing>,
     /// `GuestMemoryConfig::handler_cpus` (`--handler-cpus`).
     pub handler_cpus: Option<Vec<usize>>,
+    /// `GuestMemoryConfig::handler_slice_us` (`--handler-slice-us`).
+    pub handler_slice_us: u64,
     /// `--page-server-cpus` (`None`: the bench's choice per run, see
     /// [`server_cpus`]).
     pub server_cpus: Option<Vec<usize>>,
@@ -139,6 +141,7 @@ pub fn run(
             Arc::clone(mgr),
             GuestMemoryConfig {
                 handler_cpus: params.handler_cpus.clone(),
+                handler_slice_us: params.handler_slice_us,
                 ..GuestMemoryConfig::new(gpa_base, pages * PAGE_SIZE)
             },
         )
@@ -312,6 +315,7 @@ impl Run {
                     gpa_base,
                     pages * PAGE_SIZE,
                     params.handler_cpus.clone(),
+                    params.handler_slice_us,
                 )?
             },
         )

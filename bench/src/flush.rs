@@ -55,6 +55,7 @@ pub fn run(
     backings: &[Backing],
     patterns: &[AccessPattern],
     handler_cpus: Option<Vec<usize>>,
+    handler_slice_us: u64,
 ) -> anyhow::Result<(Vec<Record>, Vec<String>)> {
     let gpa_base = set.gpas[0];
     let pages = set.len();
@@ -77,6 +78,7 @@ pub fn run(
                         gpa_base,
                         pages * PAGE_SIZE,
                         handler_cpus.clone(),
+                        handler_slice_us,
                     )?
                 },
             )

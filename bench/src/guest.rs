@@ -10,13 +10,14 @@ use crate::matrix::Backing;
 
 /// A config for `size_bytes` of guest memory from `gpa_base` made of
 /// `backing` (a fresh memfd of that size for `memfd`, with `MFD_HUGETLB`
-/// for `hugetlbfs`), its handlers pinned as `--handler-cpus` says, library
-/// defaults otherwise.
+/// for `hugetlbfs`), its handlers pinned as `--handler-cpus` says and
+/// asking for `--handler-slice-us`, library defaults otherwise.
 pub fn config(
     backing: Backing,
     gpa_base: u64,
     size_bytes: usize,
     handler_cpus: Option<Vec<usize>>,
+    handler_slice_us: u64,
 ) -> anyhow::Result<GuestMemoryConfig> {
     let backing = match backing {
         Backing::Anon => GuestBacking::Anonymous,
@@ -36,6 +37,7 @@ pub fn config(
     Ok(GuestMemoryConfig {
         backing,
         handler_cpus,
+        handler_slice_us,
         ..GuestMemoryConfig::new(gpa_base, size_bytes)
     })
 }

@@ -159,6 +159,13 @@ struct Args {
     /// `0,2`.
     #[arg(long, default_value = "first", value_parser = parse_handler_cpus)]
     handler_cpus: CpuChoice,
+    /// Scheduler slice (µs) the fault handlers ask for, Linux 6.12+
+    /// (`GuestMemoryConfig::handler_slice_us`; 0: the kernel's). Longer
+    /// than the faulting threads' (the kernel's default, at most 3 ms), a
+    /// faulting thread woken by its page preempts the handler on a shared
+    /// CPU (docs/benchmarking.md, "Handlers that let the vCPU run first")
+    #[arg(long, default_value_t = 4000)]
+    handler_slice_us: u64,
     /// The library call: copy (`read_pages`/`write_pages` with the bench's
     /// buffers, one batch of --depth at a time), frame (reads with
     /// `read_frame`, each page checked in its pool frame; one page per
@@ -420,6 +427,7 @@ fn run() -> anyhow::Result<()> {
         // The fault op's one handler: CPU 0 when `first`.
         handler_cpus: (args.op == Some(Op::Fault))
             .then(|| args.handler_cpus.0.clone().unwrap_or_else(|| vec![0])),
+        handler_slice_us: (args.op == Some(Op::Fault)).then_some(args.handler_slice_us),
         page_server_cpus: local_server_cpus(&args, &poller_cpus),
     };
     let mgr = std::sync::Arc::new(
@@ -497,6 +505,7 @@ fn run() -> anyhow::Result<()> {
                 prefetch: prefetch.clone(),
                 backings: backings.clone(),
                 handler_cpus: args.handler_cpus.0.clone(),
+                handler_slice_us: args.handler_slice_us,
                 server_cpus: args.page_server_cpus.0.clone(),
             };
             let (recs, summary) = fault::run(&mgr, &set, &params)?;
@@ -509,6 +518,7 @@ fn run() -> anyhow::Result<()> {
                 &backings,
                 &patterns,
                 args.handler_cpus.0.clone(),
+                args.handler_slice_us,
             )?;
             records.extend(recs);
             lines.extend(summary);

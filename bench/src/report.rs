@@ -104,6 +104,10 @@ pub struct Placement {
     /// only); empty: not pinned.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub handler_cpus: Option<Vec<usize>>,
+    /// The scheduler slice the fault handlers ask for (`--op fault` only;
+    /// 0: the kernel's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub handler_slice_us: Option<u64>,
     /// CPUs the local page-servers' connection threads are pinned to, when
     /// `--page-server-cpus` gives them; empty: not pinned.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -131,13 +135,17 @@ impl Placement {
             Some([]) => ", fault handlers not pinned".to_owned(),
             Some(cpus) => format!(", fault handlers pinned to CPU {cpus:?}"),
         };
+        let slice = match self.handler_slice_us {
+            None | Some(0) => String::new(),
+            Some(us) => format!(" asking for a {us} us slice"),
+        };
         let servers = match self.page_server_cpus.as_deref() {
             None => String::new(),
             Some([]) => ", local page-servers not pinned".to_owned(),
             Some(cpus) => format!(", local page-servers pinned to CPU {cpus:?}"),
         };
         format!(
-            "placement: poll mode {}, pollers {cpus}, {spin}{server}{handlers}{servers}",
+            "placement: poll mode {}, pollers {cpus}, {spin}{server}{handlers}{slice}{servers}",
             self.poll_mode
         )
     }

@@ -206,6 +206,98 @@ fn two_regions_on_two_nodes() {
     assert!(ram_a.read(NODE - 2, &mut page[..4]).is_err());
 }
 
+/// The scheduler slice (ns) of each of this process's fault handler
+/// threads (`uffd-handler-*`), by thread id, as `sched_getattr` reports it
+/// (Linux 6.12+; earlier kernels report 0).
+fn handler_slices_ns() -> Vec<(i32, u64)> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        let Ok(tid) = task.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        if !comm.starts_with("uffd-handler") {
+            continue;
+        }
+        let mut attr = libc::sched_attr {
+            size: 0,
+            sched_policy: 0,
+            sched_flags: 0,
+            sched_nice: 0,
+            sched_priority: 0,
+            sched_runtime: 0,
+            sched_deadline: 0,
+            sched_period: 0,
+        };
+        // SAFETY: the kernel writes at most 48 bytes (the size of `attr`)
+        // for thread `tid`; a thread that exited meanwhile gives ESRCH.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_sched_getattr,
+                tid,
+                std::ptr::from_mut(&mut attr),
+                48u32,
+                0u32,
+            )
+        };
+        if ret == 0 {
+            out.push((tid, attr.sched_runtime));
+        }
+    }
+    out
+}
+
+/// Linux 6.12 or later, where a fair thread may ask for its slice.
+fn kernel_has_custom_slices() -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut parts = release.trim().split(['.', '-']);
+    let major: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let minor: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    (major, minor) >= (6, 12)
+}
+
+/// `handler_slice_us` reaches the kernel for every handler thread (other
+/// tests' handlers, running alongside, keep the kernel's slice), and the
+/// handlers still serve faults with the right pages.
+#[test]
+fn handlers_ask_for_the_configured_slice_and_serve_faults() {
+    const SLICE_NS: u64 = 4_321_000;
+    let (_db, coord) = cluster_coordinator();
+    let _a = page_server(&coord.url(), "a", 0);
+    let mgr = Arc::new(manager(&coord.url()));
+    for p in 0..8u64 {
+        let gpa = p * PAGE_SIZE as u64;
+        mgr.write_page(gpa, &page_for(gpa, 5)).unwrap();
+    }
+    let ram = GuestMemory::new(
+        Arc::clone(&mgr),
+        GuestMemoryConfig {
+            handler_threads: 2,
+            handler_slice_us: SLICE_NS / 1000,
+            ..config(0, NODE_BYTES)
+        },
+    )
+    .unwrap();
+    let mut page = [0u8; PAGE_SIZE];
+    for p in 0..8u64 {
+        let gpa = p * PAGE_SIZE as u64;
+        ram.read(gpa, &mut page).unwrap();
+        assert!(page == page_for(gpa, 5), "page {gpa:#x} differs");
+    }
+    let ours = handler_slices_ns()
+        .into_iter()
+        .filter(|&(_, ns)| ns == SLICE_NS)
+        .count();
+    if kernel_has_custom_slices() {
+        assert_eq!(ours, 2, "{:?}", handler_slices_ns());
+    } else {
+        assert_eq!(ours, 0, "a kernel before 6.12 has no custom slices");
+    }
+    drop(ram);
+    // Their threads are gone with the region.
+    assert!(handler_slices_ns().iter().all(|&(_, ns)| ns != SLICE_NS));
+}
+
 #[test]
 fn flush_while_faults_are_in_flight_loses_no_write() {
     flush_while_faults_are_in_flight(false, DirtyTracking::WriteFaults);

@@ -284,6 +284,12 @@ typedef struct RtGuestMemoryConfig {
   // every page of the region while it lives. No effect without RDMA or
   // `shared_fd` (`GuestMemoryConfig::rdma_register_alias`).
   uint32_t rdma_bounce;
+  // Scheduler slice in µs the handler threads ask for, Linux 6.12+
+  // (0, the default: the kernel's; it clamps others to 100 µs..100 ms).
+  // Longer than the vCPU threads' slice, a vCPU sharing a CPU with its
+  // handler and woken by its page runs at once instead of after the
+  // handler's pass (`GuestMemoryConfig::handler_slice_us`).
+  uint64_t handler_slice_us;
 } RtGuestMemoryConfig;
 
 // Counters of a coherent region (`rt_coherent_memory_stats`).

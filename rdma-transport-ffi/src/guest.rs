@@ -177,6 +177,12 @@ pub struct RtGuestMemoryConfig {
     /// every page of the region while it lives. No effect without RDMA or
     /// `shared_fd` (`GuestMemoryConfig::rdma_register_alias`).
     pub rdma_bounce: u32,
+    /// Scheduler slice in µs the handler threads ask for, Linux 6.12+
+    /// (0, the default: the kernel's; it clamps others to 100 µs..100 ms).
+    /// Longer than the vCPU threads' slice, a vCPU sharing a CPU with its
+    /// handler and woken by its page runs at once instead of after the
+    /// handler's pass (`GuestMemoryConfig::handler_slice_us`).
+    pub handler_slice_us: u64,
 }
 
 /// `struct_size` of the first layout (up to `on_fault_error_user`), still
@@ -185,6 +191,9 @@ const FIRST_LAYOUT_BYTES: usize = 72;
 /// `struct_size` of the second layout (up to `handed_over_mapping`), still
 /// accepted: `dirty_tracking` is then Auto.
 const SECOND_LAYOUT_BYTES: usize = FIRST_LAYOUT_BYTES + 16 + size_of::<usize>();
+/// `struct_size` of the third layout (up to `rdma_bounce`), still accepted:
+/// `handler_slice_us` is then 0.
+const THIRD_LAYOUT_BYTES: usize = SECOND_LAYOUT_BYTES + 8;
 const _: () = assert!(offset_of!(RtGuestMemoryConfig, shared_fd) == FIRST_LAYOUT_BYTES);
 // No padding in the grown tail: each field starts where the last one ends.
 const _: () = assert!(
@@ -193,12 +202,14 @@ const _: () = assert!(
         && offset_of!(RtGuestMemoryConfig, handed_over_mapping) == FIRST_LAYOUT_BYTES + 16
         && offset_of!(RtGuestMemoryConfig, dirty_tracking) == SECOND_LAYOUT_BYTES
         && offset_of!(RtGuestMemoryConfig, rdma_bounce) == SECOND_LAYOUT_BYTES + 4
-        && size_of::<RtGuestMemoryConfig>() == SECOND_LAYOUT_BYTES + 8
+        && offset_of!(RtGuestMemoryConfig, handler_slice_us) == THIRD_LAYOUT_BYTES
+        && size_of::<RtGuestMemoryConfig>() == THIRD_LAYOUT_BYTES + 8
 );
 
 impl CConfig for RtGuestMemoryConfig {
     const NAME: &'static str = "RtGuestMemoryConfig";
-    const OLD_SIZES: &'static [usize] = &[FIRST_LAYOUT_BYTES, SECOND_LAYOUT_BYTES];
+    const OLD_SIZES: &'static [usize] =
+        &[FIRST_LAYOUT_BYTES, SECOND_LAYOUT_BYTES, THIRD_LAYOUT_BYTES];
 
     fn defaults() -> Self {
         let d = GuestMemoryConfig::default();
@@ -224,6 +235,7 @@ impl CConfig for RtGuestMemoryConfig {
             handed_over_mapping: std::ptr::null_mut(),
             dirty_tracking: RtDirtyTracking::Auto as u32,
             rdma_bounce: u32::from(!d.rdma_register_alias),
+            handler_slice_us: d.handler_slice_us,
         }
     }
 }
@@ -432,6 +444,7 @@ pub(crate) unsafe fn rust_config(c: &RtGuestMemoryConfig) -> Result<GuestMemoryC
         size_bytes,
         handler_threads: c.handler_threads as usize,
         handler_cpus: if pin_handlers { None } else { Some(vec![]) },
+        handler_slice_us: c.handler_slice_us,
         fault_timeout_ms: c.fault_timeout_ms,
         retry_interval_ms: c.retry_interval_ms,
         prefetch_max_pages: c.prefetch_max_pages as usize,

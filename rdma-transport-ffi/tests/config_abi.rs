@@ -115,7 +115,9 @@ fn guest_config_of_the_first_layout_still_works() {
 #[test]
 fn guest_config_of_the_second_layout_and_bad_dirty_tracking() {
     let full = std::mem::size_of::<RtGuestMemoryConfig>();
-    let second = full - 8;
+    // The third layout added `handler_slice_us` (8 bytes) past the two
+    // u32s the second one does not have.
+    let second = full - 16;
     let defaults = RtGuestMemoryConfig {
         struct_size: second as u32,
         ..guest_defaults()
@@ -128,7 +130,8 @@ fn guest_config_of_the_second_layout_and_bad_dirty_tracking() {
     unsafe {
         std::ptr::copy_nonoverlapping(std::ptr::from_ref(&defaults).cast::<u8>(), bytes, second)
     };
-    // SAFETY: every byte of `buf` is initialised; the tail is two u32s.
+    // SAFETY: every byte of `buf` is initialised; the tail is two u32s and
+    // a u64.
     let old = unsafe { buf.assume_init() };
     assert_eq!(
         create(&old),
@@ -155,6 +158,29 @@ fn guest_config_of_the_second_layout_and_bad_dirty_tracking() {
         assert_eq!(status, RtStatus::InvalidArgument);
         assert!(message.contains(want), "{message} (want {want})");
     }
+}
+
+/// The third layout (up to `rdma_bounce`, before `handler_slice_us`) is
+/// still accepted: a caller built against it never sets the slice.
+#[test]
+fn guest_config_of_the_third_layout_still_works() {
+    let full = std::mem::size_of::<RtGuestMemoryConfig>();
+    let third = full - 8;
+    let old = RtGuestMemoryConfig {
+        struct_size: third as u32,
+        handler_slice_us: u64::MAX,
+        ..guest_defaults()
+    };
+    assert_eq!(
+        create(&old),
+        (RtStatus::InvalidArgument, "manager is NULL".to_owned())
+    );
+    // One byte short of it is no layout at all.
+    let (status, _) = create(&RtGuestMemoryConfig {
+        struct_size: (third - 1) as u32,
+        ..guest_defaults()
+    });
+    assert_eq!(status, RtStatus::StructSize);
 }
 
 /// Every bad combination of the shared-file fields is refused with
@@ -300,8 +326,8 @@ fn guest_unknown_fault_mode_is_refused() {
 #[test]
 fn guest_unknown_struct_sizes_are_refused() {
     let size = std::mem::size_of::<RtGuestMemoryConfig>() as u32;
-    // (size - 8 is the second layout, accepted.)
-    for struct_size in [0, 4, size - 4, size - 16, size + 8, u32::MAX] {
+    // (size - 8 and size - 16 are the third and second layouts, accepted.)
+    for struct_size in [0, 4, size - 4, size - 12, size - 24, size + 8, u32::MAX] {
         let c = RtGuestMemoryConfig {
             struct_size,
             ..guest_defaults()

@@ -91,7 +91,7 @@ impl CoherentMemory {
     /// of the coherent VM whose pages are homed at `manager`'s page-servers,
     /// and starts `config.handler_threads` fault threads (each serves one
     /// fault at a time; a fault may wait for other nodes' copies to be
-    /// recalled). Uses `handler_threads`, `handler_cpus`, `sigbus_method`,
+    /// recalled). Uses `handler_threads`, `handler_cpus`, `handler_slice_us`, `sigbus_method`,
     /// `fault_mode`, `on_fault_error`, `retry_interval_ms` and `backing`
     /// of `config`; each attempt at a fault waits up to
     /// `coherence.timeout_ms` (`fault_timeout_ms`, `prefetch_max_pages`
@@ -143,6 +143,7 @@ impl CoherentMemory {
             on_fault_error: config.on_fault_error.clone(),
             retry_interval: std::time::Duration::from_millis(config.retry_interval_ms.max(1)),
         });
+        let slice_us = config.handler_slice_us;
         for i in 0..config.handler_threads {
             let cpu = (!cpus.is_empty()).then(|| cpus[i % cpus.len()]);
             let faults = Arc::clone(&faults);
@@ -155,6 +156,7 @@ impl CoherentMemory {
                             tracing::warn!(cpu = id, "cannot pin coherent fault handler");
                         }
                     }
+                    super::slice::apply_to_current_thread(slice_us);
                     faults.run();
                 })
                 .map_err(|source| GuestMemoryError::Thread { name, source })?;

@@ -190,6 +190,16 @@ pub struct GuestMemoryConfig {
     /// ones. `Some(vec![])` (the default: placement is the VMM's choice): no
     /// pinning.
     pub handler_cpus: Option<Vec<usize>>,
+    /// Scheduler slice in µs the handler threads ask for (Linux 6.12+,
+    /// `sched_attr.sched_runtime`; 0, the default: the kernel's). Meant for
+    /// a handler that shares its CPU with the vCPU threads it serves: asked
+    /// longer than theirs (the kernel's default is 0.75 ms times 1 +
+    /// log2 of the CPUs, at most 3 ms), a vCPU woken by its page preempts
+    /// the handler at once instead of waiting for it to block again (about
+    /// 1 µs per fault here, docs/benchmarking.md). The price: a handler
+    /// woken while a busy thread holds its CPU waits longer for it. Older
+    /// kernels ignore it (logged), as do real-time handler threads.
+    pub handler_slice_us: u64,
     /// How long a fault may wait for its page, retries included, before it
     /// is reported as failed.
     pub fault_timeout_ms: u64,
@@ -247,6 +257,7 @@ impl Default for GuestMemoryConfig {
             size_bytes: 0,
             handler_threads: 1,
             handler_cpus: Some(vec![]),
+            handler_slice_us: 0,
             fault_timeout_ms: 1000,
             retry_interval_ms: 50,
             prefetch_max_pages: 32,
@@ -267,6 +278,7 @@ impl fmt::Debug for GuestMemoryConfig {
             .field("size_bytes", &self.size_bytes)
             .field("handler_threads", &self.handler_threads)
             .field("handler_cpus", &self.handler_cpus)
+            .field("handler_slice_us", &self.handler_slice_us)
             .field("fault_timeout_ms", &self.fault_timeout_ms)
             .field("retry_interval_ms", &self.retry_interval_ms)
             .field("prefetch_max_pages", &self.prefetch_max_pages)

@@ -55,6 +55,7 @@ mod install;
 mod prefetch;
 mod region;
 mod shared;
+mod slice;
 mod state;
 mod uffd;
 
@@ -219,6 +220,7 @@ impl GuestMemory {
                         tracing::warn!(cpu = id, "cannot pin fault handler");
                     }
                 }
+                slice::apply_to_current_thread(thread_shared.config.handler_slice_us);
                 handler::run(&thread_shared, queue);
             })?;
         }
