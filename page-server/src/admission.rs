@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use crate::conns::{Connections, Recorded};
 use crate::limits::Timeouts;
-use crate::log_limit::LogLimit;
 use crate::stats::{CloseReason, Counters, ServerStats};
+use rdma_transport::log_limit::LogLimit;
 
 /// How often each kind of refusal may be logged.
 const LOG_INTERVAL: Duration = Duration::from_secs(10);

@@ -18,12 +18,12 @@ use crate::coherence_home::{self, CohSession, CoherenceHome};
 use crate::conns::RdmaUse;
 use crate::handshake::{self, Refusal, ServerAuth, Session};
 use crate::limits::ConnGuard;
-use crate::log_limit::LogLimit;
 use crate::metrics::{Damaged, Op, PageMetrics, RequestTally};
 use crate::outbound::Outbound;
 use crate::page_sums::PageSums;
 use crate::rdma::RdmaExport;
 use crate::recovery_guard::RecoveryGuard;
+use rdma_transport::log_limit::LogLimit;
 
 const RECV_BUF_BYTES: usize = 256 * 1024;
 /// Answers gathered before they are flushed (each takes two iovecs at most).

@@ -20,7 +20,6 @@ mod handshake;
 mod layout;
 mod limits;
 mod listener;
-mod log_limit;
 mod metrics;
 mod metrics_http;
 mod outbound;

@@ -17,6 +17,7 @@ mod error;
 pub mod gpa_map;
 pub mod guest_memory;
 pub mod ids;
+pub mod log_limit;
 mod manager;
 
 pub mod page;

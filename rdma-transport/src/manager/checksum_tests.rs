@@ -75,6 +75,67 @@ fn a_corrupted_read_answer_is_a_checksum_error_and_leaves_the_page_alone() {
     node.join().expect("node");
 }
 
+/// Log lines of this test process (every test's), for the flood test.
+static LOG: parking_lot::Mutex<Vec<u8>> = parking_lot::Mutex::new(Vec::new());
+
+struct Capture;
+
+impl std::io::Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        LOG.lock().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A node that answers every READ with a damaged page (a bad link, or a
+/// forger in the path) fails every read with a checksum error, and the
+/// client warns about it once, not once per answer: the flood stays out of
+/// the VMM's log. The connection keeps working for the good answer after.
+#[test]
+fn a_flood_of_damaged_read_answers_is_warned_about_once() {
+    const READS: usize = 50;
+    // Warnings and up: what a VMM's log would show. (Global: the poller
+    // threads log too; other tests' lines are told apart by node name.)
+    let _ = tracing_subscriber::fmt()
+        .with_writer(|| Capture)
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .try_init();
+    let (addr, node) = fake_checksum_node(|mut stream| {
+        // Each `read_page` reads a damaged page once more.
+        for _ in 0..2 * READS {
+            let read = read_header(&mut stream);
+            answer_read_corrupted(&mut stream, &read, 0x5a);
+        }
+        let good = read_header(&mut stream);
+        answer_read(&mut stream, &good, 0x3c);
+    });
+    let mgr =
+        TransportManager::from_map(config(true), map_of(1, &[("flooder", addr)])).expect("manager");
+    let mut page = [0u8; PAGE_SIZE];
+    for i in 0..READS {
+        let result = mgr.read_page(0, &mut page);
+        assert!(
+            matches!(&result, Err(TransportError::Checksum { .. })),
+            "read {i}: {result:?}"
+        );
+    }
+    mgr.read_page(0, &mut page)
+        .expect("a good answer after the flood");
+    assert!(page.iter().all(|&b| b == 0x3c));
+    drop(mgr);
+    node.join().expect("node");
+    let log = String::from_utf8_lossy(&LOG.lock()).into_owned();
+    let warned = log
+        .lines()
+        .filter(|l| l.contains("fails its page checksum") && l.contains("flooder"))
+        .count();
+    assert_eq!(warned, 1, "{log}");
+}
+
 /// A page that fails its checksum once (torn by a concurrent write, or
 /// corrupted on the way) is read again by the blocking calls: the caller
 /// gets the good page, never the bad one.

@@ -85,7 +85,10 @@ impl TcpConnection {
         let _send = self.send_lock.lock();
         let q = &mut *queue;
         let mut result = Ok(());
-        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(IOVECS_PER_WRITE);
+        // Sized for what is queued (a lone fault's request: one header),
+        // not for the largest write.
+        let mut iov: Vec<IoSlice<'_>> =
+            Vec::with_capacity((2 * q.headers.len()).min(IOVECS_PER_WRITE));
         for (header, payload) in q.headers.iter().zip(&q.payloads) {
             iov.push(IoSlice::new(header));
             if !payload.0.is_null() {

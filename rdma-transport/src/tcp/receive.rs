@@ -45,6 +45,21 @@ impl RecvBuf {
 }
 
 impl TcpConnection {
+    /// A READ answer failed its page checksum (its request fails with
+    /// `CODE_CHECKSUM`): warned about at most once per interval, with how
+    /// many more there were since the last warning.
+    fn checksum_failed(&self, header: &Header) {
+        if let Some(not_logged) = self.checksum_log.event() {
+            tracing::warn!(
+                node = %self.node_id,
+                request_id = header.request_id,
+                offset = header.offset,
+                not_logged,
+                "READ answer fails its page checksum"
+            );
+        }
+    }
+
     /// Reads what the socket has and completes every whole answer.
     /// `Ok(true)` when anything was read. On `Err(code)` the connection is
     /// finished and has been marked broken.
@@ -154,7 +169,7 @@ impl TcpConnection {
                         // As in `complete`, but the page is already in
                         // place: the caller takes it as unspecified, since
                         // the request failed.
-                        tracing::warn!(node = %self.node_id, request_id = header.request_id, offset = header.offset, "READ answer fails its page checksum");
+                        self.checksum_failed(&header);
                         CODE_CHECKSUM
                     } else {
                         self.landed_pages.fetch_add(1, Ordering::Relaxed);
@@ -239,7 +254,7 @@ impl TcpConnection {
                 // The bytes in the receive buffer are checked before any of
                 // them reach the caller's page: a page that fails is never
                 // handed out. The framing is intact, so the connection stays.
-                tracing::warn!(node = %self.node_id, request_id = header.request_id, offset = header.offset, "READ answer fails its page checksum");
+                self.checksum_failed(header);
                 CODE_CHECKSUM
             }
             (Opcode::ReadResp, Status::Ok) if payload.len() == PAGE_SIZE && !dst.is_null() => {

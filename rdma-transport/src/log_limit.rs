@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 /// Lets one caller log per `interval`; counts the events not logged.
 #[derive(Debug)]
-pub(crate) struct LogLimit {
+pub struct LogLimit {
     origin: Instant,
     interval_ms: u64,
     /// Milliseconds since `origin` when a caller may log next.
@@ -16,7 +16,9 @@ pub(crate) struct LogLimit {
 }
 
 impl LogLimit {
-    pub(crate) fn new(interval: Duration) -> Self {
+    /// At most one line per `interval`.
+    #[must_use]
+    pub fn new(interval: Duration) -> Self {
         Self {
             origin: Instant::now(),
             interval_ms: u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
@@ -27,7 +29,7 @@ impl LogLimit {
 
     /// Records one event. `Some(n)`: the caller logs it, saying `n` earlier
     /// events were not logged; `None`: it stays quiet.
-    pub(crate) fn event(&self) -> Option<u64> {
+    pub fn event(&self) -> Option<u64> {
         self.event_at(Instant::now())
     }
 
