@@ -247,15 +247,6 @@ fn handler_slices_ns() -> Vec<(i32, u64)> {
     out
 }
 
-/// Linux 6.12 or later, where a fair thread may ask for its slice.
-fn kernel_has_custom_slices() -> bool {
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let mut parts = release.trim().split(['.', '-']);
-    let major: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
-    let minor: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
-    (major, minor) >= (6, 12)
-}
-
 /// `handler_slice_us` reaches the kernel for every handler thread (other
 /// tests' handlers, running alongside, keep the kernel's slice), and the
 /// handlers still serve faults with the right pages.
@@ -288,7 +279,7 @@ fn handlers_ask_for_the_configured_slice_and_serve_faults() {
         .into_iter()
         .filter(|&(_, ns)| ns == SLICE_NS)
         .count();
-    if kernel_has_custom_slices() {
+    if rdma_transport::guest_memory::kernel_honours_handler_slice() {
         assert_eq!(ours, 2, "{:?}", handler_slices_ns());
     } else {
         assert_eq!(ours, 0, "a kernel before 6.12 has no custom slices");

@@ -75,6 +75,7 @@ pub use config::{
     HandedOverUffd, SharedFile, SigbusMethod,
 };
 pub use error::GuestMemoryError;
+pub use slice::kernel_honours_handler_slice;
 
 use shared::{Counters, Shared, Writeback, WRITEBACK_BATCH};
 

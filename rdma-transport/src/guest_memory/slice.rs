@@ -16,6 +16,23 @@ use crate::sys::cvt;
 /// `sched_attr` as the kernel's first version of it (48 bytes).
 const SCHED_ATTR_SIZE_VER0: u32 = 48;
 
+/// Whether the running kernel honours
+/// [`super::GuestMemoryConfig::handler_slice_us`]: Linux 6.12 or later,
+/// where a fair thread may ask for its slice (from
+/// `/proc/sys/kernel/osrelease`; `false` when it cannot be read).
+#[must_use]
+pub fn kernel_honours_handler_slice() -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut parts = release.trim().split(['.', '-']);
+    let mut next = || {
+        parts
+            .next()
+            .and_then(|p| p.parse::<u32>().ok())
+            .unwrap_or(0)
+    };
+    (next(), next()) >= (6, 12)
+}
+
 /// Asks for `slice_us` (0: nothing to ask) for the calling handler thread
 /// and logs what came of it: handlers run either way.
 pub(super) fn apply_to_current_thread(slice_us: u64) {
@@ -82,15 +99,6 @@ fn current() -> io::Result<libc::sched_attr> {
 mod tests {
     use super::*;
 
-    /// Linux 6.12 or later (custom slices), from `uname -r`.
-    fn kernel_has_custom_slices() -> bool {
-        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-        let mut parts = release.trim().split(['.', '-']);
-        let major: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
-        let minor: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
-        (major, minor) >= (6, 12)
-    }
-
     #[test]
     fn a_thread_gets_the_slice_it_asks_for_and_keeps_its_nice_value() {
         std::thread::spawn(|| {
@@ -100,7 +108,7 @@ mod tests {
             let now = current().expect("sched_getattr");
             assert_eq!(now.sched_nice, 3, "the nice value was lost");
             assert_eq!(now.sched_policy as libc::c_int, libc::SCHED_OTHER);
-            if kernel_has_custom_slices() {
+            if kernel_honours_handler_slice() {
                 assert!(applied, "a 6.12+ kernel ignored the slice");
                 assert_eq!(now.sched_runtime, 4_000_000);
             } else {
