@@ -195,8 +195,8 @@ pub struct GuestMemoryConfig {
     /// a handler that shares its CPU with the vCPU threads it serves: asked
     /// longer than theirs (the kernel's default is 0.75 ms times 1 +
     /// log2 of the CPUs, at most 3 ms), a vCPU woken by its page preempts
-    /// the handler at once instead of waiting for it to block again (about
-    /// 1 µs per fault here, docs/benchmarking.md). The price: a handler
+    /// the handler at once instead of waiting for it to block again (0.4-1
+    /// µs per fault on the bench host, docs/benchmarking.md). The price: a handler
     /// woken while a busy thread holds its CPU waits longer for it. Older
     /// kernels ignore it (logged), as do real-time handler threads.
     pub handler_slice_us: u64,
