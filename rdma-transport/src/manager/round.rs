@@ -10,6 +10,8 @@
 
 use std::time::Instant;
 
+use smallvec::SmallVec;
+
 use super::epoch::Fenced;
 use super::link::{self, Link};
 use super::map_state::MapState;
@@ -170,35 +172,29 @@ impl Inner {
             }
             let node_index = targets[i].loc.node_index;
             let node = &state.nodes[node_index];
-            let mut reqs = [Request {
-                offset: 0,
-                page: std::ptr::null_mut(),
-                direct: false,
-            }; MAX_CHUNK];
-            let mut members = [0usize; MAX_CHUNK];
-            let mut fenced = [Fenced {
-                gpa: 0,
-                remote_offset: 0,
-                valid_epoch: 0,
-            }; MAX_CHUNK];
-            let mut m = 0;
+            // At most MAX_CHUNK each, so they stay on the stack; unlike
+            // arrays they are not zeroed first (a one-page round fills one
+            // entry, not ~4 KiB).
+            let mut reqs = SmallVec::<[Request; MAX_CHUNK]>::new();
+            let mut members = SmallVec::<[usize; MAX_CHUNK]>::new();
+            let mut fenced = SmallVec::<[Fenced; MAX_CHUNK]>::new();
             for (j, t) in targets.iter().enumerate().skip(i) {
                 if done & (1 << j) == 0 && t.loc.node_index == node_index {
                     done |= 1 << j;
-                    reqs[m] = Request {
+                    reqs.push(Request {
                         offset: t.loc.remote_offset,
                         page: t.page,
                         direct: round.land_direct,
-                    };
-                    members[m] = j;
-                    fenced[m] = Fenced {
+                    });
+                    members.push(j);
+                    fenced.push(Fenced {
                         gpa: t.gpa,
                         remote_offset: t.loc.remote_offset,
                         valid_epoch: t.loc.valid_epoch,
-                    };
-                    m += 1;
+                    });
                 }
             }
+            let m = reqs.len();
             // Nothing goes to a server that is not in the epoch the
             // group's ranges are valid in (see `epoch.rs`).
             let link = self.connection(node, deadline).and_then(|link| {
@@ -238,7 +234,7 @@ impl Inner {
             };
             round.group_count += 1;
             round.group_nodes[group] = node_index;
-            let mut ids = [0u64; MAX_CHUNK];
+            let mut ids = SmallVec::<[u64; MAX_CHUNK]>::from_elem(0, m);
             let result = if round.deferred {
                 conn.submit_deferred(opcode, &reqs[..m], &mut ids, waiter, deadline)
             } else {
