@@ -50,7 +50,7 @@ pub(super) fn apply_to_current_thread(slice_us: u64) {
 }
 
 /// Asks for a slice of `slice_us` µs for the calling thread, keeping its
-/// policy and nice value. Returns `Ok(false)` when the thread is not under
+/// policy, nice value and reset-on-fork flag. Returns `Ok(false)` when the thread is not under
 /// the fair scheduler (a real-time handler is left alone) or the kernel
 /// ignores the request (before 6.12, which keeps the default slice).
 pub(super) fn request_for_current_thread(slice_us: u64) -> io::Result<bool> {
@@ -60,7 +60,9 @@ pub(super) fn request_for_current_thread(slice_us: u64) -> io::Result<bool> {
         return Ok(false);
     }
     attr.sched_runtime = slice_us.saturating_mul(1000);
-    attr.sched_flags = 0;
+    // The only flag `sched_getattr` reports for a fair thread that
+    // `sched_setattr` takes back as it is.
+    attr.sched_flags &= libc::SCHED_FLAG_RESET_ON_FORK as u64;
     // SAFETY: `attr` is a live, initialised sched_attr whose `size` is the
     // size the kernel reads; pid 0 is the calling thread.
     cvt(unsafe { libc::syscall(libc::SYS_sched_setattr, 0, std::ptr::from_ref(&attr), 0) })?;
@@ -104,9 +106,20 @@ mod tests {
         std::thread::spawn(|| {
             // SAFETY: setpriority on the calling thread (who 0).
             assert_eq!(unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 3) }, 0);
+            let mut attr = current().expect("sched_getattr");
+            attr.sched_flags = libc::SCHED_FLAG_RESET_ON_FORK as u64;
+            // SAFETY: as in `request_for_current_thread`.
+            let set =
+                unsafe { libc::syscall(libc::SYS_sched_setattr, 0, std::ptr::from_ref(&attr), 0) };
+            assert_eq!(set, 0, "{}", io::Error::last_os_error());
             let applied = request_for_current_thread(4000).expect("sched_setattr");
             let now = current().expect("sched_getattr");
             assert_eq!(now.sched_nice, 3, "the nice value was lost");
+            assert_eq!(
+                now.sched_flags & libc::SCHED_FLAG_RESET_ON_FORK as u64,
+                libc::SCHED_FLAG_RESET_ON_FORK as u64,
+                "reset-on-fork was lost"
+            );
             assert_eq!(now.sched_policy as libc::c_int, libc::SCHED_OTHER);
             if kernel_honours_handler_slice() {
                 assert!(applied, "a 6.12+ kernel ignored the slice");
