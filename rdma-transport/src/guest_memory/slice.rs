@@ -50,10 +50,11 @@ pub(super) fn apply_to_current_thread(slice_us: u64) {
 }
 
 /// Asks for a slice of `slice_us` µs for the calling thread, keeping its
-/// policy, nice value and reset-on-fork flag. Returns `Ok(false)` when the thread is not under
-/// the fair scheduler (a real-time handler is left alone) or the kernel
-/// ignores the request (before 6.12, which keeps the default slice).
-pub(super) fn request_for_current_thread(slice_us: u64) -> io::Result<bool> {
+/// policy, nice value and reset-on-fork flag. Returns `Ok(false)` when the
+/// thread is not under the fair scheduler (a real-time handler is left
+/// alone) or the kernel ignores the request (before 6.12, which keeps the
+/// default slice).
+fn request_for_current_thread(slice_us: u64) -> io::Result<bool> {
     let mut attr = current()?;
     let policy = attr.sched_policy as libc::c_int;
     if policy != libc::SCHED_OTHER && policy != libc::SCHED_BATCH {
