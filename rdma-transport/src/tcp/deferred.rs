@@ -8,6 +8,8 @@
 use std::io::{self, IoSlice, Write};
 use std::time::{Duration, Instant};
 
+use smallvec::SmallVec;
+
 use super::connection::{Request, TcpConnection};
 use super::inflight::{Waiter, CODE_CONN_LOST};
 use crate::page::PAGE_SIZE;
@@ -85,10 +87,9 @@ impl TcpConnection {
         let _send = self.send_lock.lock();
         let q = &mut *queue;
         let mut result = Ok(());
-        // Sized for what is queued (a lone fault's request: one header),
-        // not for the largest write.
-        let mut iov: Vec<IoSlice<'_>> =
-            Vec::with_capacity((2 * q.headers.len()).min(IOVECS_PER_WRITE));
+        // On the stack for a few requests (a lone fault's: one header); a
+        // long flush grows it up to one write's worth.
+        let mut iov = SmallVec::<[IoSlice<'_>; 8]>::new();
         for (header, payload) in q.headers.iter().zip(&q.payloads) {
             iov.push(IoSlice::new(header));
             if !payload.0.is_null() {
