@@ -4,15 +4,11 @@
 
 use std::net::TcpStream;
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::conns::{Connections, Recorded};
 use crate::limits::Timeouts;
 use crate::stats::{CloseReason, Counters, ServerStats};
-use rdma_transport::log_limit::LogLimit;
-
-/// How often each kind of refusal may be logged.
-const LOG_INTERVAL: Duration = Duration::from_secs(10);
+use rdma_transport::log_limit::{LogLimit, WARN_INTERVAL};
 
 /// The server's connection limits, shared by the acceptor and every
 /// connection thread.
@@ -38,9 +34,9 @@ impl Admission {
             max_connections,
             max_pending,
             counters: Counters::default(),
-            evict_log: LogLimit::new(LOG_INTERVAL),
-            full_log: LogLimit::new(LOG_INTERVAL),
-            accept_log: LogLimit::new(LOG_INTERVAL),
+            evict_log: LogLimit::new(WARN_INTERVAL),
+            full_log: LogLimit::new(WARN_INTERVAL),
+            accept_log: LogLimit::new(WARN_INTERVAL),
         }
     }
 

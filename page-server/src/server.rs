@@ -147,9 +147,9 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             sums: PageSums::new(memory_bytes, !rdma_enabled && config.page_checksums),
             coherence: CoherenceHome::default(),
             metrics: PageMetrics::new(),
-            damage_log: rdma_transport::log_limit::LogLimit::new(std::time::Duration::from_secs(
-                10,
-            )),
+            damage_log: rdma_transport::log_limit::LogLimit::new(
+                rdma_transport::log_limit::WARN_INTERVAL,
+            ),
         },
         stop: AtomicBool::new(false),
         admission: Arc::new(Admission::new(

@@ -4,6 +4,10 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+/// The interval of the rate-limited warnings of the library and the
+/// page-server: at most one line per kind this often.
+pub const WARN_INTERVAL: Duration = Duration::from_secs(10);
+
 /// Lets one caller log per `interval`; counts the events not logged.
 #[derive(Debug)]
 pub struct LogLimit {

@@ -16,7 +16,7 @@ use super::inflight::{Inflight, Waiter};
 use super::poller::PollerHandle;
 use super::receive::RecvBuf;
 use crate::auth::{ClusterKey, Role, Transcript};
-use crate::log_limit::LogLimit;
+use crate::log_limit::{LogLimit, WARN_INTERVAL};
 use crate::page::{Page, PAGE_SIZE};
 use crate::parking::Parking;
 use crate::sys::cvt;
@@ -27,10 +27,6 @@ use crate::wire::{
 
 /// Requests one call writes with one `writev` at most.
 pub(crate) const MAX_CHUNK: usize = 64;
-
-/// At most one warning per connection this often for READ answers that
-/// fail their checksum (each failure still fails its request).
-const CHECKSUM_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Why a connection could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -84,8 +80,9 @@ pub(crate) struct TcpConnection {
     /// Pages read from the socket straight into their destination (no copy
     /// out of the receive buffer): `receive.rs`.
     pub(crate) landed_pages: Arc<AtomicU64>,
-    /// READ answers that fail their page checksum are logged at most this
-    /// often: a damaged link or a forger must not flood the VMM's log.
+    /// READ answers that fail their page checksum are logged at most once
+    /// per `WARN_INTERVAL` (each still fails its request): a damaged link
+    /// or a forger must not flood the VMM's log.
     pub(crate) checksum_log: LogLimit,
 }
 
@@ -140,7 +137,7 @@ impl TcpConnection {
             broken: AtomicBool::new(false),
             ack,
             landed_pages: auth.landed_pages.map_or_else(Arc::default, Arc::clone),
-            checksum_log: LogLimit::new(CHECKSUM_LOG_INTERVAL),
+            checksum_log: LogLimit::new(WARN_INTERVAL),
         })
     }
 
