@@ -323,9 +323,6 @@ fn run() -> anyhow::Result<()> {
     if args.api != workload::Api::Copy && args.op == Some(Op::Fault) {
         bail!("--api applies to --op read and write");
     }
-    if args.api == workload::Api::Async && args.register_buffers {
-        bail!("--api async moves pages in buffers it hands to the queue: --register-buffers applies to --api copy");
-    }
     if args.api == workload::Api::Async && args.fail_node_after_ms.is_some() {
         bail!("--fail-node-after-ms measures the blocking API: use --api copy");
     }

@@ -75,6 +75,11 @@ pub fn set_register_buffers(on: bool) {
     REGISTER_BUFFERS.store(on, Ordering::Relaxed);
 }
 
+/// Whether worker threads register their page buffers.
+pub fn register_buffers() -> bool {
+    REGISTER_BUFFERS.load(Ordering::Relaxed)
+}
+
 /// What to run.
 #[derive(Debug, Clone, Copy)]
 pub struct Spec {
@@ -409,7 +414,7 @@ fn thread_loop(ctx: &ThreadCtx<'_>, ops: u64, thread: usize, seed: u64) -> (Outc
     let mut idx = vec![0usize; spec.depth];
     let (mut done, mut errors, mut bad, mut checked) = (0u64, 0u64, 0u64, 0u64);
     let mut first_error = None;
-    let _registered = if REGISTER_BUFFERS.load(Ordering::Relaxed) {
+    let _registered = if register_buffers() {
         // SAFETY: `pages` is neither moved nor resized for the rest of this
         // function and outlives the handle (declared after it, so dropped
         // first); the loop reads and writes it only between calls, each of

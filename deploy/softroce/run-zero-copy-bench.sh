@@ -4,14 +4,17 @@
 # completion: per-operation time = 1 / message rate) and `ib_read_bw -t 16`,
 # then the bench with registered buffers (`--register-buffers`: READs land
 # in the caller's buffer, WRITEs go out of it, no pool frame) and without
-# (the bounce through a pool frame), one in flight and at depth 16.
+# (the bounce through a pool frame), one in flight and at depth 16 (batches
+# of 16 with the blocking API), and with registered buffers at depth 16 on
+# the asynchronous API (`--api async`: 16 one-page READs kept in flight, a
+# new one posted as each completes, as `ib_read_bw -t 16` does).
 #
 #   deploy/softroce/run-zero-copy-bench.sh [--rounds N] [--ops N] [run-in-vm.sh OPTIONS]
 #
 # Prints per round, then the medians of the per-round ratios and the
 # best-of ratios (best of ours over best of perftest's):
 #   READ p50 / ib_read_lat t_typical, WRITE mean / ib_write_bw per-op time,
-#   depth-16 READ pages/s / ib_read_bw -t 16 msg/s.
+#   depth-16 READ pages/s (zc, bounce, async) / ib_read_bw -t 16 msg/s.
 # Every bench run checks every page it moves; a run that is not verified
 # fails the script. Builds the bench (release, baseline x86-64) first.
 # shellcheck source-path=SCRIPTDIR
@@ -74,7 +77,8 @@ VMEOF
         printf 'bw ib_read_bw 16 %s\n' "$((18701 + 2 * r))"
         for run in "zc$r|--register-buffers --ops $ops" "bounce$r|--ops $ops" \
             "zc16_$r|--register-buffers --op read --depth 16 --ops $((ops * 4))" \
-            "bounce16_$r|--op read --depth 16 --ops $((ops * 4))"; do
+            "bounce16_$r|--op read --depth 16 --ops $((ops * 4))" \
+            "async16_$r|--register-buffers --api async --op read --depth 16 --ops $((ops * 4))"; do
             name="${run%%|*}"
             printf 'if %s --transport rdma --memory 16MiB --json /tmp/%s.json %s 2>/tmp/%s.err; then\n' "$b" "$name" "${run#*|}" "$name"
             printf '    grep -a "^zero-copy" /tmp/%s.err | sed "s/^/ZC %s /"\n' "$name" "$name"
@@ -115,7 +119,7 @@ if grep -aq '^VMIDLE halt' "$out" && ! grep -aq '^VMCLOCK .* kernel 6\.1\.' "$ou
     # rxe runs requests in kworkers there: see docs/softroce.md.
     echo "note: idle vCPUs halt in this boot; for latency ratios against perftest boot with SOFTROCE_KERNEL_ARGS=idle=poll (docs/softroce.md)"
 fi
-printf '%-6s | %-28s | %-30s | %-28s\n' round "READ p50 us zc/bounce/perf" "WRITE mean us zc/bounce/perf" "depth16 pages/s zc/bounce/perf"
+printf '%-6s | %-28s | %-30s | %-34s\n' round "READ p50 us zc/bounce/perf" "WRITE mean us zc/bounce/perf" "depth16 pages/s zc/bounce/async/perf"
 declare -A all=()
 for ((r = 1; r <= rounds; r++)); do
     perf="$(grep '^PERFTEST ib_read_lat .*t_typical_us=' "$out" | sed -n "${r}p")"
@@ -136,11 +140,17 @@ for ((r = 1; r <= rounds; r++)); do
         all[$side.write.$r]="$(fmt1 "$(json mean "$rec_w")")"
         all[$side.d16.$r]="$(awk -v v="$(json pages_per_s "$rec_d")" 'BEGIN { printf "%.0f", v }')"
     done
+    rec_a="$(record "async16_$r" read)"
+    if [[ -z "$rec_a" || "$(json verified "$rec_a")" != true || "$(json transport "$rec_a")" != rdma || "$(json api "$rec_a")" != async ]]; then
+        echo "round $r async: the depth-16 run is missing or not verified"
+        failed=1
+    fi
+    all[async.d16.$r]="$(awk -v v="$(json pages_per_s "$rec_a")" 'BEGIN { printf "%.0f", v }')"
     all[perf.read.$r]="$p_read" all[perf.write.$r]="$p_write" all[perf.d16.$r]="$p_bw"
-    printf '%-6s | %-28s | %-30s | %-28s\n' "$r" \
+    printf '%-6s | %-28s | %-30s | %-34s\n' "$r" \
         "${all[zc.read.$r]}/${all[bounce.read.$r]}/$p_read" \
         "${all[zc.write.$r]}/${all[bounce.write.$r]}/$p_write" \
-        "${all[zc.d16.$r]}/${all[bounce.d16.$r]}/$p_bw"
+        "${all[zc.d16.$r]}/${all[bounce.d16.$r]}/${all[async.d16.$r]}/$p_bw"
 done
 summary() { # summary KIND SIDE: median of per-round ratios, and best-of
     local kind="$1" side="$2" ratios="" ours="" theirs=""
@@ -161,6 +171,7 @@ for kind in read write d16; do
         summary "$kind" "$side"
     done
 done
+summary d16 async
 grep '^ZC ' "$out" | sed 's/^ZC /bench /' || true
 ((rc == 0)) || exit "$rc"
 exit "$failed"
