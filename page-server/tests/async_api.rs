@@ -362,3 +362,58 @@ fn more_requests_than_a_connection_has_slots_go_out_before_the_first_reap() {
         assert!(one == page_for(gpa, 9), "written page {gpa:#x} differs");
     }
 }
+
+#[test]
+fn a_submission_after_a_failed_or_a_large_one_starts_clean() {
+    // A queue reuses the batches of delivered submissions: nothing of one
+    // (its error, its buffer, its addresses) may carry over to the next.
+    let (_db, coord, _a, _b) = cluster();
+    let mgr = manager(&coord.url());
+    let total = 2 * (NODE_BYTES / PAGE_SIZE) as u64;
+    let gpas: Vec<u64> = (0..total).map(|i| i * PAGE_SIZE as u64).collect();
+    fill(&mgr, &gpas, 9);
+    let queue = mgr.completion_queue(Reap::Poll).unwrap();
+    let pick = |from: u64, step: u64, n: usize| -> Vec<u64> {
+        (0..n as u64)
+            .map(|i| gpas[((from + i * step) % total) as usize])
+            .collect()
+    };
+    let mut done = Vec::new();
+    for round in 0..40u64 {
+        let sizes = [1usize, 3, 70, 600];
+        // A batch whose last address is unaligned completes with that error.
+        let n = sizes[round as usize % 4];
+        let mut bad = pick(round * 13, 7, n);
+        bad[n - 1] += 1;
+        queue.submit_read(&bad, zeroed(n), 2 * round).unwrap();
+        // Then one of another size, which must not inherit anything.
+        let m = sizes[3 - round as usize % 4];
+        let good = pick(round * 31, 5, m);
+        queue.submit_read(&good, zeroed(m), 2 * round + 1).unwrap();
+        done.clear();
+        while done.len() < 2 {
+            let before = done.len();
+            queue.wait(&mut done, 2, Duration::from_secs(5));
+            assert!(done.len() > before, "round {round}: stuck");
+        }
+        done.sort_by_key(|c| c.user_data);
+        assert_eq!(done[0].user_data, 2 * round);
+        assert!(
+            matches!(done[0].result, Err(TransportError::Unaligned { gpa }) if gpa == bad[n - 1]),
+            "round {round}: {:?}",
+            done[0].result
+        );
+        assert_eq!(done[0].pages.as_ref().map(|p| p.len()), Some(n));
+        assert_eq!(done[1].user_data, 2 * round + 1);
+        assert!(
+            done[1].result.is_ok(),
+            "round {round}: {:?}",
+            done[1].result
+        );
+        let pages = done[1].pages.as_ref().expect("the buffer comes back");
+        assert_eq!(pages.len(), m);
+        for (page, &gpa) in pages.iter().zip(&good) {
+            assert!(*page == page_for(gpa, 9), "round {round}: page {gpa:#x}");
+        }
+    }
+}

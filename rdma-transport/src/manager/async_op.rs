@@ -29,10 +29,13 @@ use crate::wire::Opcode;
 /// Lanes (windows in flight) per submission.
 pub(super) const LANES: usize = 8;
 
-/// What every lane of one submission shares.
+/// What every lane of one submission shares. A queue keeps the batches
+/// of delivered submissions for its next ones (`Stepper::spare`): a
+/// submission then allocates nothing, neither the batch nor its address
+/// list.
 pub(super) struct Batch {
     pub(super) opcode: Opcode,
-    pub(super) gpas: Box<[u64]>,
+    pub(super) gpas: Vec<u64>,
     /// Page i is at `pages + i * PAGE_SIZE` (the caller's, or `owned`'s).
     pub(super) pages: *mut u8,
     pub(super) owned: Mutex<Option<Box<[Page]>>>,
@@ -44,30 +47,63 @@ pub(super) struct Batch {
 
 // SAFETY: `pages` points at memory the submitter lent for the whole
 // submission (`submit_*`'s contract) or at `owned`; lanes write disjoint
-// pages of it, each from one thread at a time.
+// pages of it, each from one thread at a time. A spare batch's `pages` is
+// never used before `fill` sets it again.
 unsafe impl Send for Batch {}
 // SAFETY: as above; every other field is `Sync`.
 unsafe impl Sync for Batch {}
 
+/// Longest address list a spare batch keeps its room for: a batch that
+/// carried more gives it back when it is delivered.
+const SPARE_GPAS: usize = 8 * MAX_CHUNK;
+
 impl Batch {
-    pub(super) fn new(
+    /// A batch with no submission yet (see `fill`).
+    pub(super) fn empty() -> Self {
+        Self {
+            opcode: Opcode::Read,
+            gpas: Vec::new(),
+            pages: std::ptr::null_mut(),
+            owned: Mutex::new(None),
+            user_data: 0,
+            next_window: AtomicUsize::new(0),
+            windows_left: AtomicUsize::new(0),
+            first_error: Mutex::new(None),
+        }
+    }
+
+    /// Makes this batch, which nobody shares, the submission of `gpas`.
+    pub(super) fn fill(
+        &mut self,
         opcode: Opcode,
-        gpas: Box<[u64]>,
+        gpas: &[u64],
         pages: *mut u8,
         owned: Option<Box<[Page]>>,
         user_data: u64,
-    ) -> Self {
-        let windows = gpas.len().div_ceil(MAX_CHUNK);
-        Self {
-            opcode,
-            gpas,
-            pages,
-            owned: Mutex::new(owned),
-            user_data,
-            next_window: AtomicUsize::new(0),
-            windows_left: AtomicUsize::new(windows),
-            first_error: Mutex::new(None),
+    ) {
+        self.opcode = opcode;
+        self.gpas.clear();
+        self.gpas.extend_from_slice(gpas);
+        self.pages = pages;
+        *self.owned.get_mut() = owned;
+        self.user_data = user_data;
+        *self.next_window.get_mut() = 0;
+        *self.windows_left.get_mut() = gpas.len().div_ceil(MAX_CHUNK);
+        *self.first_error.get_mut() = None;
+    }
+
+    /// Forgets the delivered submission (its buffer and error were taken)
+    /// so that the batch can carry the next; false when it should rather
+    /// be freed (its address list was long).
+    pub(super) fn clear_for_reuse(&mut self) -> bool {
+        if self.gpas.capacity() > SPARE_GPAS {
+            return false;
         }
+        self.gpas.clear();
+        self.pages = std::ptr::null_mut();
+        *self.owned.get_mut() = None;
+        *self.first_error.get_mut() = None;
+        true
     }
 
     /// How many lanes the submission needs.

@@ -10,6 +10,7 @@
 //! settles it under `stepper`, puts its next window on the wire, and
 //! delivers the submission's completion after its last window.
 
+use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -19,7 +20,6 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::SegQueue;
 use parking_lot::{Condvar, Mutex};
 
-use super::async_op::Batch;
 use super::Inner;
 use crate::error::TransportError;
 use crate::page::Page;
@@ -104,14 +104,15 @@ impl Inner {
             inner: Arc::clone(self),
             mode,
             ready: SegQueue::new(),
-            done: SegQueue::new(),
+            done: Mutex::new(VecDeque::new()),
             stepper: Mutex::new(Stepper {
                 lanes: Vec::new(),
                 free: Vec::new(),
                 active: Vec::new(),
                 requests: 0,
-                waiting: std::collections::VecDeque::new(),
+                waiting: VecDeque::new(),
                 seen: Vec::new(),
+                spare: Vec::new(),
             }),
             in_flight: AtomicUsize::new(0),
             fallbacks: Mutex::new(0),
@@ -182,7 +183,7 @@ impl CompletionQueue {
         super::check_lengths(gpas.len(), pages.len())?;
         let ptr = pages.as_mut_ptr().cast::<u8>();
         self.shared
-            .submit(Batch::new(opcode, gpas.into(), ptr, Some(pages), user_data))
+            .submit(opcode, gpas, ptr, Some(pages), user_data)
     }
 
     /// Reads the pages at `gpas` into memory the caller keeps (e.g. guest
@@ -206,13 +207,8 @@ impl CompletionQueue {
         pages: *mut Page,
         user_data: u64,
     ) -> Result<(), TransportError> {
-        self.shared.submit(Batch::new(
-            Opcode::Read,
-            gpas.into(),
-            pages.cast(),
-            None,
-            user_data,
-        ))
+        self.shared
+            .submit(Opcode::Read, gpas, pages.cast(), None, user_data)
     }
 
     /// Writes the pages at `pages` (kept by the caller) to `gpas`.
@@ -230,13 +226,13 @@ impl CompletionQueue {
         pages: *const Page,
         user_data: u64,
     ) -> Result<(), TransportError> {
-        self.shared.submit(Batch::new(
+        self.shared.submit(
             Opcode::Write,
-            gpas.into(),
+            gpas,
             pages.cast::<u8>().cast_mut(),
             None,
             user_data,
-        ))
+        )
     }
 
     /// Moves whatever is ready on (writes what was submitted since the

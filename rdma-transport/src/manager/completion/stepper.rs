@@ -3,6 +3,7 @@
 //! (and lanes waiting for room) on the wire, deliver completions; plus the
 //! queue's own thread (`service`).
 
+use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -16,7 +17,9 @@ use super::{Completion, CompletionCallback};
 use crate::error::TransportError;
 use crate::manager::async_op::{Batch, Lane, Next, Phase};
 use crate::manager::Inner;
+use crate::page::Page;
 use crate::tcp::{ReadyHook, Waiter};
+use crate::wire::Opcode;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Mode {
@@ -29,7 +32,9 @@ pub(super) struct Shared {
     pub(super) inner: Arc<Inner>,
     pub(super) mode: Mode,
     pub(super) ready: SegQueue<(usize, u64)>,
-    pub(super) done: SegQueue<Completion>,
+    /// Delivered completions, to be reaped. (A `SegQueue` here allocated
+    /// a block every 31 completions.)
+    pub(super) done: Mutex<VecDeque<Completion>>,
     pub(super) stepper: Mutex<Stepper>,
     /// Submissions not yet delivered.
     pub(super) in_flight: AtomicUsize,
@@ -68,10 +73,17 @@ pub(super) struct Stepper {
     /// Requests of the active lanes (at most `MAX_REQUESTS`).
     pub(super) requests: usize,
     /// Lanes with a submission that wait for room under `MAX_REQUESTS`.
-    pub(super) waiting: std::collections::VecDeque<usize>,
+    pub(super) waiting: VecDeque<usize>,
     /// Scratch: connections read in this step.
     pub(super) seen: Vec<usize>,
+    /// Batches of delivered submissions, for the next ones (at most
+    /// `SPARE_BATCHES`; none of them shared).
+    pub(super) spare: Vec<Arc<Batch>>,
 }
+
+/// Spare batches a queue keeps: as many as submissions a thread
+/// typically keeps in flight.
+const SPARE_BATCHES: usize = 64;
 
 /// Requests one queue keeps on the wire at most: half a connection's
 /// request table. Its requests hold their slots until the queue is
@@ -236,10 +248,16 @@ impl Shared {
             }
             Next::Fallback => self.start_fallback(st, token),
             Next::Idle(complete) => {
-                if let Some(batch) = complete {
-                    self.deliver(&batch);
-                }
                 st.lanes[token].batch = None;
+                if let Some(mut batch) = complete {
+                    self.deliver(&batch);
+                    // Unshared unless a fallback job still holds it.
+                    if st.spare.len() < SPARE_BATCHES
+                        && Arc::get_mut(&mut batch).is_some_and(Batch::clear_for_reuse)
+                    {
+                        st.spare.push(batch);
+                    }
+                }
                 st.free.push(token);
             }
         }
@@ -255,7 +273,7 @@ impl Shared {
             result,
             pages: batch.owned.lock().take(),
         };
-        self.done.push(completion);
+        self.done.lock().push_back(completion);
         self.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 
@@ -295,15 +313,31 @@ impl Shared {
         }
     }
 
-    pub(super) fn submit(self: &Arc<Self>, batch: Batch) -> Result<(), TransportError> {
-        if batch.gpas.is_empty() {
+    pub(super) fn submit(
+        self: &Arc<Self>,
+        opcode: Opcode,
+        gpas: &[u64],
+        pages: *mut u8,
+        owned: Option<Box<[Page]>>,
+        user_data: u64,
+    ) -> Result<(), TransportError> {
+        if gpas.is_empty() {
             return Err(TransportError::Config(
                 "a submission needs at least one page".into(),
             ));
         }
-        let batch = Arc::new(batch);
         self.in_flight.fetch_add(1, Ordering::AcqRel);
         let mut st = self.stepper.lock();
+        let mut batch = st.spare.pop().unwrap_or_else(|| Arc::new(Batch::empty()));
+        match Arc::get_mut(&mut batch) {
+            Some(b) => b.fill(opcode, gpas, pages, owned, user_data),
+            // Spare batches are never shared: not reached.
+            None => {
+                let mut b = Batch::empty();
+                b.fill(opcode, gpas, pages, owned, user_data);
+                batch = Arc::new(b);
+            }
+        }
         for _ in 0..batch.lanes() {
             let token = match st.free.pop() {
                 Some(t) => t,
@@ -333,11 +367,9 @@ impl Shared {
     }
 
     pub(super) fn take_done(&self, out: &mut Vec<Completion>) -> usize {
-        let mut n = 0;
-        while let Some(c) = self.done.pop() {
-            out.push(c);
-            n += 1;
-        }
+        let mut done = self.done.lock();
+        let n = done.len();
+        out.extend(done.drain(..));
         n
     }
 }
