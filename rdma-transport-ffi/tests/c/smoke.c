@@ -8,13 +8,18 @@
  * checks them, and exercises page I/O (single, batched, into pool frames),
  * every manager option, statistics, error codes and error strings.
  * Prints "c smoke: ok" and exits 0 on success. */
+#define _GNU_SOURCE /* syscall(2) */
 #include "rdma_transport.h"
 
+#include <dirent.h>
 #include <inttypes.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <sys/utsname.h>
+#include <unistd.h>
 
 #define PAGE 4096u
 
@@ -60,6 +65,48 @@ static size_t read_key(const char *path, uint8_t *key, size_t capacity) {
   while (n < capacity && fscanf(f, "%2x", &byte) == 1) key[n++] = (uint8_t)byte;
   fclose(f);
   return n;
+}
+
+/* `struct sched_attr` of <linux/sched/types.h> (48 bytes, SCHED_ATTR_SIZE_VER1). */
+struct slice_attr {
+  uint32_t size, sched_policy;
+  uint64_t sched_flags;
+  int32_t sched_nice;
+  uint32_t sched_priority;
+  uint64_t sched_runtime, sched_deadline, sched_period;
+  uint32_t util_min, util_max;
+};
+
+/* Handler threads of this process (named "uffd-handler*") whose scheduler
+ * slice (sched_runtime) is `ns`. */
+static int handlers_with_slice(uint64_t ns) {
+  int found = 0;
+  DIR *tasks = opendir("/proc/self/task");
+  if (tasks == NULL) return -1;
+  struct dirent *e;
+  while ((e = readdir(tasks)) != NULL) {
+    if (e->d_name[0] == '.') continue;
+    char path[300], comm[32] = {0};
+    snprintf(path, sizeof path, "/proc/self/task/%s/comm", e->d_name);
+    FILE *f = fopen(path, "r");
+    if (f == NULL) continue;
+    if (fgets(comm, sizeof comm, f) == NULL) comm[0] = 0;
+    fclose(f);
+    if (strncmp(comm, "uffd-handler", 12) != 0) continue;
+    struct slice_attr attr = {0};
+    if (syscall(SYS_sched_getattr, atoi(e->d_name), &attr, 48u, 0u) == 0 && attr.sched_runtime == ns)
+      found++;
+  }
+  closedir(tasks);
+  return found;
+}
+
+/* Linux 6.12 or later: sched_runtime sets a fair thread's slice. */
+static int kernel_has_custom_slices(void) {
+  struct utsname u;
+  int major = 0, minor = 0;
+  if (uname(&u) != 0 || sscanf(u.release, "%d.%d", &major, &minor) != 2) return 0;
+  return major > 6 || (major == 6 && minor >= 12);
 }
 
 int main(int argc, char **argv) {
@@ -252,6 +299,9 @@ int main(int argc, char **argv) {
   gc.gpa_base = 0;
   gc.size_bytes = size;
   gc.pin_handlers = 0;
+  EXPECT(gc.handler_slice_us == 0);
+  /* Handlers that ask for a 4.321 ms slice (found below by that value). */
+  gc.handler_slice_us = 4321;
   RtGuestMemory *g = NULL;
   gc.fault_mode = 7;
   EXPECT(rt_guest_memory_create(m, &gc, &g) == RT_STATUS_INVALID_ARGUMENT && g == NULL);
@@ -263,6 +313,7 @@ int main(int argc, char **argv) {
   EXPECT(rt_guest_memory_size(g) == size);
   volatile uint64_t *ram = (volatile uint64_t *)rt_guest_memory_host_addr(g);
   EXPECT(ram != NULL);
+  EXPECT(handlers_with_slice(4321000) == (kernel_has_custom_slices() ? (int)gc.handler_threads : 0));
 
   for (uint64_t p = 0; p < pages; p++)
     for (uint64_t i = 0; i < PAGE / 8; i++) ram[p * (PAGE / 8) + i] = word(p, i);
@@ -304,6 +355,7 @@ int main(int argc, char **argv) {
   EXPECT(rt_guest_memory_stats(g, &bad_g) == RT_STATUS_STRUCT_SIZE);
 
   rt_guest_memory_destroy(g);
+  EXPECT(handlers_with_slice(4321000) == 0);
   /* The region's page I/O went through the manager, and with its handler
    * threads stopped every frame it fetched into is back in the pool. */
   RtManagerStats s4 = stats_of(m);
