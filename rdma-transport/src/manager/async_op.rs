@@ -55,7 +55,7 @@ unsafe impl Sync for Batch {}
 
 /// Longest address list a spare batch keeps its room for: a batch that
 /// carried more gives it back when it is delivered.
-const SPARE_GPAS: usize = 8 * MAX_CHUNK;
+pub(super) const SPARE_GPAS: usize = 8 * MAX_CHUNK;
 
 impl Batch {
     /// A batch with no submission yet (see `fill`).

@@ -15,7 +15,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::{Completion, CompletionCallback};
 use crate::error::TransportError;
-use crate::manager::async_op::{Batch, Lane, Next, Phase};
+use crate::manager::async_op::{Batch, Lane, Next, Phase, SPARE_GPAS};
 use crate::manager::Inner;
 use crate::page::Page;
 use crate::tcp::{ReadyHook, Waiter};
@@ -318,7 +318,7 @@ impl Shared {
         opcode: Opcode,
         gpas: &[u64],
         pages: *mut u8,
-        owned: Option<Box<[Page]>>,
+        mut owned: Option<Box<[Page]>>,
         user_data: u64,
     ) -> Result<(), TransportError> {
         if gpas.is_empty() {
@@ -327,17 +327,29 @@ impl Shared {
             ));
         }
         self.in_flight.fetch_add(1, Ordering::AcqRel);
+        let fresh = |owned| {
+            let mut b = Batch::empty();
+            b.fill(opcode, gpas, pages, owned, user_data);
+            Arc::new(b)
+        };
+        // A long address list is copied before taking the lock (and its
+        // batch is not kept for reuse, see `Batch::clear_for_reuse`).
+        let long = (gpas.len() > SPARE_GPAS).then(|| fresh(owned.take()));
         let mut st = self.stepper.lock();
-        let mut batch = st.spare.pop().unwrap_or_else(|| Arc::new(Batch::empty()));
-        match Arc::get_mut(&mut batch) {
-            Some(b) => b.fill(opcode, gpas, pages, owned, user_data),
-            // Spare batches are never shared: not reached.
-            None => {
-                let mut b = Batch::empty();
-                b.fill(opcode, gpas, pages, owned, user_data);
-                batch = Arc::new(b);
-            }
-        }
+        let batch = match long {
+            Some(batch) => batch,
+            None => match st.spare.pop() {
+                Some(mut batch) => match Arc::get_mut(&mut batch) {
+                    Some(b) => {
+                        b.fill(opcode, gpas, pages, owned, user_data);
+                        batch
+                    }
+                    // Spare batches are never shared: not reached.
+                    None => fresh(owned),
+                },
+                None => fresh(owned),
+            },
+        };
         for _ in 0..batch.lanes() {
             let token = match st.free.pop() {
                 Some(t) => t,
