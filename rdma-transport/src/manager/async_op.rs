@@ -92,18 +92,11 @@ impl Batch {
         *self.first_error.get_mut() = None;
     }
 
-    /// Forgets the delivered submission (its buffer and error were taken)
-    /// so that the batch can carry the next; false when it should rather
-    /// be freed (its address list was long).
-    pub(super) fn clear_for_reuse(&mut self) -> bool {
-        if self.gpas.capacity() > SPARE_GPAS {
-            return false;
-        }
-        self.gpas.clear();
-        self.pages = std::ptr::null_mut();
-        *self.owned.get_mut() = None;
-        *self.first_error.get_mut() = None;
-        true
+    /// Whether this delivered batch is worth keeping for the next
+    /// submission (`fill` resets all of it): not when its address list
+    /// was long.
+    pub(super) fn worth_keeping(&self) -> bool {
+        self.gpas.capacity() <= SPARE_GPAS
     }
 
     /// How many lanes the submission needs.

@@ -253,7 +253,7 @@ impl Shared {
                     self.deliver(&batch);
                     // Unshared unless a fallback job still holds it.
                     if st.spare.len() < SPARE_BATCHES
-                        && Arc::get_mut(&mut batch).is_some_and(Batch::clear_for_reuse)
+                        && Arc::get_mut(&mut batch).is_some_and(|b| b.worth_keeping())
                     {
                         st.spare.push(batch);
                     }
@@ -333,22 +333,20 @@ impl Shared {
             Arc::new(b)
         };
         // A long address list is copied before taking the lock (and its
-        // batch is not kept for reuse, see `Batch::clear_for_reuse`).
+        // batch is not kept for reuse, see `Batch::worth_keeping`).
         let long = (gpas.len() > SPARE_GPAS).then(|| fresh(owned.take()));
         let mut st = self.stepper.lock();
         let batch = match long {
             Some(batch) => batch,
-            None => match st.spare.pop() {
-                Some(mut batch) => match Arc::get_mut(&mut batch) {
-                    Some(b) => {
-                        b.fill(opcode, gpas, pages, owned, user_data);
-                        batch
-                    }
-                    // Spare batches are never shared: not reached.
-                    None => fresh(owned),
-                },
-                None => fresh(owned),
-            },
+            // A spare batch is never shared: `get_mut` finds it unique.
+            None => st
+                .spare
+                .pop()
+                .and_then(|mut batch| {
+                    Arc::get_mut(&mut batch)?.fill(opcode, gpas, pages, owned.take(), user_data);
+                    Some(batch)
+                })
+                .unwrap_or_else(|| fresh(owned.take())),
         };
         for _ in 0..batch.lanes() {
             let token = match st.free.pop() {
