@@ -144,24 +144,23 @@ impl CoherentMemory {
             retry_interval: std::time::Duration::from_millis(config.retry_interval_ms.max(1)),
         });
         let slice_us = config.handler_slice_us;
+        let (placed, all_placed) = std::sync::mpsc::channel();
         for i in 0..config.handler_threads {
             let cpu = (!cpus.is_empty()).then(|| cpus[i % cpus.len()]);
             let faults = Arc::clone(&faults);
             let name = format!("coherent-uffd-{i}");
+            let placed = placed.clone();
             let handle = std::thread::Builder::new()
                 .name(name.clone())
                 .spawn(move || {
-                    if let Some(id) = cpu {
-                        if !core_affinity::set_for_current(core_affinity::CoreId { id }) {
-                            tracing::warn!(cpu = id, "cannot pin coherent fault handler");
-                        }
-                    }
-                    super::slice::apply_to_current_thread(slice_us);
+                    super::placement::place_current_thread(cpu, slice_us, placed);
                     faults.run();
                 })
                 .map_err(|source| GuestMemoryError::Thread { name, source })?;
             memory.threads.push(handle);
         }
+        drop(placed);
+        super::placement::wait_placed(all_placed, config.handler_threads);
         tracing::debug!(
             gpa_base = memory.gpa_base(),
             pages = memory.copies.region.pages(),

@@ -52,6 +52,7 @@ mod error;
 mod file;
 mod handler;
 mod install;
+mod placement;
 mod prefetch;
 mod region;
 mod shared;
@@ -206,6 +207,7 @@ impl GuestMemory {
             threads: Vec::new(),
         };
         let cpus = handler_cpus(&shared.config);
+        let (placed, all_placed) = std::sync::mpsc::channel();
         for i in 0..shared.config.handler_threads {
             let cpu = (!cpus.is_empty()).then(|| cpus[i % cpus.len()]);
             let thread_shared = Arc::clone(&shared);
@@ -215,16 +217,15 @@ impl GuestMemory {
                 .map_err(|err| {
                     GuestMemoryError::Config(format!("cannot make a fault handler's queue: {err}"))
                 })?;
+            let placed = placed.clone();
             memory.spawn(format!("uffd-handler-{i}"), move || {
-                if let Some(id) = cpu {
-                    if !core_affinity::set_for_current(core_affinity::CoreId { id }) {
-                        tracing::warn!(cpu = id, "cannot pin fault handler");
-                    }
-                }
-                slice::apply_to_current_thread(thread_shared.config.handler_slice_us);
+                let slice_us = thread_shared.config.handler_slice_us;
+                placement::place_current_thread(cpu, slice_us, placed);
                 handler::run(&thread_shared, queue);
             })?;
         }
+        drop(placed);
+        placement::wait_placed(all_placed, shared.config.handler_threads);
         if shared.config.prefetch_max_pages > 0 {
             // With the first handler: it runs while the vCPUs it serves
             // wait, and stays off the transport pollers' CPUs.
