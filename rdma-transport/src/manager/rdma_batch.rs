@@ -31,6 +31,10 @@ pub(super) struct RdmaChunk {
     pub(super) conns: [Option<Arc<RdmaConnection>>; MAX_CHUNK],
     ids: [Option<u64>; MAX_CHUNK],
     pub(super) groups: usize,
+    /// One past the highest request index submitted: `frames`, `dst` and
+    /// `group_of` hold nothing beyond it, so settling and dropping look no
+    /// further.
+    requests: usize,
     /// Requests posted straight on the caller's (registered) page.
     direct_reqs: u64,
     /// Groups with at least one such request (drained when they fail).
@@ -49,6 +53,7 @@ impl RdmaChunk {
             conns: [const { None }; MAX_CHUNK],
             ids: [None; MAX_CHUNK],
             groups: 0,
+            requests: 0,
             direct_reqs: 0,
             direct_groups: 0,
             regions: None,
@@ -64,6 +69,7 @@ impl RdmaChunk {
             *c = None;
         }
         self.groups = 0;
+        self.requests = 0;
         self.direct_reqs = 0;
         self.direct_groups = 0;
         self.regions = None;
@@ -93,7 +99,7 @@ impl Drop for RdmaChunk {
                 }
             }
         }
-        for (j, slot) in self.frames.iter_mut().enumerate() {
+        for (j, slot) in self.frames[..self.requests].iter_mut().enumerate() {
             let Some(frame) = slot.take() else {
                 continue;
             };
@@ -143,12 +149,14 @@ impl Inner {
         // `read_frame` brings its own (registered) frame.
         if pages.frame.is_none() && chunk.regions.is_none() {
             if let Some(rdma) = &self.rdma {
-                if !rdma.device.registry.is_empty() {
-                    chunk.regions = Some(rdma.device.registry.snapshot());
+                let regions = rdma.device.registry.current();
+                if !regions.is_empty() {
+                    chunk.regions = Some(arc_swap::Guard::into_inner(regions));
                 }
             }
         }
         for (req, &j) in reqs.iter().zip(members) {
+            chunk.requests = chunk.requests.max(j + 1);
             let in_range = req
                 .offset
                 .checked_add(PAGE_SIZE as u64)
@@ -267,7 +275,7 @@ impl Inner {
         }
         let direct_reqs = std::mem::take(&mut chunk.direct_reqs);
         let (mut direct_ok, mut framed_ok) = (0u64, 0u64);
-        for (j, slot) in chunk.frames.iter_mut().enumerate() {
+        for (j, slot) in chunk.frames[..chunk.requests].iter_mut().enumerate() {
             let frame = slot.take();
             let direct = direct_reqs & (1 << j) != 0;
             if frame.is_none() && !direct {

@@ -30,11 +30,12 @@ impl Inner {
         gpa: u64,
         page: *mut u8,
         frame: &mut Option<&mut Option<PageFrame>>,
+        deadline: &Deadline,
     ) -> Option<Result<(), TransportError>> {
         let rdma = self.rdma.as_ref()?;
-        let (state, loc, link) = self.single_holder(gpa)?;
+        let super::tcp_single::Holder { state, loc, link } = self.single_holder(gpa)?;
         let node = state.nodes.get(loc.node_index)?;
-        let Link::Rdma(conn) = &*link else {
+        let Some(Link::Rdma(conn)) = link.as_deref() else {
             return None;
         };
         let in_range = loc
@@ -48,21 +49,19 @@ impl Inner {
             }));
         }
         let write = opcode == Opcode::Write;
-        // Fixed only if the request has to wait (see `Deadline`).
-        let deadline = Deadline::lazy(self.config.request_timeout());
         let mut direct = frame.take();
         let registry = &rdma.device.registry;
         // The caller's page in registered memory: no frame (`read_frame`
         // brings its own, already registered, frame).
-        if direct.is_none() && !registry.is_empty() {
-            let regions = registry.snapshot();
+        if direct.is_none() {
+            let regions = registry.current();
             if let Some(lkey) = regions.lkey(page, PAGE_SIZE) {
                 let op = PageOp {
                     offset: loc.remote_offset,
                     local: page,
                     lkey,
                 };
-                let result = self.run_single_direct(write, op, regions, conn, node, &deadline);
+                let result = self.run_single_direct(write, op, regions, conn, node, deadline);
                 if result.is_ok() {
                     registry.direct_pages.fetch_add(1, Ordering::Relaxed);
                 }
@@ -71,7 +70,7 @@ impl Inner {
         }
         let buf = match direct.as_mut().and_then(|slot| slot.take()) {
             Some(f) => f,
-            None => match self.alloc_frame(&deadline) {
+            None => match self.alloc_frame(deadline) {
                 Some(f) => f,
                 None => {
                     return Some(Err(TransportError::PoolExhausted {
@@ -91,7 +90,7 @@ impl Inner {
             local: buf.as_ptr(),
             lkey: conn.pool_lkey(),
         };
-        let id = match conn.submit(write, &[op], &waiter, &deadline) {
+        let id = match conn.submit(write, &[op], &waiter, deadline) {
             Ok(id) => id,
             Err(err) => match err.armed {
                 Some(id) => id,
@@ -116,8 +115,7 @@ impl Inner {
         #[cfg(any(test, feature = "test-hooks"))]
         super::unwind_hook::maybe_panic_after_submit();
         let spin = self.config.caller_spin();
-        let conns = [Some(Arc::clone(conn))];
-        let answered = crate::rdma::wait(&waiter, &conns, spin, &deadline);
+        let answered = crate::rdma::wait(&waiter, std::iter::once(&**conn), spin, deadline);
         let (code, buf) = pending.settle(answered);
         let Some(buf) = buf else {
             return Some(Err(TransportError::Protocol {
@@ -151,7 +149,7 @@ impl Inner {
         &self,
         write: bool,
         op: PageOp,
-        regions: Arc<RegionTable>,
+        regions: arc_swap::Guard<Arc<RegionTable>>,
         conn: &Arc<RdmaConnection>,
         node: &Node,
         deadline: &Deadline,
@@ -179,8 +177,7 @@ impl Inner {
         #[cfg(any(test, feature = "test-hooks"))]
         super::unwind_hook::maybe_panic_after_submit();
         let spin = self.config.caller_spin();
-        let conns = [Some(Arc::clone(conn))];
-        let answered = crate::rdma::wait(&waiter, &conns, spin, deadline);
+        let answered = crate::rdma::wait(&waiter, std::iter::once(&**conn), spin, deadline);
         let (code, _) = pending.settle(answered);
         if code == Some(0) {
             return Ok(());
@@ -209,7 +206,7 @@ struct Pending<'a> {
     frame: Option<PageFrame>,
     /// Set when the request names the caller's page: the registered
     /// regions it was found in (keeps the MR, and its lkey, alive).
-    caller_page: Option<Arc<RegionTable>>,
+    caller_page: Option<arc_swap::Guard<Arc<RegionTable>>>,
 }
 
 impl Pending<'_> {

@@ -63,7 +63,7 @@ impl Round {
 
     /// Whether any request of the round went out.
     pub(super) fn submitted_any(&self) -> bool {
-        self.tcp.sent_count > 0 || self.rdma.groups > 0
+        !self.tcp.sent.is_empty() || self.rdma.groups > 0
     }
 
     /// Parks (`enter`) or unparks an asynchronous round on its
@@ -245,13 +245,12 @@ impl Inner {
                 Err((armed, _)) => *armed,
             };
             for (&id, &j) in ids[..armed].iter().zip(&members[..m]) {
-                round.tcp.sent[round.tcp.sent_count] = Sent {
+                round.tcp.sent.push(Sent {
                     group,
                     id,
                     gpa: targets[j].gpa,
                     target: j,
-                };
-                round.tcp.sent_count += 1;
+                });
             }
             if let Err((_, err)) = result {
                 tracing::debug!(node = %node.id, %err, "submitting to node failed");
@@ -276,9 +275,14 @@ impl Inner {
         let tcp = &round.tcp.groups[..round.group_count];
         let rdma = &round.rdma.conns[..round.rdma.groups];
         if round.rdma.groups == 0 {
-            round.tcp.sent_count > 0 && crate::tcp::wait(waiter, tcp, spin, deadline)
-        } else if round.tcp.sent_count == 0 {
-            crate::rdma::wait(waiter, rdma, spin, &crate::rdma::Deadline::at(deadline))
+            !round.tcp.sent.is_empty() && crate::tcp::wait(waiter, tcp, spin, deadline)
+        } else if round.tcp.sent.is_empty() {
+            crate::rdma::wait(
+                waiter,
+                rdma.iter().flatten().map(|c| &**c),
+                spin,
+                &crate::rdma::Deadline::at(deadline),
+            )
         } else {
             link::wait_mixed(waiter, tcp, rdma, deadline)
         }
@@ -296,9 +300,10 @@ impl Inner {
     ) -> Outcome {
         round.park(false);
         let mut outcome = std::mem::take(&mut round.early);
-        let sent_count = std::mem::take(&mut round.tcp.sent_count);
         let write = round.opcode == Opcode::Write;
-        for s in &round.tcp.sent[..sent_count] {
+        // Emptied as it goes (a drain empties the list first): should this
+        // unwind, the chunk's drop does not cancel settled requests again.
+        for s in round.tcp.sent.drain(..) {
             let Some(conn) = round.tcp.groups[s.group].as_ref() else {
                 continue;
             };
@@ -308,7 +313,7 @@ impl Inner {
                 conn.inflight.cancel(s.id)
             };
             let node = &state.nodes[round.group_nodes[s.group]];
-            if let Some(e) = self.code_to_error(code, conn, node, *s, write) {
+            if let Some(e) = self.code_to_error(code, conn, node, s, write) {
                 if connection_lost(&e) {
                     outcome.lost |= 1 << s.target;
                 }

@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use super::link::Link;
 use super::{Inner, Node};
 use crate::error::TransportError;
@@ -13,7 +15,7 @@ use crate::wire::Status;
 pub(super) const CONNECTION_LOST: &str = "connection lost";
 
 /// Where one request of a batch went.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Copy)]
 pub(super) struct Sent {
     pub(super) group: usize,
     pub(super) id: u64,
@@ -29,23 +31,24 @@ pub(super) struct Sent {
 /// writes into the caller's pages or signals its waiter after it is gone.
 pub(super) struct TcpChunk {
     pub(super) groups: [Option<Arc<TcpConnection>>; MAX_CHUNK],
-    pub(super) sent: [Sent; MAX_CHUNK],
-    pub(super) sent_count: usize,
+    /// Filled as requests go out, never zeroed whole: clearing 64 of them
+    /// with the groups (2.5 KiB, a `rep stosb` in glibc's memset) cost
+    /// ~4 us per round under the SoftRoCE VM's emulation.
+    pub(super) sent: SmallVec<[Sent; MAX_CHUNK]>,
 }
 
 impl TcpChunk {
     pub(super) fn new() -> Self {
         Self {
             groups: [const { None }; MAX_CHUNK],
-            sent: [Sent::default(); MAX_CHUNK],
-            sent_count: 0,
+            sent: SmallVec::new(),
         }
     }
 }
 
 impl Drop for TcpChunk {
     fn drop(&mut self) {
-        for s in &self.sent[..self.sent_count] {
+        for s in &self.sent {
             if let Some(conn) = &self.groups[s.group] {
                 // Returns once the slot is free: a poller that had claimed
                 // it has finished with it.

@@ -4,14 +4,22 @@
 //! sized for 64 requests) and the clock is read once.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use super::link::Link;
 use super::tcp_chunk::Sent;
 use super::Inner;
 use crate::error::TransportError;
+use crate::rdma::Deadline;
 use crate::tcp::{Request, TcpConnection, Waiter};
 use crate::wire::Opcode;
+
+/// A page's one holder, as `single_holder` found it: guards, not clones,
+/// so a request takes no reference count on the map or the link.
+pub(super) struct Holder {
+    pub(super) state: arc_swap::Guard<Arc<super::map_state::MapState>>,
+    pub(super) loc: crate::gpa_map::Location,
+    pub(super) link: arc_swap::Guard<Option<Arc<Link>>>,
+}
 
 impl Inner {
     /// The one holder of `gpa` and its node's live connection, when a
@@ -23,11 +31,7 @@ impl Inner {
     pub(super) fn single_holder(
         &self,
         gpa: u64,
-    ) -> Option<(
-        arc_swap::Guard<Arc<super::map_state::MapState>>,
-        crate::gpa_map::Location,
-        Arc<Link>,
-    )> {
+    ) -> Option<Holder> {
         if !crate::page::is_page_aligned(gpa) {
             return None;
         }
@@ -36,11 +40,12 @@ impl Inner {
         if loc.replicated || !loc.state.serves_reads() {
             return None;
         }
-        let link = state.nodes.get(loc.node_index)?.conn.load_full()?;
-        if link.is_broken() || !super::epoch::serves(loc.valid_epoch, link.epoch()) {
+        let link = state.nodes.get(loc.node_index)?.conn.load();
+        let live = link.as_deref()?;
+        if live.is_broken() || !super::epoch::serves(loc.valid_epoch, live.epoch()) {
             return None;
         }
-        Some((state, loc, link))
+        Some(Holder { state, loc, link })
     }
 
     /// Runs one page over the node's live TCP connection. `None` when the
@@ -51,13 +56,14 @@ impl Inner {
         opcode: Opcode,
         gpa: u64,
         page: *mut u8,
+        deadline: &Deadline,
     ) -> Option<Result<(), TransportError>> {
-        let (state, loc, link) = self.single_holder(gpa)?;
+        let Holder { state, loc, link } = self.single_holder(gpa)?;
         let node = state.nodes.get(loc.node_index)?;
-        let Link::Tcp(conn) = &*link else {
+        let Some(Link::Tcp(conn)) = link.as_deref() else {
             return None;
         };
-        let deadline = Instant::now() + self.config.request_timeout();
+        let deadline = deadline.get();
         // Declared before the guard, which cancels the request (so nothing
         // refers to the waiter or the page) if this thread unwinds.
         let waiter = Waiter::new();

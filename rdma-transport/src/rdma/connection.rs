@@ -529,13 +529,13 @@ const POLLS_PER_YIELD: u32 = 32;
 /// still matters on a small host: the work that completes the request
 /// (SoftRoCE's tasklets in `ksoftirqd`, or another caller) may be queued
 /// behind this thread.
-pub(crate) fn wait(
+pub(crate) fn wait<'a>(
     waiter: &Waiter,
-    conns: &[Option<Arc<RdmaConnection>>],
+    conns: impl Iterator<Item = &'a RdmaConnection> + Clone,
     spin: std::time::Duration,
     deadline: &Deadline,
 ) -> bool {
-    let conns = || conns.iter().flatten();
+    let conns = || conns.clone();
     let mut spin_until = None;
     let mut spins = 0u32;
     loop {

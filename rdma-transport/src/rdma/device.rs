@@ -114,7 +114,7 @@ impl ClientDevice {
         let start = ptr as usize;
         // Checked before registering (cheap) and again when inserting
         // (authoritative: another thread may register meanwhile).
-        self.registry.snapshot().check_free(start, len)?;
+        self.registry.current().check_free(start, len)?;
         // SAFETY: the caller keeps the range mapped for as long as the MR
         // lives (this function's contract; the MR lives in the registry
         // entry and in request snapshots). The device writes the range only

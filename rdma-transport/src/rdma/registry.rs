@@ -2,7 +2,7 @@
 //! and WRITEs go out of it directly (no pool frame, no copy).
 //!
 //! The table is an immutable sorted snapshot behind an [`ArcSwap`]: the
-//! data path takes one snapshot per request (one atomic increment), finds
+//! data path takes one snapshot per request (an `arc_swap` guard), finds
 //! each page by binary search, and keeps the snapshot until the request is
 //! settled, so a region unregistered meanwhile keeps its memory region (and
 //! its lkey) valid until no work request can refer to it any more.
@@ -126,14 +126,11 @@ pub(crate) struct MemoryRegistry {
 }
 
 impl MemoryRegistry {
-    /// The current table (kept by a request until it is settled).
-    pub(crate) fn snapshot(&self) -> Arc<RegionTable> {
-        self.table.load_full()
-    }
-
-    /// Whether any region is registered (no allocation, no increment).
-    pub(crate) fn is_empty(&self) -> bool {
-        self.table.load().is_empty()
+    /// The current table, kept by a request until it is settled: one
+    /// look at the `ArcSwap`, no increment while the thread holds few
+    /// guards (`Guard::into_inner` turns it into an `Arc` to keep longer).
+    pub(crate) fn current(&self) -> arc_swap::Guard<Arc<RegionTable>> {
+        self.table.load()
     }
 
     /// Adds `start..start+len` with `lkey`, keeping `mr` alive while the
@@ -251,10 +248,10 @@ mod tests {
     #[test]
     fn lookup_finds_the_region_holding_the_whole_range() {
         let reg = MemoryRegistry::default();
-        assert!(reg.is_empty());
+        assert!(reg.current().is_empty());
         reg.insert(0x10000, 4 * PAGE, 7, None).unwrap();
         reg.insert(0x40000, PAGE, 9, None).unwrap();
-        let t = reg.snapshot();
+        let t = reg.current();
         assert_eq!(t.lkey(0x10000 as *const u8, PAGE), Some(7));
         assert_eq!(t.lkey((0x10000 + 3 * PAGE) as *const u8, PAGE), Some(7));
         assert_eq!(t.lkey(0x40000 as *const u8, PAGE), Some(9));
@@ -303,7 +300,7 @@ mod tests {
         reg.insert(0xf000, PAGE, 3, None).unwrap();
         reg.insert(0x14000, PAGE, 4, None).unwrap();
         assert_eq!(reg.len(), 3);
-        let t = reg.snapshot();
+        let t = reg.current();
         assert_eq!(t.lkey(0xf000 as *const u8, PAGE), Some(3));
         assert_eq!(t.lkey(0x14000 as *const u8, PAGE), Some(4));
         // A page across the boundary of two adjacent regions is in neither.
@@ -315,11 +312,11 @@ mod tests {
         let registry = Arc::new(MemoryRegistry::default());
         let a = registry.insert(0x10000, PAGE, 1, None).unwrap();
         let b = registry.insert(0x20000, PAGE, 2, None).unwrap();
-        let before = registry.snapshot();
+        let before = registry.current();
         let handle = RegisteredMemory::new(Some((Arc::clone(&registry), a)), 0x10000, PAGE);
         assert!(handle.is_rdma());
         drop(handle);
-        let after = registry.snapshot();
+        let after = registry.current();
         assert_eq!(after.lkey(0x10000 as *const u8, PAGE), None);
         assert_eq!(after.lkey(0x20000 as *const u8, PAGE), Some(2));
         // A request that took its snapshot before still sees the region.
