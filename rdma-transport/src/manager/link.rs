@@ -114,14 +114,22 @@ impl Inner {
         node: &Node,
         deadline: Instant,
     ) -> Result<Link, TransportError> {
-        let live = || node.conn.load_full().filter(|c| !c.is_broken());
+        // A guard, then one clone of the link (one increment), not a
+        // clone of the `Arc<Link>` and another of the link inside it.
+        let live = || {
+            node.conn
+                .load()
+                .as_deref()
+                .filter(|c| !c.is_broken())
+                .cloned()
+        };
         if let Some(link) = live() {
-            return Ok(Link::clone(&link));
+            return Ok(link);
         }
         let mut dial = node.dial.lock();
         loop {
             if let Some(link) = live() {
-                return Ok(Link::clone(&link));
+                return Ok(link);
             }
             if !dial.dialing {
                 break;
