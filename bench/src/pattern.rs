@@ -68,8 +68,8 @@ mod tests {
     #[test]
     fn fill_then_check_and_detect_changes() {
         // The dispatching check (AVX2 where the CPU has it) and the plain one.
-        let checks: [(&str, fn(&Page, u64, u64) -> bool); 2] =
-            [("check", check), ("check_words", check_words)];
+        type Check = fn(&Page, u64, u64) -> bool;
+        let checks: [(&str, Check); 2] = [("check", check), ("check_words", check_words)];
         for (name, check) in checks {
             let mut page = [0u8; PAGE_SIZE];
             fill(&mut page, 0x5000, 7);
