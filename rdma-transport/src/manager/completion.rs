@@ -112,6 +112,7 @@ impl Inner {
                 requests: 0,
                 waiting: VecDeque::new(),
                 seen: Vec::new(),
+                unflushed: false,
                 spare: Vec::new(),
             }),
             in_flight: AtomicUsize::new(0),

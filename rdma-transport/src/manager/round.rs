@@ -66,6 +66,11 @@ impl Round {
         !self.tcp.sent.is_empty() || self.rdma.groups > 0
     }
 
+    /// Whether the round queued TCP requests for `flush` (`deferred`).
+    pub(super) fn queued_tcp(&self) -> bool {
+        self.deferred && !self.tcp.sent.is_empty()
+    }
+
     /// Parks (`enter`) or unparks an asynchronous round on its
     /// connections, so their pollers read its answers. Idempotent.
     pub(super) fn park(&mut self, enter: bool) {
@@ -103,12 +108,12 @@ impl Round {
 
     /// Writes the requests queued on the round's TCP connections (see
     /// `deferred`); `seen` as for `progress`.
-    pub(super) fn flush(&self, seen: &mut Vec<usize>, deadline: Instant) {
+    pub(super) fn flush(&self, seen: &mut Vec<usize>, timeout: std::time::Duration) {
         for c in self.tcp.groups[..self.group_count].iter().flatten() {
             let key = std::sync::Arc::as_ptr(c) as usize;
             if !seen.contains(&key) {
                 seen.push(key);
-                c.flush_deferred(deadline);
+                c.flush_deferred(timeout);
             }
         }
     }

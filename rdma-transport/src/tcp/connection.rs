@@ -238,7 +238,7 @@ impl TcpConnection {
                 return Err(io::Error::from(io::ErrorKind::TimedOut));
             }
             if drain {
-                self.flush_deferred(deadline);
+                self.flush_deferred(deadline.saturating_duration_since(Instant::now()));
                 if let Some(mut rb) = self.recv.try_lock() {
                     let _ = self.progress(&mut rb);
                 }

@@ -78,8 +78,9 @@ impl TcpConnection {
     ///
     /// The owners of the queued WRITE pages must not have settled their
     /// requests yet: callers flush before they settle (the completion
-    /// queue flushes under its lock, before it reaps).
-    pub(crate) fn flush_deferred(&self, deadline: Instant) {
+    /// queue flushes under its lock, before it reaps). The write may take
+    /// up to `timeout` (the clock is read only if the socket is full).
+    pub(crate) fn flush_deferred(&self, timeout: Duration) {
         let mut queue = self.deferred.lock();
         if queue.headers.is_empty() {
             return;
@@ -99,12 +100,12 @@ impl TcpConnection {
                 iov.push(IoSlice::new(page));
             }
             if iov.len() + 2 > IOVECS_PER_WRITE {
-                result = result.and_then(|()| self.write_draining(&mut iov, deadline));
+                result = result.and_then(|()| self.write_draining(&mut iov, timeout));
                 iov.clear();
             }
         }
         if !iov.is_empty() {
-            result = result.and_then(|()| self.write_draining(&mut iov, deadline));
+            result = result.and_then(|()| self.write_draining(&mut iov, timeout));
         }
         drop(iov);
         q.headers.clear();
@@ -115,10 +116,12 @@ impl TcpConnection {
         }
     }
 
-    /// Writes all of `bufs` by `deadline`. While the socket is full it
-    /// reads the answers that came meanwhile: a flush can be megabytes, and
-    /// a page-server whose answers nobody reads stops reading requests.
-    fn write_draining(&self, mut bufs: &mut [IoSlice<'_>], deadline: Instant) -> io::Result<()> {
+    /// Writes all of `bufs` within `timeout` of the first time the socket
+    /// is full. While it is full it reads the answers that came meanwhile:
+    /// a flush can be megabytes, and a page-server whose answers nobody
+    /// reads stops reading requests.
+    fn write_draining(&self, mut bufs: &mut [IoSlice<'_>], timeout: Duration) -> io::Result<()> {
+        let mut deadline = None::<Instant>;
         while !bufs.is_empty() {
             match self.stream().write_vectored(bufs) {
                 Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
@@ -128,6 +131,7 @@ impl TcpConnection {
                         let _ = self.progress(&mut rb);
                     }
                     let now = Instant::now();
+                    let deadline = *deadline.get_or_insert(now + timeout);
                     if now >= deadline {
                         return Err(io::Error::from(io::ErrorKind::TimedOut));
                     }

@@ -76,6 +76,9 @@ pub(super) struct Stepper {
     pub(super) waiting: VecDeque<usize>,
     /// Scratch: connections read in this step.
     pub(super) seen: Vec<usize>,
+    /// A lane queued TCP requests on its connections since the last
+    /// `flush` (the doorbell has something to ring).
+    pub(super) unflushed: bool,
     /// Batches of delivered submissions, for the next ones (at most
     /// `SPARE_BATCHES`; none of them shared).
     pub(super) spare: Vec<Arc<Batch>>,
@@ -213,13 +216,18 @@ impl Shared {
     }
 
     /// Writes the requests the active lanes queued on their connections
-    /// (one `writev` per connection).
+    /// (one `writev` per connection). Nothing to do, and no lock taken,
+    /// when no lane queued any since the last flush: a reaper that spins
+    /// calls this at every pass.
     pub(super) fn flush(&self, st: &mut Stepper) {
-        let deadline = Instant::now() + self.inner.config.request_timeout();
+        if !std::mem::take(&mut st.unflushed) {
+            return;
+        }
+        let timeout = self.inner.config.request_timeout();
         let mut seen = std::mem::take(&mut st.seen);
         seen.clear();
         for &token in &st.active {
-            st.lanes[token].round.flush(&mut seen, deadline);
+            st.lanes[token].round.flush(&mut seen, timeout);
         }
         st.seen = seen;
     }
@@ -237,6 +245,9 @@ impl Shared {
                 st.requests += counted;
                 st.lanes[token].counted = counted;
                 let lane = &mut st.lanes[token];
+                // Its TCP requests wait in their connections' queues for
+                // the doorbell.
+                st.unflushed |= lane.round.queued_tcp();
                 if self.mode != Mode::Poll || self.sleeper.lock().is_some() {
                     // Nobody polls these connections (or the reaper sleeps
                     // in `wait`): their pollers must (the RDMA ones only,
@@ -379,7 +390,9 @@ impl Shared {
     pub(super) fn take_done(&self, out: &mut Vec<Completion>) -> usize {
         let mut done = self.done.lock();
         let n = done.len();
-        out.extend(done.drain(..));
+        if n > 0 {
+            out.extend(done.drain(..));
+        }
         n
     }
 }
