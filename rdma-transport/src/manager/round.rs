@@ -8,6 +8,7 @@
 //! A round is reusable: `reset` forgets only the entries the last round
 //! used, so a one-page request clears no large arrays.
 
+use std::cell::Cell;
 use std::time::Instant;
 
 use smallvec::SmallVec;
@@ -366,8 +367,15 @@ impl Inner {
         // request that refers to the waiter before it goes, even when
         // unwinding.
         let waiter = Waiter::new();
-        let mut round = Round::new();
+        // This thread's settled round from its last call, if any: making
+        // a round clears and then drops ~5 KiB of per-request arrays, a
+        // sixth of a 16-page batch's instructions.
+        let mut round = SPARE_ROUND
+            .with(Cell::take)
+            .unwrap_or_else(|| Box::new(Round::new()));
         round.opcode = opcode;
+        round.deferred = false;
+        round.land_direct = false;
         self.submit_round(
             &mut round,
             state,
@@ -379,6 +387,16 @@ impl Inner {
         #[cfg(any(test, feature = "test-hooks"))]
         super::unwind_hook::maybe_panic_after_submit();
         let answered = round.submitted_any() && self.wait_round(&round, &waiter, deadline);
-        self.settle_round(&mut round, state, answered, &mut chunk_pages)
+        let outcome = self.settle_round(&mut round, state, answered, &mut chunk_pages);
+        // Settled: it holds no request, frame or connection any more.
+        SPARE_ROUND.with(|spare| spare.set(Some(round)));
+        outcome
     }
+}
+
+thread_local! {
+    /// A settled round kept for the thread's next blocking round
+    /// (`run_targets`). One that unwinds is dropped instead, which cancels
+    /// its requests.
+    static SPARE_ROUND: Cell<Option<Box<Round>>> = const { Cell::new(None) };
 }
