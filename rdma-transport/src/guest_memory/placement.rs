@@ -8,7 +8,10 @@ use std::sync::mpsc;
 use super::slice;
 
 /// Pins the calling handler to `cpu` (if any), asks for `slice_us`, then
-/// reports it to the constructor waiting in `wait_placed`.
+/// reports it to the constructor waiting in `wait_placed`. The sender is
+/// taken by value, so it is gone when this returns (or unwinds), not when
+/// the thread ends: a handler that never got this far cannot keep
+/// `wait_placed` waiting.
 pub(super) fn place_current_thread(cpu: Option<usize>, slice_us: u64, placed: mpsc::Sender<()>) {
     if let Some(id) = cpu {
         if !core_affinity::set_for_current(core_affinity::CoreId { id }) {
@@ -17,9 +20,6 @@ pub(super) fn place_current_thread(cpu: Option<usize>, slice_us: u64, placed: mp
     }
     slice::apply_to_current_thread(slice_us);
     let _ = placed.send(());
-    // Dropped here, not when the thread ends: a handler that never got
-    // this far (it panicked) then cannot keep `wait_placed` waiting.
-    drop(placed);
 }
 
 /// Waits until `threads` handlers were placed, or every sender is gone.

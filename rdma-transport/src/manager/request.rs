@@ -135,18 +135,18 @@ impl Inner {
         // Filled only as far as the window goes: zeroing 64 targets (5.5 KiB)
         // per window cost more than the rest of a 16-page batch's setup.
         let mut targets = SmallVec::<[Target; MAX_CHUNK]>::new();
-        let (state, n, end) = match self.resolve(write, gpas, pages, from, &mut targets, deadline) {
+        let (state, end) = match self.resolve(write, gpas, pages, from, &mut targets, deadline) {
             Ok(resolved) => resolved,
             // The address that failed is skipped; the next window starts
             // after it.
             Err((at, e)) => return (at + 1, Err(e)),
         };
         let result = if write {
-            self.write_replicas(&state, &mut targets[..n], frame.is_none(), deadline)
+            self.write_replicas(&state, &mut targets, frame.is_none(), deadline)
         } else {
-            self.read_failover(&state, &mut targets[..n], &mut frame, deadline)
+            self.read_failover(&state, &mut targets, &mut frame, deadline)
         };
-        if result.is_err() && !write && self.newer_map_may_serve(&state, &targets[..n], deadline) {
+        if result.is_err() && !write && self.newer_map_may_serve(&state, &targets, deadline) {
             // A replica this map shows as not serving (still recovering
             // here) may be live by now: once more, on the newer map.
             return self.run_window(opcode, gpas, pages, from, frame, deadline);
@@ -186,9 +186,9 @@ impl Inner {
 
     /// Resolves `gpas[from..]` into `targets` (reads: the replica to try
     /// first; writes: every replica that takes writes) until the window is
-    /// full. Returns the map state the targets refer to, how many there
-    /// are, and where the window ends; or the index of the address that
-    /// cannot be served and why.
+    /// full. Returns the map state the targets refer to and where the
+    /// window ends; or the index of the address that cannot be served and
+    /// why.
     #[allow(clippy::type_complexity)]
     fn resolve(
         &self,
@@ -198,8 +198,7 @@ impl Inner {
         from: usize,
         targets: &mut SmallVec<[Target; MAX_CHUNK]>,
         deadline: Instant,
-    ) -> Result<(arc_swap::Guard<std::sync::Arc<MapState>>, usize, usize), (usize, TransportError)>
-    {
+    ) -> Result<(arc_swap::Guard<std::sync::Arc<MapState>>, usize), (usize, TransportError)> {
         // A refresh (on a miss, or an address whose range has no replica
         // to serve it) restarts the window on the new map: every target
         // must index the same map's nodes.
@@ -272,7 +271,7 @@ impl Inner {
                 }
                 i += 1;
             }
-            return Ok((state, targets.len(), i));
+            return Ok((state, i));
         }
     }
 
