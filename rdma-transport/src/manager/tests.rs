@@ -205,6 +205,50 @@ fn a_caller_that_unwinds_mid_request_leaves_its_page_alone() {
 }
 
 #[test]
+fn a_batch_that_unwinds_leaves_its_pages_alone_and_the_next_batch_clean() {
+    // A thread keeps its settled round for its next batch (`run_targets`);
+    // one that unwinds must be dropped, cancelling its requests, not kept.
+    let (got_first, first_seen) = mpsc::channel();
+    let (go, release) = mpsc::channel::<()>();
+    let (addr, node) = fake_node(move |mut stream| {
+        let first = [read_header(&mut stream), read_header(&mut stream)];
+        got_first.send(()).expect("test alive");
+        release.recv().expect("test alive");
+        // The abandoned batch's answers come late, then the next batch's.
+        for h in &first {
+            answer_read(&mut stream, h, 0xab);
+        }
+        let second = [read_header(&mut stream), read_header(&mut stream)];
+        for h in &second {
+            answer_read(&mut stream, h, 0xcd);
+        }
+        sees_close(stream)
+    });
+    {
+        let mgr =
+            TransportManager::from_map(config(5000, PollMode::Event), map_of(1, &[("a", addr)]))
+                .expect("manager");
+        let gpas = [0, PAGE_SIZE as u64];
+        let mut abandoned = vec![[0u8; PAGE_SIZE]; 2];
+        super::unwind_hook::arm();
+        let unwound = catch_unwind(AssertUnwindSafe(|| mgr.read_pages(&gpas, &mut abandoned)));
+        assert!(unwound.is_err(), "the injected panic unwound the batch");
+        first_seen.recv().expect("node got the first batch");
+        go.send(()).expect("node alive");
+        let mut pages = vec![[0u8; PAGE_SIZE]; 2];
+        mgr.read_pages(&gpas, &mut pages)
+            .expect("the next batch on the same thread and connection");
+        assert!(pages.iter().flatten().all(|&b| b == 0xcd));
+        assert!(
+            abandoned.iter().flatten().all(|&b| b == 0),
+            "a late answer was written into a page the caller gave up"
+        );
+        drop(mgr);
+    }
+    assert!(node.join().expect("node"));
+}
+
+#[test]
 fn a_submit_on_a_connection_that_broke_first_fails_at_once() {
     use crate::tcp::{Request, TcpConnection, Waiter, CODE_CONN_LOST};
     use crate::wire::Opcode;
