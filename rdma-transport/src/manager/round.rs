@@ -9,7 +9,7 @@
 //! used, so a one-page request clears no large arrays.
 
 use std::cell::Cell;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 
@@ -109,7 +109,7 @@ impl Round {
 
     /// Writes the requests queued on the round's TCP connections (see
     /// `deferred`); `seen` as for `progress`.
-    pub(super) fn flush(&self, seen: &mut Vec<usize>, timeout: std::time::Duration) {
+    pub(super) fn flush(&self, seen: &mut Vec<usize>, timeout: Duration) {
         for c in self.tcp.groups[..self.group_count].iter().flatten() {
             let key = std::sync::Arc::as_ptr(c) as usize;
             if !seen.contains(&key) {
