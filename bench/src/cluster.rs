@@ -143,12 +143,14 @@ impl LocalCluster {
     }
 }
 
-/// Starts one page-server and waits for its registration.
+/// Starts one page-server and waits for its registration: a few
+/// milliseconds here, but up to a minute inside the SoftRoCE VM under
+/// valgrind (instruction counts of the RDMA path), where 10 s was too short.
 fn start_server(cfg: ServerConfig) -> anyhow::Result<RunningServer> {
     let node = cfg.node_id.clone();
     let server = page_server::spawn(cfg).with_context(|| format!("starting page-server {node}"))?;
     server
-        .wait_registered(Duration::from_secs(10))
+        .wait_registered(Duration::from_secs(60))
         .with_context(|| format!("page-server {node} registration"))?;
     Ok(server)
 }

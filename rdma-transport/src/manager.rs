@@ -29,6 +29,7 @@ mod checksum_tests;
 mod coherent;
 mod completion;
 mod epoch;
+mod fast_view;
 mod latency;
 mod link;
 mod map_state;
@@ -75,6 +76,11 @@ struct Inner {
     pollers: Pollers,
     rdma: Option<RdmaSide>,
     state: ArcSwap<MapState>,
+    /// The one-page paths' snapshot of `state`, its links and the
+    /// registered regions (`fast_view.rs`), and what serialises its
+    /// publications.
+    view: ArcSwap<fast_view::FastView>,
+    view_lock: Mutex<()>,
     last_refresh: Mutex<Option<Instant>>,
     /// When the last map fetch that succeeded was sent (ms of `clock`; 0:
     /// never): the map in use is at least that fresh.
@@ -157,6 +163,8 @@ impl TransportManager {
         let client_id = crate::ids::random_u64();
         let inner = Arc::new(Inner {
             state: ArcSwap::from_pointee(MapState::default()),
+            view: ArcSwap::default(),
+            view_lock: Mutex::new(()),
             config,
             coordinator,
             pool,
@@ -170,6 +178,14 @@ impl TransportManager {
             counters: stats::Counters::default(),
             tcp_landed_pages: Arc::default(),
         });
+        if let Some(rdma) = &inner.rdma {
+            let weak = Arc::downgrade(&inner);
+            rdma.device.registry.on_change(Box::new(move || {
+                if let Some(inner) = weak.upgrade() {
+                    inner.publish_view();
+                }
+            }));
+        }
         inner.install_map(map, Install::Always);
         // Every node at once: one that is down costs one connect timeout in
         // all, not one each.
@@ -472,6 +488,7 @@ impl Drop for TransportManager {
                 link.mark_broken();
             }
         }
+        self.inner.clear_view();
     }
 }
 
@@ -554,6 +571,8 @@ impl Inner {
         let current = node.conn.load();
         if current.as_ref().is_some_and(|c| c.same(link)) {
             node.conn.store(None);
+            drop(current);
+            self.publish_view();
         }
     }
 

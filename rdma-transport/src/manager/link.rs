@@ -181,6 +181,7 @@ impl Inner {
                 *node.refusal.lock() = None;
                 drop(dial);
                 drop(dialing);
+                self.publish_view();
                 Ok(link)
             }
             Err(err) => {

@@ -240,6 +240,8 @@ impl Inner {
             });
             let prev = self.state.compare_and_swap(&old, new);
             if Arc::ptr_eq(&prev, &old) {
+                drop(prev);
+                self.publish_view();
                 tracing::debug!(
                     version = map.version(),
                     ranges = map.len(),

@@ -14,7 +14,7 @@ use super::{Inner, Node};
 use crate::error::TransportError;
 use crate::page::PAGE_SIZE;
 use crate::pool::PageFrame;
-use crate::rdma::{Deadline, PageOp, RdmaConnection, RegionTable};
+use crate::rdma::{Deadline, PageOp, RdmaConnection};
 use crate::tcp::Waiter;
 use crate::tcp::CODE_CONN_LOST;
 use crate::wire::{Opcode, Status};
@@ -33,9 +33,9 @@ impl Inner {
         deadline: &Deadline,
     ) -> Option<Result<(), TransportError>> {
         let rdma = self.rdma.as_ref()?;
-        let super::tcp_single::Holder { state, loc, link } = self.single_holder(gpa)?;
-        let node = state.nodes.get(loc.node_index)?;
-        let Some(Link::Rdma(conn)) = link.as_deref() else {
+        let holder = self.single_holder(gpa)?;
+        let loc = holder.loc;
+        let (node, Link::Rdma(conn)) = holder.node_and_link()? else {
             return None;
         };
         let in_range = loc
@@ -53,15 +53,22 @@ impl Inner {
         let registry = &rdma.device.registry;
         // The caller's page in registered memory: no frame (`read_frame`
         // brings its own, already registered, frame).
+        // (The holder's view keeps its region table, and so the region's
+        // registration and lkey, until this function returns: after the
+        // request is settled.)
         if direct.is_none() {
-            let regions = registry.current();
-            if let Some(lkey) = regions.lkey(page, PAGE_SIZE) {
+            let lkey = holder
+                .view
+                .regions
+                .as_ref()
+                .and_then(|regions| regions.lkey(page, PAGE_SIZE));
+            if let Some(lkey) = lkey {
                 let op = PageOp {
                     offset: loc.remote_offset,
                     local: page,
                     lkey,
                 };
-                let result = self.run_single_direct(write, op, regions, conn, node, deadline);
+                let result = self.run_single_direct(write, op, conn, node, deadline);
                 if result.is_ok() {
                     registry.direct_pages.fetch_add(1, Ordering::Relaxed);
                 }
@@ -110,7 +117,7 @@ impl Inner {
             conn,
             id: Some(id),
             frame: Some(buf),
-            caller_page: None,
+            caller_page: false,
         };
         #[cfg(any(test, feature = "test-hooks"))]
         super::unwind_hook::maybe_panic_after_submit();
@@ -141,15 +148,14 @@ impl Inner {
     }
 
     /// One page straight from or into the caller's page `op.local`, which
-    /// lies in a registered region of `regions` (held until the request is
-    /// settled, so its lkey stays valid). A failed or timed-out request
+    /// lies in a registered region whose table the caller holds until this
+    /// returns (so its lkey stays valid). A failed or timed-out request
     /// drains the QP (`RdmaConnection::fence`) before this returns: the
     /// device then writes nothing more into the caller's page.
     fn run_single_direct(
         &self,
         write: bool,
         op: PageOp,
-        regions: arc_swap::Guard<Arc<RegionTable>>,
         conn: &Arc<RdmaConnection>,
         node: &Node,
         deadline: &Deadline,
@@ -172,7 +178,7 @@ impl Inner {
             conn,
             id: Some(id),
             frame: None,
-            caller_page: Some(regions),
+            caller_page: true,
         };
         #[cfg(any(test, feature = "test-hooks"))]
         super::unwind_hook::maybe_panic_after_submit();
@@ -204,9 +210,9 @@ struct Pending<'a> {
     conn: &'a Arc<RdmaConnection>,
     id: Option<u64>,
     frame: Option<PageFrame>,
-    /// Set when the request names the caller's page: the registered
-    /// regions it was found in (keeps the MR, and its lkey, alive).
-    caller_page: Option<arc_swap::Guard<Arc<RegionTable>>>,
+    /// The request names the caller's page (in registered memory, whose
+    /// table the caller holds for longer than this).
+    caller_page: bool,
 }
 
 impl Pending<'_> {
@@ -235,7 +241,7 @@ impl Drop for Pending<'_> {
             Some(code) => {
                 if code != 0 {
                     self.conn.mark_broken(CODE_CONN_LOST);
-                    if self.caller_page.is_some() {
+                    if self.caller_page {
                         self.conn.fence();
                     }
                 }
@@ -249,7 +255,7 @@ impl Drop for Pending<'_> {
                 if let Some(frame) = frame {
                     self.conn.quarantine(frame);
                 }
-                if self.caller_page.is_some() {
+                if self.caller_page {
                     self.conn.fence();
                 }
             }

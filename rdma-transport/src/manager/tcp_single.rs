@@ -13,12 +13,20 @@ use crate::rdma::Deadline;
 use crate::tcp::{Request, TcpConnection, Waiter};
 use crate::wire::Opcode;
 
-/// A page's one holder, as `single_holder` found it: guards, not clones,
-/// so a request takes no reference count on the map or the link.
+/// A page's one holder, as `single_holder` found it: one guard on the
+/// published view (`fast_view.rs`), not clones, so a request takes no
+/// reference count on the map, the link or the regions.
 pub(super) struct Holder {
-    pub(super) state: arc_swap::Guard<Arc<super::map_state::MapState>>,
+    pub(super) view: arc_swap::Guard<Arc<super::fast_view::FastView>>,
     pub(super) loc: crate::gpa_map::Location,
-    pub(super) link: arc_swap::Guard<Option<Arc<Link>>>,
+}
+
+impl Holder {
+    /// The holder's node and its live connection.
+    pub(super) fn node_and_link(&self) -> Option<(&super::Node, &Link)> {
+        let node = self.view.state.nodes.get(self.loc.node_index)?;
+        Some((node, self.view.link(self.loc.node_index)?))
+    }
 }
 
 impl Inner {
@@ -32,17 +40,16 @@ impl Inner {
         if !crate::page::is_page_aligned(gpa) {
             return None;
         }
-        let state = self.state.load();
-        let loc = state.map.lookup(gpa)?;
+        let view = self.view.load();
+        let loc = view.state.map.lookup(gpa)?;
         if loc.replicated || !loc.state.serves_reads() {
             return None;
         }
-        let link = state.nodes.get(loc.node_index)?.conn.load();
-        let live = link.as_deref()?;
+        let live = view.link(loc.node_index)?;
         if live.is_broken() || !super::epoch::serves(loc.valid_epoch, live.epoch()) {
             return None;
         }
-        Some(Holder { state, loc, link })
+        Some(Holder { view, loc })
     }
 
     /// Runs one page over the node's live TCP connection. `None` when the
@@ -55,9 +62,9 @@ impl Inner {
         page: *mut u8,
         deadline: &Deadline,
     ) -> Option<Result<(), TransportError>> {
-        let Holder { state, loc, link } = self.single_holder(gpa)?;
-        let node = state.nodes.get(loc.node_index)?;
-        let Some(Link::Tcp(conn)) = link.as_deref() else {
+        let holder = self.single_holder(gpa)?;
+        let loc = holder.loc;
+        let (node, Link::Tcp(conn)) = holder.node_and_link()? else {
             return None;
         };
         let deadline = deadline.get();

@@ -9,7 +9,7 @@
 //! Registering and unregistering copy the table under a mutex (rare).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
@@ -123,6 +123,23 @@ pub(crate) struct MemoryRegistry {
     /// call returned, and those whose drain could not be confirmed.
     pub(crate) drains: AtomicU64,
     pub(crate) drain_failures: AtomicU64,
+    /// Told after every change of the table.
+    on_change: ChangeHook,
+}
+
+/// What the registry calls after each change of its table (the manager
+/// publishes its one-page view again).
+#[derive(Default)]
+struct ChangeHook(OnceLock<Box<dyn Fn() + Send + Sync>>);
+
+impl std::fmt::Debug for ChangeHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "ChangeHook(set)"
+        } else {
+            "ChangeHook(unset)"
+        })
+    }
 }
 
 impl MemoryRegistry {
@@ -131,6 +148,26 @@ impl MemoryRegistry {
     /// guards (`Guard::into_inner` turns it into an `Arc` to keep longer).
     pub(crate) fn current(&self) -> arc_swap::Guard<Arc<RegionTable>> {
         self.table.load()
+    }
+
+    /// The current table, to keep.
+    pub(crate) fn current_full(&self) -> Arc<RegionTable> {
+        self.table.load_full()
+    }
+
+    /// Sets what is called after every change of the table (once; a
+    /// second hook is ignored). Called outside the registry's lock, after
+    /// the new table is in place.
+    pub(crate) fn on_change(&self, hook: Box<dyn Fn() + Send + Sync>) {
+        if self.on_change.0.set(hook).is_err() {
+            tracing::warn!("the registry already has a change hook; the new one is ignored");
+        }
+    }
+
+    fn changed(&self) {
+        if let Some(hook) = self.on_change.0.get() {
+            hook();
+        }
     }
 
     /// Adds `start..start+len` with `lkey`, keeping `mr` alive while the
@@ -146,7 +183,7 @@ impl MemoryRegistry {
         lkey: u32,
         mr: Option<MemoryRegion>,
     ) -> Result<u64, RegisterError> {
-        let _writer = self.write.lock();
+        let writer = self.write.lock();
         let old = self.table.load_full();
         old.check_free(start, len)?;
         let i = old.regions.partition_point(|r| r.start < start);
@@ -163,13 +200,15 @@ impl MemoryRegistry {
             }),
         );
         self.table.store(Arc::new(RegionTable { regions }));
+        drop(writer);
+        self.changed();
         Ok(id)
     }
 
     /// Removes region `id`; its registration ends once no snapshot holds
     /// it. False when there is no such region.
     pub(crate) fn remove(&self, id: u64) -> bool {
-        let _writer = self.write.lock();
+        let writer = self.write.lock();
         let old = self.table.load_full();
         let Some(i) = old.regions.iter().position(|r| r.id == id) else {
             return false;
@@ -177,6 +216,8 @@ impl MemoryRegistry {
         let mut regions = old.regions.clone();
         regions.remove(i);
         self.table.store(Arc::new(RegionTable { regions }));
+        drop(writer);
+        self.changed();
         true
     }
 
