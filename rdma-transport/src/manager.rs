@@ -228,10 +228,11 @@ impl TransportManager {
     /// [`TransportError::NodeDown`], [`TransportError::Timeout`],
     /// [`TransportError::Refused`], [`TransportError::Protocol`],
     /// [`TransportError::Checksum`].
+    #[inline]
     pub fn read_page(&self, gpa: u64, page: &mut Page) -> Result<(), TransportError> {
         read_once_more(|| {
             self.inner
-                .run_counted(Opcode::Read, &[gpa], page.as_mut_ptr(), 1, None)
+                .run_one_counted(Opcode::Read, gpa, page.as_mut_ptr())
         })
     }
 
@@ -239,9 +240,10 @@ impl TransportManager {
     ///
     /// # Errors
     /// As [`TransportManager::read_page`].
+    #[inline]
     pub fn write_page(&self, gpa: u64, page: &Page) -> Result<(), TransportError> {
         self.inner
-            .run_counted(Opcode::Write, &[gpa], page.as_ptr().cast_mut(), 1, None)
+            .run_one_counted(Opcode::Write, gpa, page.as_ptr().cast_mut())
     }
 
     /// Reads `pages[i]` from `gpas[i]` for every i, with all requests in
@@ -255,6 +257,9 @@ impl TransportManager {
     /// the slices' lengths differ.
     pub fn read_pages(&self, gpas: &[u64], pages: &mut [Page]) -> Result<(), TransportError> {
         check_lengths(gpas.len(), pages.len())?;
+        if let ([gpa], [page]) = (gpas, &mut *pages) {
+            return self.read_page(*gpa, page);
+        }
         read_once_more(|| self.run_batch(Opcode::Read, gpas, pages.as_mut_ptr().cast()))
     }
 
@@ -264,6 +269,9 @@ impl TransportManager {
     /// As [`TransportManager::read_pages`].
     pub fn write_pages(&self, gpas: &[u64], pages: &[Page]) -> Result<(), TransportError> {
         check_lengths(gpas.len(), pages.len())?;
+        if let ([gpa], [page]) = (gpas, pages) {
+            return self.write_page(*gpa, page);
+        }
         self.run_batch(Opcode::Write, gpas, pages.as_ptr().cast::<u8>().cast_mut())
     }
 

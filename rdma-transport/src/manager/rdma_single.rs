@@ -24,6 +24,7 @@ impl Inner {
     /// `frame` untouched) when the general path must do it: no RDMA
     /// connection yet, a map miss, a bad address, a server in another epoch
     /// than the range's.
+    #[inline(always)]
     pub(super) fn run_single_rdma(
         &self,
         opcode: Opcode,
@@ -152,6 +153,7 @@ impl Inner {
     /// returns (so its lkey stays valid). A failed or timed-out request
     /// drains the QP (`RdmaConnection::fence`) before this returns: the
     /// device then writes nothing more into the caller's page.
+    #[inline(always)]
     fn run_single_direct(
         &self,
         write: bool,

@@ -83,34 +83,74 @@ impl Inner {
         count: usize,
         mut frame: Option<&mut Option<PageFrame>>,
     ) -> Result<(), TransportError> {
-        // `read_frame` is not retried on a lost connection here: its
-        // caller, the fault handler, retries on its own terms.
-        let retry = frame.is_none();
         if count == 1 {
-            // Fixed when the request first has to wait, or fails: a READ
-            // that completes inside `ibv_post_send` never reads the clock.
-            let deadline = Deadline::lazy(self.config.request_timeout());
-            let single = self
-                .run_single_rdma(opcode, gpas[0], pages, &mut frame, &deadline)
-                .or_else(|| self.run_single_tcp(opcode, gpas[0], pages, &deadline));
-            match single {
-                // Served again below, on a new connection, within what is
-                // left of the same deadline.
-                Some(Err(e)) if retry && connection_lost(&e) => {
-                    return self
-                        .run_window(opcode, gpas, pages, 0, None, deadline.get())
-                        .1;
-                }
-                Some(result) => return result,
-                None => {}
+            // `read_frame` is not retried on a lost connection here: its
+            // caller, the fault handler, retries on its own terms.
+            let retry = frame.is_none();
+            if let Some(result) = self.run_single(opcode, gpas[0], pages, &mut frame, retry) {
+                return result;
             }
         }
+        self.run_windows(opcode, &gpas[..count], pages, frame)
+    }
+
+    /// One page into or out of the caller's `page` (`read_page`,
+    /// `write_page`, one-page batches): `run` with nothing to decide.
+    pub(super) fn run_one(
+        &self,
+        opcode: Opcode,
+        gpa: u64,
+        page: *mut u8,
+    ) -> Result<(), TransportError> {
+        match self.run_single(opcode, gpa, page, &mut None, true) {
+            Some(result) => result,
+            None => self.run_windows(opcode, &[gpa], page, None),
+        }
+    }
+
+    /// One page on a fast path (`None` when neither applies); with `retry`,
+    /// one whose connection died is served again on a new one.
+    #[inline(always)]
+    fn run_single(
+        &self,
+        opcode: Opcode,
+        gpa: u64,
+        page: *mut u8,
+        frame: &mut Option<&mut Option<PageFrame>>,
+        retry: bool,
+    ) -> Option<Result<(), TransportError>> {
+        // Fixed when the request first has to wait, or fails: a READ that
+        // completes inside `ibv_post_send` never reads the clock.
+        let deadline = Deadline::lazy(self.config.request_timeout());
+        let single = match self.run_single_rdma(opcode, gpa, page, frame, &deadline) {
+            Some(result) => result,
+            None => self.run_single_tcp(opcode, gpa, page, &deadline)?,
+        };
+        match single {
+            // Served again, on a new connection, within what is left of
+            // the same deadline.
+            Err(e) if retry && connection_lost(&e) => Some(
+                self.run_window(opcode, &[gpa], page, 0, None, deadline.get())
+                    .1,
+            ),
+            result => Some(result),
+        }
+    }
+
+    /// The general path: windows of up to `MAX_CHUNK` requests, each with
+    /// its own deadline; returns the first error.
+    fn run_windows(
+        &self,
+        opcode: Opcode,
+        gpas: &[u64],
+        pages: *mut u8,
+        mut frame: Option<&mut Option<PageFrame>>,
+    ) -> Result<(), TransportError> {
         let mut first_error = None;
         let mut next = 0;
-        while next < count {
+        while next < gpas.len() {
             let deadline = Instant::now() + self.config.request_timeout();
-            let (done, result) =
-                self.run_window(opcode, &gpas[..count], pages, next, frame.take(), deadline);
+            let (done, result) = self.run_window(opcode, gpas, pages, next, frame.take(), deadline);
             if let Err(e) = result {
                 first_error.get_or_insert(e);
             }

@@ -101,6 +101,18 @@ impl Inner {
         result
     }
 
+    /// `run_one`, counted.
+    pub(super) fn run_one_counted(
+        &self,
+        opcode: Opcode,
+        gpa: u64,
+        page: *mut u8,
+    ) -> Result<(), TransportError> {
+        let result = self.run_one(opcode, gpa, page);
+        self.counters.record(opcode, 1, &result);
+        result
+    }
+
     /// A snapshot of the state and counters.
     pub(super) fn stats(&self) -> ManagerStats {
         let state = self.state.load();

@@ -36,6 +36,7 @@ impl Inner {
     /// the range's epoch. `None` sends the request down the general path
     /// (which refreshes the map on a miss, fails over replicas, dials, or
     /// fails with `DataLost` for a server in another epoch).
+    #[inline(always)]
     pub(super) fn single_holder(&self, gpa: u64) -> Option<Holder> {
         if !crate::page::is_page_aligned(gpa) {
             return None;
