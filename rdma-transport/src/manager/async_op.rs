@@ -348,7 +348,10 @@ impl Inner {
     /// targets of one round, or why the blocking engine must do it.
     fn resolve_fast(&self, batch: &Batch, lane: &mut Lane) -> Fast {
         let write = batch.opcode == Opcode::Write;
-        let state = self.state.load_full();
+        // One guard on the published view (`fast_view.rs`) instead of a
+        // map load plus a link load per address.
+        let view = self.view.load();
+        let state = Arc::clone(&view.state);
         let mut n = 0;
         for i in lane.from..lane.end {
             let gpa = batch.gpas[i];
@@ -369,11 +372,7 @@ impl Inner {
             if loc.replicated || !usable {
                 return Fast::Blocked;
             }
-            let Some(node) = state.nodes.get(loc.node_index) else {
-                return Fast::Blocked;
-            };
-            let live = node.conn.load();
-            let ready = live.as_ref().is_some_and(|link| {
+            let ready = view.link(loc.node_index).is_some_and(|link| {
                 !link.is_broken() && super::epoch::serves(loc.valid_epoch, link.epoch())
             });
             if !ready {

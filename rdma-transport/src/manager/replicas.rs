@@ -200,6 +200,8 @@ impl Inner {
             });
             let prev = self.state.compare_and_swap(&old, new);
             if std::sync::Arc::ptr_eq(&prev, &old) {
+                drop(prev);
+                self.publish_view();
                 break;
             }
         }
