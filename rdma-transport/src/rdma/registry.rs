@@ -368,4 +368,31 @@ mod tests {
         assert!(registry.remove(b));
         assert_eq!(registry.len(), 1);
     }
+
+    /// The manager's one-page view holds a copy of the table: the hook
+    /// must run after every change, with the new table already in place,
+    /// and never for a refused change.
+    #[test]
+    fn the_change_hook_sees_every_new_table_and_no_refused_change() {
+        let registry = Arc::new(MemoryRegistry::default());
+        let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let weak = Arc::downgrade(&registry);
+        let log = Arc::clone(&seen);
+        registry.on_change(Box::new(move || {
+            if let Some(registry) = weak.upgrade() {
+                let table = registry.current_full();
+                log.lock().push(table.lkey(0x10000 as *const u8, PAGE));
+            }
+        }));
+        let a = registry.insert(0x10000, PAGE, 1, None).unwrap();
+        assert!(registry.insert(0x10000, PAGE, 2, None).is_err());
+        let handle = RegisteredMemory::new(Some((Arc::clone(&registry), a)), 0x10000, PAGE);
+        drop(handle);
+        assert!(!registry.remove(a), "already removed");
+        assert_eq!(*seen.lock(), vec![Some(1), None]);
+        // A second hook is refused; the first stays.
+        registry.on_change(Box::new(|| panic!("the second hook ran")));
+        registry.insert(0x10000, PAGE, 3, None).unwrap();
+        assert_eq!(*seen.lock(), vec![Some(1), None, Some(3)]);
+    }
 }
