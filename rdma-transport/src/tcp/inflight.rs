@@ -17,15 +17,17 @@
 //! its receive buffer and LANDING → PENDING. A caller that cancels meanwhile
 //! waits for the slot to leave LANDING (one non-blocking read).
 
-use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-use crossbeam_queue::ArrayQueue;
+use super::free_slots::FreeSlots;
 
 /// Number of slots per connection (requests in flight at once).
 pub(crate) const SLOTS: usize = 1024;
 const SLOT_BITS: u32 = 10;
+const _: () = assert!(SLOTS == 1 << SLOT_BITS && SLOTS % 64 == 0);
 const PHASE_BITS: u32 = 3;
 const PHASE_MASK: u64 = 0b111;
 const FREE: u64 = 0;
@@ -56,8 +58,11 @@ pub(crate) trait ReadyHook: Send + Sync {
 /// Who a waiter tells when its count reaches zero.
 #[derive(Debug)]
 enum Notify {
-    /// A blocked caller: unpark it.
-    Thread(Thread),
+    /// A blocked caller: unpark it, if it parked. Its handle is set only
+    /// when it is about to park (`Waiter::wait`): taking a thread's handle
+    /// costs two atomic reference counts, which a caller that finds its
+    /// answer while spinning (every SoftRoCE READ) never needs.
+    Thread(OnceLock<Thread>),
     /// An asynchronous operation: queue it (`hook` outlives every round of
     /// the operation that owns the waiter).
     Queue {
@@ -94,7 +99,7 @@ impl Waiter {
     pub(crate) fn new() -> Self {
         Self {
             remaining: AtomicUsize::new(0),
-            notify: Notify::Thread(std::thread::current()),
+            notify: Notify::Thread(OnceLock::new()),
             seq: AtomicU64::new(0),
         }
     }
@@ -119,6 +124,12 @@ impl Waiter {
         self.seq.store(seq, Ordering::Relaxed);
     }
 
+    /// True once a blocked caller set its handle to park (tests).
+    #[cfg(test)]
+    fn about_to_park(&self) -> bool {
+        matches!(&self.notify, Notify::Thread(parked) if parked.get().is_some())
+    }
+
     pub(crate) fn add(&self, n: usize) {
         self.remaining.fetch_add(n, Ordering::SeqCst);
     }
@@ -139,7 +150,14 @@ impl Waiter {
     fn complete_one(&self) {
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
             match &self.notify {
-                Notify::Thread(thread) => thread.unpark(),
+                Notify::Thread(parked) => {
+                    // Pairs with the fence in `wait`: either the waiter sees
+                    // the count at zero, or this sees its handle.
+                    fence(Ordering::SeqCst);
+                    if let Some(thread) = parked.get() {
+                        thread.unpark();
+                    }
+                }
                 // SAFETY: `for_queue`'s contract keeps the hook alive while
                 // a request counts on this waiter, and this one just did.
                 Notify::Queue { hook, token } => unsafe {
@@ -162,6 +180,14 @@ impl Waiter {
                     return self.remaining.load(Ordering::Acquire) == 0;
                 }
                 if now.duration_since(start) >= spin {
+                    if let Notify::Thread(parked) = &self.notify {
+                        parked.get_or_init(std::thread::current);
+                        // Pairs with the fence in `complete_one`.
+                        fence(Ordering::SeqCst);
+                        if self.remaining.load(Ordering::Acquire) == 0 {
+                            break;
+                        }
+                    }
                     std::thread::park_timeout(deadline - now);
                     continue;
                 }
@@ -186,7 +212,7 @@ struct Slot {
 #[derive(Debug)]
 pub(crate) struct Inflight {
     slots: Box<[Slot]>,
-    free: ArrayQueue<u16>,
+    free: FreeSlots<{ SLOTS / 64 }>,
     /// The id of the last direct READ armed (`NO_CANDIDATE` after any
     /// other request): the reader lands an answer straight in its buffer
     /// when it is the only request in flight.
@@ -228,13 +254,9 @@ impl Inflight {
                 code: AtomicU32::new(0),
             })
             .collect();
-        let free = ArrayQueue::new(SLOTS);
-        for i in 0..SLOTS {
-            let _ = free.push(i as u16);
-        }
         Self {
             slots,
-            free,
+            free: FreeSlots::all_free(),
             last_direct: AtomicU64::new(NO_CANDIDATE),
         }
     }
@@ -252,7 +274,7 @@ impl Inflight {
         waiter: &Waiter,
         direct: bool,
     ) -> Option<u64> {
-        let slot_index = self.free.pop()? as usize;
+        let slot_index = self.free.take()?;
         let slot = &self.slots[slot_index];
         let old_id = slot.state.load(Ordering::Relaxed) >> PHASE_BITS;
         let generation =
@@ -278,7 +300,7 @@ impl Inflight {
     /// Give it back with [`Inflight::landed`] or [`Inflight::unland`].
     pub(crate) fn land(&self) -> Option<Landing> {
         let id = self.last_direct.load(Ordering::Relaxed);
-        if id == NO_CANDIDATE || SLOTS - self.free.len() != 1 {
+        if id == NO_CANDIDATE || !self.free.one_taken() {
             return None;
         }
         let slot_index = (id & ((1 << SLOT_BITS) - 1)) as usize;
@@ -407,7 +429,7 @@ impl Inflight {
                 Ordering::Relaxed,
             ) {
                 Ok(_) => {
-                    let _ = self.free.push(slot_index as u16);
+                    self.free.put(slot_index);
                     return None;
                 }
                 // A reader is reading the socket into the buffer (one
@@ -425,7 +447,7 @@ impl Inflight {
         slot.waiter.store(std::ptr::null_mut(), Ordering::Relaxed);
         slot.state
             .store((request_id << PHASE_BITS) | FREE, Ordering::Release);
-        let _ = self.free.push(slot_index as u16);
+        self.free.put(slot_index);
     }
 }
 
@@ -472,6 +494,46 @@ mod tests {
         for id in ids {
             assert_eq!(t.finish(id), CODE_CONN_LOST);
         }
+    }
+
+    #[test]
+    fn a_parked_caller_is_woken_by_its_completion_not_its_deadline() {
+        let waiter = std::sync::Arc::new(Waiter::new());
+        waiter.add(1);
+        assert!(!waiter.about_to_park(), "no handle taken before it parks");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let caller = {
+            let waiter = std::sync::Arc::clone(&waiter);
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                (waiter.wait(Duration::ZERO, deadline), started.elapsed())
+            })
+        };
+        // The caller sets its handle just before it parks; complete then,
+        // so that only the unpark can end its wait in time.
+        while !waiter.about_to_park() {
+            assert!(Instant::now() < deadline, "the caller never came to park");
+            std::thread::yield_now();
+        }
+        waiter.complete_one();
+        let (answered, waited) = caller.join().unwrap();
+        assert!(answered);
+        assert!(
+            waited < Duration::from_secs(30),
+            "woken only by its deadline: {waited:?}"
+        );
+    }
+
+    #[test]
+    fn a_caller_that_finds_its_answer_spinning_takes_no_thread_handle() {
+        let waiter = Waiter::new();
+        waiter.add(1);
+        waiter.complete_one();
+        assert!(waiter.wait(
+            Duration::from_secs(1),
+            Instant::now() + Duration::from_secs(1)
+        ));
+        assert!(!waiter.about_to_park());
     }
 
     #[test]

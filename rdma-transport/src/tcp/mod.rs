@@ -3,6 +3,7 @@
 
 mod connection;
 mod deferred;
+mod free_slots;
 mod inflight;
 mod poller;
 mod receive;
