@@ -15,11 +15,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use arc_swap::Guard;
 use parking_lot::Mutex;
 
+use super::fast_view::FastView;
 use super::map_state::MapState;
 use super::request::Target;
-use super::round::Round;
+use super::round::{OnMap, Round};
 use super::Inner;
 use crate::error::TransportError;
 use crate::page::{is_page_aligned, Page, PAGE_SIZE};
@@ -252,7 +254,8 @@ impl Inner {
                     lane.phase = Phase::Fallback;
                     return Next::Fallback;
                 }
-                Fast::Ready(state, n, end) => {
+                Fast::Ready(view, n, end) => {
+                    let state = Arc::clone(&view.state);
                     lane.seq += 1;
                     lane.waiter.start_round(lane.seq);
                     lane.n = n;
@@ -267,7 +270,10 @@ impl Inner {
                     lane.waiter.add(1);
                     self.submit_round(
                         &mut lane.round,
-                        &state,
+                        OnMap {
+                            state: &state,
+                            links: &view.links,
+                        },
                         &lane.targets[..n],
                         &mut pages,
                         &lane.waiter,
@@ -351,7 +357,7 @@ impl Inner {
         // One guard on the published view (`fast_view.rs`) instead of a
         // map load plus a link load per address.
         let view = self.view.load();
-        let state = Arc::clone(&view.state);
+        let state = &view.state;
         let mut n = 0;
         for i in lane.from..lane.end {
             let gpa = batch.gpas[i];
@@ -359,7 +365,7 @@ impl Inner {
                 if n == 0 {
                     return Fast::Skip(i, TransportError::Unaligned { gpa });
                 }
-                return Fast::Ready(state, n, i);
+                return Fast::Ready(view, n, i);
             }
             let Some(loc) = state.map.lookup(gpa) else {
                 return Fast::Blocked;
@@ -385,14 +391,15 @@ impl Inner {
             };
             n += 1;
         }
-        Fast::Ready(state, n, lane.end)
+        Fast::Ready(view, n, lane.end)
     }
 }
 
 /// What `resolve_fast` found.
 enum Fast {
-    /// Targets `0..n` go out now; the round covers addresses up to `end`.
-    Ready(Arc<MapState>, usize, usize),
+    /// Targets `0..n` go out now, on the view's links; the round covers
+    /// addresses up to `end`.
+    Ready(Guard<Arc<FastView>>, usize, usize),
     /// Address `at` fails on its own: skip it.
     Skip(usize, TransportError),
     /// Needs the blocking engine.

@@ -9,6 +9,7 @@
 //! used, so a one-page request clears no large arrays.
 
 use std::cell::Cell;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
@@ -153,6 +154,17 @@ impl Round {
     }
 }
 
+/// What a round's targets were resolved on: the map, and, when they were
+/// resolved on the published view (`fast_view.rs`), the connection each of
+/// its nodes had then (`links[i]` for `state.nodes[i]`). A published link
+/// that is not broken is used as it is; otherwise (or with no links) the
+/// node's current link is loaded, or dialled.
+#[derive(Clone, Copy)]
+pub(super) struct OnMap<'a> {
+    pub(super) state: &'a MapState,
+    pub(super) links: &'a [Option<Arc<Link>>],
+}
+
 impl Inner {
     /// Puts `targets` on the wire as `round.opcode` requests, grouped by
     /// node, counting each request on `waiter`. `round` must be fresh or
@@ -162,7 +174,7 @@ impl Inner {
     pub(super) fn submit_round(
         &self,
         round: &mut Round,
-        state: &MapState,
+        on: OnMap<'_>,
         targets: &[Target],
         chunk_pages: &mut Pages<'_>,
         waiter: &Waiter,
@@ -177,7 +189,7 @@ impl Inner {
                 continue;
             }
             let node_index = targets[i].loc.node_index;
-            let node = &state.nodes[node_index];
+            let node = &on.state.nodes[node_index];
             // At most MAX_CHUNK each, so they stay on the stack; unlike
             // arrays they are not zeroed first (a one-page round fills one
             // entry, not ~4 KiB).
@@ -203,7 +215,17 @@ impl Inner {
             let m = reqs.len();
             // Nothing goes to a server that is not in the epoch the
             // group's ranges are valid in (see `epoch.rs`).
-            let link = self.connection(node, deadline).and_then(|link| {
+            let published = on
+                .links
+                .get(node_index)
+                .and_then(Option::as_deref)
+                .filter(|link| !link.is_broken())
+                .cloned();
+            let link = match published {
+                Some(link) => Ok(link),
+                None => self.connection(node, deadline),
+            };
+            let link = link.and_then(|link| {
                 self.check_epochs(node, link.epoch(), &fenced[..m], deadline)
                     .map(|()| link)
             });
@@ -378,7 +400,7 @@ impl Inner {
         round.land_direct = false;
         self.submit_round(
             &mut round,
-            state,
+            OnMap { state, links: &[] },
             targets,
             &mut chunk_pages,
             &waiter,

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 
 use super::inflight::{Inflight, Waiter};
 use super::poller::PollerHandle;
@@ -173,14 +174,16 @@ impl TcpConnection {
         deadline: Instant,
     ) -> Result<(), (usize, io::Error)> {
         debug_assert!(reqs.len() <= MAX_CHUNK && ids.len() >= reqs.len());
-        let mut headers = [[0u8; HEADER_LEN]; MAX_CHUNK];
+        // On the stack, filled only as far as the call goes: arrays would be
+        // zeroed first (~4 KiB for a one-page call).
+        let mut headers = SmallVec::<[[u8; HEADER_LEN]; MAX_CHUNK]>::new();
         let _guard = self.send_lock.lock();
         for (i, req) in reqs.iter().enumerate() {
             let (id, header) = self
                 .arm_one(opcode, req, waiter, deadline, false)
                 .map_err(|e| (i, e))?;
             ids[i] = id;
-            headers[i] = header;
+            headers.push(header);
         }
         // The poller sets `broken` before failing pending slots; checking it
         // after arming closes the window where a slot armed after that sweep
@@ -192,25 +195,21 @@ impl TcpConnection {
             self.inflight.fail_all(super::inflight::CODE_CONN_LOST);
             return Err((reqs.len(), io::Error::from(io::ErrorKind::NotConnected)));
         }
-        let mut iov_buf = [IoSlice::new(&[]); 2 * MAX_CHUNK];
-        let mut n = 0;
-        for (i, req) in reqs.iter().enumerate() {
-            iov_buf[n] = IoSlice::new(&headers[i]);
-            n += 1;
+        let mut iov = SmallVec::<[IoSlice<'_>; 2 * MAX_CHUNK]>::new();
+        for (header, req) in headers.iter().zip(reqs) {
+            iov.push(IoSlice::new(header));
             if opcode == Opcode::Write {
                 // SAFETY: for WRITE, `page` points at a caller-owned page that
                 // stays borrowed for the whole call.
                 let page: &Page = unsafe { &*req.page.cast::<Page>() };
-                iov_buf[n] = IoSlice::new(page);
-                n += 1;
+                iov.push(IoSlice::new(page));
             }
         }
-        self.write_all_vectored(&mut iov_buf[..n], deadline)
-            .map_err(|e| {
-                // A partial write leaves the stream's framing unknown: drop it.
-                self.mark_broken(super::inflight::CODE_CONN_LOST);
-                (reqs.len(), e)
-            })
+        self.write_all_vectored(&mut iov, deadline).map_err(|e| {
+            // A partial write leaves the stream's framing unknown: drop it.
+            self.mark_broken(super::inflight::CODE_CONN_LOST);
+            (reqs.len(), e)
+        })
     }
 
     /// Arms a slot for `req` (waiting for a free one until `deadline`) and
