@@ -273,6 +273,7 @@ impl Inner {
                         OnMap {
                             state: &state,
                             links: &view.links,
+                            regions: view.regions.as_ref(),
                         },
                         &lane.targets[..n],
                         &mut pages,

@@ -8,6 +8,8 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use super::{Inner, Node};
 use crate::error::TransportError;
 use crate::page::PAGE_SIZE;
@@ -73,6 +75,15 @@ impl RdmaChunk {
         self.direct_reqs = 0;
         self.direct_groups = 0;
         self.regions = None;
+    }
+
+    /// Holds `table` (the published view's) for the requests submitted
+    /// next, unless the round holds one already or it is empty: then
+    /// `submit_rdma` does not load the registry's table itself.
+    pub(super) fn hold_regions(&mut self, table: &Arc<RegionTable>) {
+        if self.regions.is_none() && !table.is_empty() {
+            self.regions = Some(Arc::clone(table));
+        }
     }
 }
 
@@ -140,13 +151,11 @@ impl Inner {
         failed: &mut u64,
     ) -> Option<TransportError> {
         let mut first_error = None;
-        let mut ops = [PageOp {
-            offset: 0,
-            local: std::ptr::null_mut(),
-            lkey: 0,
-        }; MAX_CHUNK];
-        let mut k = 0;
-        // `read_frame` brings its own (registered) frame.
+        // Filled only as far as the group goes (an array would be zeroed
+        // first: 1.5 KiB for a one-page round).
+        let mut ops = SmallVec::<[PageOp; MAX_CHUNK]>::new();
+        // `read_frame` brings its own (registered) frame. A round resolved
+        // on the published view came with the view's table (`OnMap`).
         if pages.frame.is_none() && chunk.regions.is_none() {
             if let Some(rdma) = &self.rdma {
                 let regions = rdma.device.registry.current();
@@ -174,12 +183,11 @@ impl Inner {
                 .as_ref()
                 .and_then(|t| t.lkey(req.page, PAGE_SIZE));
             if let Some(lkey) = lkey {
-                ops[k] = PageOp {
+                ops.push(PageOp {
                     offset: req.offset,
                     local: req.page,
                     lkey,
-                };
-                k += 1;
+                });
                 chunk.direct_reqs |= 1 << j;
                 chunk.direct_groups |= 1 << group;
                 chunk.group_of[j] = group;
@@ -204,18 +212,17 @@ impl Inner {
                 // on it is in flight.
                 unsafe { std::ptr::copy_nonoverlapping(req.page, frame.as_ptr(), PAGE_SIZE) };
             }
-            ops[k] = PageOp {
+            ops.push(PageOp {
                 offset: req.offset,
                 local: frame.as_ptr(),
                 lkey: conn.pool_lkey(),
-            };
-            k += 1;
+            });
             chunk.frames[j] = Some(frame);
             chunk.dst[j] = req.page;
             chunk.group_of[j] = group;
         }
-        if k > 0 {
-            match conn.submit(write, &ops[..k], waiter, deadline) {
+        if !ops.is_empty() {
+            match conn.submit(write, &ops, waiter, deadline) {
                 Ok(id) => chunk.ids[group] = Some(id),
                 Err(err) => {
                     chunk.ids[group] = err.armed;
@@ -251,8 +258,10 @@ impl Inner {
         lost: &mut u64,
     ) -> Option<TransportError> {
         let mut first_error = None;
-        // Per group: None = nothing posted; Some(None) = timed out.
-        let mut outcome = [None::<Option<u32>>; MAX_CHUNK];
+        // Per group: None = nothing posted; Some(None) = timed out. As far
+        // as the round has groups (not 64 entries zeroed for one).
+        let mut outcome =
+            SmallVec::<[Option<Option<u32>>; MAX_CHUNK]>::from_elem(None, chunk.groups);
         for g in 0..chunk.groups {
             let (Some(conn), Some(id)) = (&chunk.conns[g], chunk.ids[g].take()) else {
                 continue;
@@ -333,8 +342,22 @@ impl Inner {
 
     /// The error a batch's completion code means; a failed batch's
     /// connection is torn down and forgotten, so the next request builds a
-    /// new QP.
+    /// new QP. Inlined for the common case (success: no error).
+    #[inline]
     pub(super) fn rdma_error(
+        &self,
+        code: Option<u32>,
+        conn: &Arc<RdmaConnection>,
+        node: &Node,
+    ) -> Option<TransportError> {
+        if code == Some(0) {
+            return None;
+        }
+        self.rdma_failure(code, conn, node)
+    }
+
+    #[cold]
+    fn rdma_failure(
         &self,
         code: Option<u32>,
         conn: &Arc<RdmaConnection>,

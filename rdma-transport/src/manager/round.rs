@@ -21,6 +21,7 @@ use super::rdma_batch::{Pages, RdmaChunk};
 use super::request::{connection_lost, Outcome, Target};
 use super::tcp_chunk::{Sent, TcpChunk};
 use super::{Inner, Node};
+use crate::rdma::RegionTable;
 use crate::tcp::{Request, TcpConnection, Waiter, MAX_CHUNK};
 use crate::wire::Opcode;
 
@@ -156,13 +157,15 @@ impl Round {
 
 /// What a round's targets were resolved on: the map, and, when they were
 /// resolved on the published view (`fast_view.rs`), the connection each of
-/// its nodes had then (`links[i]` for `state.nodes[i]`). A published link
-/// that is not broken is used as it is; otherwise (or with no links) the
-/// node's current link is loaded, or dialled.
+/// its nodes had then (`links[i]` for `state.nodes[i]`) and the table of
+/// registered memory. A published link that is not broken is used as it
+/// is; otherwise (or with no links) the node's current link is loaded, or
+/// dialled. Without a table, RDMA groups load the registry's.
 #[derive(Clone, Copy)]
 pub(super) struct OnMap<'a> {
     pub(super) state: &'a MapState,
     pub(super) links: &'a [Option<Arc<Link>>],
+    pub(super) regions: Option<&'a Arc<RegionTable>>,
 }
 
 impl Inner {
@@ -233,6 +236,11 @@ impl Inner {
             let conn = match link {
                 Ok(Link::Tcp(c)) => c,
                 Ok(Link::Rdma(c)) => {
+                    // `read_frame`'s page goes into its own frame, never
+                    // straight into registered memory.
+                    if let (Some(table), None) = (on.regions, &chunk_pages.frame) {
+                        round.rdma.hold_regions(table);
+                    }
                     round.group_count += 1;
                     round.group_nodes[group] = node_index;
                     let write = opcode == Opcode::Write;
@@ -400,7 +408,11 @@ impl Inner {
         round.land_direct = false;
         self.submit_round(
             &mut round,
-            OnMap { state, links: &[] },
+            OnMap {
+                state,
+                links: &[],
+                regions: None,
+            },
             targets,
             &mut chunk_pages,
             &waiter,
