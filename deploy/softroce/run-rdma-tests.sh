@@ -88,6 +88,7 @@ runner="$work/vm-rdma-suite.sh"
     echo 'failed=0'
     # The clock the bench times with: a system call and an emulated HPET
     # read on 6.1 (its TSC is marked unstable under TCG), the TSC on 6.12.
+    # shellcheck disable=SC2016 # expanded in the VM
     echo 'echo "VMCLOCK $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource) kernel $SOFTROCE_KERNEL_VERSION"'
     for exe in "${exes[@]}"; do
         name="$(basename "$exe")"

@@ -52,6 +52,7 @@ b="$(softroce_shell_quote "$bench_exe")"
 {
     echo '#!/bin/sh'
     echo 'failed=0'
+    # shellcheck disable=SC2016 # expanded in the VM
     echo 'echo "VMCLOCK $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource) kernel $SOFTROCE_KERNEL_VERSION"'
     echo 'grep -qw "idle=poll" /proc/cmdline && echo "VMIDLE poll" || echo "VMIDLE halt"'
     cat <<'VMEOF'

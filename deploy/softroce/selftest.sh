@@ -2,7 +2,9 @@
 # Self-check of the SoftRoCE harness: set up (or reuse) the cache, boot the
 # VM once, and in it check that rxe0 exists and is active (sysfs,
 # ibv_devinfo, dlopen("libibverbs.so.1") like the Rust transport does) and
-# run perftest. Exits non-zero if no rxe device was found or a check failed.
+# run perftest; then check that a kernel panicking at boot is booted once
+# more before the run is reported as a boot failure. Exits non-zero if no
+# rxe device was found or a check failed.
 #
 #   deploy/softroce/selftest.sh [run-in-vm.sh OPTIONS]
 # shellcheck source-path=SCRIPTDIR
@@ -37,6 +39,21 @@ rc=0
 SOFTROCE_SKIP_SETUP=1 "$here/run-in-vm.sh" --timeout 300 "${args[@]}" "$@" -- \
     "$here/vm-selftest.sh" "$here/vm-perftest.sh" "${check_args[@]}" | tee "$work/out.txt" || rc=$?
 vm_s="$(since_s "$t1")"
+
+# A kernel that panics before the program starts is booted twice, then
+# reported as a boot failure (125): rdinit= and init= naming no file make
+# the kernel panic at boot, deterministically.
+panic_rc=0
+SOFTROCE_SKIP_SETUP=1 SOFTROCE_KERNEL_ARGS="rdinit=/nonexistent init=/nonexistent" \
+    "$here/run-in-vm.sh" --timeout 120 -- true >/dev/null 2>"$work/panic.err" || panic_rc=$?
+boots="$(grep -c '^softroce: booting VM' "$work/panic.err" || true)"
+if ((panic_rc == 125 && boots == 2)) && grep -q 'panicked again' "$work/panic.err"; then
+    echo "SELFTEST boot-panic-retry ok" | tee -a "$work/out.txt"
+else
+    echo "SELFTEST boot-panic-retry FAILED (exit $panic_rc, $boots boots)" | tee -a "$work/out.txt"
+fi
+kept="$(sed -n 's/^softroce: run directory kept: //p' "$work/panic.err")"
+[[ -z "$kept" ]] || rm -rf "$kept"
 
 # Each required line missing counts as one more failed check.
 failed="$(grep -c '^SELFTEST .* FAILED$' "$work/out.txt" || true)"
