@@ -11,8 +11,10 @@
 #
 #   deploy/softroce/run-zero-copy-bench.sh [--rounds N] [--ops N] [run-in-vm.sh OPTIONS]
 #
-# Prints per round, then the medians of the per-round ratios and the
-# best-of ratios (best of ours over best of perftest's):
+# Prints per round, then the medians of the per-round ratios, the same
+# bracketed (each round against the mean of perftest's runs before it and
+# after it: perftest runs once more after the last round) and the best-of
+# ratios (best of ours over best of perftest's):
 #   READ p50 / ib_read_lat t_typical, WRITE mean / ib_write_bw per-op time,
 #   depth-16 READ pages/s (zc, bounce, async) / ib_read_bw -t 16 msg/s.
 # Every bench run checks every page it moves; a run that is not verified
@@ -88,6 +90,11 @@ VMEOF
             printf 'else tail -n 5 /tmp/%s.err; echo "RDMABENCH FAILED %s"; failed=1; fi\n' "$name" "$name"
         done
     done
+    # perftest once more after the last round: every round's runs are then
+    # bracketed by perftest's runs before and after them.
+    printf 'PERFTEST_ITERS=%s %s ib_read_lat || failed=1\n' "$ops" "$(softroce_shell_quote "$here/vm-perftest.sh")"
+    printf 'bw ib_write_bw 1 %s\n' "$((18700 + 2 * rounds + 2))"
+    printf 'bw ib_read_bw 16 %s\n' "$((18701 + 2 * rounds + 2))"
     # shellcheck disable=SC2016 # expanded by the generated script
     echo 'exit "$failed"'
 } >"$runner"
@@ -122,13 +129,20 @@ if grep -aq '^VMIDLE halt' "$out" && ! grep -aq '^VMCLOCK .* kernel 6\.1\.' "$ou
 fi
 printf '%-6s | %-28s | %-30s | %-34s\n' round "READ p50 us zc/bounce/perf" "WRITE mean us zc/bounce/perf" "depth16 pages/s zc/bounce/async/perf"
 declare -A all=()
-for ((r = 1; r <= rounds; r++)); do
+# perftest's figures of round r (r = rounds + 1: the closing run).
+perf_round() {
+    local r="$1" perf wbw rbw
     perf="$(grep '^PERFTEST ib_read_lat .*t_typical_us=' "$out" | sed -n "${r}p")"
     wbw="$(grep '^PERFBW ib_write_bw .*msg_per_s=' "$out" | sed -n "${r}p")"
     rbw="$(grep '^PERFBW ib_read_bw .*msg_per_s=' "$out" | sed -n "${r}p")"
     p_read="$(field t_typical_us "$perf")"
     p_write="$(awk -v m="$(field msg_per_s "$wbw")" 'BEGIN { if (m > 0) printf "%.1f", 1e6 / m }')"
     p_bw="$(field msg_per_s "$rbw")"
+    all[perf.read.$r]="$p_read" all[perf.write.$r]="$p_write" all[perf.d16.$r]="$p_bw"
+}
+perf_round $((rounds + 1))
+for ((r = 1; r <= rounds; r++)); do
+    perf_round "$r"
     for side in zc bounce; do
         rec_r="$(record "$side$r" read)" rec_w="$(record "$side$r" write)" rec_d="$(record "${side}16_$r" read)"
         for rec in "$rec_r" "$rec_w" "$rec_d"; do
@@ -147,16 +161,21 @@ for ((r = 1; r <= rounds; r++)); do
         failed=1
     fi
     all[async.d16.$r]="$(awk -v v="$(json pages_per_s "$rec_a")" 'BEGIN { printf "%.0f", v }')"
-    all[perf.read.$r]="$p_read" all[perf.write.$r]="$p_write" all[perf.d16.$r]="$p_bw"
     printf '%-6s | %-28s | %-30s | %-34s\n' "$r" \
         "${all[zc.read.$r]}/${all[bounce.read.$r]}/$p_read" \
         "${all[zc.write.$r]}/${all[bounce.write.$r]}/$p_write" \
         "${all[zc.d16.$r]}/${all[bounce.d16.$r]}/${all[async.d16.$r]}/$p_bw"
 done
-summary() { # summary KIND SIDE: median of per-round ratios, and best-of
-    local kind="$1" side="$2" ratios="" ours="" theirs=""
+summary() { # summary KIND SIDE: median of per-round ratios, bracketed, best-of
+    local kind="$1" side="$2" ratios="" bracketed="" ours="" theirs="" around
     for ((r = 1; r <= rounds; r++)); do
         ratios+=" $(ratio "${all[$side.$kind.$r]}" "${all[perf.$kind.$r]}")"
+        # Against the mean of perftest's runs before and after this round's
+        # (the VM's speed drifts within a round; a missing closing run
+        # leaves the plain pairing).
+        around="$(awk -v a="${all[perf.$kind.$r]}" -v b="${all[perf.$kind.$((r + 1))]:-}" \
+            'BEGIN { print (b > 0 ? (a + b) / 2 : a) }')"
+        bracketed+=" $(ratio "${all[$side.$kind.$r]}" "$around")"
         ours+=" ${all[$side.$kind.$r]}" theirs+=" ${all[perf.$kind.$r]}"
     done
     local best
@@ -166,6 +185,7 @@ summary() { # summary KIND SIDE: median of per-round ratios, and best-of
         best="$(ratio "$(minimum <<<"$ours")" "$(minimum <<<"$theirs")")"
     fi
     printf '%s/perftest %-6s: per-round%s; median %s; best-of %s\n' "$side" "$kind" "$ratios" "$(median <<<"$ratios")" "$best"
+    printf '%s/perftest %-6s: bracketed%s; median %s\n' "$side" "$kind" "$bracketed" "$(median <<<"$bracketed")"
 }
 for kind in read write d16; do
     for side in zc bounce; do
