@@ -50,7 +50,7 @@ boots="$(grep -c '^softroce: booting VM' "$work/panic.err" || true)"
 if ((panic_rc == 125 && boots == 2)) && grep -q 'panicked again' "$work/panic.err"; then
     echo "SELFTEST boot-panic-retry ok" | tee -a "$work/out.txt"
 else
-    echo "SELFTEST boot-panic-retry FAILED (exit $panic_rc, $boots boots)" | tee -a "$work/out.txt"
+    echo "SELFTEST boot-panic-retry (exit $panic_rc, $boots boots) FAILED" | tee -a "$work/out.txt"
 fi
 kept="$(sed -n 's/^softroce: run directory kept: //p' "$work/panic.err")"
 [[ -z "$kept" ]] || rm -rf "$kept"
