@@ -79,7 +79,8 @@ impl RdmaChunk {
 
     /// Holds `table` (the published view's) for the requests submitted
     /// next, unless the round holds one already or it is empty: then
-    /// `submit_rdma` does not load the registry's table itself.
+    /// `submit_rdma` does not load the registry's table itself (and still
+    /// decides which pages land straight in registered memory).
     pub(super) fn hold_regions(&mut self, table: &Arc<RegionTable>) {
         if self.regions.is_none() && !table.is_empty() {
             self.regions = Some(Arc::clone(table));
@@ -154,9 +155,12 @@ impl Inner {
         // Filled only as far as the group goes (an array would be zeroed
         // first: 1.5 KiB for a one-page round).
         let mut ops = SmallVec::<[PageOp; MAX_CHUNK]>::new();
-        // `read_frame` brings its own (registered) frame. A round resolved
-        // on the published view came with the view's table (`OnMap`).
-        if pages.frame.is_none() && chunk.regions.is_none() {
+        // `read_frame` brings its own (registered) frame: its page never
+        // goes straight into registered memory, whatever table the round
+        // holds. A round resolved on the published view came with the
+        // view's table (`OnMap`).
+        let framed = pages.frame.is_some();
+        if !framed && chunk.regions.is_none() {
             if let Some(rdma) = &self.rdma {
                 let regions = rdma.device.registry.current();
                 if !regions.is_empty() {
@@ -181,6 +185,7 @@ impl Inner {
             let lkey = chunk
                 .regions
                 .as_ref()
+                .filter(|_| !framed)
                 .and_then(|t| t.lkey(req.page, PAGE_SIZE));
             if let Some(lkey) = lkey {
                 ops.push(PageOp {

@@ -236,9 +236,7 @@ impl Inner {
             let conn = match link {
                 Ok(Link::Tcp(c)) => c,
                 Ok(Link::Rdma(c)) => {
-                    // `read_frame`'s page goes into its own frame, never
-                    // straight into registered memory.
-                    if let (Some(table), None) = (on.regions, &chunk_pages.frame) {
+                    if let Some(table) = on.regions {
                         round.rdma.hold_regions(table);
                     }
                     round.group_count += 1;
