@@ -20,6 +20,7 @@ mod matrix;
 mod pattern;
 mod replicas;
 mod report;
+mod verbs_compare;
 mod workload;
 
 use std::path::PathBuf;
@@ -144,6 +145,15 @@ struct Args {
     /// overhead against the layout with the lowest p50.
     #[arg(long)]
     baseline: bool,
+    /// RDMA: also run a bare verbs loop in this process (two RC QPs on the
+    /// same device, one READ or WRITE posted and its completion spun on, as
+    /// perftest does), alternating blocks of `--verbs-block` operations
+    /// with ours, and print our overhead against it. One thread, depth 1.
+    #[arg(long)]
+    verbs_baseline: bool,
+    /// Operations per block of `--verbs-baseline`.
+    #[arg(long, default_value_t = 250, value_name = "OPS")]
+    verbs_block: u64,
     /// Poller mode: busy (pollers and callers spin before they block) or
     /// event (nobody spins). The bench's default is busy; the library's is
     /// event.
@@ -356,6 +366,17 @@ fn run() -> anyhow::Result<()> {
     if args.compare_replicas && args.replicas < 2 {
         bail!("--compare-replicas compares --replicas 2 or more with one holder per range");
     }
+    if args.verbs_baseline
+        && (args.transport != TransportKind::Rdma
+            || args.threads != 1
+            || args.depth != 1
+            || args.verbs_block == 0
+            || matches!(args.op, Some(Op::Fault | Op::Coherence))
+            || args.fail_node_after_ms.is_some()
+            || args.baseline)
+    {
+        bail!("--verbs-baseline needs --transport rdma, --op read or write, one thread, --depth 1, --verbs-block 1 or more, no failure and no --baseline");
+    }
     if args.compare_rounds == 0 {
         bail!("--compare-rounds must be at least 1");
     }
@@ -461,6 +482,11 @@ fn run() -> anyhow::Result<()> {
         set.len()
     );
     set.fill(&mgr, 1).context("filling remote memory")?;
+    let mut bare_verbs = if args.verbs_baseline {
+        Some(baseline::verbs::BareVerbs::connect(&config, set.len(), 1)?)
+    } else {
+        None
+    };
 
     let ops: Vec<Op> = match args.op {
         Some(op) => vec![op],
@@ -530,6 +556,31 @@ fn run() -> anyhow::Result<()> {
                 pattern,
             };
             seed += 1;
+            if let Some(bare) = bare_verbs.as_mut() {
+                let alt = verbs_compare::alternate(
+                    &mgr,
+                    &set,
+                    spec,
+                    seed,
+                    args.api,
+                    bare,
+                    args.verbs_block,
+                )?;
+                let mut ours = Record::new(&data_path_name(&mgr), spec, nodes, &alt.ours);
+                ours.api = Some(args.api.name().into());
+                ours.placement = Some(placement.clone());
+                let base = Record::new("bare-verbs", spec, 1, &alt.bare);
+                lines.push(verbs_compare::ratio_line(
+                    &ours,
+                    &base,
+                    &alt,
+                    args.verbs_block,
+                ));
+                keyed_runs.push((spec, seed));
+                records.push(ours);
+                records.push(base);
+                continue;
+            }
             let progress = progress_bar(args.ops, &format!("{op:?}"));
             let ours = match (args.fail_node_after_ms, cluster.as_mut()) {
                 (Some(after_ms), Some(c)) => {

@@ -21,6 +21,7 @@ mod pingpong;
 mod pipelined;
 mod remote_fault;
 pub mod uffd_fault;
+pub mod verbs;
 
 use anyhow::bail;
 

@@ -1,0 +1,252 @@
+//! The bare RDMA program: what perftest's `ib_read_lat` and `ib_write_bw -t
+//! 1` do, in this process. Two RC QPs on the device under test, connected
+//! to each other with this project's QP parameters (`connect_qp`); one
+//! 4 KiB READ or WRITE posted at a time from a registered page into a
+//! registered "remote" region, its completion spun on in the same thread,
+//! nothing else in between. Only the post and the spin are timed, as only
+//! the library call is in ours. Every page is checked: reads as they land,
+//! writes by reading the region after the run.
+//!
+//! [`BareVerbs`] keeps its QPs and memory between calls of
+//! [`BareVerbs::run`], so the bench can alternate short blocks of it with
+//! short blocks of ours in one process (bench/src/verbs_compare.rs): the
+//! SoftRoCE VM changes speed every few seconds, and a ratio is only fair
+//! between two loops that met the same speeds.
+
+use std::alloc::{self, Layout};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use rdma_transport::rdma::{connect_qp, random_psn, PortInfo, QpTimeouts};
+use rdma_transport::verbs::{
+    AccessFlags, CompletionQueue, Context, MemoryRegion, QpCaps, QueuePair, SendWr, Verbs,
+    WorkCompletion,
+};
+use rdma_transport::{ManagerConfig, Page, PAGE_SIZE};
+
+use crate::pattern;
+use crate::workload::{new_histogram, Op, Outcome};
+
+/// How long one operation may take before the loop gives up (a lost
+/// completion must fail the run, not hang it).
+const OP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Zeroed, page-aligned memory the device reads and writes. Only raw
+/// pointers reach it while a memory region covers it.
+struct DeviceBuf {
+    ptr: *mut u8,
+    layout: Layout,
+}
+
+impl DeviceBuf {
+    fn new(pages: usize) -> anyhow::Result<Self> {
+        let layout = Layout::from_size_align(pages.max(1) * PAGE_SIZE, PAGE_SIZE)
+            .context("buffer layout")?;
+        // SAFETY: the layout's size is at least one page (non-zero).
+        let ptr = unsafe { alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            bail!("allocating {} bytes for the bare RDMA loop", layout.size());
+        }
+        Ok(Self { ptr, layout })
+    }
+
+    fn page_addr(&self, i: usize) -> *mut u8 {
+        self.ptr.wrapping_add(i * PAGE_SIZE)
+    }
+
+    /// Page `i`, for the loop to fill or check.
+    ///
+    /// # Safety
+    /// `i` is in bounds and no work request on this page is outstanding
+    /// (the device neither reads nor writes it until the reference is
+    /// dropped).
+    unsafe fn page(&mut self, i: usize) -> &mut Page {
+        debug_assert!((i + 1) * PAGE_SIZE <= self.layout.size());
+        // SAFETY: per this fn's contract the page is in bounds, aligned
+        // (page-aligned buffer) and not touched by the device meanwhile;
+        // `&mut self` keeps the loop from holding two references.
+        unsafe { &mut *self.page_addr(i).cast::<Page>() }
+    }
+}
+
+impl Drop for DeviceBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout; the memory regions
+        // over it are fields of `BareVerbs` declared before the buffers,
+        // so they are deregistered first.
+        unsafe { alloc::dealloc(self.ptr, self.layout) };
+    }
+}
+
+/// Two connected QPs and their memory. Field order is drop order: QPs,
+/// CQs, MRs, then the buffers under them.
+pub struct BareVerbs {
+    qp: QueuePair,
+    _target_qp: QueuePair,
+    cq: CompletionQueue,
+    _target_cq: CompletionQueue,
+    local_mr: MemoryRegion,
+    region_mr: MemoryRegion,
+    local: DeviceBuf,
+    region: DeviceBuf,
+    pages: usize,
+    /// The seed each region page holds now (its last write's).
+    seeds: Vec<u64>,
+    /// Blocks run so far: each write block writes its own seed.
+    blocks: u64,
+}
+
+impl BareVerbs {
+    /// Opens the device `config` names (port, GID index), connects two QPs
+    /// on it and fills a region of `pages` pages with `seed`'s pattern.
+    pub fn connect(config: &ManagerConfig, pages: usize, seed: u64) -> anyhow::Result<Self> {
+        let verbs = Verbs::load().context("loading libibverbs for the bare RDMA loop")?;
+        let ctx = Context::open(&verbs, config.rdma_device.as_deref())
+            .context("opening the RDMA device for the bare RDMA loop")?;
+        let port = PortInfo::query(&ctx, config.rdma_port, config.rdma_gid_index)
+            .context("querying the RDMA port")?;
+        let pd = ctx.alloc_pd()?;
+        let local = DeviceBuf::new(1)?;
+        let mut region = DeviceBuf::new(pages)?;
+        for i in 0..pages {
+            // SAFETY: in bounds; nothing is registered yet.
+            pattern::fill(unsafe { region.page(i) }, page_gpa(i), seed);
+        }
+        // SAFETY: both buffers outlive their MRs (drop order of `Self`);
+        // the loop touches them only while no request on them is
+        // outstanding (`DeviceBuf::page`).
+        let local_mr = unsafe { pd.register_raw(local.ptr, PAGE_SIZE, AccessFlags::LOCAL_WRITE) }?;
+        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
+        // SAFETY: as above.
+        let region_mr = unsafe { pd.register_raw(region.ptr, pages * PAGE_SIZE, access) }?;
+        let cq = ctx.create_cq(16, None, 0)?;
+        let target_cq = ctx.create_cq(16, None, 0)?;
+        let caps = QpCaps {
+            max_send_wr: 4,
+            max_recv_wr: 1,
+            ..QpCaps::default()
+        };
+        let qp = pd.create_rc_qp(&cq, &cq, &caps)?;
+        let target_qp = pd.create_rc_qp(&target_cq, &target_cq, &caps)?;
+        let (psn, target_psn) = (random_psn(), random_psn());
+        for q in [&qp, &target_qp] {
+            q.modify_to_init(port.port, access)?;
+        }
+        let hello = port.hello(&qp, psn);
+        let target_hello = port.hello(&target_qp, target_psn);
+        let timeouts = QpTimeouts {
+            ack_timeout_code: config.rdma_ack_timeout,
+            retry_count: config.rdma_retry_count,
+        };
+        connect_qp(&qp, &port, psn, &target_hello, timeouts).context("connecting the bare QP")?;
+        connect_qp(&target_qp, &port, target_psn, &hello, timeouts)
+            .context("connecting the bare target QP")?;
+        Ok(Self {
+            qp,
+            _target_qp: target_qp,
+            cq,
+            _target_cq: target_cq,
+            local_mr,
+            region_mr,
+            local,
+            region,
+            pages,
+            seeds: vec![seed; pages],
+            blocks: 0,
+        })
+    }
+
+    /// Runs `ops` READs or WRITEs of region pages picked by `next_page`
+    /// (one in flight), reads checked as they land. A write block writes
+    /// a seed of its own; [`BareVerbs::check_region`] checks them.
+    pub fn run(
+        &mut self,
+        op: Op,
+        ops: u64,
+        mut next_page: impl FnMut() -> usize,
+    ) -> anyhow::Result<Outcome> {
+        if op != Op::Read && op != Op::Write {
+            bail!("the bare RDMA loop reads and writes pages only");
+        }
+        self.blocks += 1;
+        let write_seed = 0x5eed_0000_0000 + self.blocks;
+        let mut hist = new_histogram();
+        let (mut bad, mut checked) = (0u64, 0u64);
+        let sge = [self.local_mr.sge(0, PAGE_SIZE).context("local SGE")?];
+        let rkey = self.region_mr.rkey();
+        let start = Instant::now();
+        for _ in 0..ops {
+            let i = next_page() % self.pages;
+            if op == Op::Write {
+                // SAFETY: page 0 of one; no request is outstanding.
+                pattern::fill(unsafe { self.local.page(0) }, page_gpa(i), write_seed);
+            }
+            let remote = self.region.page_addr(i) as u64;
+            let wr = match op {
+                Op::Write => SendWr::rdma_write(i as u64, &sge, remote, rkey),
+                _ => SendWr::rdma_read(i as u64, &sge, remote, rkey),
+            };
+            let t0 = Instant::now();
+            self.qp.post_send(&mut [wr.signaled()])?;
+            self.wait_one()?;
+            let latency_ns = t0.elapsed().as_nanos() as u64;
+            let _ = hist.record(latency_ns.max(1));
+            if op == Op::Write {
+                self.seeds[i] = write_seed;
+            } else {
+                checked += 1;
+                // SAFETY: the READ completed; nothing else is outstanding.
+                if !pattern::check(unsafe { self.local.page(0) }, page_gpa(i), self.seeds[i]) {
+                    bad += 1;
+                }
+            }
+        }
+        Ok(Outcome {
+            latency_ns: hist,
+            elapsed: start.elapsed(),
+            ops_done: ops,
+            errors: 0,
+            bad_pages: bad,
+            pages_checked: checked,
+            first_error: None,
+        })
+    }
+
+    /// Pages of the region that do not hold their last write's pattern.
+    pub fn check_region(&mut self) -> u64 {
+        let mut bad = 0;
+        for i in 0..self.pages {
+            let seed = self.seeds[i];
+            // SAFETY: in bounds; no request is outstanding between runs.
+            if !pattern::check(unsafe { self.region.page(i) }, page_gpa(i), seed) {
+                bad += 1;
+            }
+        }
+        bad
+    }
+
+    /// Spins on the CQ for the one outstanding completion.
+    fn wait_one(&self) -> anyhow::Result<()> {
+        let mut wc = [WorkCompletion::default()];
+        let mut spins = 0u32;
+        let mut deadline = None;
+        loop {
+            if self.cq.poll(&mut wc)? == 1 {
+                return wc[0].result().context("bare RDMA request failed");
+            }
+            spins = spins.wrapping_add(1);
+            if spins % 1024 == 0 {
+                let now = Instant::now();
+                if now > *deadline.get_or_insert(now + OP_TIMEOUT) {
+                    bail!("no completion within {OP_TIMEOUT:?} in the bare RDMA loop");
+                }
+            }
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// The address the pattern of region page `i` is made from.
+fn page_gpa(i: usize) -> u64 {
+    (i * PAGE_SIZE) as u64
+}

@@ -1,0 +1,149 @@
+//! Ours against the bare RDMA loop (`--verbs-baseline`), in alternating
+//! blocks of one process.
+//!
+//! The SoftRoCE VM runs at one of two speeds and switches every few
+//! seconds, so a ratio of two runs taken a minute apart (ours against
+//! perftest's) moves by ±15% from one pair to the next. Here the two loops
+//! take turns every `block` operations, each pair of blocks in the other
+//! order than the last, over the same number of pages in the same pattern;
+//! both therefore meet the same speeds. Printed: the ratio of the whole
+//! runs (p50, mean) and the median of the per-pair ratios.
+
+use std::time::Duration;
+
+use indicatif::ProgressBar;
+use rand::{Rng, SeedableRng};
+use rdma_transport::TransportManager;
+
+use crate::baseline::verbs::BareVerbs;
+use crate::report::{fmt_ratio, fmt_us, Record};
+use crate::workload::{self, AccessPattern, Api, Op, Outcome, Spec, WorkingSet};
+
+/// Both loops' outcomes and each pair of blocks' ratios.
+pub struct Alternated {
+    pub ours: Outcome,
+    pub bare: Outcome,
+    /// Ours / bare, p50 of each pair of blocks.
+    pub pair_p50: Vec<f64>,
+    /// Ours / bare, mean of each pair of blocks.
+    pub pair_mean: Vec<f64>,
+}
+
+/// Runs `spec` (one thread, one page in flight) through `api` and through
+/// `bare`, `block` operations at a time, until each has done `spec.ops`.
+/// Writes are checked by reading back afterwards, as in the plain run.
+pub fn alternate(
+    mgr: &TransportManager,
+    set: &WorkingSet,
+    spec: Spec,
+    seed: u64,
+    api: Api,
+    bare: &mut BareVerbs,
+    block: u64,
+) -> anyhow::Result<Alternated> {
+    let hidden = ProgressBar::hidden();
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ 0xba5e);
+    let mut next_seq = 0usize;
+    let pages = set.len();
+    let mut next_page = || match spec.pattern {
+        AccessPattern::Random => rng.gen_range(0..pages),
+        AccessPattern::Seq => {
+            next_seq = (next_seq + 1) % pages;
+            next_seq
+        }
+    };
+    let mut ours = Outcome::empty(Duration::ZERO);
+    let mut bare_total = Outcome::empty(Duration::ZERO);
+    let (mut pair_p50, mut pair_mean) = (Vec::new(), Vec::new());
+    let mut done = 0;
+    let mut pair = 0u64;
+    while done < spec.ops {
+        let n = block.min(spec.ops - done);
+        let block_spec = Spec { ops: n, ..spec };
+        let (o, b) = if pair % 2 == 0 {
+            let b = bare.run(spec.op, n, &mut next_page)?;
+            (workload::run_api(mgr, set, block_spec, seed, &hidden, api), b)
+        } else {
+            let o = workload::run_api(mgr, set, block_spec, seed, &hidden, api);
+            (o, bare.run(spec.op, n, &mut next_page)?)
+        };
+        pair_p50.push(p50_ns(&o) / p50_ns(&b).max(1.0));
+        pair_mean.push(o.latency_ns.mean() / b.latency_ns.mean().max(1.0));
+        merge(&mut ours, o);
+        merge(&mut bare_total, b);
+        if ours.errors > 0 {
+            break;
+        }
+        done += n;
+        pair += 1;
+    }
+    if spec.op == Op::Write {
+        ours.bad_pages += set.verify_all(mgr)?;
+        ours.pages_checked = ours.ops_done;
+        bare_total.bad_pages += bare.check_region();
+        bare_total.pages_checked = bare_total.ops_done;
+    }
+    Ok(Alternated {
+        ours,
+        bare: bare_total,
+        pair_p50,
+        pair_mean,
+    })
+}
+
+/// The line that compares the two records of an alternated run.
+pub fn ratio_line(ours: &Record, bare: &Record, alt: &Alternated, block: u64) -> String {
+    format!(
+        "overhead vs bare verbs ({:?} {:?}, alternated in blocks of {block}, {} pairs): p50 x{} ({} vs {} us), mean x{} ({} vs {} us); per pair: p50 median x{}, mean median x{}",
+        ours.op,
+        ours.pattern,
+        alt.pair_p50.len(),
+        fmt_ratio(ours.latency_us.p50 / bare.latency_us.p50.max(1e-9)),
+        fmt_us(ours.latency_us.p50),
+        fmt_us(bare.latency_us.p50),
+        fmt_ratio(ours.latency_us.mean / bare.latency_us.mean.max(1e-9)),
+        fmt_us(ours.latency_us.mean),
+        fmt_us(bare.latency_us.mean),
+        fmt_ratio(median(&alt.pair_p50)),
+        fmt_ratio(median(&alt.pair_mean)),
+    )
+}
+
+fn p50_ns(o: &Outcome) -> f64 {
+    o.latency_ns.value_at_quantile(0.5) as f64
+}
+
+fn merge(total: &mut Outcome, part: Outcome) {
+    let _ = total.latency_ns.add(&part.latency_ns);
+    total.elapsed += part.elapsed;
+    total.ops_done += part.ops_done;
+    total.errors += part.errors;
+    total.bad_pages += part.bad_pages;
+    total.pages_checked += part.pages_checked;
+    if total.first_error.is_none() {
+        total.first_error = part.first_error;
+    }
+}
+
+/// The median (mean of the middle two for an even count); 0 for none.
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median;
+
+    #[test]
+    fn median_of_odd_even_and_empty() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&[]), 0.0);
+    }
+}
