@@ -487,6 +487,11 @@ fn run() -> anyhow::Result<()> {
     } else {
         None
     };
+    let verbs_cpu = if args.verbs_baseline {
+        verbs_compare::pin_loops(&poller_cpus)?
+    } else {
+        None
+    };
 
     let ops: Vec<Op> = match args.op {
         Some(op) => vec![op],
@@ -575,6 +580,7 @@ fn run() -> anyhow::Result<()> {
                     &base,
                     &alt,
                     args.verbs_block,
+                    verbs_cpu,
                 ));
                 keyed_runs.push((spec, seed));
                 records.push(ours);

@@ -19,6 +19,21 @@ use crate::baseline::verbs::BareVerbs;
 use crate::report::{fmt_ratio, fmt_us, Record};
 use crate::workload::{self, AccessPattern, Api, Op, Outcome, Spec, WorkingSet};
 
+/// Pins the calling thread, and so the threads it starts (ours runs in
+/// one per block), to the first CPU this process may use that is not in
+/// `avoid` (the pollers'), so both loops run where the other's did. `None`
+/// when every CPU is in `avoid`: then neither is pinned.
+pub fn pin_loops(avoid: &[usize]) -> anyhow::Result<Option<usize>> {
+    let Some(cpu) = crate::baseline::allowed_cpus()
+        .into_iter()
+        .find(|c| !avoid.contains(c))
+    else {
+        return Ok(None);
+    };
+    crate::baseline::pin_current(cpu)?;
+    Ok(Some(cpu))
+}
+
 /// Both loops' outcomes and each pair of blocks' ratios.
 pub struct Alternated {
     pub ours: Outcome,
@@ -62,7 +77,10 @@ pub fn alternate(
         let block_spec = Spec { ops: n, ..spec };
         let (o, b) = if pair % 2 == 0 {
             let b = bare.run(spec.op, n, &mut next_page)?;
-            (workload::run_api(mgr, set, block_spec, seed, &hidden, api), b)
+            (
+                workload::run_api(mgr, set, block_spec, seed, &hidden, api),
+                b,
+            )
         } else {
             let o = workload::run_api(mgr, set, block_spec, seed, &hidden, api);
             (o, bare.run(spec.op, n, &mut next_page)?)
@@ -92,12 +110,19 @@ pub fn alternate(
 }
 
 /// The line that compares the two records of an alternated run.
-pub fn ratio_line(ours: &Record, bare: &Record, alt: &Alternated, block: u64) -> String {
+pub fn ratio_line(
+    ours: &Record,
+    bare: &Record,
+    alt: &Alternated,
+    block: u64,
+    cpu: Option<usize>,
+) -> String {
     format!(
-        "overhead vs bare verbs ({:?} {:?}, alternated in blocks of {block}, {} pairs): p50 x{} ({} vs {} us), mean x{} ({} vs {} us); per pair: p50 median x{}, mean median x{}",
+        "overhead vs bare verbs ({:?} {:?}, alternated in blocks of {block}, {} pairs, callers on {}): p50 x{} ({} vs {} us), mean x{} ({} vs {} us); per pair: p50 median x{}, mean median x{}",
         ours.op,
         ours.pattern,
         alt.pair_p50.len(),
+        cpu.map_or_else(|| "any CPU".to_owned(), |c| format!("CPU {c}")),
         fmt_ratio(ours.latency_us.p50 / bare.latency_us.p50.max(1e-9)),
         fmt_us(ours.latency_us.p50),
         fmt_us(bare.latency_us.p50),

@@ -136,6 +136,9 @@ VMEOF
             "read32|--op read --depth 32 --ops $((ops * 4))"
             "read16t10|--op read --depth 16 --ops $((ops * 4)) --rdma-ack-timeout 10"
             "event1|--op read --poll-mode event --ops $ops"
+            # Ours against a bare verbs loop in the same process, in
+            # alternating blocks (the bare loop's pages are checked too).
+            "verbs|--register-buffers --verbs-baseline --verbs-block 100 --ops $ops"
             # Guest-memory faults, one vCPU, no read-ahead: anonymous memory
             # (READ into a pool frame, then UFFDIO_COPY) against a memfd
             # whose alias is registered (READ straight into guest RAM,
@@ -222,7 +225,7 @@ if ((bench)); then
     if grep -q '^RDMABENCH FAILED' "$out"; then
         failed=1
     fi
-    checks=(read16:read read32:read read16t10:read event1:read)
+    checks=(read16:read read32:read read16t10:read event1:read verbs:read verbs:write)
     for ((r = 1; r <= rounds; r++)); do
         checks+=("lat$r:read" "lat$r:write")
     done
@@ -260,6 +263,12 @@ if ((bench)); then
         awk -v r="$best" 'BEGIN { exit !(r != "n/a" && r <= 1.15) }' ||
             { echo "  target missed: $op p50 within 1.15x of perftest (best of rounds)"; missed=1; }
     done
+    bare="$(sed -n 's/^BENCHJSON verbs //p' "$out" | sed 's/},{"transport"/}\n{"transport"/g' | grep -c '"transport":"bare-verbs".*"verified":true' || true)"
+    if [[ "$bare" != 2 ]]; then
+        echo "bench run verbs: $bare of 2 bare verbs records verified"
+        failed=1
+    fi
+    grep -a '^overhead vs bare verbs' "$out" || { echo "bench run verbs: no overhead line"; failed=1; }
     ev="$(record event1 read)"
     perf="$(nth_perf ib_read_lat "$rounds")"
     [[ -z "$ev" || -z "$perf" ]] || printf 'event mode, read: p50 %.1f us, p99 %.1f us (x%s / x%s of the last ib_read_lat round)\n' \

@@ -17,6 +17,10 @@
 # ratios (best of ours over best of perftest's):
 #   READ p50 / ib_read_lat t_typical, WRITE mean / ib_write_bw per-op time,
 #   depth-16 READ pages/s (zc, bounce, async) / ib_read_bw -t 16 msg/s.
+# And per round a `--verbs-baseline` run (ours with registered buffers and a
+# bare verbs loop, alternated in blocks of 100 in one process): the median
+# of its per-pair ratios (READ p50, WRITE mean), and the bare loop against
+# perftest's run of the same round.
 # Every bench run checks every page it moves; a run that is not verified
 # fails the script. Builds the bench (release, baseline x86-64) first.
 # shellcheck source-path=SCRIPTDIR
@@ -81,10 +85,12 @@ VMEOF
         for run in "zc$r|--register-buffers --ops $ops" "bounce$r|--ops $ops" \
             "zc16_$r|--register-buffers --op read --depth 16 --ops $((ops * 4))" \
             "bounce16_$r|--op read --depth 16 --ops $((ops * 4))" \
-            "async16_$r|--register-buffers --api async --op read --depth 16 --ops $((ops * 4))"; do
+            "async16_$r|--register-buffers --api async --op read --depth 16 --ops $((ops * 4))" \
+            "vb$r|--register-buffers --verbs-baseline --verbs-block 100 --ops $ops"; do
             name="${run%%|*}"
-            printf 'if %s --transport rdma --memory 16MiB --json /tmp/%s.json %s 2>/tmp/%s.err; then\n' "$b" "$name" "${run#*|}" "$name"
+            printf 'if %s --transport rdma --memory 16MiB --json /tmp/%s.json %s >/tmp/%s.out 2>/tmp/%s.err; then\n' "$b" "$name" "${run#*|}" "$name" "$name"
             printf '    grep -a "^zero-copy" /tmp/%s.err | sed "s/^/ZC %s /"\n' "$name" "$name"
+            printf '    grep -a "^overhead vs bare verbs" /tmp/%s.out | sed "s/^/VERBS %s /"\n' "$name" "$name"
             # shellcheck disable=SC2016 # expanded by the generated script
             printf '    echo "BENCHJSON %s $(tr -d %s </tmp/%s.json)"\n' "$name" "'\\n '" "$name"
             printf 'else tail -n 5 /tmp/%s.err; echo "RDMABENCH FAILED %s"; failed=1; fi\n' "$name" "$name"
@@ -193,6 +199,31 @@ for kind in read write d16; do
     done
 done
 summary d16 async
+# Ours against the bare verbs loop alternated with it in one process
+# (`--verbs-baseline`, blocks of 100): the median of each run's per-pair
+# ratios (READ p50, WRITE mean), and the bare loop against perftest.
+verbs_pair() { # verbs_pair ROUND OP FIELD: "p50" or "mean" per-pair median
+    sed -n "s/^VERBS vb$1 overhead vs bare verbs ($2 .*per pair: p50 median x\([0-9.]*\), mean median x\([0-9.]*\).*/\1 \2/p" "$out" |
+        awk -v f="$3" '{ print (f == "p50" ? $1 : $2) }'
+}
+vr="" vw="" br="" bw_=""
+for ((r = 1; r <= rounds; r++)); do
+    vr+=" $(verbs_pair "$r" Read p50)" vw+=" $(verbs_pair "$r" Write mean)"
+    bare_r="$(sed -n "s/^BENCHJSON vb$r //p" "$out" | sed 's/},{"transport"/}\n{"transport"/g' | grep '"transport":"bare-verbs"' | grep '"op":"read"')"
+    bare_w="$(sed -n "s/^BENCHJSON vb$r //p" "$out" | sed 's/},{"transport"/}\n{"transport"/g' | grep '"transport":"bare-verbs"' | grep '"op":"write"')"
+    for rec in "$(record "vb$r" read)" "$(record "vb$r" write)" "$bare_r" "$bare_w"; do
+        if [[ -z "$rec" || "$(json verified "$rec")" != true ]]; then
+            echo "round $r: the --verbs-baseline run is missing or not verified"
+            failed=1
+        fi
+    done
+    br+=" $(ratio "$(json p50 "$bare_r")" "${all[perf.read.$r]}")"
+    bw_+=" $(ratio "$(json mean "$bare_w")" "${all[perf.write.$r]}")"
+done
+printf 'zc/bare verbs read   : per-pair p50, per round%s; median %s\n' "$vr" "$(median <<<"$vr")"
+printf 'zc/bare verbs write  : per-pair mean, per round%s; median %s\n' "$vw" "$(median <<<"$vw")"
+printf 'bare verbs/perftest read : per round%s; median %s\n' "$br" "$(median <<<"$br")"
+printf 'bare verbs/perftest write: per round%s; median %s\n' "$bw_" "$(median <<<"$bw_")"
 grep '^ZC ' "$out" | sed 's/^ZC /bench /' || true
 ((rc == 0)) || exit "$rc"
 exit "$failed"

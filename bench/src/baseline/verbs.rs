@@ -116,7 +116,8 @@ impl BareVerbs {
         // the loop touches them only while no request on them is
         // outstanding (`DeviceBuf::page`).
         let local_mr = unsafe { pd.register_raw(local.ptr, PAGE_SIZE, AccessFlags::LOCAL_WRITE) }?;
-        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
+        let access =
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
         // SAFETY: as above.
         let region_mr = unsafe { pd.register_raw(region.ptr, pages * PAGE_SIZE, access) }?;
         let cq = ctx.create_cq(16, None, 0)?;
