@@ -43,15 +43,7 @@ pub fn run(
     });
     let mut total = Outcome::empty(start.elapsed());
     for r in results {
-        let r = r?;
-        let _ = total.latency_ns.add(&r.latency_ns);
-        total.ops_done += r.ops_done;
-        total.errors += r.errors;
-        total.bad_pages += r.bad_pages;
-        total.pages_checked += r.pages_checked;
-        if total.first_error.is_none() {
-            total.first_error = r.first_error;
-        }
+        total.absorb(r?);
     }
     Ok(total)
 }

@@ -138,16 +138,11 @@ fn p50_ns(o: &Outcome) -> f64 {
     o.latency_ns.value_at_quantile(0.5) as f64
 }
 
+/// Adds one block's outcome to its loop's total (blocks run one after the
+/// other: their times add up).
 fn merge(total: &mut Outcome, part: Outcome) {
-    let _ = total.latency_ns.add(&part.latency_ns);
     total.elapsed += part.elapsed;
-    total.ops_done += part.ops_done;
-    total.errors += part.errors;
-    total.bad_pages += part.bad_pages;
-    total.pages_checked += part.pages_checked;
-    if total.first_error.is_none() {
-        total.first_error = part.first_error;
-    }
+    total.absorb(part);
 }
 
 /// The median (mean of the middle two for an even count); 0 for none.

@@ -115,6 +115,19 @@ impl Outcome {
         }
     }
 
+    /// Adds `part`'s operations, latencies and errors to these (the
+    /// elapsed time stays: the caller knows how the parts overlapped).
+    pub fn absorb(&mut self, part: Outcome) {
+        let _ = self.latency_ns.add(&part.latency_ns);
+        self.ops_done += part.ops_done;
+        self.errors += part.errors;
+        self.bad_pages += part.bad_pages;
+        self.pages_checked += part.pages_checked;
+        if self.first_error.is_none() {
+            self.first_error = part.first_error;
+        }
+    }
+
     /// True when every page moved was checked and correct and nothing failed.
     pub fn verified(&self) -> bool {
         self.errors == 0
@@ -342,14 +355,7 @@ pub fn run_observed(
     let mut disruption = Disruption::new();
     for (r, d) in results {
         disruption.merge(&d);
-        let _ = total.latency_ns.add(&r.latency_ns);
-        total.ops_done += r.ops_done;
-        total.errors += r.errors;
-        total.bad_pages += r.bad_pages;
-        total.pages_checked += r.pages_checked;
-        if total.first_error.is_none() {
-            total.first_error = r.first_error;
-        }
+        total.absorb(r);
     }
     (total, disruption)
 }
