@@ -373,9 +373,10 @@ fn run() -> anyhow::Result<()> {
             || args.verbs_block == 0
             || matches!(args.op, Some(Op::Fault | Op::Coherence))
             || args.fail_node_after_ms.is_some()
-            || args.baseline)
+            || args.baseline
+            || matches!(args.pattern, Some(PatternChoice::Seq | PatternChoice::All)))
     {
-        bail!("--verbs-baseline needs --transport rdma, --op read or write, one thread, --depth 1, --verbs-block 1 or more, no failure and no --baseline");
+        bail!("--verbs-baseline needs --transport rdma, --op read or write, random pages, one thread, --depth 1, --verbs-block 1 or more, no failure and no --baseline");
     }
     if args.compare_rounds == 0 {
         bail!("--compare-rounds must be at least 1");

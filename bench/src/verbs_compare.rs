@@ -11,6 +11,8 @@
 
 use std::time::Duration;
 
+use anyhow::bail;
+
 use indicatif::ProgressBar;
 use rand::{Rng, SeedableRng};
 use rdma_transport::TransportManager;
@@ -44,7 +46,7 @@ pub struct Alternated {
     pub pair_mean: Vec<f64>,
 }
 
-/// Runs `spec` (one thread, one page in flight) through `api` and through
+/// Runs `spec` (random pages, one thread, one page in flight) through `api` and through
 /// `bare`, `block` operations at a time, until each has done `spec.ops`.
 /// Writes are checked by reading back afterwards, as in the plain run.
 pub fn alternate(
@@ -56,17 +58,13 @@ pub fn alternate(
     bare: &mut BareVerbs,
     block: u64,
 ) -> anyhow::Result<Alternated> {
+    if spec.pattern != AccessPattern::Random {
+        bail!("--verbs-baseline compares random pages only");
+    }
     let hidden = ProgressBar::hidden();
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ 0xba5e);
-    let mut next_seq = 0usize;
     let pages = set.len();
-    let mut next_page = || match spec.pattern {
-        AccessPattern::Random => rng.gen_range(0..pages),
-        AccessPattern::Seq => {
-            next_seq = (next_seq + 1) % pages;
-            next_seq
-        }
-    };
+    let mut next_page = || rng.gen_range(0..pages);
     let mut ours = Outcome::empty(Duration::ZERO);
     let mut bare_total = Outcome::empty(Duration::ZERO);
     let (mut pair_p50, mut pair_mean) = (Vec::new(), Vec::new());
@@ -75,14 +73,18 @@ pub fn alternate(
     while done < spec.ops {
         let n = block.min(spec.ops - done);
         let block_spec = Spec { ops: n, ..spec };
+        // A seed per block: the workload picks its pages (and a write its
+        // pattern) from it, and the same seed would replay the first
+        // block's pages every time, hot against the bare loop's new ones.
+        let block_seed = seed ^ (pair << 32);
         let (o, b) = if pair % 2 == 0 {
             let b = bare.run(spec.op, n, &mut next_page)?;
             (
-                workload::run_api(mgr, set, block_spec, seed, &hidden, api),
+                workload::run_api(mgr, set, block_spec, block_seed, &hidden, api),
                 b,
             )
         } else {
-            let o = workload::run_api(mgr, set, block_spec, seed, &hidden, api);
+            let o = workload::run_api(mgr, set, block_spec, block_seed, &hidden, api);
             (o, bare.run(spec.op, n, &mut next_page)?)
         };
         pair_p50.push(p50_ns(&o) / p50_ns(&b).max(1.0));

@@ -24,6 +24,8 @@ fn refuses_what_it_cannot_compare() {
         &["--transport", "rdma", "--op", "fault"],
         &["--transport", "rdma", "--baseline"],
         &["--transport", "rdma", "--verbs-block", "0"],
+        &["--transport", "rdma", "--pattern", "seq"],
+        &["--transport", "rdma", "--pattern", "all"],
     ] {
         let err = refused(extra);
         assert!(
