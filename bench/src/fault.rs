@@ -23,6 +23,8 @@
 //! which each run's p50 is compared too, with how far that bare program is
 //! from the sum.
 
+mod alternate;
+
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -103,6 +105,9 @@ pub struct Params {
     /// `--page-server-cpus` (`None`: the bench's choice per run, see
     /// [`server_cpus`]).
     pub server_cpus: Option<Vec<usize>>,
+    /// With `baseline`: rounds of ours and the baselines one after the
+    /// other (`--fault-rounds`, 0: none; see fault/alternate.rs).
+    pub fault_rounds: u64,
 }
 
 impl Params {
@@ -280,6 +285,9 @@ pub fn run(
             records.push(local);
             records.push(tcp);
             records.push(remote);
+            if params.fault_rounds > 0 {
+                lines.extend(alternate::rounds(mgr, set, params, pattern)?);
+            }
         }
     }
     Ok((records, lines))

@@ -151,6 +151,11 @@ struct Args {
     /// with ours, and print our overhead against it. One thread, depth 1.
     #[arg(long)]
     verbs_baseline: bool,
+    /// `--op fault --baseline`: also run N rounds of our one-thread fault
+    /// (no read-ahead) and the baselines one after the other, and print
+    /// the median of the rounds' ratios (bench/src/fault/alternate.rs).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    fault_rounds: u64,
     /// Operations per block of `--verbs-baseline`.
     #[arg(long, default_value_t = 250, value_name = "OPS")]
     verbs_block: u64,
@@ -378,6 +383,9 @@ fn run() -> anyhow::Result<()> {
     {
         bail!("--verbs-baseline needs --transport rdma, --op read or write, random pages, one thread, --depth 1, --verbs-block 1 or more, no failure and no --baseline");
     }
+    if args.fault_rounds > 0 && (args.op != Some(Op::Fault) || !args.baseline) {
+        bail!("--fault-rounds needs --op fault and --baseline");
+    }
     if args.compare_rounds == 0 {
         bail!("--compare-rounds must be at least 1");
     }
@@ -536,6 +544,7 @@ fn run() -> anyhow::Result<()> {
                 handler_cpus: args.handler_cpus.0.clone(),
                 handler_slice_us: args.handler_slice_us,
                 server_cpus: args.page_server_cpus.0.clone(),
+                fault_rounds: args.fault_rounds,
             };
             let (recs, summary) = fault::run(&mgr, &set, &params)?;
             records.extend(recs);

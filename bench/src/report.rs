@@ -403,6 +403,17 @@ pub fn pipelined_line(ours: &Record, base: &Record) -> String {
     )
 }
 
+/// The median (mean of the middle two for an even count); 0 for none.
+pub fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 /// A ratio: two decimals, or three significant digits below 0.1 (a
 /// prefetched page against a whole fault is x0.00123, not x0.00).
 pub fn fmt_ratio(r: f64) -> String {
@@ -447,5 +458,12 @@ mod tests {
         assert_eq!(fmt_us(1.0), "1.0");
         assert_eq!(fmt_ratio(1.234), "1.23");
         assert_eq!(fmt_ratio(0.00123), "1.23e-3");
+    }
+
+    #[test]
+    fn median_of_odd_even_and_empty() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&[]), 0.0);
     }
 }

@@ -18,7 +18,7 @@ use rand::{Rng, SeedableRng};
 use rdma_transport::TransportManager;
 
 use crate::baseline::verbs::BareVerbs;
-use crate::report::{fmt_ratio, fmt_us, Record};
+use crate::report::{fmt_ratio, fmt_us, median, Record};
 use crate::workload::{self, AccessPattern, Api, Op, Outcome, Spec, WorkingSet};
 
 /// Pins the calling thread, and so the threads it starts (ours runs in
@@ -145,27 +145,4 @@ fn p50_ns(o: &Outcome) -> f64 {
 fn merge(total: &mut Outcome, part: Outcome) {
     total.elapsed += part.elapsed;
     total.absorb(part);
-}
-
-/// The median (mean of the middle two for an even count); 0 for none.
-fn median(values: &[f64]) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::median;
-
-    #[test]
-    fn median_of_odd_even_and_empty() {
-        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
-        assert_eq!(median(&[]), 0.0);
-    }
 }

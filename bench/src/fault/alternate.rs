@@ -1,0 +1,175 @@
+//! `--op fault --baseline --fault-rounds N`: the one-vCPU random fault
+//! against its baselines in N rounds, one after the other in this process.
+//!
+//! Each round runs our fault (anonymous memory, no read-ahead, one
+//! faulting thread), the local userfaultfd fault, the bare TCP ping-pong
+//! in its best layout and the bare remote fault in its best layout,
+//! starting each round with the next of the four. The host's speed drifts
+//! within a process as well as between processes, so a single ours/sum
+//! ratio from a run and baselines taken a minute later says little; the
+//! median of the rounds' ratios, each from runs seconds apart, says more.
+
+use std::sync::Arc;
+
+use rdma_transport::TransportManager;
+
+use super::{local_uffd_baseline, Params, Run, SEED};
+use crate::matrix::Backing;
+use crate::report::{fmt_ratio, fmt_us, median, Record};
+use crate::workload::{AccessPattern, Op, Spec, WorkingSet};
+
+/// The four p50s of one round, in µs.
+#[derive(Default, Clone, Copy)]
+struct Round {
+    ours: f64,
+    local: f64,
+    tcp: f64,
+    bare: f64,
+}
+
+/// Runs `params.fault_rounds` rounds with `pattern` and returns the
+/// summary lines: per round ours / (local + tcp) and ours / bare fault,
+/// and their medians.
+pub(super) fn rounds(
+    mgr: &Arc<TransportManager>,
+    set: &WorkingSet,
+    params: &Params,
+    pattern: AccessPattern,
+) -> anyhow::Result<Vec<String>> {
+    let pages = set.len();
+    let run = Run {
+        label: "uffd-nopf",
+        backing: Backing::Anon,
+        window: 0,
+        pattern,
+    };
+    let spec = Spec {
+        op: Op::Fault,
+        ops: params.ops,
+        threads: 1,
+        depth: 1,
+        pattern,
+    };
+    let tcp_spec = Spec {
+        op: Op::Read,
+        ..spec
+    };
+    let mut rounds = Vec::new();
+    for r in 0..params.fault_rounds {
+        let mut round = Round::default();
+        for k in 0..4 {
+            match (r + k) % 4 {
+                0 => {
+                    params.place_servers(1);
+                    round.ours = run.measure(mgr, set, params, 1)?.0.latency_us.p50;
+                }
+                1 => {
+                    let local = local_uffd_baseline(pages.min(16384), spec)?;
+                    round.local = Record::new("uffd-local", spec, 0, &local).latency_us.p50;
+                    check("local userfaultfd fault", local.verified())?;
+                }
+                2 => {
+                    let best = crate::baseline::run(tcp_spec, pages, SEED)?;
+                    check("bare TCP ping-pong", best.all_verified)?;
+                    round.tcp = Record::baseline(tcp_spec, &best).latency_us.p50;
+                }
+                _ => {
+                    let best = crate::baseline::run_remote_fault(spec, pages.min(16384), SEED)?;
+                    check("bare remote fault", best.all_verified)?;
+                    round.bare = Record::baseline(spec, &best).latency_us.p50;
+                }
+            }
+        }
+        rounds.push(round);
+    }
+    Ok(summary(pattern, params.ops, &rounds))
+}
+
+fn check(what: &str, verified: bool) -> anyhow::Result<()> {
+    if verified {
+        Ok(())
+    } else {
+        anyhow::bail!("{what}: not every page checked and right")
+    }
+}
+
+fn summary(pattern: AccessPattern, ops: u64, rounds: &[Round]) -> Vec<String> {
+    let vs_sum: Vec<f64> = rounds
+        .iter()
+        .map(|r| r.ours / (r.local + r.tcp).max(1e-9))
+        .collect();
+    let vs_bare: Vec<f64> = rounds.iter().map(|r| r.ours / r.bare.max(1e-9)).collect();
+    let list = |v: &[f64]| {
+        v.iter()
+            .map(|&x| fmt_ratio(x))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let us = |f: fn(&Round) -> f64| {
+        rounds
+            .iter()
+            .map(|r| fmt_us(f(r)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    vec![
+        format!(
+            "{pattern:?} fault, {} rounds of {ops}: ours / (local uffd fault + bare TCP) per round {}; median x{}",
+            rounds.len(),
+            list(&vs_sum),
+            fmt_ratio(median(&vs_sum))
+        ),
+        format!(
+            "{pattern:?} fault, the same rounds: ours / bare remote fault per round {}; median x{}",
+            list(&vs_bare),
+            fmt_ratio(median(&vs_bare))
+        ),
+        format!(
+            "{pattern:?} fault rounds, p50 us: ours {}; local {}; bare TCP {}; bare fault {}",
+            us(|r| r.ours),
+            us(|r| r.local),
+            us(|r| r.tcp),
+            us(|r| r.bare)
+        ),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summary_divides_each_round_by_its_own_baselines() {
+        let rounds = [
+            Round {
+                ours: 22.0,
+                local: 10.0,
+                tcp: 10.0,
+                bare: 20.0,
+            },
+            Round {
+                ours: 33.0,
+                local: 15.0,
+                tcp: 15.0,
+                bare: 30.0,
+            },
+            Round {
+                ours: 40.0,
+                local: 10.0,
+                tcp: 10.0,
+                bare: 25.0,
+            },
+        ];
+        let lines = summary(AccessPattern::Random, 100, &rounds);
+        assert!(
+            lines[0].ends_with("per round 1.10 1.10 2.00; median x1.10"),
+            "{}",
+            lines[0]
+        );
+        assert!(
+            lines[1].ends_with("per round 1.10 1.10 1.60; median x1.10"),
+            "{}",
+            lines[1]
+        );
+    }
+}
