@@ -233,13 +233,7 @@ pub fn run(
     }
     if params.baseline {
         for &pattern in &params.patterns {
-            let spec = Spec {
-                op: Op::Fault,
-                ops: params.ops,
-                threads: 1,
-                depth: 1,
-                pattern,
-            };
+            let spec = one_vcpu(params.ops, pattern);
             let local = local_uffd_baseline(pages.min(16384), spec)?;
             let local = Record::new("uffd-local", spec, 0, &local);
             let tcp_spec = Spec {
@@ -460,6 +454,18 @@ pub(crate) fn orders(pages: usize, touches: usize, spec: Spec, round: u64) -> Ve
             order
         })
         .collect()
+}
+
+/// `ops` faults in `pattern` order from one faulting thread: what the
+/// baselines are compared with.
+fn one_vcpu(ops: u64, pattern: AccessPattern) -> Spec {
+    Spec {
+        op: Op::Fault,
+        ops,
+        threads: 1,
+        depth: 1,
+        pattern,
+    }
 }
 
 /// A userfaultfd fault served by `UFFDIO_COPY` from a local buffer

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use rdma_transport::TransportManager;
 
-use super::{local_uffd_baseline, Params, Run, SEED};
+use super::{local_uffd_baseline, one_vcpu, Params, Run, SEED};
 use crate::matrix::Backing;
 use crate::report::{fmt_ratio, fmt_us, median, Record};
 use crate::workload::{AccessPattern, Op, Spec, WorkingSet};
@@ -43,13 +43,7 @@ pub(super) fn rounds(
         window: 0,
         pattern,
     };
-    let spec = Spec {
-        op: Op::Fault,
-        ops: params.ops,
-        threads: 1,
-        depth: 1,
-        pattern,
-    };
+    let spec = one_vcpu(params.ops, pattern);
     let tcp_spec = Spec {
         op: Op::Read,
         ..spec
