@@ -55,7 +55,9 @@ pub(super) fn rounds(
             match (r + k) % 4 {
                 0 => {
                     params.place_servers(1);
-                    round.ours = run.measure(mgr, set, params, 1)?.0.latency_us.p50;
+                    let (ours, _) = run.measure(mgr, set, params, 1)?;
+                    check("our fault", ours.verified)?;
+                    round.ours = ours.latency_us.p50;
                 }
                 1 => {
                     let local = local_uffd_baseline(pages.min(16384), spec)?;
