@@ -198,8 +198,11 @@ fn a_hung_node_delays_only_the_requests_that_need_it() {
 
     b.pause(); // SIGSTOP: connected, silent
     let queue = mgr.completion_queue(Reap::Poll).unwrap();
-    queue.submit_read(&[gpa_b], zeroed(1), 1000).unwrap();
+    // Before the submission: its deadline is set inside `submit_read`, so
+    // a clock read after it returns could see the timeout come "early" by
+    // however long the call took on a loaded host.
     let submitted = Instant::now();
+    queue.submit_read(&[gpa_b], zeroed(1), 1000).unwrap();
     for (i, &gpa) in gpa_a.iter().enumerate() {
         queue.submit_read(&[gpa], zeroed(1), i as u64).unwrap();
     }
