@@ -89,8 +89,8 @@ pub struct BareVerbs {
     region_mr: MemoryRegion,
     local: DeviceBuf,
     region: DeviceBuf,
-    pages: usize,
-    /// The seed each region page holds now (its last write's).
+    /// The seed each region page holds now (its last write's): one per
+    /// region page.
     seeds: Vec<u64>,
     /// Blocks run so far: each write block writes its own seed.
     blocks: u64,
@@ -100,6 +100,9 @@ impl BareVerbs {
     /// Opens the device `config` names (port, GID index), connects two QPs
     /// on it and fills a region of `pages` pages with `seed`'s pattern.
     pub fn connect(config: &ManagerConfig, pages: usize, seed: u64) -> anyhow::Result<Self> {
+        if pages == 0 {
+            bail!("the bare RDMA loop needs a region of at least one page");
+        }
         let verbs = Verbs::load().context("loading libibverbs for the bare RDMA loop")?;
         let ctx = Context::open(&verbs, config.rdma_device.as_deref())
             .context("opening the RDMA device for the bare RDMA loop")?;
@@ -151,7 +154,6 @@ impl BareVerbs {
             region_mr,
             local,
             region,
-            pages,
             seeds: vec![seed; pages],
             blocks: 0,
         })
@@ -177,7 +179,7 @@ impl BareVerbs {
         let rkey = self.region_mr.rkey();
         let start = Instant::now();
         for _ in 0..ops {
-            let i = next_page() % self.pages;
+            let i = next_page() % self.seeds.len();
             if op == Op::Write {
                 // SAFETY: page 0 of one; no request is outstanding.
                 pattern::fill(unsafe { self.local.page(0) }, page_gpa(i), write_seed);
@@ -216,7 +218,7 @@ impl BareVerbs {
     /// Pages of the region that do not hold their last write's pattern.
     pub fn check_region(&mut self) -> u64 {
         let mut bad = 0;
-        for i in 0..self.pages {
+        for i in 0..self.seeds.len() {
             let seed = self.seeds[i];
             // SAFETY: in bounds; no request is outstanding between runs.
             if !pattern::check(unsafe { self.region.page(i) }, page_gpa(i), seed) {
