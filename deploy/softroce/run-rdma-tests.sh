@@ -34,6 +34,8 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 # shellcheck source=lib.sh
 . "$here/lib.sh"
+# shellcheck source=results.sh
+. "$here/results.sh"
 
 ops="${RDMA_BENCH_OPS:-5000}"
 rounds="${RDMA_ROUNDS:-5}"
@@ -106,24 +108,13 @@ rxe_retries() {
     /usr/bin/rdma statistic show link "$RDMA_DEVICE/1" | tr ' \t' '\n\n' |
         awk '$0 == "completer_retry_err" { getline; print; exit }'
 }
-bw() {
-    args="-d $RDMA_DEVICE -x $RXE_GID_INDEX -s 4096 -n 5000 -t $1 -F -p $2"
-    # shellcheck disable=SC2086
-    timeout 120 ib_read_bw $args >/tmp/bw.server 2>&1 &
-    tries=0
-    until netstat -ltn 2>/dev/null | grep -q ":$2 " || [ "$tries" -gt 200 ]; do
-        tries=$((tries + 1)); usleep 50000
-    done
-    # shellcheck disable=SC2086
-    timeout 120 ib_read_bw $args 127.0.0.1 >/tmp/bw.client 2>&1
-    awk -v t="$1" '$1 == 4096 && NF == 5 { printf "PERFBW ib_read_bw tx_depth=%s msg_per_s=%.0f bw_avg_mb_s=%s\n", t, $5 * 1e6, $4; found = 1 }
-         END { if (!found) print "PERFBW ib_read_bw tx_depth=" t " error=client_failed" }' /tmp/bw.client
-    wait
-}
-bw 1 18700
-bw 16 18701
-echo "RXESTAT start completer_retry_err=$(rxe_retries)"
 VMEOF
+    for depth_port in "1 18700" "16 18701"; do
+        printf 'PERFTEST_ITERS=5000 PERFTEST_TX_DEPTH=%s PERFTEST_PORT=%s %s ib_read_bw || failed=1\n' \
+            "${depth_port% *}" "${depth_port#* }" "$(softroce_shell_quote "$here/vm-perftest.sh")"
+    done
+    # shellcheck disable=SC2016 # expanded in the VM
+    echo 'echo "RXESTAT start completer_retry_err=$(rxe_retries)"'
     b="$(softroce_shell_quote "$bench_exe")"
     # name, then bench arguments; every run checks every page it moves.
     runs=()
@@ -193,18 +184,6 @@ vm_s="$(since_s "$t1")"
 
 # ---- summary (host side, from the VM's output) ----
 out="$work/out.txt"
-field() { # field NAME LINE: the value of NAME=... in a PERFTEST line
-    printf '%s\n' "$2" | tr ' ' '\n' | sed -n "s/^$1=//p"
-}
-json() { # json KEY RECORD: the first number (or string) after "KEY":
-    printf '%s\n' "$2" | grep -o "\"$1\":[^,}]*" | head -n 1 | sed 's/^[^:]*://; s/"//g'
-}
-record() { # record RUN OP: the one-line JSON record of that run and op
-    sed -n "s/^BENCHJSON $1 //p" "$out" | sed 's/},{"transport"/}\n{"transport"/g' |
-        grep "\"op\":\"$2\"" | head -n 1
-}
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
-
 failed=0
 tests_failed="$(grep -c '^RDMATEST FAILED' "$out" || true)"
 tests_ok="$(grep -c '^RDMATEST ok' "$out" || true)"
@@ -212,8 +191,6 @@ tests_ok="$(grep -c '^RDMATEST ok' "$out" || true)"
 nth_perf() { # nth_perf TEST N: the N-th PERFTEST line of TEST
     grep "^PERFTEST $1 .*t_typical_us=" "$out" | sed -n "$2p"
 }
-median() { tr ' ' '\n' | grep -v '^$' | LC_ALL=C sort -g | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
-minimum() { tr ' ' '\n' | grep -v '^$' | LC_ALL=C sort -g | head -n 1; }
 [[ -n "$(nth_perf ib_read_lat "$rounds")" && -n "$(nth_perf ib_write_lat "$rounds")" ]] || failed=1
 
 echo

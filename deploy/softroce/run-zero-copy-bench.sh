@@ -30,6 +30,8 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 # shellcheck source=lib.sh
 . "$here/lib.sh"
+# shellcheck source=results.sh
+. "$here/results.sh"
 
 rounds=3
 ops=5000
@@ -54,6 +56,12 @@ bench_exe="${CARGO_TARGET_DIR:-$repo/target}/release/bench"
 work="$(mktemp -d "${TMPDIR:-/tmp}/softroce-zc.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 runner="$work/vm-zero-copy.sh"
+# perftest_bw TEST TX_DEPTH PORT: the runner's line for one 5000-message
+# bandwidth test (a PERFBW line; a failed one fails the run).
+perftest_bw() {
+    printf 'PERFTEST_ITERS=5000 PERFTEST_TX_DEPTH=%s PERFTEST_PORT=%s %s %s || failed=1\n' \
+        "$2" "$3" "$(softroce_shell_quote "$here/vm-perftest.sh")" "$1"
+}
 b="$(softroce_shell_quote "$bench_exe")"
 {
     echo '#!/bin/sh'
@@ -61,27 +69,10 @@ b="$(softroce_shell_quote "$bench_exe")"
     # shellcheck disable=SC2016 # expanded in the VM
     echo 'echo "VMCLOCK $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource) kernel $SOFTROCE_KERNEL_VERSION"'
     echo 'grep -qw "idle=poll" /proc/cmdline && echo "VMIDLE poll" || echo "VMIDLE halt"'
-    cat <<'VMEOF'
-# PERFBW <test> tx_depth=N msg_per_s=..: perftest's bandwidth tests, 4096 B.
-bw() {
-    args="-d $RDMA_DEVICE -x $RXE_GID_INDEX -s 4096 -n 5000 -t $2 -F -p $3"
-    # shellcheck disable=SC2086
-    timeout 120 "$1" $args >/tmp/bw.server 2>&1 &
-    tries=0
-    until netstat -ltn 2>/dev/null | grep -q ":$3 " || [ "$tries" -gt 200 ]; do
-        tries=$((tries + 1)); usleep 50000
-    done
-    # shellcheck disable=SC2086
-    timeout 120 "$1" $args 127.0.0.1 >/tmp/bw.client 2>&1
-    awk -v t="$2" -v test="$1" '$1 == 4096 && NF == 5 { printf "PERFBW %s tx_depth=%s msg_per_s=%.0f\n", test, t, $5 * 1e6; found = 1 }
-         END { if (!found) print "PERFBW " test " tx_depth=" t " error=client_failed" }' /tmp/bw.client
-    wait
-}
-VMEOF
     for ((r = 1; r <= rounds; r++)); do
         printf 'PERFTEST_ITERS=%s %s ib_read_lat || failed=1\n' "$ops" "$(softroce_shell_quote "$here/vm-perftest.sh")"
-        printf 'bw ib_write_bw 1 %s\n' "$((18700 + 2 * r))"
-        printf 'bw ib_read_bw 16 %s\n' "$((18701 + 2 * r))"
+        perftest_bw ib_write_bw 1 "$((18700 + 2 * r))"
+        perftest_bw ib_read_bw 16 "$((18701 + 2 * r))"
         for run in "zc$r|--register-buffers --ops $ops" "bounce$r|--ops $ops" \
             "zc16_$r|--register-buffers --op read --depth 16 --ops $((ops * 4))" \
             "bounce16_$r|--op read --depth 16 --ops $((ops * 4))" \
@@ -99,8 +90,8 @@ VMEOF
     # perftest once more after the last round: every round's runs are then
     # bracketed by perftest's runs before and after them.
     printf 'PERFTEST_ITERS=%s %s ib_read_lat || failed=1\n' "$ops" "$(softroce_shell_quote "$here/vm-perftest.sh")"
-    printf 'bw ib_write_bw 1 %s\n' "$((18700 + 2 * rounds + 2))"
-    printf 'bw ib_read_bw 16 %s\n' "$((18701 + 2 * rounds + 2))"
+    perftest_bw ib_write_bw 1 "$((18700 + 2 * rounds + 2))"
+    perftest_bw ib_read_bw 16 "$((18701 + 2 * rounds + 2))"
     # shellcheck disable=SC2016 # expanded by the generated script
     echo 'exit "$failed"'
 } >"$runner"
@@ -111,18 +102,6 @@ rc=0
 "$here/run-in-vm.sh" --timeout 900 --copy "$here/vm-perftest.sh" --copy "$bench_exe" \
     ${SOFTROCE_VM_OPTS:-} "${vm_opts[@]}" -- "$runner" | tee "$work/out.txt" || rc=$?
 out="$work/out.txt"
-
-field() { printf '%s\n' "$2" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
-json() { printf '%s\n' "$2" | grep -o "\"$1\":[^,}]*" | head -n 1 | sed 's/^[^:]*://; s/"//g'; }
-record() {
-    sed -n "s/^BENCHJSON $1 //p" "$out" | sed 's/},{"transport"/}\n{"transport"/g' |
-        grep "\"op\":\"$2\"" | head -n 1
-}
-fmt1() { awk -v v="$1" 'BEGIN { printf "%.1f", v }'; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
-median() { tr ' ' '\n' | grep -v '^$' | LC_ALL=C sort -g | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
-minimum() { tr ' ' '\n' | grep -v '^$' | LC_ALL=C sort -g | head -n 1; }
-maximum() { tr ' ' '\n' | grep -v '^$' | LC_ALL=C sort -g | tail -n 1; }
 
 failed=0
 grep -q '^RDMABENCH FAILED' "$out" && failed=1
@@ -209,8 +188,7 @@ verbs_pair() { # verbs_pair ROUND OP FIELD: "p50" or "mean" per-pair median
 vr="" vw="" br="" bw_=""
 for ((r = 1; r <= rounds; r++)); do
     vr+=" $(verbs_pair "$r" Read p50)" vw+=" $(verbs_pair "$r" Write mean)"
-    bare_r="$(sed -n "s/^BENCHJSON vb$r //p" "$out" | sed 's/},{"transport"/}\n{"transport"/g' | grep '"transport":"bare-verbs"' | grep '"op":"read"')"
-    bare_w="$(sed -n "s/^BENCHJSON vb$r //p" "$out" | sed 's/},{"transport"/}\n{"transport"/g' | grep '"transport":"bare-verbs"' | grep '"op":"write"')"
+    bare_r="$(bare_record "vb$r" read)" bare_w="$(bare_record "vb$r" write)"
     for rec in "$(record "vb$r" read)" "$(record "vb$r" write)" "$bare_r" "$bare_w"; do
         if [[ -z "$rec" || "$(json verified "$rec")" != true ]]; then
             echo "round $r: the --verbs-baseline run is missing or not verified"

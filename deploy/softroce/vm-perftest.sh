@@ -1,16 +1,23 @@
 #!/bin/sh
-# Run perftest latency tests over rxe0 INSIDE the SoftRoCE VM and print one
-# machine-readable line per test:
+# Run perftest tests over rxe0 INSIDE the SoftRoCE VM and print one
+# machine-readable line per test. Latency tests (ib_*_lat):
 #
 #   PERFTEST ib_read_lat size_bytes=4096 iters=5000 t_min_us=.. t_max_us=..
 #       t_typical_us=.. t_avg_us=.. t_stdev_us=.. t99_us=.. t999_us=..
 #
-# (on one line). On failure: "PERFTEST <test> error=<why>" and exit 1.
+# (on one line); bandwidth tests (ib_*_bw, PERFTEST_TX_DEPTH outstanding):
+#
+#   PERFBW ib_write_bw tx_depth=1 msg_per_s=.. bw_avg_mb_s=..
+#
+# On failure: "PERFTEST <test> error=<why>" (or "PERFBW <test> tx_depth=N
+# error=<why>") and exit 1.
 #
 #   vm-perftest.sh [TEST...]      default: ib_read_lat ib_write_lat
 #
 # Environment: PERFTEST_SIZE (bytes, default 4096), PERFTEST_ITERS (default
-# 5000), PERFTEST_VERBOSE=1 (also print perftest's own output), plus the
+# 5000), PERFTEST_TX_DEPTH (bandwidth tests, default 1), PERFTEST_PORT (the
+# first test's exchange port, default 18515; each next test takes the next
+# one), PERFTEST_VERBOSE=1 (also print perftest's own output), plus the
 # harness's RDMA_DEVICE and RXE_GID_INDEX. Each test runs its server in the
 # background and its client against 127.0.0.1, on the same rxe device.
 #
@@ -22,13 +29,14 @@ set -eu
 
 size_bytes="${PERFTEST_SIZE:-4096}"
 iters="${PERFTEST_ITERS:-5000}"
+tx_depth="${PERFTEST_TX_DEPTH:-1}"
 device="${RDMA_DEVICE:?not in the SoftRoCE VM: RDMA_DEVICE unset}"
 gid_index="${RXE_GID_INDEX:?not in the SoftRoCE VM: RXE_GID_INDEX unset}"
 verbose="${PERFTEST_VERBOSE:-0}"
 [ "$#" -gt 0 ] || set -- ib_read_lat ib_write_lat
 
 logdir="$(mktemp -d /tmp/vm-perftest.XXXXXX)"
-port=18515
+port="${PERFTEST_PORT:-18515}"
 status=0
 
 # True once something listens on TCP port $1 (perftest's exchange socket).
@@ -68,10 +76,34 @@ summarise() {
     ' "$2"
 }
 
+# Print the summary line of a bandwidth test's client log: its row is
+# "#bytes #iterations BW-peak BW-average MsgRate[Mpps]".
+summarise_bw() {
+    awk -v test="$1" -v size="$size_bytes" -v t="$tx_depth" '
+        $1 == size && NF == 5 {
+            printf "PERFBW %s tx_depth=%s msg_per_s=%.0f bw_avg_mb_s=%s\n", test, t, $5 * 1e6, $4
+            found = 1
+            exit
+        }
+        END { if (!found) exit 1 }
+    ' "$2"
+}
+
+summary_of() {
+    case "$1" in
+    *_bw) summarise_bw "$@" ;;
+    *) summarise "$@" ;;
+    esac
+}
+
 for test in "$@"; do
     server_log="$logdir/$test.server.log"
     client_log="$logdir/$test.client.log"
     args="-d $device -x $gid_index -s $size_bytes -n $iters -p $port -F"
+    case "$test" in
+    *_bw) args="$args -t $tx_depth" fail="PERFBW $test tx_depth=$tx_depth" ;;
+    *) fail="PERFTEST $test" ;;
+    esac
     # shellcheck disable=SC2086 # args is a list of words
     timeout 120 "$test" $args >"$server_log" 2>&1 &
     server_pid=$!
@@ -85,10 +117,10 @@ for test in "$@"; do
     done
     # shellcheck disable=SC2086 # args is a list of words
     if timeout 120 "$test" $args 127.0.0.1 >"$client_log" 2>&1 &&
-        summarise "$test" "$client_log"; then
+        summary_of "$test" "$client_log"; then
         :
     else
-        echo "PERFTEST $test error=client_failed"
+        echo "$fail error=client_failed"
         status=1
     fi
     # The server ends by itself after the run; a failed client can leave
