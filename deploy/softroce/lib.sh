@@ -88,3 +88,32 @@ softroce_shell_quote() {
     local s="$1"
     printf "'%s'" "${s//\'/\'\\\'\'}"
 }
+
+# The bench scripts' command line: `[--rounds N] [--ops N] [-h|--help]`,
+# anything else passed on to run-in-vm.sh. Sets `rounds`, `ops` (from the
+# defaults given first) and the array `vm_opts`; --help prints the calling
+# script's header comment.
+softroce_round_args() {
+    rounds="$1" ops="$2"
+    shift 2
+    vm_opts=()
+    while (($#)); do
+        case "$1" in
+            --rounds) rounds="${2:?--rounds needs N}"; shift ;;
+            --ops) ops="${2:?--ops needs N}"; shift ;;
+            -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+            *) vm_opts+=("$1") ;;
+        esac
+        shift
+    done
+    [[ "$rounds" =~ ^[1-9][0-9]*$ && "$ops" =~ ^[1-9][0-9]*$ ]] ||
+        softroce_die "--rounds and --ops take positive integers"
+}
+
+# Builds the release bench in the repository `$1` and sets `bench_exe`.
+softroce_build_bench() {
+    softroce_log "building the bench (release)"
+    (cd "$1" && cargo build --release --quiet -p bench)
+    bench_exe="${CARGO_TARGET_DIR:-$1/target}/release/bench"
+    [[ -x "$bench_exe" ]] || softroce_die "no $bench_exe after the build"
+}

@@ -33,25 +33,9 @@ repo="$(cd "$here/../.." && pwd)"
 # shellcheck source=results.sh
 . "$here/results.sh"
 
-rounds=3
-ops=5000
-vm_opts=()
-while (($#)); do
-    case "$1" in
-        --rounds) rounds="${2:?--rounds needs N}"; shift ;;
-        --ops) ops="${2:?--ops needs N}"; shift ;;
-        -h | --help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-        *) vm_opts+=("$1") ;;
-    esac
-    shift
-done
-[[ "$rounds" =~ ^[1-9][0-9]*$ && "$ops" =~ ^[1-9][0-9]*$ ]] || softroce_die "--rounds and --ops take positive integers"
-
+softroce_round_args 3 5000 "$@"
 cd "$repo"
-softroce_log "building the bench (release)"
-cargo build --release --quiet -p bench
-bench_exe="${CARGO_TARGET_DIR:-$repo/target}/release/bench"
-[[ -x "$bench_exe" ]] || softroce_die "no $bench_exe after the build"
+softroce_build_bench "$repo"
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/softroce-zc.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
