@@ -76,15 +76,19 @@ out="$work/out.txt"
 
 failed=0
 grep -q '^RDMABENCH FAILED' "$out" && failed=1
-# perftest's per-write time of its n-th run (n = 1 .. 2 * rounds + 1).
-mapfile -t perf_us < <(grep '^PERFBW ib_write_bw .*msg_per_s=' "$out" |
-    while read -r line; do awk -v m="$(field msg_per_s "$line")" 'BEGIN { if (m > 0) printf "%.1f\n", 1e6 / m }'; done)
+# perftest's per-write time of its n-th run (n = 1 .. 2 * rounds + 1;
+# empty for a run that failed, whose line says error=).
+mapfile -t perf_us < <(grep '^PERFBW ib_write_bw ' "$out" |
+    while read -r line; do
+        awk -v m="$(field msg_per_s "$line")" 'BEGIN { if (m > 0) printf "%.1f", 1e6 / m; print "" }'
+    done)
 if ((${#perf_us[@]} != 2 * rounds + 1)); then
-    echo "expected $((2 * rounds + 1)) ib_write_bw results, got ${#perf_us[@]}"
+    echo "expected $((2 * rounds + 1)) ib_write_bw runs, got ${#perf_us[@]}"
     failed=1
 fi
-around() { # around N: the mean of perftest's runs N and N+1 (1-based)
-    awk -v a="${perf_us[$(($1 - 1))]:-0}" -v b="${perf_us[$1]:-0}" 'BEGIN { if (a > 0 && b > 0) printf "%.1f", (a + b) / 2 }'
+around() { # around N: the mean of perftest's runs N and N+1 (1-based), or the one that has a result
+    awk -v a="${perf_us[$(($1 - 1))]:-0}" -v b="${perf_us[$1]:-0}" \
+        'BEGIN { if (a > 0 && b > 0) printf "%.1f", (a + b) / 2; else if (a + b > 0) printf "%.1f", a + b }'
 }
 echo
 echo "==== one-page WRITE vs ib_write_bw -t 1 (same boot, bracketed) ===="
@@ -103,10 +107,15 @@ for ((r = 1; r <= rounds; r++)); do
     m_zc="$(fmt1 "$(json mean "$zc")")" m_bare="$(fmt1 "$(json mean "$bare")")"
     pair="$(sed -n "s/^VERBS vb$r overhead vs bare verbs (Write .*mean median x\([0-9.]*\).*/\1/p" "$out")"
     ours_x+=" $(ratio "$m_zc" "$p_zc")" bare_x+=" $(ratio "$m_bare" "$p_vb")" pair_x+=" ${pair:-n/a}"
-    ours_sum="$(awk -v s="$ours_sum" -v v="$m_zc" 'BEGIN { print s + v }')"
-    bare_sum="$(awk -v s="$bare_sum" -v v="$m_bare" 'BEGIN { print s + v }')"
-    perf_sum_ours="$(awk -v s="$perf_sum_ours" -v v="${p_zc:-0}" 'BEGIN { print s + v }')"
-    perf_sum_bare="$(awk -v s="$perf_sum_bare" -v v="${p_vb:-0}" 'BEGIN { print s + v }')"
+    # The sums take only the runs that perftest brackets.
+    if [[ -n "$p_zc" ]]; then
+        ours_sum="$(awk -v s="$ours_sum" -v v="$m_zc" 'BEGIN { print s + v }')"
+        perf_sum_ours="$(awk -v s="$perf_sum_ours" -v v="$p_zc" 'BEGIN { print s + v }')"
+    fi
+    if [[ -n "$p_vb" ]]; then
+        bare_sum="$(awk -v s="$bare_sum" -v v="$m_bare" 'BEGIN { print s + v }')"
+        perf_sum_bare="$(awk -v s="$perf_sum_bare" -v v="$p_vb" 'BEGIN { print s + v }')"
+    fi
     printf '%-6s | %-26s | %-26s | %s\n' "$r" "$m_zc / ${p_zc:-?} = $(ratio "$m_zc" "$p_zc")" \
         "$m_bare / ${p_vb:-?} = $(ratio "$m_bare" "$p_vb")" "x${pair:-?}"
 done

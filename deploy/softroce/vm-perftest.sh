@@ -77,10 +77,11 @@ summarise() {
 }
 
 # Print the summary line of a bandwidth test's client log: its row is
-# "#bytes #iterations BW-peak BW-average MsgRate[Mpps]".
+# "#bytes #iterations BW-peak BW-average MsgRate[Mpps]". A rate of zero
+# (perftest printed 0.000000 once in the VM) is no result.
 summarise_bw() {
     awk -v test="$1" -v size="$size_bytes" -v t="$tx_depth" '
-        $1 == size && NF == 5 {
+        $1 == size && NF == 5 && $5 > 0 {
             printf "PERFBW %s tx_depth=%s msg_per_s=%.0f bw_avg_mb_s=%s\n", test, t, $5 * 1e6, $4
             found = 1
             exit
