@@ -70,7 +70,7 @@ chmod +x "$runner"
 
 rc=0
 # shellcheck disable=SC2086 # SOFTROCE_VM_OPTS is a list of words on purpose
-"$here/run-in-vm.sh" --timeout 1200 --copy "$here/vm-perftest.sh" --copy "$bench_exe" \
+"$here/run-in-vm.sh" --timeout "$((300 + 90 * rounds))" --copy "$here/vm-perftest.sh" --copy "$bench_exe" \
     ${SOFTROCE_VM_OPTS:-} "${vm_opts[@]}" -- "$runner" | tee "$work/out.txt" || rc=$?
 out="$work/out.txt"
 
