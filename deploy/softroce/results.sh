@@ -9,18 +9,15 @@ field() { printf '%s\n' "$2" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
 # json KEY RECORD: the first number (or string) after "KEY": in a record.
 json() { printf '%s\n' "$2" | grep -o "\"$1\":[^,}]*" | head -n 1 | sed 's/^[^:]*://; s/"//g'; }
 
-# record RUN OP: the one-line JSON record of that bench run and op (the
-# run's `BENCHJSON RUN [...]` line in "$out"; ours, not the bare loop's).
-record() {
-    sed -n "s/^BENCHJSON $1 //p" "${out:?}" | sed 's/},{"transport"/}\n{"transport"/g' |
-        grep -v '"transport":"bare-verbs"' | grep "\"op\":\"$2\"" | head -n 1
-}
+# records RUN: the JSON records of that bench run, one per line (the run's
+# `BENCHJSON RUN [...]` line in "$out").
+records() { sed -n "s/^BENCHJSON $1 //p" "${out:?}" | sed 's/},{"transport"/}\n{"transport"/g'; }
+
+# record RUN OP: ours' record of that run and op (not the bare loop's).
+record() { records "$1" | grep -v '"transport":"bare-verbs"' | grep "\"op\":\"$2\"" | head -n 1; }
 
 # bare_record RUN OP: the bare verbs loop's record of a --verbs-baseline run.
-bare_record() {
-    sed -n "s/^BENCHJSON $1 //p" "${out:?}" | sed 's/},{"transport"/}\n{"transport"/g' |
-        grep '"transport":"bare-verbs"' | grep "\"op\":\"$2\"" | head -n 1
-}
+bare_record() { records "$1" | grep '"transport":"bare-verbs"' | grep "\"op\":\"$2\"" | head -n 1; }
 
 fmt1() { awk -v v="$1" 'BEGIN { printf "%.1f", v }'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }

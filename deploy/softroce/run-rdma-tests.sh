@@ -240,7 +240,7 @@ if ((bench)); then
         awk -v r="$best" 'BEGIN { exit !(r != "n/a" && r <= 1.15) }' ||
             { echo "  target missed: $op p50 within 1.15x of perftest (best of rounds)"; missed=1; }
     done
-    bare="$(sed -n 's/^BENCHJSON verbs //p' "$out" | sed 's/},{"transport"/}\n{"transport"/g' | grep -c '"transport":"bare-verbs".*"verified":true' || true)"
+    bare="$(records verbs | grep -c '"transport":"bare-verbs".*"verified":true' || true)"
     if [[ "$bare" != 2 ]]; then
         echo "bench run verbs: $bare of 2 bare verbs records verified"
         failed=1
@@ -283,7 +283,7 @@ if ((bench)); then
     done
     # Faults: the memfd run must have moved its pages by RDMA straight
     # into guest RAM (its JSON record says so).
-    faults="$(sed -n "s/^BENCHJSON fault //p" "$out" | sed 's/},{"transport"/}\n{"transport"/g' | grep '"op":"fault"')"
+    faults="$(records fault | grep '"op":"fault"')"
     anon="$(grep '"backing":"anon"' <<<"$faults" | head -n 1)"
     memfd="$(grep '"backing":"memfd"' <<<"$faults" | head -n 1)"
     if [[ -n "$anon" && -n "$memfd" ]]; then
