@@ -25,8 +25,9 @@
 # by default a miss is reported, not failed: TCG timings are noisy),
 # SOFTROCE_VM_OPTS (more run-in-vm.sh options, word-split).
 #
-# Exit status: 0 when every test passed, perftest ran and every bench run
-# was verified; 1 otherwise; run-in-vm.sh's 124/125 on timeout/boot failure.
+# Exit status: 0 when every test passed and every bench run was verified;
+# 1 otherwise; run-in-vm.sh's 124/125 on timeout/boot failure. A perftest
+# run that fails all its attempts is reported as a missed target.
 # shellcheck source-path=SCRIPTDIR
 set -euo pipefail
 
@@ -110,7 +111,7 @@ rxe_retries() {
 }
 VMEOF
     for depth_port in "1 18700" "16 18701"; do
-        printf 'PERFTEST_ITERS=5000 PERFTEST_TX_DEPTH=%s PERFTEST_PORT=%s %s ib_read_bw || failed=1\n' \
+        printf 'PERFTEST_ITERS=5000 PERFTEST_TX_DEPTH=%s PERFTEST_PORT=%s %s ib_read_bw || true\n' \
             "${depth_port% *}" "${depth_port#* }" "$(softroce_shell_quote "$here/vm-perftest.sh")"
     done
     # shellcheck disable=SC2016 # expanded in the VM
@@ -143,7 +144,7 @@ VMEOF
     for run in "${runs[@]}"; do
             name="${run%%|*}"
             if [[ "$name" == perftest* ]]; then
-                printf 'PERFTEST_ITERS=%s %s ib_read_lat ib_write_lat || failed=1\n' \
+                printf 'PERFTEST_ITERS=%s %s ib_read_lat ib_write_lat || true\n' \
                     "$ops" "$(softroce_shell_quote "$here/vm-perftest.sh")"
                 continue
             fi
@@ -191,13 +192,21 @@ tests_ok="$(grep -c '^RDMATEST ok' "$out" || true)"
 nth_perf() { # nth_perf TEST N: the N-th PERFTEST line of TEST
     grep "^PERFTEST $1 .*t_typical_us=" "$out" | sed -n "$2p"
 }
-[[ -n "$(nth_perf ib_read_lat "$rounds")" && -n "$(nth_perf ib_write_lat "$rounds")" ]] || failed=1
 
 echo
 echo "==== RDMA suite summary ===="
 grep -a '^VMCLOCK ' "$out" | sed 's/^VMCLOCK /VM clocksource: /' || true
 echo "test binaries: $tests_ok passed, $tests_failed failed"
 missed=0
+# perftest is the yardstick, not the thing under test: a perftest run that
+# failed all its attempts (vm-perftest.sh retries) leaves a ratio out and
+# counts as a missed target, failed only with RDMA_PERF_STRICT=1.
+retried="$(grep -c '^PERFRETRY ' "$out" || true)"
+((retried == 0)) || echo "perftest: $retried failed attempt(s) retried (PERFRETRY lines above)"
+if grep -a '^PERF[A-Z]* .* error=' "$out"; then
+    echo "  target missed: every perftest run gives its figure (the lines above gave none)"
+    missed=1
+fi
 if ((bench)); then
     if grep -q '^RDMABENCH FAILED' "$out"; then
         failed=1
@@ -258,7 +267,6 @@ if ((bench)); then
     base="$(median <<<"$rates")"
     bw1="$(field msg_per_s "$(grep '^PERFBW ib_read_bw tx_depth=1 .*msg_per_s=' "$out" | head -n 1)")"
     ceiling="$(field msg_per_s "$(grep '^PERFBW ib_read_bw tx_depth=16 .*msg_per_s=' "$out" | head -n 1)")"
-    [[ -n "$ceiling" && -n "$bw1" ]] || failed=1
     retries() { # retries RUN: rxe retransmissions during that run
         local before after
         before="$(grep -B 100000 "^RXESTAT $1 " "$out" | grep '^RXESTAT ' | tail -n 2 | head -n 1 | sed 's/.*=//')"

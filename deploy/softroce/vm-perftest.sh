@@ -10,16 +10,19 @@
 #   PERFBW ib_write_bw tx_depth=1 msg_per_s=.. bw_avg_mb_s=..
 #
 # On failure: "PERFTEST <test> error=<why>" (or "PERFBW <test> tx_depth=N
-# error=<why>") and exit 1.
+# error=<why>") and exit 1, after PERFTEST_TRIES attempts (default 3),
+# each failed one shown as "PERFRETRY <test> attempt=N of M failed" and
+# perftest's own output.
 #
 #   vm-perftest.sh [TEST...]      default: ib_read_lat ib_write_lat
 #
 # Environment: PERFTEST_SIZE (bytes, default 4096), PERFTEST_ITERS (default
 # 5000), PERFTEST_TX_DEPTH (bandwidth tests, default 1), PERFTEST_PORT (the
 # first test's exchange port, default 18515; each next test takes the next
-# one), PERFTEST_VERBOSE=1 (also print perftest's own output), plus the
-# harness's RDMA_DEVICE and RXE_GID_INDEX. Each test runs its server in the
-# background and its client against 127.0.0.1, on the same rxe device.
+# one, a retry that port + 1000), PERFTEST_TRIES, PERFTEST_VERBOSE=1 (also
+# print perftest's own output), plus the harness's RDMA_DEVICE and
+# RXE_GID_INDEX. Each test runs its server in the background and its client
+# against 127.0.0.1, on the same rxe device.
 #
 # Runs under busybox sh; call it from a script given to run-in-vm.sh (with
 # --copy) to compare perftest with another benchmark in the same VM boot.
@@ -33,6 +36,7 @@ tx_depth="${PERFTEST_TX_DEPTH:-1}"
 device="${RDMA_DEVICE:?not in the SoftRoCE VM: RDMA_DEVICE unset}"
 gid_index="${RXE_GID_INDEX:?not in the SoftRoCE VM: RXE_GID_INDEX unset}"
 verbose="${PERFTEST_VERBOSE:-0}"
+tries_max="${PERFTEST_TRIES:-3}"
 [ "$#" -gt 0 ] || set -- ib_read_lat ib_write_lat
 
 logdir="$(mktemp -d /tmp/vm-perftest.XXXXXX)"
@@ -97,32 +101,32 @@ summary_of() {
     esac
 }
 
-for test in "$@"; do
-    server_log="$logdir/$test.server.log"
-    client_log="$logdir/$test.client.log"
-    args="-d $device -x $gid_index -s $size_bytes -n $iters -p $port -F"
-    case "$test" in
-    *_bw) args="$args -t $tx_depth" fail="PERFBW $test tx_depth=$tx_depth" ;;
-    *) fail="PERFTEST $test" ;;
+# One run of test $1 on exchange port $2: server in the background, client
+# against it, the summary line printed. Status 1 when the client failed or
+# printed no result; the logs are kept in $logdir for the caller.
+run_once() {
+    # (busybox sh: no "local"; $port is the caller's, left alone)
+    server_log="$logdir/$1.server.log" client_log="$logdir/$1.client.log"
+    args="-d $device -x $gid_index -s $size_bytes -n $iters -p $2 -F"
+    case "$1" in
+    *_bw) args="$args -t $tx_depth" ;;
     esac
     # shellcheck disable=SC2086 # args is a list of words
-    timeout 120 "$test" $args >"$server_log" 2>&1 &
+    timeout 120 "$1" $args >"$server_log" 2>&1 &
     server_pid=$!
     tries=0
-    until listening "$port"; do
+    until listening "$2"; do
         tries=$((tries + 1))
         if [ "$tries" -gt 200 ] || ! kill -0 "$server_pid" 2>/dev/null; then
             break
         fi
         usleep 50000
     done
+    ok=0
     # shellcheck disable=SC2086 # args is a list of words
-    if timeout 120 "$test" $args 127.0.0.1 >"$client_log" 2>&1 &&
-        summary_of "$test" "$client_log"; then
-        :
-    else
-        echo "$fail error=client_failed"
-        status=1
+    if timeout 120 "$1" $args 127.0.0.1 >"$client_log" 2>&1 &&
+        summary_of "$1" "$client_log"; then
+        ok=1
     fi
     # The server ends by itself after the run; a failed client can leave
     # it waiting: give it 5 s, then stop it.
@@ -133,10 +137,34 @@ for test in "$@"; do
     done
     kill "$server_pid" 2>/dev/null || true
     wait "$server_pid" 2>/dev/null || true
-    if [ "$verbose" = 1 ] || [ "$status" != 0 ]; then
-        sed "s/^/  | $test client: /" "$client_log"
-        sed "s/^/  | $test server: /" "$server_log"
-    fi
+    [ "$ok" = 1 ]
+}
+
+show_logs() {
+    sed "s/^/  | $1 client: /" "$logdir/$1.client.log"
+    sed "s/^/  | $1 server: /" "$logdir/$1.server.log"
+}
+
+for test in "$@"; do
+    case "$test" in
+    *_bw) fail="PERFBW $test tx_depth=$tx_depth" ;;
+    *) fail="PERFTEST $test" ;;
+    esac
+    # perftest itself fails now and then under TCG (a client that gets no
+    # result, a message rate of 0): a failed attempt is shown and retried
+    # on a fresh port, up to $tries_max attempts.
+    attempt=1
+    until run_once "$test" "$((port + 1000 * (attempt - 1)))"; do
+        echo "PERFRETRY $test attempt=$attempt of $tries_max failed"
+        show_logs "$test"
+        if [ "$attempt" -ge "$tries_max" ]; then
+            echo "$fail error=client_failed"
+            status=1
+            break
+        fi
+        attempt=$((attempt + 1))
+    done
+    [ "$verbose" != 1 ] || show_logs "$test"
     port=$((port + 1))
 done
 rm -rf "$logdir"
