@@ -25,6 +25,20 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else
 # median / minimum / maximum: of the numbers on stdin (space or newline
 # separated; "n/a" and other words are not numbers and are skipped).
 numbers() { tr ' ' '\n' | grep -E '^-?[0-9.]+(e[-+]?[0-9]+)?$' || true; }
-median() { numbers | LC_ALL=C sort -g | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
+# An even count's median is the mean of the middle two, printed with their
+# decimals (one more when it needs it): 1.00 and 1.00 give 1.00, not 1.
+median() {
+    numbers | LC_ALL=C sort -g | awk '
+        { v[NR] = $1 }
+        END {
+            if (!NR) exit
+            if (NR % 2) { print v[(NR + 1) / 2]; exit }
+            a = v[NR / 2]; b = v[NR / 2 + 1]; m = (a + b) / 2
+            d = (i = index(a, ".")) ? length(a) - i : 0
+            s = sprintf("%.*f", d, m)
+            if (s + 0 != m) s = sprintf("%.*f", d + 1, m)
+            print s
+        }'
+}
 minimum() { numbers | LC_ALL=C sort -g | head -n 1; }
 maximum() { numbers | LC_ALL=C sort -g | tail -n 1; }
