@@ -9,12 +9,12 @@
 //! (`cargo test -p rdma-transport --test verbs_loopback -- --include-ignored`).
 //! When run, a missing device FAILS them.
 
-use std::alloc::{self, Layout};
 use std::cell::Cell;
 use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rdma_transport::region::{MapOptions, MappedRegion};
 use rdma_transport::verbs::{
     find_roce_v2_ipv4_gid_index, find_roce_v2_ipv4_gid_index_sysfs, list_devices, AccessFlags,
     CompletionChannel, CompletionQueue, Context, DeviceAttr, Gid, LinkLayer, MemoryRegion, Mtu,
@@ -54,24 +54,29 @@ fn open_device(test: &str) -> Context {
         .unwrap_or_else(|e| fail(format!("cannot open the RDMA device ({e})")))
 }
 
-/// A page-aligned heap buffer the test hands to the device.
+/// Zeroed, page-aligned memory the test hands to the device (the
+/// library's anonymous mapping).
 struct PageBuf {
-    ptr: *mut u8,
-    layout: Layout,
+    mem: MappedRegion,
 }
 
 impl PageBuf {
     fn new(pages: usize) -> Self {
-        let layout = Layout::from_size_align(pages * PAGE_SIZE, PAGE_SIZE).expect("layout");
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc::alloc_zeroed(layout) };
-        assert!(!ptr.is_null(), "allocation failed");
-        Self { ptr, layout }
+        let options = MapOptions {
+            try_huge_pages: false,
+            populate: true,
+        };
+        let mem = MappedRegion::new(pages * PAGE_SIZE, options).expect("map the test's buffer");
+        Self { mem }
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        self.mem.as_ptr()
     }
 
     fn page(&self, i: usize) -> *mut u8 {
-        assert!((i + 1) * PAGE_SIZE <= self.layout.size());
-        self.ptr.wrapping_add(i * PAGE_SIZE)
+        assert!((i + 1) * PAGE_SIZE <= self.mem.len_bytes());
+        self.ptr().wrapping_add(i * PAGE_SIZE)
     }
 
     /// Fills page `i` with a pattern unique to (`seed`, `i`).
@@ -102,15 +107,7 @@ impl PageBuf {
 
     fn zero(&self) {
         // SAFETY: the whole buffer is ours and no transfer is outstanding.
-        unsafe { self.ptr.write_bytes(0, self.layout.size()) };
-    }
-}
-
-impl Drop for PageBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout; the MRs over it are
-        // dropped first (fields of `Pair` are declared after the buffers).
-        unsafe { alloc::dealloc(self.ptr, self.layout) };
+        unsafe { self.ptr().write_bytes(0, self.mem.len_bytes()) };
     }
 }
 
@@ -234,11 +231,11 @@ fn connect_pair(s: &Setup, pd: &ProtectionDomain, mode: Mode, psn_seed: u32) -> 
     let buf_b = PageBuf::new(PAGES);
     // SAFETY: both buffers outlive their MRs (drop order of `Pair`) and are
     // touched by the test only while no transfer on them is outstanding.
-    let mr_a = unsafe { pd.register_raw(buf_a.ptr, PAGES * PAGE_SIZE, AccessFlags::LOCAL_WRITE) }
+    let mr_a = unsafe { pd.register_raw(buf_a.ptr(), PAGES * PAGE_SIZE, AccessFlags::LOCAL_WRITE) }
         .expect("register buffer a");
     let access_b = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
     // SAFETY: as above.
-    let mr_b = unsafe { pd.register_raw(buf_b.ptr, PAGES * PAGE_SIZE, access_b) }
+    let mr_b = unsafe { pd.register_raw(buf_b.ptr(), PAGES * PAGE_SIZE, access_b) }
         .expect("register buffer b");
 
     let chan = match mode {

@@ -13,11 +13,11 @@
 //! SoftRoCE VM changes speed every few seconds, and a ratio is only fair
 //! between two loops that met the same speeds.
 
-use std::alloc::{self, Layout};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use rdma_transport::rdma::{connect_qp, random_psn, PortInfo, QpTimeouts};
+use rdma_transport::region::{MapOptions, MappedRegion};
 use rdma_transport::verbs::{
     AccessFlags, CompletionQueue, Context, MemoryRegion, QpCaps, QueuePair, SendWr, Verbs,
     WorkCompletion,
@@ -31,27 +31,30 @@ use crate::workload::{new_histogram, Op, Outcome};
 /// completion must fail the run, not hang it).
 const OP_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Zeroed, page-aligned memory the device reads and writes. Only raw
-/// pointers reach it while a memory region covers it.
+/// Zeroed, page-aligned memory the device reads and writes (the library's
+/// own anonymous mapping). Only raw pointers reach it while a memory
+/// region covers it.
 struct DeviceBuf {
-    ptr: *mut u8,
-    layout: Layout,
+    mem: MappedRegion,
 }
 
 impl DeviceBuf {
     fn new(pages: usize) -> anyhow::Result<Self> {
-        let layout = Layout::from_size_align(pages.max(1) * PAGE_SIZE, PAGE_SIZE)
-            .context("buffer layout")?;
-        // SAFETY: the layout's size is at least one page (non-zero).
-        let ptr = unsafe { alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            bail!("allocating {} bytes for the bare RDMA loop", layout.size());
-        }
-        Ok(Self { ptr, layout })
+        let options = MapOptions {
+            try_huge_pages: false,
+            populate: true,
+        };
+        let mem = MappedRegion::new(pages.max(1) * PAGE_SIZE, options)
+            .context("mapping memory for the bare RDMA loop")?;
+        Ok(Self { mem })
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        self.mem.as_ptr()
     }
 
     fn page_addr(&self, i: usize) -> *mut u8 {
-        self.ptr.wrapping_add(i * PAGE_SIZE)
+        self.ptr().wrapping_add(i * PAGE_SIZE)
     }
 
     /// Page `i`, for the loop to fill or check.
@@ -61,20 +64,11 @@ impl DeviceBuf {
     /// (the device neither reads nor writes it until the reference is
     /// dropped).
     unsafe fn page(&mut self, i: usize) -> &mut Page {
-        debug_assert!((i + 1) * PAGE_SIZE <= self.layout.size());
+        debug_assert!((i + 1) * PAGE_SIZE <= self.mem.len_bytes());
         // SAFETY: per this fn's contract the page is in bounds, aligned
-        // (page-aligned buffer) and not touched by the device meanwhile;
+        // (page-aligned mapping) and not touched by the device meanwhile;
         // `&mut self` keeps the loop from holding two references.
         unsafe { &mut *self.page_addr(i).cast::<Page>() }
-    }
-}
-
-impl Drop for DeviceBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout; the memory regions
-        // over it are fields of `BareVerbs` declared before the buffers,
-        // so they are deregistered first.
-        unsafe { alloc::dealloc(self.ptr, self.layout) };
     }
 }
 
@@ -118,11 +112,12 @@ impl BareVerbs {
         // SAFETY: both buffers outlive their MRs (drop order of `Self`);
         // the loop touches them only while no request on them is
         // outstanding (`DeviceBuf::page`).
-        let local_mr = unsafe { pd.register_raw(local.ptr, PAGE_SIZE, AccessFlags::LOCAL_WRITE) }?;
+        let local_mr =
+            unsafe { pd.register_raw(local.ptr(), PAGE_SIZE, AccessFlags::LOCAL_WRITE) }?;
         let access =
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
         // SAFETY: as above.
-        let region_mr = unsafe { pd.register_raw(region.ptr, pages * PAGE_SIZE, access) }?;
+        let region_mr = unsafe { pd.register_raw(region.ptr(), pages * PAGE_SIZE, access) }?;
         let cq = ctx.create_cq(16, None, 0)?;
         let target_cq = ctx.create_cq(16, None, 0)?;
         let caps = QpCaps {
