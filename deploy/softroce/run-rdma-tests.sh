@@ -144,6 +144,9 @@ VMEOF
     for run in "${runs[@]}"; do
             name="${run%%|*}"
             if [[ "$name" == perftest* ]]; then
+                # A marker per round: a round whose perftest failed leaves
+                # a gap, not a shift of every later round's figures.
+                printf 'echo "PERFROUND %s"\n' "${name#perftest}"
                 printf 'PERFTEST_ITERS=%s %s ib_read_lat ib_write_lat || true\n' \
                     "$ops" "$(softroce_shell_quote "$here/vm-perftest.sh")"
                 continue
@@ -189,8 +192,11 @@ failed=0
 tests_failed="$(grep -c '^RDMATEST FAILED' "$out" || true)"
 tests_ok="$(grep -c '^RDMATEST ok' "$out" || true)"
 ((tests_failed == 0 && tests_ok == ${#exes[@]})) || failed=1
-nth_perf() { # nth_perf TEST N: the N-th PERFTEST line of TEST
-    grep "^PERFTEST $1 .*t_typical_us=" "$out" | sed -n "$2p"
+nth_perf() { # nth_perf TEST N: round N's PERFTEST line of TEST (empty if it failed)
+    awk -v test="$1" -v n="$2" '
+        /^PERFROUND / { round = $2; next }
+        round == n && $1 == "PERFTEST" && $2 == test && /t_typical_us=/ { print; exit }
+    ' "$out"
 }
 
 echo
