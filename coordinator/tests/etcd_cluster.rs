@@ -1,8 +1,10 @@
 //! Coordinators on a real three-member etcd cluster on 127.0.0.1: two
 //! coordinator processes share it, page-servers register through one and
 //! clients read through the other; the etcd leader and then a coordinator
-//! are killed with SIGKILL under a registration load; overlapping claims
-//! race through both coordinators.
+//! are killed with SIGKILL under a registration load, while page-servers
+//! heartbeat with the defaults of both sides (3 s lease, 1 s heartbeat)
+//! and must never be reported dead; overlapping claims race through both
+//! coordinators.
 //!
 //! Run with `cargo test -p coordinator --features etcd --test etcd_cluster`
 //! (needs Debian's etcd-server; deploy/test-all.sh installs it).
@@ -24,18 +26,26 @@ use reqwest::blocking::Client;
 use reqwest::Method;
 use serde_json::{json, Value};
 
-/// Leases of these tests: long enough to ride out an etcd election
-/// (about a second here) and a coordinator switch. 5 s was not always
-/// enough: a clean-clone CI run on 2026-11-29 had a lease lapse during the
-/// failovers (the panic now says when, and through which path).
-const LEASE_MS: u64 = 10_000;
+/// Leases of these tests: the coordinator's default (3 s), which must ride
+/// out an etcd election (about a second here) and a coordinator switch with
+/// page-servers heartbeating at their defaults. Before the coordinator kept
+/// dead etcd members out of its client's balance (backend/etcd/members.rs),
+/// a lease lapsed here in 2 of 5 runs.
+const LEASE_MS: u64 = coordinator::CoordinatorConfig::DEFAULT_LEASE_MS;
 
-/// The coordinators' etcd request timeout: well below the lease, as it must
-/// be. A heartbeat whose request hangs on a member that just died waits up
-/// to this long before the client tries elsewhere; with the default (5 s,
-/// the whole lease) the lease could lapse during a failover on a loaded
-/// host, and the page-server read as dead (seen once in CI).
-const ETCD_TIMEOUT_MS: u64 = 1500;
+/// A page-server's heartbeat period, its pause after a failed heartbeat
+/// and its request timeout: its defaults (`ServerConfig`,
+/// page-server/src/registration.rs).
+const HEARTBEAT_PERIOD: Duration = Duration::from_millis(1000);
+const HEARTBEAT_RETRY: Duration = Duration::from_millis(200);
+const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The coordinators' etcd request timeout: their default, well below the
+/// lease, as it must be.
+const ETCD_TIMEOUT_MS: u64 = coordinator::EtcdConfig::DEFAULT_REQUEST_TIMEOUT_MS;
+
+/// Page-servers that heartbeat under the load.
+const PAGE_SERVERS: usize = 3;
 
 /// Page size of the ranges.
 const PAGE: u64 = 4096;
@@ -246,7 +256,8 @@ struct Ledger {
     /// range 201).
     acknowledged: Mutex<Vec<(String, u64)>>,
     resolves_ok: AtomicUsize,
-    heartbeats_ok: AtomicUsize,
+    /// Heartbeats answered, per page-server.
+    heartbeats_ok: [AtomicUsize; PAGE_SERVERS],
     /// The first time a page-server was reported `alive: false` by a
     /// coordinator: by whom (a heartbeat's answer or a resolve), which
     /// node, and how long after the load started.
@@ -280,7 +291,7 @@ fn killing_the_etcd_leader_then_a_coordinator_loses_no_acknowledged_registration
 
     // Page-servers that heartbeat through a (switching on failure), with a
     // range each that clients resolve through b.
-    let page_servers: Vec<String> = (0..3).map(|i| format!("ps{i}")).collect();
+    let page_servers: Vec<String> = (0..PAGE_SERVERS).map(|i| format!("ps{i}")).collect();
     for (i, id) in page_servers.iter().enumerate() {
         assert_eq!(register(&http, &a.url, id, 7000 + i as u16), 200);
         assert_eq!(claim(&http, &a.url, (i as u64) << 30, 16 * PAGE, id), 201);
@@ -290,27 +301,31 @@ fn killing_the_etcd_leader_then_a_coordinator_loses_no_acknowledged_registration
     let started = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
     let mut threads = Vec::new();
-    // Heartbeats every 200 ms (bounded by the test's length), as a
-    // page-server given both coordinators (`--coordinator a,b`) sends them:
-    // the client moves to b when a is gone.
-    {
-        let (ledger, stop, ids) = (ledger.clone(), stop.clone(), page_servers.clone());
-        let client = CoordinatorClient::new(&urls.join(","), None, Duration::from_secs(10))
+    // Each page-server heartbeats on its own thread, as a page-server given
+    // both coordinators (`--coordinator a,b`) does: one heartbeat, then a
+    // wait of the heartbeat period, with the page-server's request timeout
+    // (page-server/src/registration.rs); the client moves to b when a is
+    // gone. Bounded by the test's length.
+    for (i, id) in page_servers.iter().enumerate() {
+        let (ledger, stop, id) = (ledger.clone(), stop.clone(), id.clone());
+        let client = CoordinatorClient::new(&urls.join(","), None, HEARTBEAT_TIMEOUT)
             .expect("client of both coordinators");
         threads.push(std::thread::spawn(move || {
             for _ in 0..1000 {
                 if stop.load(Ordering::Relaxed) {
                     break;
                 }
-                for id in &ids {
-                    if let Ok(beat) = client.heartbeat(id) {
+                let pause = match client.heartbeat(&id) {
+                    Ok(beat) => {
                         if !beat.alive {
-                            ledger.lost("a heartbeat's answer", id, started);
+                            ledger.lost("a heartbeat's answer", &id, started);
                         }
-                        ledger.heartbeats_ok.fetch_add(1, Ordering::Relaxed);
+                        ledger.heartbeats_ok[i].fetch_add(1, Ordering::Relaxed);
+                        HEARTBEAT_PERIOD
                     }
-                }
-                std::thread::sleep(Duration::from_millis(200));
+                    Err(_) => HEARTBEAT_RETRY,
+                };
+                std::thread::sleep(pause);
             }
         }));
     }
@@ -385,19 +400,37 @@ fn killing_the_etcd_leader_then_a_coordinator_loses_no_acknowledged_registration
         }));
     }
 
-    let progress = |what: &str, ledger: &Ledger| {
+    // Progress after each event: registrations, resolves and two answered
+    // heartbeats of every page-server, and the load kept up for `watch`
+    // (so that a lease the event made lapse is seen by the resolves).
+    let progress = |what: &str, ledger: &Ledger, watch: Duration| {
+        let since = Instant::now();
         let (registered, resolved) = (
             ledger.acknowledged(),
             ledger.resolves_ok.load(Ordering::Relaxed),
         );
-        let beats = ledger.heartbeats_ok.load(Ordering::Relaxed);
-        wait_for(what, Duration::from_secs(30), || {
-            ledger.acknowledged() >= registered + 20
+        let beats = ledger
+            .heartbeats_ok
+            .each_ref()
+            .map(|b| b.load(Ordering::Relaxed));
+        wait_for(what, watch + Duration::from_secs(30), || {
+            since.elapsed() >= watch
+                && ledger.acknowledged() >= registered + 20
                 && ledger.resolves_ok.load(Ordering::Relaxed) >= resolved + 10
-                && ledger.heartbeats_ok.load(Ordering::Relaxed) >= beats + 3
+                && ledger
+                    .heartbeats_ok
+                    .iter()
+                    .zip(beats)
+                    .all(|(now, then)| now.load(Ordering::Relaxed) >= then + 2)
         });
     };
-    progress("registrations and resolves before any failure", &ledger);
+    progress(
+        "registrations, resolves and heartbeats before any failure",
+        &ledger,
+        Duration::ZERO,
+    );
+    // A lapse shows within a lease and a heartbeat period of its cause.
+    let watch = Duration::from_millis(LEASE_MS) + HEARTBEAT_PERIOD;
 
     let leader = cluster.leader();
     let killed_leader_ms = started.elapsed().as_millis();
@@ -405,17 +438,25 @@ fn killing_the_etcd_leader_then_a_coordinator_loses_no_acknowledged_registration
     let new_leader = cluster.leader();
     assert_ne!(new_leader, leader);
     progress(
-        "registrations and resolves after the etcd leader died",
+        "registrations, resolves and heartbeats after the etcd leader died",
         &ledger,
+        watch,
     );
 
     let killed_a_ms = started.elapsed().as_millis();
     a.kill();
     progress(
-        "registrations and resolves after coordinator a died",
+        "registrations, resolves and heartbeats after coordinator a died",
         &ledger,
+        watch,
     );
 
+    // Alive after both failures, asked while they still heartbeat.
+    for id in &page_servers {
+        let (_, node) =
+            call(&http, &b.url, Method::GET, &format!("/v1/nodes/{id}"), None).expect("node");
+        assert_eq!(node["alive"], true, "{node}");
+    }
     stop.store(true, Ordering::Relaxed);
     for thread in threads {
         thread.join().expect("load thread");
@@ -451,14 +492,57 @@ fn killing_the_etcd_leader_then_a_coordinator_loses_no_acknowledged_registration
         );
     }
     // The page-servers' leases lived through both failures.
-    if let Some(lost) = ledger.lease_lost.lock().expect("ledger").as_ref() {
+    let lost = ledger.lease_lost.lock().expect("ledger").clone();
+    if let Some(lost) = lost {
         panic!("a page-server's lease lapsed: {lost} (leader killed at {killed_leader_ms} ms, coordinator a at {killed_a_ms} ms)");
     }
-    for id in &page_servers {
-        let (_, node) =
-            call(&http, &b.url, Method::GET, &format!("/v1/nodes/{id}"), None).expect("node");
-        assert_eq!(node["alive"], true, "{node}");
+}
+
+/// Heartbeats sent one after another after a follower was killed.
+const BEATS_AFTER_KILL: usize = 60;
+
+#[test]
+fn a_dead_etcd_member_leaves_the_balance_and_no_request_fails_on_it() {
+    let mut cluster = EtcdCluster::start(3);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let a = CoordinatorProcess::start(&cluster.endpoints(), dir.path(), "a");
+    let http = new_http();
+    assert_eq!(register(&http, &a.url, "ps0", 7000), 200);
+
+    // A follower dies: no election, the cluster is healthy, but a third of
+    // the endpoints the coordinator was given is dead.
+    let leader = cluster.leader();
+    let follower = (leader + 1) % 3;
+    cluster.kill(follower);
+    let log = dir.path().join("a.log");
+    wait_for(
+        "the coordinator to take the dead member out",
+        WAIT_LIMIT,
+        || {
+            std::fs::read_to_string(&log)
+                .is_ok_and(|text| text.contains("etcd member does not answer"))
+        },
+    );
+    // Every heartbeat from now on answers, and none waits on the dead
+    // member (each makes five etcd requests).
+    let client =
+        CoordinatorClient::new(&a.url, None, Duration::from_secs(10)).expect("client of a");
+    let mut slowest = Duration::ZERO;
+    for beat in 0..BEATS_AFTER_KILL {
+        let sent = Instant::now();
+        let answer = client.heartbeat(&"ps0".to_owned());
+        slowest = slowest.max(sent.elapsed());
+        assert!(
+            answer.as_ref().is_ok_and(|b| b.alive),
+            "heartbeat {beat} after the kill: {answer:?}"
+        );
     }
+    // Without the prober, 5-7 of 60 failed (503) and the slowest took about
+    // 1 s; with it, the slowest took 20 ms.
+    assert!(
+        slowest < Duration::from_millis(ETCD_TIMEOUT_MS / 2),
+        "a heartbeat took {slowest:?}: it waited on the dead member"
+    );
 }
 
 #[test]

@@ -43,7 +43,8 @@ pub struct ServerConfig {
     /// Period of the heartbeat that keeps this node's lease alive, and of
     /// the replica recovery's look at the map.
     pub heartbeat_interval: Duration,
-    /// Wait between registration attempts while the coordinator is not up.
+    /// Wait between registration attempts while the coordinator is not up,
+    /// and before the next heartbeat after one failed (the lease is at risk).
     pub register_retry: Duration,
     /// Handshaken connections served at once; a connection that finishes
     /// its HELLO beyond this is closed without a HELLO_ACK. Connections

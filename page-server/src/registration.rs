@@ -185,6 +185,9 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
         }
     };
     let mut registered = false;
+    // A heartbeat failed: the lease is at risk, so the next one goes at the
+    // retry pace rather than a whole heartbeat period later.
+    let mut beat_failed = false;
     loop {
         if !registered {
             match register(&client, plan) {
@@ -212,21 +215,25 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
                 }
             }
         }
-        if shared.sleep(if registered {
+        if shared.sleep(if registered && !beat_failed {
             plan.heartbeat
         } else {
-            plan.retry
+            plan.retry.min(plan.heartbeat)
         }) {
             return;
         }
         if registered {
+            beat_failed = false;
             match client.heartbeat(&plan.node_id) {
                 Ok(_) => {}
                 Err(err) if err.is_not_found() => {
                     tracing::warn!("coordinator forgot this node; registering again");
                     registered = false;
                 }
-                Err(err) => tracing::debug!(%err, "heartbeat failed"),
+                Err(err) => {
+                    tracing::debug!(%err, "heartbeat failed; retrying soon");
+                    beat_failed = true;
+                }
             }
         }
     }

@@ -1,13 +1,15 @@
-//! A stand-in coordinator for the replica recovery tests, until the real
-//! one has the replica routes: plain HTTP/1.1 on std sockets, one range,
+//! A stand-in coordinator for the replica recovery and heartbeat tests:
+//! plain HTTP/1.1 on std sockets, one range,
 //! replicas with the states and rules of issue 9 (a new replica, or one
 //! whose node registers a new epoch, is `stale`; `recovering` needs another
 //! live replica and bumps `recovery_seq`; `live` needs the same seq and
-//! epoch). Only the routes a page-server calls, without credentials.
+//! epoch). Only the routes a page-server calls, without credentials. It
+//! records when heartbeats came and can refuse some (503).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
+use std::time::Instant;
 
 use parking_lot::Mutex;
 use rdma_transport::coordinator::api::{
@@ -24,6 +26,10 @@ pub struct FakeState {
     pub entry: Option<MapEntry>,
     /// `(node, recovery_seq)` of every `live` request, answered or refused.
     pub finish_requests: Vec<(String, u64)>,
+    /// When each heartbeat came, and whether it was answered 200.
+    pub heartbeats: Vec<(Instant, bool)>,
+    /// The next this many heartbeats are answered 503 (store unavailable).
+    pub fail_heartbeats: u32,
 }
 
 impl FakeState {
@@ -176,10 +182,18 @@ fn route(method: &str, path: &str, body: &[u8], s: &mut FakeState) -> (u16, Vec<
             s.version += 1;
             json(&info)
         }
-        ("POST", ["v1", "nodes", id, "heartbeat"]) => match s.nodes.iter().find(|n| n.id == *id) {
-            Some(n) => json(n),
-            None => error(404, "not_found"),
-        },
+        ("POST", ["v1", "nodes", id, "heartbeat"]) => {
+            let refuse = s.fail_heartbeats > 0;
+            s.heartbeats.push((Instant::now(), !refuse));
+            if refuse {
+                s.fail_heartbeats -= 1;
+                return error(503, "unavailable");
+            }
+            match s.nodes.iter().find(|n| n.id == *id) {
+                Some(n) => json(n),
+                None => error(404, "not_found"),
+            }
+        }
         ("POST", ["v1", "map"]) => {
             let Ok(req) = serde_json::from_slice::<RangeRequest>(body) else {
                 return error(400, "bad_request");

@@ -19,6 +19,7 @@
 //!   changed, whichever coordinator changed it.
 
 mod keys;
+mod members;
 mod model;
 #[cfg(test)]
 mod model_tests;
@@ -51,6 +52,8 @@ pub(crate) struct EtcdBackend {
     request_timeout: Duration,
     versions: Arc<tokio::sync::watch::Sender<u64>>,
     follower: tokio::task::JoinHandle<()>,
+    /// Keeps members that do not answer out of the client's balance.
+    prober: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for EtcdBackend {
@@ -65,6 +68,9 @@ impl std::fmt::Debug for EtcdBackend {
 impl Drop for EtcdBackend {
     fn drop(&mut self) {
         self.follower.abort();
+        if let Some(prober) = &self.prober {
+            prober.abort();
+        }
     }
 }
 
@@ -112,12 +118,19 @@ impl EtcdBackend {
             .with_keep_alive_while_idle(true);
         let client = tokio::time::timeout(
             request_timeout,
-            Client::connect(config.endpoints.clone(), Some(options)),
+            Client::connect(config.endpoints.clone(), Some(options.clone())),
         )
         .await
         .map_err(|_| StoreError::Unavailable("etcd: connect timed out".to_owned()))?
         .map_err(unavailable)?;
         let keys = Keys::new(&config.prefix);
+        let prober = (config.endpoints.len() > 1).then(|| {
+            tokio::spawn(members::keep_healthy_members(
+                client.clone(),
+                config.endpoints.clone(),
+                options,
+            ))
+        });
         let mut backend = Self {
             client,
             keys,
@@ -126,6 +139,7 @@ impl EtcdBackend {
             request_timeout,
             versions: Arc::new(tokio::sync::watch::Sender::new(0)),
             follower: tokio::spawn(async {}),
+            prober,
         };
         // One read proves the cluster answers and seeds the version.
         let state = backend.read_state().await?;
