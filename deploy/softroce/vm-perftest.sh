@@ -154,7 +154,12 @@ for test in "$@"; do
     # result, a message rate of 0): a failed attempt is shown and retried
     # on a fresh port, up to $tries_max attempts.
     attempt=1
-    until run_once "$test" "$((port + 1000 * (attempt - 1)))"; do
+    passed=0
+    while :; do
+        if run_once "$test" "$((port + 1000 * (attempt - 1)))"; then
+            passed=1
+            break
+        fi
         echo "PERFRETRY $test attempt=$attempt of $tries_max failed"
         show_logs "$test"
         if [ "$attempt" -ge "$tries_max" ]; then
@@ -164,7 +169,8 @@ for test in "$@"; do
         fi
         attempt=$((attempt + 1))
     done
-    [ "$verbose" != 1 ] || show_logs "$test"
+    # A failed attempt's logs were shown above; verbose adds a passing one's.
+    [ "$verbose" != 1 ] || [ "$passed" != 1 ] || show_logs "$test"
     port=$((port + 1))
 done
 rm -rf "$logdir"

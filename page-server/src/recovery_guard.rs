@@ -143,14 +143,7 @@ mod tests {
     const PAGES: usize = 256;
 
     fn region() -> MappedRegion {
-        MappedRegion::new(
-            PAGES * PAGE_SIZE,
-            MapOptions {
-                try_huge_pages: false,
-                populate: false,
-            },
-        )
-        .expect("region")
+        MappedRegion::new(PAGES * PAGE_SIZE, MapOptions::LAZY).expect("region")
     }
 
     /// The guard's tests are about ordering: no sums kept.

@@ -45,6 +45,19 @@ pub struct MapOptions {
     pub populate: bool,
 }
 
+impl MapOptions {
+    /// 4 KiB pages, each faulted in when first touched.
+    pub const LAZY: Self = Self {
+        try_huge_pages: false,
+        populate: false,
+    };
+    /// 4 KiB pages, all faulted in by the `mmap` (buffers on the data path).
+    pub const POPULATED: Self = Self {
+        try_huge_pages: false,
+        populate: true,
+    };
+}
+
 impl MappedRegion {
     /// Maps `len_bytes` (rounded up to 2 MiB when huge pages are used).
     ///

@@ -62,11 +62,8 @@ struct PageBuf {
 
 impl PageBuf {
     fn new(pages: usize) -> Self {
-        let options = MapOptions {
-            try_huge_pages: false,
-            populate: true,
-        };
-        let mem = MappedRegion::new(pages * PAGE_SIZE, options).expect("map the test's buffer");
+        let mem = MappedRegion::new(pages * PAGE_SIZE, MapOptions::POPULATED)
+            .expect("map the test's buffer");
         Self { mem }
     }
 

@@ -36,13 +36,7 @@ pub fn run(
     connect: impl FnOnce() -> anyhow::Result<Fetch> + Send,
 ) -> anyhow::Result<Outcome> {
     let len = pages * PAGE_SIZE;
-    let region = MappedRegion::new(
-        len,
-        MapOptions {
-            try_huge_pages: false,
-            populate: false,
-        },
-    )?;
+    let region = MappedRegion::new(len, MapOptions::LAZY)?;
     let uffd = Userfaultfd::open(FaultMode::UserOnly).context("userfaultfd")?;
     uffd.enable(0).context("UFFDIO_API")?;
     uffd.register(region.as_ptr(), len, RegisterMode::MISSING)

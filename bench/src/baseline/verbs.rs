@@ -40,11 +40,7 @@ struct DeviceBuf {
 
 impl DeviceBuf {
     fn new(pages: usize) -> anyhow::Result<Self> {
-        let options = MapOptions {
-            try_huge_pages: false,
-            populate: true,
-        };
-        let mem = MappedRegion::new(pages.max(1) * PAGE_SIZE, options)
+        let mem = MappedRegion::new(pages * PAGE_SIZE, MapOptions::POPULATED)
             .context("mapping memory for the bare RDMA loop")?;
         Ok(Self { mem })
     }

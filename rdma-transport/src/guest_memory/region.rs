@@ -78,14 +78,8 @@ impl GuestRegion {
                 keep_file_pages: false,
             });
         }
-        let map = MappedRegion::new(
-            size_bytes,
-            MapOptions {
-                try_huge_pages: false,
-                populate: false,
-            },
-        )
-        .map_err(|source| GuestMemoryError::Memory { op: "mmap", source })?;
+        let map = MappedRegion::new(size_bytes, MapOptions::LAZY)
+            .map_err(|source| GuestMemoryError::Memory { op: "mmap", source })?;
         // Faults, write protection and eviction work on 4 KiB pages: keep
         // transparent huge pages out of the region.
         // SAFETY: advice on a mapping we own; it changes no contents.

@@ -12,14 +12,7 @@ use crate::region::{MapOptions, MappedRegion};
 const FILL: u8 = 0x5a;
 
 fn region(pages: usize) -> MappedRegion {
-    MappedRegion::new(
-        pages * PAGE_SIZE,
-        MapOptions {
-            try_huge_pages: false,
-            populate: false,
-        },
-    )
-    .expect("mmap")
+    MappedRegion::new(pages * PAGE_SIZE, MapOptions::LAZY).expect("mmap")
 }
 
 fn registered(mode: FaultMode, region: &MappedRegion, register: RegisterMode) -> Userfaultfd {

@@ -96,14 +96,7 @@ fn as_unprivileged_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'sta
 fn unprivileged_kernel_and_user_mode_fails_and_user_only_works() {
     let sysctl = std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd")
         .expect("vm.unprivileged_userfaultfd");
-    let region = MappedRegion::new(
-        2 * PAGE_SIZE,
-        MapOptions {
-            try_huge_pages: false,
-            populate: false,
-        },
-    )
-    .expect("mmap");
+    let region = MappedRegion::new(2 * PAGE_SIZE, MapOptions::LAZY).expect("mmap");
     let (addr, len) = (region.as_ptr() as usize, region.len_bytes());
     let (kernel_and_user, user_only) = as_unprivileged_thread(move || {
         let open = |mode| {
