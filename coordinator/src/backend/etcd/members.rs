@@ -7,13 +7,14 @@
 //! requests, so during a failover one of them often lands on the dead
 //! member and the heartbeat fails or answers late; with the default 3 s
 //! lease and 1 s heartbeat, page-servers were reported dead while the
-//! cluster was healthy (coordinator/tests/etcd_cluster.rs).
+//! cluster kept its quorum (coordinator/tests/etcd_cluster.rs).
 //!
 //! A prober asks each member for its status, on a connection of its own,
 //! every [`PROBE_INTERVAL`]. A member that does not answer within
-//! [`PROBE_TIMEOUT`], or answers without knowing a leader, leaves the
-//! balance; it comes back when it answers again. When no member answers,
-//! every member is kept: requests then fail as they would anyway.
+//! [`PROBE_TIMEOUT`], or answers without knowing a leader while others know
+//! one, leaves the balance; it comes back when it answers again. During an
+//! election the members that answer stay; when none answers, every member
+//! is kept: requests then fail as they would anyway.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -36,6 +37,38 @@ pub(super) fn balance_key(endpoint: &str) -> String {
     }
 }
 
+/// What a member's status request gave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Probe {
+    /// No answer within [`PROBE_TIMEOUT`].
+    Down,
+    /// An answer, but no leader known (an election, or cut off).
+    NoLeader,
+    /// An answer naming a leader.
+    Up,
+}
+
+/// The members requests should go to: those that answered naming a leader;
+/// during an election (none names one), those that answered; when none
+/// answered, every member (requests then fail as they would anyway).
+fn wanted(probes: &[(String, Probe)]) -> BTreeSet<String> {
+    let with = |good: &[Probe]| -> BTreeSet<String> {
+        probes
+            .iter()
+            .filter(|(_, probe)| good.contains(probe))
+            .map(|(key, _)| key.clone())
+            .collect()
+    };
+    [
+        with(&[Probe::Up]),
+        with(&[Probe::Up, Probe::NoLeader]),
+        with(&[Probe::Up, Probe::NoLeader, Probe::Down]),
+    ]
+    .into_iter()
+    .find(|set| !set.is_empty())
+    .unwrap_or_default()
+}
+
 /// One member and the client that reaches it alone.
 struct Member {
     key: String,
@@ -43,9 +76,8 @@ struct Member {
 }
 
 impl Member {
-    /// True when the member answers a status request within
-    /// [`PROBE_TIMEOUT`] and knows a leader.
-    async fn healthy(&mut self, options: &ConnectOptions) -> bool {
+    /// Asks the member for its status.
+    async fn probe(&mut self, options: &ConnectOptions) -> Probe {
         if self.client.is_none() {
             let connect = Client::connect([self.key.as_str()], Some(options.clone()));
             self.client = tokio::time::timeout(PROBE_TIMEOUT, connect)
@@ -54,17 +86,18 @@ impl Member {
                 .and_then(Result::ok);
         }
         let Some(client) = self.client.as_mut() else {
-            return false;
+            return Probe::Down;
         };
         match tokio::time::timeout(PROBE_TIMEOUT, client.status()).await {
-            Ok(Ok(status)) => status.leader() != 0,
+            Ok(Ok(status)) if status.leader() != 0 => Probe::Up,
+            Ok(Ok(_)) => Probe::NoLeader,
             Ok(Err(error)) => {
                 tracing::debug!(member = %self.key, %error, "etcd member did not answer its status");
-                false
+                Probe::Down
             }
             Err(_) => {
                 tracing::debug!(member = %self.key, "etcd member's status timed out");
-                false
+                Probe::Down
             }
         }
     }
@@ -98,36 +131,32 @@ pub(super) async fn keep_healthy_members(
         for mut member in members.drain(..) {
             let options = options.clone();
             probes.spawn(async move {
-                let healthy = member.healthy(&options).await;
-                (member, healthy)
+                let probe = member.probe(&options).await;
+                (member, probe)
             });
         }
-        let mut healthy = BTreeSet::new();
+        let mut answers = Vec::with_capacity(all.len());
         while let Some(probed) = probes.join_next().await {
-            let Ok((member, answered)) = probed else {
+            let Ok((member, probe)) = probed else {
                 continue;
             };
-            if answered {
-                healthy.insert(member.key.clone());
-            }
+            answers.push((member.key.clone(), probe));
             members.push(member);
         }
-        // A probe that failed to run gave its member back: start it anew.
+        // A probe that failed to run lost its member: it counts as no
+        // answer, and the member starts anew.
         for key in &all {
             if !members.iter().any(|m| &m.key == key) {
                 members.push(Member {
                     key: key.clone(),
                     client: None,
                 });
+                answers.push((key.clone(), Probe::Down));
             }
         }
-        let wanted = if healthy.is_empty() {
-            all.clone()
-        } else {
-            healthy
-        };
+        let wanted = wanted(&answers);
         for key in in_balance.difference(&wanted) {
-            tracing::warn!(member = %key, "etcd member does not answer; no requests go to it until it does");
+            tracing::warn!(member = %key, "etcd member does not answer (or knows no leader while others do); no requests go to it until it does");
             if let Err(error) = client.remove_endpoint(key).await {
                 tracing::warn!(member = %key, %error, "cannot take the etcd member out of the balance");
             }
@@ -144,7 +173,39 @@ pub(super) async fn keep_healthy_members(
 
 #[cfg(test)]
 mod tests {
-    use super::balance_key;
+    use super::{balance_key, wanted, Probe};
+
+    fn probes(list: &[(&str, Probe)]) -> Vec<(String, Probe)> {
+        list.iter().map(|(k, p)| ((*k).to_owned(), *p)).collect()
+    }
+
+    fn keys(list: &[&str]) -> std::collections::BTreeSet<String> {
+        list.iter().map(|k| (*k).to_owned()).collect()
+    }
+
+    #[test]
+    fn requests_go_to_the_members_that_answer_naming_a_leader() {
+        use Probe::{Down, NoLeader, Up};
+        // A dead follower, or one cut off from the leader, leaves.
+        assert_eq!(
+            wanted(&probes(&[("a", Up), ("b", Up), ("c", Down)])),
+            keys(&["a", "b"])
+        );
+        assert_eq!(
+            wanted(&probes(&[("a", Up), ("b", Up), ("c", NoLeader)])),
+            keys(&["a", "b"])
+        );
+        // During an election the living members stay, the dead one leaves.
+        assert_eq!(
+            wanted(&probes(&[("a", NoLeader), ("b", NoLeader), ("c", Down)])),
+            keys(&["a", "b"])
+        );
+        // Nobody answers: everybody stays (requests fail as they would).
+        assert_eq!(
+            wanted(&probes(&[("a", Down), ("b", Down), ("c", Down)])),
+            keys(&["a", "b", "c"])
+        );
+    }
 
     #[test]
     fn a_bare_endpoint_gets_the_scheme_etcd_client_gives_it() {

@@ -157,7 +157,9 @@ impl EtcdBackend {
     }
 
     /// Runs `attempt` until it succeeds, fails with something other than
-    /// [`StoreError::Unavailable`], or the request timeout passes.
+    /// [`StoreError::Unavailable`], or the request timeout passes (an
+    /// attempt still running then is dropped: one that makes several etcd
+    /// requests, each with the request timeout, cannot stretch it).
     async fn retrying<T, F, Fut>(&self, mut attempt: F) -> Result<T, StoreError>
     where
         F: FnMut() -> Fut,
@@ -166,7 +168,14 @@ impl EtcdBackend {
         let deadline = Instant::now() + self.request_timeout;
         let mut pause = Duration::from_millis(5);
         loop {
-            match attempt().await {
+            let outcome = tokio::time::timeout_at(deadline, attempt())
+                .await
+                .unwrap_or_else(|_| {
+                    Err(StoreError::Unavailable(
+                        "etcd: no answer within the request timeout".to_owned(),
+                    ))
+                });
+            match outcome {
                 Err(StoreError::Unavailable(why)) if Instant::now() + pause < deadline => {
                     tracing::debug!(%why, "etcd request failed; retrying");
                     tokio::time::sleep(pause).await;
