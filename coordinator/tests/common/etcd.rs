@@ -1,13 +1,13 @@
 //! Real etcd processes on 127.0.0.1 for the etcd-backend tests: a cluster
 //! of one or three members on free ports, with data in a temporary
-//! directory; members can be killed with SIGKILL. Every process is killed
-//! when the cluster is dropped.
+//! directory; members can be killed with SIGKILL and started again on their
+//! data. Every process is killed when the cluster is dropped.
 //!
 //! The `etcd` binary comes from Debian's etcd-server (deploy/test-all.sh
 //! installs it); `ETCD_BIN` names another. A missing binary fails the test.
 
 use std::net::TcpListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -20,6 +20,8 @@ const START_LIMIT: Duration = Duration::from_secs(30);
 pub struct Member {
     pub name: String,
     pub client_url: String,
+    /// Its command line after the binary, to start it again.
+    args: Vec<String>,
     child: Option<Child>,
 }
 
@@ -53,6 +55,22 @@ fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .expect("a free port")
         .port()
+}
+
+/// Starts an etcd member with `args`, its output appended to `log`.
+fn spawn_member(binary: &Path, args: &[String], log: &Path) -> Child {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .expect("log file");
+    Command::new(binary)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()))
 }
 
 fn http() -> reqwest::blocking::Client {
@@ -92,30 +110,26 @@ impl EtcdCluster {
         let members = peers
             .iter()
             .map(|(name, client, peer)| {
-                let log = std::fs::File::create(dir.path().join(format!("{name}.log")))
-                    .expect("log file");
                 let client_url = format!("http://127.0.0.1:{client}");
                 let peer_url = format!("http://127.0.0.1:{peer}");
-                let child = Command::new(&binary)
-                    .arg(format!("--name={name}"))
-                    .arg(format!("--data-dir={}", dir.path().join(name).display()))
-                    .arg(format!("--listen-client-urls={client_url}"))
-                    .arg(format!("--advertise-client-urls={client_url}"))
-                    .arg(format!("--listen-peer-urls={peer_url}"))
-                    .arg(format!("--initial-advertise-peer-urls={peer_url}"))
-                    .arg(format!("--initial-cluster={initial_cluster}"))
-                    .arg("--initial-cluster-state=new")
-                    .arg(format!("--initial-cluster-token={token}"))
-                    .arg("--heartbeat-interval=100")
-                    .arg("--election-timeout=1000")
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::from(log))
-                    .spawn()
-                    .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()));
+                let args = vec![
+                    format!("--name={name}"),
+                    format!("--data-dir={}", dir.path().join(name).display()),
+                    format!("--listen-client-urls={client_url}"),
+                    format!("--advertise-client-urls={client_url}"),
+                    format!("--listen-peer-urls={peer_url}"),
+                    format!("--initial-advertise-peer-urls={peer_url}"),
+                    format!("--initial-cluster={initial_cluster}"),
+                    "--initial-cluster-state=new".to_owned(),
+                    format!("--initial-cluster-token={token}"),
+                    "--heartbeat-interval=100".to_owned(),
+                    "--election-timeout=1000".to_owned(),
+                ];
+                let child = spawn_member(&binary, &args, &dir.path().join(format!("{name}.log")));
                 Member {
                     name: name.clone(),
                     client_url,
+                    args,
                     child: Some(child),
                 }
             })
@@ -153,6 +167,24 @@ impl EtcdCluster {
         let url = format!("{}/v3/maintenance/status", self.members[index].client_url);
         let response = http().post(url).body("{}").send().ok()?;
         response.json().ok()
+    }
+
+    /// Key-value reads (gRPC `Range`) member `index` has served since it
+    /// started, from its Prometheus metrics.
+    pub fn reads_served(&self, index: usize) -> u64 {
+        let url = format!("{}/metrics", self.members[index].client_url);
+        let text = http()
+            .get(url)
+            .send()
+            .and_then(reqwest::blocking::Response::text)
+            .unwrap_or_else(|e| panic!("metrics of member {index}: {e}"));
+        text.lines()
+            .filter(|line| {
+                line.starts_with("grpc_server_handled_total{")
+                    && line.contains("grpc_method=\"Range\"")
+            })
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
     }
 
     /// The index of the leader, as a running member reports it (waits,
@@ -209,6 +241,27 @@ impl EtcdCluster {
                     !me.is_null() && *me == status["leader"]
                 })
         })
+    }
+
+    /// Starts member `index` again (after [`Self::kill`]) on its data; it
+    /// rejoins the cluster. Returns once it answers its status.
+    pub fn restart(&mut self, index: usize) {
+        assert!(self.members[index].child.is_none(), "member {index} runs");
+        let log = self
+            ._dir
+            .path()
+            .join(format!("{}.log", self.members[index].name));
+        let child = spawn_member(&etcd_binary(), &self.members[index].args, &log);
+        self.members[index].child = Some(child);
+        let deadline = Instant::now() + START_LIMIT;
+        while self.status(index).is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "member {index} did not answer after its restart:{}",
+                self.diagnosis()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// `kill -9` of member `index`.
