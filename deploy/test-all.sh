@@ -79,7 +79,8 @@ cargo clippy -p coordinator --all-targets --features etcd --quiet -- -D warnings
 COORDINATOR_TEST_STORE=etcd cargo test -p coordinator --features etcd --lib \
     --test http_api --test replicas --test auth --test limits --test client
 # Three-member etcd clusters, two coordinator processes, kill -9 of the etcd
-# leader and of a coordinator under load, overlapping claims racing.
+# leader and of a coordinator under load, a dead follower left out of the
+# coordinator's balance and put back, overlapping claims racing.
 cargo test -p coordinator --features etcd --test etcd_cluster
 ok
 
