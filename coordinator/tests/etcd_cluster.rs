@@ -33,8 +33,9 @@ use serde_json::{json, Value};
 /// a lease lapsed here in 2 of 5 runs.
 const LEASE_MS: u64 = coordinator::CoordinatorConfig::DEFAULT_LEASE_MS;
 
-/// A page-server's heartbeat period, its pause after a failed heartbeat
-/// and its request timeout: its defaults (`ServerConfig`,
+/// A page-server's heartbeat period, its first pause after a failed
+/// heartbeat (it doubles after further failures; here it stays) and its
+/// request timeout: its defaults (`ServerConfig`,
 /// page-server/src/registration.rs).
 const HEARTBEAT_PERIOD: Duration = Duration::from_millis(1000);
 const HEARTBEAT_RETRY: Duration = Duration::from_millis(200);

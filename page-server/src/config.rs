@@ -44,7 +44,9 @@ pub struct ServerConfig {
     /// the replica recovery's look at the map.
     pub heartbeat_interval: Duration,
     /// Wait between registration attempts while the coordinator is not up,
-    /// and before the next heartbeat after one failed (the lease is at risk).
+    /// and before the next heartbeat after one failed (the lease is at
+    /// risk; doubled for each further failure in a row, up to
+    /// `heartbeat_interval`).
     pub register_retry: Duration,
     /// Handshaken connections served at once; a connection that finishes
     /// its HELLO beyond this is closed without a HELLO_ACK. Connections

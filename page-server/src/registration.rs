@@ -185,9 +185,11 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
         }
     };
     let mut registered = false;
-    // A heartbeat failed: the lease is at risk, so the next one goes at the
-    // retry pace rather than a whole heartbeat period later.
-    let mut beat_failed = false;
+    // Heartbeats failed in a row: the lease is at risk, so the next one goes
+    // after the retry pause rather than a whole heartbeat period, doubling
+    // with each further failure up to the period (a coordinator that stays
+    // unavailable gets no more than the heartbeat rate from every node).
+    let mut beats_failed: u32 = 0;
     loop {
         if !registered {
             match register(&client, plan) {
@@ -215,28 +217,38 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
                 }
             }
         }
-        if shared.sleep(if registered && !beat_failed {
+        let pause = if !registered {
+            plan.retry
+        } else if beats_failed == 0 {
             plan.heartbeat
         } else {
-            plan.retry.min(plan.heartbeat)
-        }) {
+            heartbeat_retry_pause(plan.retry, plan.heartbeat, beats_failed)
+        };
+        if shared.sleep(pause) {
             return;
         }
         if registered {
-            beat_failed = false;
             match client.heartbeat(&plan.node_id) {
-                Ok(_) => {}
+                Ok(_) => beats_failed = 0,
                 Err(err) if err.is_not_found() => {
                     tracing::warn!("coordinator forgot this node; registering again");
                     registered = false;
+                    beats_failed = 0;
                 }
                 Err(err) => {
-                    tracing::debug!(%err, "heartbeat failed; retrying soon");
-                    beat_failed = true;
+                    beats_failed = beats_failed.saturating_add(1);
+                    tracing::debug!(%err, beats_failed, "heartbeat failed; retrying soon");
                 }
             }
         }
     }
+}
+
+/// The pause before the next heartbeat after `failed` (at least one) failed
+/// in a row: `retry`, doubled for each further failure, at most `period`.
+fn heartbeat_retry_pause(retry: Duration, period: Duration, failed: u32) -> Duration {
+    let doublings = failed.saturating_sub(1).min(16);
+    retry.saturating_mul(1 << doublings).min(period)
 }
 
 fn register(client: &CoordinatorClient, plan: &Plan) -> Result<(), CoordinatorError> {
@@ -271,4 +283,19 @@ fn register(client: &CoordinatorClient, plan: &Plan) -> Result<(), CoordinatorEr
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_heartbeats_are_retried_soon_then_back_off_to_the_period() {
+        let (retry, period) = (Duration::from_millis(200), Duration::from_secs(1));
+        let pauses: Vec<u128> = (1..=6)
+            .map(|failed| heartbeat_retry_pause(retry, period, failed).as_millis())
+            .collect();
+        assert_eq!(pauses, [200, 400, 800, 1000, 1000, 1000]);
+        assert_eq!(heartbeat_retry_pause(retry, period, u32::MAX), period);
+    }
 }
