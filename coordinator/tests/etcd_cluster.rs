@@ -29,8 +29,9 @@ use serde_json::{json, Value};
 /// Leases of these tests: the coordinator's default (3 s), which must ride
 /// out an etcd election (about a second here) and a coordinator switch with
 /// page-servers heartbeating at their defaults. Before the coordinator kept
-/// dead etcd members out of its client's balance (backend/etcd/members.rs),
-/// a lease lapsed here in 2 of 5 runs.
+/// dead etcd members out of its client's balance (backend/etcd/members.rs)
+/// and page-servers retried a failed heartbeat soon, a lease lapsed here in
+/// 2 of 11 runs (2026-11-29).
 const LEASE_MS: u64 = coordinator::CoordinatorConfig::DEFAULT_LEASE_MS;
 
 /// A page-server's heartbeat period, its first pause after a failed
