@@ -357,6 +357,15 @@ impl EtcdBackend {
 
     /// A node key and its liveness key, read directly.
     async fn read_node(&self, id: &str) -> Result<Option<NodeRecord>, StoreError> {
+        Ok(self.read_node_alive(id).await?.map(|(record, _)| record))
+    }
+
+    /// A node key and its liveness key, read directly: the node's record
+    /// and, while its lease lives, its liveness value.
+    async fn read_node_alive(
+        &self,
+        id: &str,
+    ) -> Result<Option<(NodeRecord, Option<AliveValue>)>, StoreError> {
         let mut state = State::default();
         let mut kv = self.client.kv_client();
         let node_key = self.keys.node(id);
@@ -374,7 +383,8 @@ impl EtcdBackend {
                 .alive
                 .insert(id.to_owned(), decode(&alive_key, found.value())?);
         }
-        Ok(state.node(id))
+        let alive = state.alive.get(id).cloned();
+        Ok(state.node(id).map(|record| (record, alive)))
     }
 }
 
@@ -428,17 +438,14 @@ impl Store for EtcdBackend {
         now_unix_ms: u64,
     ) -> Result<Option<NodeRecord>, StoreError> {
         self.retrying(|| async move {
-            let Some(record) = self.read_node(id).await? else {
+            // The node and its liveness key in two reads; the lease to
+            // renew is the one the liveness key names.
+            let Some((record, alive)) = self.read_node_alive(id).await? else {
                 return Ok(None);
             };
             let mut kv = self.client.kv_client();
             let alive_key = self.keys.alive(id);
-            let current = kv.get(alive_key.clone(), None).await.map_err(unavailable)?;
-            let lease = match current.kvs().first() {
-                Some(found) => Some(decode::<AliveValue>(&alive_key, found.value())?.lease_id),
-                None => None,
-            };
-            let lease_id = match lease {
+            let lease_id = match alive.map(|a| a.lease_id) {
                 Some(lease_id) if self.renew_lease(lease_id).await? => lease_id,
                 _ => self.grant_lease().await?,
             };
