@@ -120,40 +120,16 @@ pub(super) async fn keep_healthy_members(
             client: None,
         })
         .collect();
-    let all: BTreeSet<String> = members.iter().map(|m| m.key.clone()).collect();
-    let mut in_balance = all.clone();
+    let mut in_balance: BTreeSet<String> = members.iter().map(|m| m.key.clone()).collect();
     let mut ticks = tokio::time::interval(PROBE_INTERVAL);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
         // Every member at once, so that one that hangs delays no other.
-        let mut probes = tokio::task::JoinSet::new();
-        for mut member in members.drain(..) {
-            let options = options.clone();
-            probes.spawn(async move {
-                let probe = member.probe(&options).await;
-                (member, probe)
-            });
-        }
-        let mut answers = Vec::with_capacity(all.len());
-        while let Some(probed) = probes.join_next().await {
-            let Ok((member, probe)) = probed else {
-                continue;
-            };
-            answers.push((member.key.clone(), probe));
-            members.push(member);
-        }
-        // A probe that failed to run lost its member: it counts as no
-        // answer, and the member starts anew.
-        for key in &all {
-            if !members.iter().any(|m| &m.key == key) {
-                members.push(Member {
-                    key: key.clone(),
-                    client: None,
-                });
-                answers.push((key.clone(), Probe::Down));
-            }
-        }
+        let probes =
+            futures_util::future::join_all(members.iter_mut().map(|m| m.probe(&options))).await;
+        let answers: Vec<(String, Probe)> =
+            members.iter().map(|m| m.key.clone()).zip(probes).collect();
         let wanted = wanted(&answers);
         for key in in_balance.difference(&wanted) {
             tracing::warn!(member = %key, "etcd member does not answer (or knows no leader while others do); no requests go to it until it does");
