@@ -66,7 +66,8 @@ cargo test -p page-server --test guest_memory_hugetlbfs -- --ignored --test-thre
 ok
 
 step "coordinator on etcd: etcd-server and protoc (the etcd feature's build needs it), clippy, the API suites against a real etcd"
-etcd_pkgs=(etcd-server protobuf-compiler)
+# iproute2: the partition test's network namespaces.
+etcd_pkgs=(etcd-server protobuf-compiler iproute2)
 missing=()
 for p in "${etcd_pkgs[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
 if ((${#missing[@]})); then
@@ -82,6 +83,10 @@ COORDINATOR_TEST_STORE=etcd cargo test -p coordinator --features etcd --lib \
 # leader and of a coordinator under load, a dead follower left out of the
 # coordinator's balance and put back, overlapping claims racing.
 cargo test -p coordinator --features etcd --test etcd_cluster
+# The same with each etcd member in a network namespace of its own: a
+# follower, then the leader, cut off from its peers (every packet dropped)
+# while the coordinators still reach it. Needs root, as this whole script.
+cargo test -p coordinator --features etcd --test etcd_partition
 ok
 
 step "bench: local cluster, TCP, every page checked"

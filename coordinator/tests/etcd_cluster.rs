@@ -13,105 +13,31 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
+use common::coordinator_process::{CoordinatorProcess, ETCD_TIMEOUT_MS, LEASE_MS};
 use common::etcd::EtcdCluster;
+use common::heartbeats::{Heartbeats, HEARTBEAT_PERIOD};
 use common::{POLL_INTERVAL, WAIT_LIMIT};
 use rdma_transport::coordinator::CoordinatorClient;
 use reqwest::blocking::Client;
 use reqwest::Method;
 use serde_json::{json, Value};
 
-/// Leases of these tests: the coordinator's default (3 s), which must ride
-/// out an etcd election (about a second here) and a coordinator switch with
-/// page-servers heartbeating at their defaults. Before the coordinator kept
-/// dead etcd members out of its client's balance (backend/etcd/members.rs)
-/// and page-servers retried a failed heartbeat soon, a lease lapsed here in
-/// 2 of 11 runs (2026-11-29).
-const LEASE_MS: u64 = coordinator::CoordinatorConfig::DEFAULT_LEASE_MS;
-
-/// A page-server's heartbeat period, its first pause after a failed
-/// heartbeat (it doubles after further failures; here it stays) and its
-/// request timeout: its defaults (`ServerConfig`,
-/// page-server/src/registration.rs).
-const HEARTBEAT_PERIOD: Duration = Duration::from_millis(1000);
-const HEARTBEAT_RETRY: Duration = Duration::from_millis(200);
-const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// The coordinators' etcd request timeout: their default, well below the
-/// lease, as it must be.
-const ETCD_TIMEOUT_MS: u64 = coordinator::EtcdConfig::DEFAULT_REQUEST_TIMEOUT_MS;
+// Leases are the coordinator's default (3 s), which must ride out an etcd
+// election (about a second here) and a coordinator switch with page-servers
+// heartbeating at their defaults. Before the coordinator kept dead etcd
+// members out of its client's balance (backend/etcd/members.rs) and
+// page-servers retried a failed heartbeat soon, a lease lapsed here in 2 of
+// 11 runs (2026-11-29).
 
 /// Page-servers that heartbeat under the load.
 const PAGE_SERVERS: usize = 3;
 
 /// Page size of the ranges.
 const PAGE: u64 = 4096;
-
-/// A coordinator process; SIGKILLed and reaped when dropped.
-struct CoordinatorProcess {
-    child: Child,
-    url: String,
-}
-
-impl Drop for CoordinatorProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl CoordinatorProcess {
-    /// The coordinator binary with `--store etcd` on `endpoints`.
-    fn start(endpoints: &[String], dir: &Path, name: &str) -> Self {
-        let ready_file = dir.join(format!("{name}.addr"));
-        let log = std::fs::File::create(dir.join(format!("{name}.log"))).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_coordinator"))
-            .args(["--listen", "127.0.0.1:0", "--insecure", "--store", "etcd"])
-            .arg(format!("--etcd-endpoints={}", endpoints.join(",")))
-            .arg("--etcd-prefix=/test-cluster/")
-            .arg(format!("--lease-ms={LEASE_MS}"))
-            .arg(format!("--etcd-timeout-ms={ETCD_TIMEOUT_MS}"))
-            .arg("--ready-file")
-            .arg(&ready_file)
-            // The etcd member prober says at info level when a member is back.
-            .env("RUST_LOG", "warn,coordinator::backend::etcd::members=info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .expect("coordinator binary starts");
-        let mut process = Self {
-            child,
-            url: String::new(),
-        };
-        let deadline = Instant::now() + WAIT_LIMIT;
-        process.url = loop {
-            if let Ok(text) = std::fs::read_to_string(&ready_file) {
-                break format!("http://{}", text.trim());
-            }
-            if let Ok(Some(status)) = process.child.try_wait() {
-                panic!("coordinator {name} exited before listening: {status}");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "coordinator {name} never listened"
-            );
-            std::thread::sleep(POLL_INTERVAL);
-        };
-        process
-    }
-
-    /// `kill -9`.
-    fn kill(&mut self) {
-        self.child.kill().expect("SIGKILL");
-        let _ = self.child.wait();
-    }
-}
 
 fn new_http() -> Client {
     Client::builder()
@@ -259,11 +185,8 @@ struct Ledger {
     /// range 201).
     acknowledged: Mutex<Vec<(String, u64)>>,
     resolves_ok: AtomicUsize,
-    /// Heartbeats answered, per page-server.
-    heartbeats_ok: [AtomicUsize; PAGE_SERVERS],
-    /// The first time a page-server was reported `alive: false` by a
-    /// coordinator: by whom (a heartbeat's answer or a resolve), which
-    /// node, and how long after the load started.
+    /// The first time a resolve reported a page-server `alive: false`:
+    /// which, and how long after the load started.
     lease_lost: Mutex<Option<String>>,
 }
 
@@ -305,33 +228,12 @@ fn killing_the_etcd_leader_then_a_coordinator_loses_no_acknowledged_registration
     let stop = Arc::new(AtomicBool::new(false));
     let mut threads = Vec::new();
     // Each page-server heartbeats on its own thread, as a page-server given
-    // both coordinators (`--coordinator a,b`) does: one heartbeat, then a
-    // wait of the heartbeat period, with the page-server's request timeout
-    // (page-server/src/registration.rs); the client moves to b when a is
-    // gone. Bounded by the test's length.
-    for (i, id) in page_servers.iter().enumerate() {
-        let (ledger, stop, id) = (ledger.clone(), stop.clone(), id.clone());
-        let client = CoordinatorClient::new(&urls.join(","), None, HEARTBEAT_TIMEOUT)
-            .expect("client of both coordinators");
-        threads.push(std::thread::spawn(move || {
-            for _ in 0..1000 {
-                if stop.load(Ordering::Relaxed) {
-                    break;
-                }
-                let pause = match client.heartbeat(&id) {
-                    Ok(beat) => {
-                        if !beat.alive {
-                            ledger.lost("a heartbeat's answer", &id, started);
-                        }
-                        ledger.heartbeats_ok[i].fetch_add(1, Ordering::Relaxed);
-                        HEARTBEAT_PERIOD
-                    }
-                    Err(_) => HEARTBEAT_RETRY,
-                };
-                std::thread::sleep(pause);
-            }
-        }));
-    }
+    // both coordinators (`--coordinator a,b`) does; its client moves to b
+    // when a is gone.
+    let heartbeats: Vec<Heartbeats> = page_servers
+        .iter()
+        .map(|id| Heartbeats::start(&urls.join(","), id, started))
+        .collect();
     // Clients: resolve the page-servers' ranges through b (then a), and
     // watch that no page-server is ever reported dead.
     {
@@ -412,19 +314,15 @@ fn killing_the_etcd_leader_then_a_coordinator_loses_no_acknowledged_registration
             ledger.acknowledged(),
             ledger.resolves_ok.load(Ordering::Relaxed),
         );
-        let beats = ledger
-            .heartbeats_ok
-            .each_ref()
-            .map(|b| b.load(Ordering::Relaxed));
+        let beats: Vec<usize> = heartbeats.iter().map(Heartbeats::answered).collect();
         wait_for(what, watch + Duration::from_secs(30), || {
             since.elapsed() >= watch
                 && ledger.acknowledged() >= registered + 20
                 && ledger.resolves_ok.load(Ordering::Relaxed) >= resolved + 10
-                && ledger
-                    .heartbeats_ok
+                && heartbeats
                     .iter()
-                    .zip(beats)
-                    .all(|(now, then)| now.load(Ordering::Relaxed) >= then + 2)
+                    .zip(&beats)
+                    .all(|(now, then)| now.answered() >= then + 2)
         });
     };
     progress(
@@ -495,6 +393,11 @@ fn killing_the_etcd_leader_then_a_coordinator_loses_no_acknowledged_registration
         );
     }
     // The page-servers' leases lived through both failures.
+    for beats in &heartbeats {
+        if let Some(ms) = beats.reported_dead_ms() {
+            panic!("{} reported dead by a heartbeat's answer {ms} ms into the load (leader killed at {killed_leader_ms} ms, coordinator a at {killed_a_ms} ms)", beats.id);
+        }
+    }
     let lost = ledger.lease_lost.lock().expect("ledger").clone();
     if let Some(lost) = lost {
         panic!("a page-server's lease lapsed: {lost} (leader killed at {killed_leader_ms} ms, coordinator a at {killed_a_ms} ms)");
@@ -534,9 +437,6 @@ fn a_dead_etcd_member_leaves_the_balance_and_comes_back_when_it_answers() {
     assert_eq!(register(&http, &a.url, "ps0", 7000), 200);
     let client =
         CoordinatorClient::new(&a.url, None, Duration::from_secs(10)).expect("client of a");
-    let log = dir.path().join("a.log");
-    let logged =
-        |what: &str| std::fs::read_to_string(&log).map_or(0, |text| text.matches(what).count());
 
     // A follower dies: no election, the cluster keeps its quorum, but a
     // third of the endpoints the coordinator was given is dead.
@@ -546,7 +446,7 @@ fn a_dead_etcd_member_leaves_the_balance_and_comes_back_when_it_answers() {
     wait_for(
         "the coordinator to take the dead member out",
         WAIT_LIMIT,
-        || logged("etcd member does not answer") >= 1,
+        || a.logged("etcd member does not answer") >= 1,
     );
     heartbeats_answer_at_once(&client, "ps0", "after a follower died");
 
@@ -554,14 +454,14 @@ fn a_dead_etcd_member_leaves_the_balance_and_comes_back_when_it_answers() {
     // the leader and it keep the quorum, and the coordinator reaches it.
     cluster.restart(follower);
     wait_for("the coordinator to put the member back", WAIT_LIMIT, || {
-        logged("etcd member answers again") >= 1
+        a.logged("etcd member answers again") >= 1
     });
     let other = 3 - leader - follower;
     cluster.kill(other);
     wait_for(
         "the coordinator to take the other member out",
         WAIT_LIMIT,
-        || logged("etcd member does not answer") >= 2,
+        || a.logged("etcd member does not answer") >= 2,
     );
     let reads_before = cluster.reads_served(follower);
     heartbeats_answer_at_once(&client, "ps0", "after the other follower died");

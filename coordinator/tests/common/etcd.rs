@@ -1,6 +1,8 @@
-//! Real etcd processes on 127.0.0.1 for the etcd-backend tests: a cluster
-//! of one or three members on free ports, with data in a temporary
-//! directory; members can be killed with SIGKILL and started again on their
+//! Real etcd processes for the etcd-backend tests: a cluster of one or
+//! three members, with data in a temporary directory, on free ports of
+//! 127.0.0.1 ([`EtcdCluster::start`]) or each in a network namespace of its
+//! own ([`EtcdCluster::start_apart`], where a member can be cut off from its
+//! peers); members can be killed with SIGKILL and started again on their
 //! data. Every process is killed when the cluster is dropped.
 //!
 //! The `etcd` binary comes from Debian's etcd-server (deploy/test-all.sh
@@ -11,7 +13,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
+
+use super::netns::{self, Host, PrivateNetwork};
 
 /// How long a cluster may take to elect a leader.
 const START_LIMIT: Duration = Duration::from_secs(30);
@@ -28,6 +32,9 @@ pub struct Member {
 /// A running etcd cluster.
 pub struct EtcdCluster {
     pub members: Vec<Member>,
+    /// Member `i`'s namespace, for a cluster started apart (dropped after
+    /// the members are killed).
+    hosts: Vec<Host>,
     _dir: tempfile::TempDir,
 }
 
@@ -57,14 +64,15 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// Starts an etcd member with `args`, its output appended to `log`.
-fn spawn_member(binary: &Path, args: &[String], log: &Path) -> Child {
+/// Starts an etcd member with `args` (on `host`, or here), its output
+/// appended to `log`.
+fn spawn_member(binary: &Path, args: &[String], log: &Path, host: Option<&Host>) -> Child {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(log)
         .expect("log file");
-    Command::new(binary)
+    host.map_or_else(|| Command::new(binary), |host| host.command(binary))
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -87,7 +95,7 @@ impl EtcdCluster {
     pub fn start(size: usize) -> Self {
         let mut failures = Vec::new();
         for _ in 0..3 {
-            match Self::try_start(size) {
+            match Self::try_start(size, Vec::new()) {
                 Ok(cluster) => return cluster,
                 Err(why) => failures.push(why),
             }
@@ -95,23 +103,49 @@ impl EtcdCluster {
         panic!("the etcd cluster did not start: {failures:#?}")
     }
 
-    fn try_start(size: usize) -> Result<Self, String> {
+    /// Starts `size` members, each on a [`Host`] of its own (member `i` at
+    /// 10.77.`i`.2, ports 2379 and 2380), and waits until they have a
+    /// leader.
+    pub fn start_apart(network: &PrivateNetwork, size: u8) -> Self {
+        let hosts = (0..size).map(|i| Host::new(network, i)).collect();
+        Self::try_start(usize::from(size), hosts)
+            .unwrap_or_else(|why| panic!("the etcd cluster did not start: {why}"))
+    }
+
+    /// Starts the cluster on `hosts`, or on 127.0.0.1 when there are none.
+    fn try_start(size: usize, hosts: Vec<Host>) -> Result<Self, String> {
         let binary = etcd_binary();
         let dir = tempfile::tempdir().expect("tempdir");
         let token = format!("test-{}-{}", std::process::id(), free_port());
-        let peers: Vec<(String, u16, u16)> = (0..size)
-            .map(|i| (format!("m{i}"), free_port(), free_port()))
+        // (name, client URL, peer URL) of each member.
+        let peers: Vec<(String, String, String)> = (0..size)
+            .map(|i| {
+                let (client, peer) = match hosts.get(i) {
+                    Some(host) => (
+                        format!("{}:2379", host.address()),
+                        format!("{}:2380", host.address()),
+                    ),
+                    None => (
+                        format!("127.0.0.1:{}", free_port()),
+                        format!("127.0.0.1:{}", free_port()),
+                    ),
+                };
+                (
+                    format!("m{i}"),
+                    format!("http://{client}"),
+                    format!("http://{peer}"),
+                )
+            })
             .collect();
         let initial_cluster = peers
             .iter()
-            .map(|(name, _, peer)| format!("{name}=http://127.0.0.1:{peer}"))
+            .map(|(name, _, peer_url)| format!("{name}={peer_url}"))
             .collect::<Vec<_>>()
             .join(",");
         let members = peers
             .iter()
-            .map(|(name, client, peer)| {
-                let client_url = format!("http://127.0.0.1:{client}");
-                let peer_url = format!("http://127.0.0.1:{peer}");
+            .enumerate()
+            .map(|(i, (name, client_url, peer_url))| {
                 let args = vec![
                     format!("--name={name}"),
                     format!("--data-dir={}", dir.path().join(name).display()),
@@ -124,17 +158,23 @@ impl EtcdCluster {
                     format!("--initial-cluster-token={token}"),
                     "--heartbeat-interval=100".to_owned(),
                     "--election-timeout=1000".to_owned(),
+                    "--pre-vote=true".to_owned(),
                 ];
-                let child = spawn_member(&binary, &args, &dir.path().join(format!("{name}.log")));
+                let log = dir.path().join(format!("{name}.log"));
+                let child = spawn_member(&binary, &args, &log, hosts.get(i));
                 Member {
                     name: name.clone(),
-                    client_url,
+                    client_url: client_url.clone(),
                     args,
                     child: Some(child),
                 }
             })
             .collect();
-        let mut cluster = Self { members, _dir: dir };
+        let mut cluster = Self {
+            members,
+            hosts,
+            _dir: dir,
+        };
         let deadline = Instant::now() + START_LIMIT;
         while cluster.find_leader().is_none() {
             for member in &mut cluster.members {
@@ -169,9 +209,9 @@ impl EtcdCluster {
         response.json().ok()
     }
 
-    /// Key-value reads (gRPC `Range`) member `index` has served since it
-    /// started, from its Prometheus metrics.
-    pub fn reads_served(&self, index: usize) -> u64 {
+    /// The sum of member `index`'s Prometheus metrics lines that start with
+    /// `name` and contain `label`.
+    fn metric(&self, index: usize, name: &str, label: &str) -> u64 {
         let url = format!("{}/metrics", self.members[index].client_url);
         let text = http()
             .get(url)
@@ -179,12 +219,75 @@ impl EtcdCluster {
             .and_then(reqwest::blocking::Response::text)
             .unwrap_or_else(|e| panic!("metrics of member {index}: {e}"));
         text.lines()
-            .filter(|line| {
-                line.starts_with("grpc_server_handled_total{")
-                    && line.contains("grpc_method=\"Range\"")
-            })
+            .filter(|line| line.starts_with(name) && line.contains(label))
             .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
             .sum::<f64>() as u64
+    }
+
+    /// Key-value reads (gRPC `Range`) member `index` has served since it
+    /// started.
+    pub fn reads_served(&self, index: usize) -> u64 {
+        self.metric(index, "grpc_server_handled_total{", "grpc_method=\"Range\"")
+    }
+
+    /// The watches member `index` serves now.
+    pub fn watchers(&self, index: usize) -> u64 {
+        self.metric(index, "etcd_debugging_mvcc_watcher_total ", "")
+    }
+
+    /// Makes member `to` the leader (etcd's leadership transfer, asked of
+    /// the leader) and waits until it is.
+    pub fn move_leader(&self, to: usize) {
+        let leader = self.leader();
+        if leader == to {
+            return;
+        }
+        let target =
+            self.status(to).expect("status of the new leader")["header"]["member_id"].clone();
+        let url = format!(
+            "{}/v3/maintenance/transfer-leadership",
+            self.members[leader].client_url
+        );
+        let answer = http()
+            .post(url)
+            .body(json!({ "targetID": target }).to_string())
+            .send()
+            .and_then(reqwest::blocking::Response::error_for_status);
+        assert!(answer.is_ok(), "leadership transfer to m{to}: {answer:?}");
+        let deadline = Instant::now() + START_LIMIT;
+        while self.find_leader() != Some(to) {
+            assert!(
+                Instant::now() < deadline,
+                "m{to} did not become leader:{}",
+                self.diagnosis()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The hosts of the members other than `index`.
+    fn other_hosts(&self, index: usize) -> Vec<&Host> {
+        (0..self.hosts.len())
+            .filter(|&i| i != index)
+            .map(|i| &self.hosts[i])
+            .collect()
+    }
+
+    /// Drops every packet between member `index` and the other members
+    /// (a cluster started apart); clients still reach it.
+    pub fn cut_off(&self, index: usize) {
+        netns::cut_off(&self.hosts[index], &self.other_hosts(index));
+    }
+
+    /// Lifts [`Self::cut_off`].
+    pub fn reconnect(&self, index: usize) {
+        netns::reconnect(&self.hosts[index], &self.other_hosts(index));
+    }
+
+    /// Whether member `index` knows a leader now (`None`: no answer).
+    pub fn knows_leader(&self, index: usize) -> Option<bool> {
+        let status = self.status(index)?;
+        Some(status["leader"].as_str().is_some_and(|l| l != "0"))
     }
 
     /// The index of the leader, as a running member reports it (waits,
@@ -251,7 +354,12 @@ impl EtcdCluster {
             ._dir
             .path()
             .join(format!("{}.log", self.members[index].name));
-        let child = spawn_member(&etcd_binary(), &self.members[index].args, &log);
+        let child = spawn_member(
+            &etcd_binary(),
+            &self.members[index].args,
+            &log,
+            self.hosts.get(index),
+        );
         self.members[index].child = Some(child);
         let deadline = Instant::now() + START_LIMIT;
         while self.status(index).is_none() {

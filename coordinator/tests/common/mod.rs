@@ -5,7 +5,13 @@
 #![allow(dead_code)]
 
 #[cfg(feature = "etcd")]
+pub mod coordinator_process;
+#[cfg(feature = "etcd")]
 pub mod etcd;
+#[cfg(feature = "etcd")]
+pub mod heartbeats;
+#[cfg(feature = "etcd")]
+pub mod netns;
 
 use std::time::{Duration, Instant};
 

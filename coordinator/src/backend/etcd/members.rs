@@ -9,17 +9,22 @@
 //! lease and 1 s heartbeat, page-servers were reported dead while the
 //! cluster kept its quorum (coordinator/tests/etcd_cluster.rs).
 //!
-//! A prober asks each member for its status, on a connection of its own,
-//! every [`PROBE_INTERVAL`]. A member that does not answer within
-//! [`PROBE_TIMEOUT`], or answers without knowing a leader while others know
-//! one, leaves the balance; it comes back when it answers again. During an
+//! A prober asks each member, on a connection of its own, every
+//! [`PROBE_INTERVAL`], for its status and then for a linearizable read of
+//! one key (which it can only serve through a leader that still has its
+//! quorum). A member that does not answer within [`PROBE_TIMEOUT`], or
+//! answers but cannot serve the read while others can, leaves the balance;
+//! it comes back when it serves again. The read is what finds a member cut
+//! off from its peers: it still answers its status, naming the leader it
+//! lost, until an election timeout later, and requests sent to it wait for
+//! the request timeout (coordinator/tests/etcd_partition.rs). During an
 //! election the members that answer stay; when none answers, every member
 //! is kept: requests then fail as they would anyway.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions};
+use etcd_client::{Client, ConnectOptions, GetOptions};
 
 /// How often every member is asked for its status.
 pub(super) const PROBE_INTERVAL: Duration = Duration::from_millis(250);
@@ -42,15 +47,16 @@ pub(super) fn balance_key(endpoint: &str) -> String {
 enum Probe {
     /// No answer within [`PROBE_TIMEOUT`].
     Down,
-    /// An answer, but no leader known (an election, or cut off).
+    /// It answers, but cannot serve a linearizable read (an election, or
+    /// it is cut off from the leader or the leader from its quorum).
     NoLeader,
-    /// An answer naming a leader.
+    /// It serves a linearizable read.
     Up,
 }
 
-/// The members requests should go to: those that answered naming a leader;
-/// during an election (none names one), those that answered; when none
-/// answered, every member (requests then fail as they would anyway).
+/// The members requests should go to: those that served the read; during
+/// an election (none served it), those that answered; when none answered,
+/// every member (requests then fail as they would anyway).
 fn wanted(probes: &[(String, Probe)]) -> BTreeSet<String> {
     let with = |good: &[Probe]| -> BTreeSet<String> {
         probes
@@ -76,8 +82,9 @@ struct Member {
 }
 
 impl Member {
-    /// Asks the member for its status.
-    async fn probe(&mut self, options: &ConnectOptions) -> Probe {
+    /// Asks the member for its status, then for a linearizable read of
+    /// `key`.
+    async fn probe(&mut self, options: &ConnectOptions, key: &str) -> Probe {
         if self.client.is_none() {
             let connect = Client::connect([self.key.as_str()], Some(options.clone()));
             self.client = tokio::time::timeout(PROBE_TIMEOUT, connect)
@@ -89,26 +96,41 @@ impl Member {
             return Probe::Down;
         };
         match tokio::time::timeout(PROBE_TIMEOUT, client.status()).await {
-            Ok(Ok(status)) if status.leader() != 0 => Probe::Up,
-            Ok(Ok(_)) => Probe::NoLeader,
+            Ok(Ok(status)) if status.leader() != 0 => {}
+            Ok(Ok(_)) => return Probe::NoLeader,
             Ok(Err(error)) => {
                 tracing::debug!(member = %self.key, %error, "etcd member did not answer its status");
-                Probe::Down
+                return Probe::Down;
             }
             Err(_) => {
                 tracing::debug!(member = %self.key, "etcd member's status timed out");
-                Probe::Down
+                return Probe::Down;
+            }
+        }
+        let read = client.get(key, Some(GetOptions::new().with_count_only()));
+        match tokio::time::timeout(PROBE_TIMEOUT, read).await {
+            Ok(Ok(_)) => Probe::Up,
+            Ok(Err(error)) => {
+                tracing::debug!(member = %self.key, %error, "etcd member cannot serve a read");
+                Probe::NoLeader
+            }
+            Err(_) => {
+                tracing::debug!(member = %self.key, "etcd member's read timed out");
+                Probe::NoLeader
             }
         }
     }
 }
 
-/// Keeps `client`'s balance to the members of `endpoints` that answer,
-/// until aborted.
+/// Keeps `client`'s balance to the members of `endpoints` that serve a
+/// linearizable read of `read_key`, until aborted; counts each change of
+/// the balance in `changes`.
 pub(super) async fn keep_healthy_members(
     client: Client,
     endpoints: Vec<String>,
     options: ConnectOptions,
+    read_key: String,
+    changes: tokio::sync::watch::Sender<u64>,
 ) {
     let options = options
         .with_timeout(PROBE_TIMEOUT)
@@ -126,13 +148,15 @@ pub(super) async fn keep_healthy_members(
     loop {
         ticks.tick().await;
         // Every member at once, so that one that hangs delays no other.
-        let probes =
-            futures_util::future::join_all(members.iter_mut().map(|m| m.probe(&options))).await;
+        let probes = futures_util::future::join_all(
+            members.iter_mut().map(|m| m.probe(&options, &read_key)),
+        )
+        .await;
         let answers: Vec<(String, Probe)> =
             members.iter().map(|m| m.key.clone()).zip(probes).collect();
         let wanted = wanted(&answers);
         for key in in_balance.difference(&wanted) {
-            tracing::warn!(member = %key, "etcd member does not answer (or knows no leader while others do); no requests go to it until it does");
+            tracing::warn!(member = %key, "etcd member does not answer (or cannot serve reads while others can); no requests go to it until it does");
             if let Err(error) = client.remove_endpoint(key).await {
                 tracing::warn!(member = %key, %error, "cannot take the etcd member out of the balance");
             }
@@ -142,6 +166,9 @@ pub(super) async fn keep_healthy_members(
             if let Err(error) = client.add_endpoint(key).await {
                 tracing::warn!(member = %key, %error, "cannot put the etcd member back in the balance");
             }
+        }
+        if in_balance != wanted {
+            changes.send_modify(|count| *count += 1);
         }
         in_balance = wanted;
     }
@@ -162,7 +189,7 @@ mod tests {
     #[test]
     fn requests_go_to_the_members_that_answer_naming_a_leader() {
         use Probe::{Down, NoLeader, Up};
-        // A dead follower, or one cut off from the leader, leaves.
+        // A dead follower, or one cut off from its peers, leaves.
         assert_eq!(
             wanted(&probes(&[("a", Up), ("b", Up), ("c", Down)])),
             keys(&["a", "b"])

@@ -124,11 +124,14 @@ impl EtcdBackend {
         .map_err(|_| StoreError::Unavailable("etcd: connect timed out".to_owned()))?
         .map_err(unavailable)?;
         let keys = Keys::new(&config.prefix);
+        let (balance_changes, balance) = tokio::sync::watch::channel(0);
         let prober = (config.endpoints.len() > 1).then(|| {
             tokio::spawn(members::keep_healthy_members(
                 client.clone(),
                 config.endpoints.clone(),
                 options,
+                keys.version(),
+                balance_changes,
             ))
         });
         let mut backend = Self {
@@ -148,6 +151,7 @@ impl EtcdBackend {
             backend.client.clone(),
             backend.keys.version(),
             Arc::clone(&backend.versions),
+            balance,
         ));
         Ok(backend)
     }

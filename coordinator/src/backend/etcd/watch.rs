@@ -1,6 +1,6 @@
 //! Following the map version of an etcd cluster: a watch on the `version`
-//! key, re-established after any failure, feeds the channel long polls
-//! wait on.
+//! key, re-established after any failure and whenever the members the
+//! client balances over change, feeds the channel long polls wait on.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,16 +25,39 @@ pub(super) fn publish(versions: &watch::Sender<u64>, version: u64) {
 /// Announces every change of `key`'s mod revision until aborted. Each
 /// round reads the key (so that nothing between two watches is missed),
 /// then watches from the revision after that read.
+///
+/// A round also ends when `balance` changes (members.rs took a member out
+/// of the client's balance, or put one back): the watch may be on a member
+/// cut off from its peers, which still answers but hears of no change, and
+/// the next round goes through the balance as it is now. (Taking a member
+/// out also breaks the streams on it, but only seconds later:
+/// coordinator/tests/etcd_partition.rs.)
 pub(super) async fn follow_versions(
     client: Client,
     key: String,
     versions: Arc<watch::Sender<u64>>,
+    mut balance: watch::Receiver<u64>,
 ) {
     loop {
-        if let Err(error) = follow_once(&client, &key, &versions).await {
-            tracing::debug!(%error, "etcd version watch ended; watching again");
+        tokio::select! {
+            outcome = follow_once(&client, &key, &versions) => {
+                if let Err(error) = outcome {
+                    tracing::debug!(%error, "etcd version watch ended; watching again");
+                }
+                tokio::time::sleep(REWATCH_PAUSE).await;
+            }
+            () = changed(&mut balance) => {
+                tracing::debug!("etcd members in the balance changed; watching again");
+            }
         }
-        tokio::time::sleep(REWATCH_PAUSE).await;
+    }
+}
+
+/// Returns when `balance` changes; never when nothing can change it (a
+/// single endpoint has no prober).
+async fn changed(balance: &mut watch::Receiver<u64>) {
+    if balance.changed().await.is_err() {
+        std::future::pending::<()>().await;
     }
 }
 

@@ -1,0 +1,189 @@
+//! A coordinator on a three-member etcd cluster whose members each live in
+//! a network namespace of their own (common/netns.rs): one member at a time
+//! is cut off from its peers, every packet between them dropped, while the
+//! coordinator still reaches it: first a follower, then the leader. Such a
+//! member still answers, so the coordinator cannot tell it from a healthy
+//! one by its connection alone. Page-servers heartbeat through the
+//! coordinator with the defaults of both sides (3 s lease, 1 s heartbeat)
+//! and must never be reported dead.
+//!
+//! Run with `cargo test -p coordinator --features etcd --test
+//! etcd_partition` as root (network namespaces; needs Debian's etcd-server,
+//! iproute2 and util-linux; deploy/test-all.sh installs etcd-server).
+#![cfg(feature = "etcd")]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::coordinator_process::{CoordinatorProcess, LEASE_MS};
+use common::etcd::EtcdCluster;
+use common::heartbeats::{Heartbeats, HEARTBEAT_PERIOD};
+use common::netns::PrivateNetwork;
+use common::{POLL_INTERVAL, WAIT_LIMIT};
+use rdma_transport::coordinator::api::NodeRegistration;
+use rdma_transport::coordinator::CoordinatorClient;
+
+/// Page-servers that heartbeat through the coordinator.
+const PAGE_SERVERS: usize = 3;
+
+/// Polls `condition` until it holds or `limit` passes; panics then.
+fn wait_for(what: &str, limit: Duration, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(POLL_INTERVAL);
+    }
+}
+
+/// Waits `watch` at least, and until every page-server has had two more
+/// heartbeats answered; then checks none was reported dead.
+fn heartbeats_go_on(heartbeats: &[Heartbeats], what: &str, watch: Duration) {
+    let since = Instant::now();
+    let before: Vec<usize> = heartbeats.iter().map(Heartbeats::answered).collect();
+    wait_for(what, watch + WAIT_LIMIT, || {
+        since.elapsed() >= watch
+            && heartbeats
+                .iter()
+                .zip(&before)
+                .all(|(beats, then)| beats.answered() >= then + 2)
+    });
+    for beats in heartbeats {
+        assert_eq!(
+            beats.reported_dead_ms(),
+            None,
+            "{} reported dead ({what})",
+            beats.id
+        );
+    }
+    eprintln!(
+        "{what}: heartbeats answered {:?}, failed {:?}, slowest {:?}",
+        heartbeats
+            .iter()
+            .map(Heartbeats::answered)
+            .collect::<Vec<_>>(),
+        heartbeats
+            .iter()
+            .map(Heartbeats::failed)
+            .collect::<Vec<_>>(),
+        heartbeats
+            .iter()
+            .map(Heartbeats::slowest)
+            .collect::<Vec<_>>(),
+    );
+}
+
+#[test]
+fn an_etcd_member_cut_off_from_its_peers_makes_no_page_server_look_dead() {
+    let network = PrivateNetwork::enter();
+    let cluster = EtcdCluster::start_apart(&network, 3);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let a = CoordinatorProcess::start(&cluster.endpoints(), dir.path(), "a");
+    let admin = CoordinatorClient::new(&a.url, None, Duration::from_secs(10)).expect("client");
+    let started = Instant::now();
+    let heartbeats: Vec<Heartbeats> = (0..PAGE_SERVERS)
+        .map(|i| {
+            let id = format!("ps{i}");
+            let registration = NodeRegistration {
+                tcp_addr: format!("127.0.0.1:{}", 7000 + i),
+                rdma: None,
+                epoch: 1,
+            };
+            admin
+                .register_node(&id, &registration)
+                .expect("registration");
+            Heartbeats::start(&a.url, &id, started)
+        })
+        .collect();
+    heartbeats_go_on(&heartbeats, "before any partition", Duration::ZERO);
+    // A lapse shows within a lease and a heartbeat period of its cause.
+    let watch = Duration::from_millis(LEASE_MS) + HEARTBEAT_PERIOD;
+
+    for role in ["a follower", "the leader"] {
+        let leader = cluster.leader();
+        let cut = if role == "the leader" {
+            leader
+        } else {
+            (leader + 1) % 3
+        };
+        cluster.cut_off(cut);
+        heartbeats_go_on(&heartbeats, &format!("{role} (m{cut}) cut off"), watch);
+        cluster.reconnect(cut);
+        wait_for("every member to know the leader again", WAIT_LIMIT, || {
+            (0..3).all(|i| cluster.knows_leader(i) == Some(true))
+        });
+        heartbeats_go_on(&heartbeats, &format!("m{cut} back"), watch);
+    }
+}
+
+/// How long the long poll of the map in
+/// [`a_map_change_reaches_a_long_poll_while_the_member_its_coordinator_watches_is_cut_off`]
+/// may wait for a change, and how soon it must see one: a watch takes
+/// milliseconds. (Before the coordinator watched again when its balance
+/// changed, it took 3.5 s, when the stream on the member it took out of the
+/// balance broke.)
+const LONG_POLL_WAIT: Duration = Duration::from_secs(20);
+const CHANGE_SEEN_WITHIN: Duration = Duration::from_secs(1);
+
+#[test]
+fn a_map_change_reaches_a_long_poll_while_the_member_its_coordinator_watches_is_cut_off() {
+    let network = PrivateNetwork::enter();
+    let cluster = EtcdCluster::start_apart(&network, 3);
+    let dir = tempfile::tempdir().expect("tempdir");
+    // b alone first: its watch of the map version is then the only watch in
+    // the cluster, so the member that serves it is known.
+    let b = CoordinatorProcess::start(&cluster.endpoints(), dir.path(), "b");
+    let mut watched = None;
+    wait_for("coordinator b's version watch", WAIT_LIMIT, || {
+        let serving: Vec<usize> = (0..3).filter(|&i| cluster.watchers(i) > 0).collect();
+        watched = serving.first().copied().filter(|_| serving.len() == 1);
+        watched.is_some()
+    });
+    let watched = watched.expect("the watched member");
+    // Cut off a follower: the cluster keeps its leader and quorum, only
+    // what goes through the cut member stops.
+    cluster.move_leader((watched + 1) % 3);
+    let a = CoordinatorProcess::start(&cluster.endpoints(), dir.path(), "a");
+    let through_a = CoordinatorClient::new(&a.url, None, Duration::from_secs(10)).expect("a");
+    let through_b = CoordinatorClient::new(&b.url, None, Duration::from_secs(10)).expect("b");
+    let registration = |port: u16| NodeRegistration {
+        tcp_addr: format!("127.0.0.1:{port}"),
+        rdma: None,
+        epoch: 1,
+    };
+    through_a
+        .register_node(&"ps0".to_owned(), &registration(7000))
+        .expect("registration");
+    let before = through_b.map().expect("map").version;
+
+    // Both coordinators find the member cut off and send it no more
+    // requests; b's watch is another matter.
+    cluster.cut_off(watched);
+    for coordinator in [&a, &b] {
+        wait_for(
+            "the coordinators to take the cut-off member out",
+            WAIT_LIMIT,
+            || coordinator.logged("etcd member does not answer") >= 1,
+        );
+    }
+    let long_poll = std::thread::spawn(move || {
+        let asked = Instant::now();
+        let answer = through_b.map_after(before, LONG_POLL_WAIT, Duration::from_secs(10));
+        (answer, asked.elapsed())
+    });
+    // The change, through the other coordinator.
+    through_a
+        .register_node(&"ps1".to_owned(), &registration(7001))
+        .expect("registration while a member is cut off");
+    let (answer, took) = long_poll.join().expect("long poll");
+    let map = answer.expect("long poll answer");
+    eprintln!(
+        "the long poll answered version {} (was {before}) after {took:?}",
+        map.version
+    );
+    assert!(map.version > before && map.nodes.iter().any(|n| n.id == "ps1"));
+    assert!(
+        took < CHANGE_SEEN_WITHIN,
+        "the change reached the long poll only after {took:?}: coordinator b's watch stayed on the cut-off member m{watched}"
+    );
+}
