@@ -25,7 +25,7 @@ use rdma_transport::coordinator::api::NodeRegistration;
 use rdma_transport::coordinator::CoordinatorClient;
 
 /// Page-servers that heartbeat through the coordinator.
-const PAGE_SERVERS: usize = 3;
+const PAGE_SERVERS: u16 = 3;
 
 /// Polls `condition` until it holds or `limit` passes; panics then.
 fn wait_for(what: &str, limit: Duration, mut condition: impl FnMut() -> bool) {
@@ -33,6 +33,16 @@ fn wait_for(what: &str, limit: Duration, mut condition: impl FnMut() -> bool) {
     while !condition() {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         std::thread::sleep(POLL_INTERVAL);
+    }
+}
+
+/// A page-server's registration (nothing listens on `port`: only its
+/// liveness matters here).
+fn registration(port: u16) -> NodeRegistration {
+    NodeRegistration {
+        tcp_addr: format!("127.0.0.1:{port}"),
+        rdma: None,
+        epoch: 1,
     }
 }
 
@@ -84,13 +94,8 @@ fn an_etcd_member_cut_off_from_its_peers_makes_no_page_server_look_dead() {
     let heartbeats: Vec<Heartbeats> = (0..PAGE_SERVERS)
         .map(|i| {
             let id = format!("ps{i}");
-            let registration = NodeRegistration {
-                tcp_addr: format!("127.0.0.1:{}", 7000 + i),
-                rdma: None,
-                epoch: 1,
-            };
             admin
-                .register_node(&id, &registration)
+                .register_node(&id, &registration(7000 + i))
                 .expect("registration");
             Heartbeats::start(&a.url, &id, started)
         })
@@ -146,11 +151,6 @@ fn a_map_change_reaches_a_long_poll_while_the_member_its_coordinator_watches_is_
     let a = CoordinatorProcess::start(&cluster.endpoints(), dir.path(), "a");
     let through_a = CoordinatorClient::new(&a.url, None, Duration::from_secs(10)).expect("a");
     let through_b = CoordinatorClient::new(&b.url, None, Duration::from_secs(10)).expect("b");
-    let registration = |port: u16| NodeRegistration {
-        tcp_addr: format!("127.0.0.1:{port}"),
-        rdma: None,
-        epoch: 1,
-    };
     through_a
         .register_node(&"ps0".to_owned(), &registration(7000))
         .expect("registration");
