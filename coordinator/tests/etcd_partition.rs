@@ -1,11 +1,17 @@
-//! A coordinator on a three-member etcd cluster whose members each live in
-//! a network namespace of their own (common/netns.rs): one member at a time
-//! is cut off from its peers, every packet between them dropped, while the
-//! coordinator still reaches it: first a follower, then the leader. Such a
-//! member still answers, so the coordinator cannot tell it from a healthy
-//! one by its connection alone. Page-servers heartbeat through the
-//! coordinator with the defaults of both sides (3 s lease, 1 s heartbeat)
-//! and must never be reported dead.
+//! Coordinators on a three-member etcd cluster whose members each live in
+//! a network namespace of their own (common/netns.rs), with every packet
+//! between some of them dropped:
+//! - one member at a time is cut off from its peers while the coordinator
+//!   still reaches it: first a follower, then the leader. Such a member
+//!   still answers, so the coordinator cannot tell it from a healthy one by
+//!   its connection alone;
+//! - the member a coordinator's watch is on is cut off: a long poll through
+//!   it must still see a change made through another at once;
+//! - a coordinator is cut off from every member: it answers 503 within its
+//!   etcd timeout, and page-servers given two coordinators move on.
+//!
+//! Page-servers heartbeat with the defaults of both sides (3 s lease, 1 s
+//! heartbeat) and must never be reported dead.
 //!
 //! Run with `cargo test -p coordinator --features etcd --test
 //! etcd_partition` as root (network namespaces; needs Debian's etcd-server,
@@ -18,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use common::coordinator_process::{CoordinatorProcess, LEASE_MS};
 use common::etcd::EtcdCluster;
-use common::heartbeats::{Heartbeats, HEARTBEAT_PERIOD};
-use common::netns::PrivateNetwork;
+use common::heartbeats::{Heartbeats, HEARTBEAT_PERIOD, HEARTBEAT_TIMEOUT};
+use common::netns::{self, Host, PrivateNetwork};
 use common::{POLL_INTERVAL, WAIT_LIMIT};
 use rdma_transport::coordinator::api::NodeRegistration;
 use rdma_transport::coordinator::CoordinatorClient;
@@ -186,4 +192,51 @@ fn a_map_change_reaches_a_long_poll_while_the_member_its_coordinator_watches_is_
         took < CHANGE_SEEN_WITHIN,
         "the change reached the long poll only after {took:?}: coordinator b's watch stayed on the cut-off member m{watched}"
     );
+}
+
+#[test]
+fn a_coordinator_cut_off_from_etcd_answers_503_and_its_page_servers_move_on() {
+    let network = PrivateNetwork::enter();
+    let cluster = EtcdCluster::start_apart(&network, 3);
+    let dir = tempfile::tempdir().expect("tempdir");
+    // a on a host of its own, which can be cut off from the members; b
+    // beside the page-servers.
+    let a_host = Host::new(&network, 3);
+    let a = CoordinatorProcess::start_on(&a_host, &cluster.endpoints(), dir.path(), "a");
+    let b = CoordinatorProcess::start(&cluster.endpoints(), dir.path(), "b");
+    let through_a = CoordinatorClient::new(&a.url, None, Duration::from_secs(10)).expect("a");
+    let started = Instant::now();
+    let heartbeats: Vec<Heartbeats> = (0..PAGE_SERVERS)
+        .map(|i| {
+            let id = format!("ps{i}");
+            through_a
+                .register_node(&id, &registration(7000 + i))
+                .expect("registration");
+            // Given both coordinators, a first (as `--coordinator a,b`).
+            Heartbeats::start(&format!("{},{}", a.url, b.url), &id, started)
+        })
+        .collect();
+    heartbeats_go_on(&heartbeats, "before any partition", Duration::ZERO);
+    let watch = Duration::from_millis(LEASE_MS) + HEARTBEAT_PERIOD;
+
+    netns::cut_off(&a_host, &cluster.hosts());
+    // a says it cannot serve, within its etcd timeout; it does not hang.
+    let asked = Instant::now();
+    let answer = through_a.map();
+    let took = asked.elapsed();
+    assert!(
+        answer.as_ref().err().and_then(|e| e.status()) == Some(503),
+        "{answer:?}"
+    );
+    assert!(
+        took < HEARTBEAT_TIMEOUT,
+        "a took {took:?} to say it cannot reach etcd"
+    );
+    heartbeats_go_on(&heartbeats, "coordinator a cut off from etcd", watch);
+
+    netns::reconnect(&a_host, &cluster.hosts());
+    wait_for("coordinator a to reach etcd again", WAIT_LIMIT, || {
+        through_a.map().is_ok()
+    });
+    heartbeats_go_on(&heartbeats, "coordinator a back", watch);
 }

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Instant;
 
+use super::netns::Host;
 use super::{POLL_INTERVAL, WAIT_LIMIT};
 
 /// Leases: the coordinator's default (3 s).
@@ -29,13 +30,29 @@ impl Drop for CoordinatorProcess {
 }
 
 impl CoordinatorProcess {
-    /// The coordinator binary with `--store etcd` on `endpoints`.
+    /// The coordinator binary with `--store etcd` on `endpoints`, here.
     pub fn start(endpoints: &[String], dir: &Path, name: &str) -> Self {
+        Self::launch(endpoints, dir, name, None)
+    }
+
+    /// The same on `host` (its own network namespace), listening on the
+    /// host's address.
+    pub fn start_on(host: &Host, endpoints: &[String], dir: &Path, name: &str) -> Self {
+        Self::launch(endpoints, dir, name, Some(host))
+    }
+
+    fn launch(endpoints: &[String], dir: &Path, name: &str, host: Option<&Host>) -> Self {
         let ready_file = dir.join(format!("{name}.addr"));
         let log_path = dir.join(format!("{name}.log"));
         let log = std::fs::File::create(&log_path).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_coordinator"))
-            .args(["--listen", "127.0.0.1:0", "--insecure", "--store", "etcd"])
+        let binary = Path::new(env!("CARGO_BIN_EXE_coordinator"));
+        let listen = format!(
+            "{}:0",
+            host.map_or_else(|| "127.0.0.1".to_owned(), Host::address)
+        );
+        let child = host
+            .map_or_else(|| Command::new(binary), |host| host.command(binary))
+            .args(["--listen", &listen, "--insecure", "--store", "etcd"])
             .arg(format!("--etcd-endpoints={}", endpoints.join(",")))
             .arg("--etcd-prefix=/test-cluster/")
             .arg(format!("--lease-ms={LEASE_MS}"))

@@ -265,6 +265,11 @@ impl EtcdCluster {
         }
     }
 
+    /// The members' hosts (a cluster started apart).
+    pub fn hosts(&self) -> Vec<&Host> {
+        self.hosts.iter().collect()
+    }
+
     /// The hosts of the members other than `index`.
     fn other_hosts(&self, index: usize) -> Vec<&Host> {
         (0..self.hosts.len())
