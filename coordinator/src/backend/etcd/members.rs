@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions, GetOptions};
 
-/// How often every member is asked for its status.
+/// How often every member is probed.
 pub(super) const PROBE_INTERVAL: Duration = Duration::from_millis(250);
 
 /// A member that has not answered within this long is out of the balance.
@@ -49,7 +49,7 @@ enum Probe {
     Down,
     /// It answers, but cannot serve a linearizable read (an election, or
     /// it is cut off from the leader or the leader from its quorum).
-    NoLeader,
+    CannotRead,
     /// It serves a linearizable read.
     Up,
 }
@@ -67,8 +67,8 @@ fn wanted(probes: &[(String, Probe)]) -> BTreeSet<String> {
     };
     [
         with(&[Probe::Up]),
-        with(&[Probe::Up, Probe::NoLeader]),
-        with(&[Probe::Up, Probe::NoLeader, Probe::Down]),
+        with(&[Probe::Up, Probe::CannotRead]),
+        with(&[Probe::Up, Probe::CannotRead, Probe::Down]),
     ]
     .into_iter()
     .find(|set| !set.is_empty())
@@ -97,7 +97,7 @@ impl Member {
         };
         match tokio::time::timeout(PROBE_TIMEOUT, client.status()).await {
             Ok(Ok(status)) if status.leader() != 0 => {}
-            Ok(Ok(_)) => return Probe::NoLeader,
+            Ok(Ok(_)) => return Probe::CannotRead,
             Ok(Err(error)) => {
                 tracing::debug!(member = %self.key, %error, "etcd member did not answer its status");
                 return Probe::Down;
@@ -112,11 +112,11 @@ impl Member {
             Ok(Ok(_)) => Probe::Up,
             Ok(Err(error)) => {
                 tracing::debug!(member = %self.key, %error, "etcd member cannot serve a read");
-                Probe::NoLeader
+                Probe::CannotRead
             }
             Err(_) => {
                 tracing::debug!(member = %self.key, "etcd member's read timed out");
-                Probe::NoLeader
+                Probe::CannotRead
             }
         }
     }
@@ -187,20 +187,24 @@ mod tests {
     }
 
     #[test]
-    fn requests_go_to_the_members_that_answer_naming_a_leader() {
-        use Probe::{Down, NoLeader, Up};
+    fn requests_go_to_the_members_that_serve_reads() {
+        use Probe::{CannotRead, Down, Up};
         // A dead follower, or one cut off from its peers, leaves.
         assert_eq!(
             wanted(&probes(&[("a", Up), ("b", Up), ("c", Down)])),
             keys(&["a", "b"])
         );
         assert_eq!(
-            wanted(&probes(&[("a", Up), ("b", Up), ("c", NoLeader)])),
+            wanted(&probes(&[("a", Up), ("b", Up), ("c", CannotRead)])),
             keys(&["a", "b"])
         );
         // During an election the living members stay, the dead one leaves.
         assert_eq!(
-            wanted(&probes(&[("a", NoLeader), ("b", NoLeader), ("c", Down)])),
+            wanted(&probes(&[
+                ("a", CannotRead),
+                ("b", CannotRead),
+                ("c", Down)
+            ])),
             keys(&["a", "b"])
         );
         // Nobody answers: everybody stays (requests fail as they would).
