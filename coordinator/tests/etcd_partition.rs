@@ -4,7 +4,8 @@
 //! - one member at a time is cut off from its peers while the coordinator
 //!   still reaches it: first a follower, then the leader. Such a member
 //!   still answers, so the coordinator cannot tell it from a healthy one by
-//!   its connection alone;
+//!   its connection alone. Then a follower becomes unreachable from the
+//!   coordinator (a machine gone: no refusal, no answer);
 //! - the member a coordinator's watch is on is cut off: a long poll through
 //!   it must still see a change made through another at once;
 //! - a coordinator is cut off from every member: it answers 503 within its
@@ -125,6 +126,15 @@ fn an_etcd_member_cut_off_from_its_peers_makes_no_page_server_look_dead() {
         });
         heartbeats_go_on(&heartbeats, &format!("m{cut} back"), watch);
     }
+
+    // A member gone as the coordinator sees it (its machine off, say):
+    // nothing refuses the connection, nothing answers. Its peers still
+    // reach it.
+    let gone = (cluster.leader() + 1) % 3;
+    cluster.unreachable(gone);
+    heartbeats_go_on(&heartbeats, &format!("m{gone} unreachable"), watch);
+    cluster.reachable(gone);
+    heartbeats_go_on(&heartbeats, &format!("m{gone} reachable"), watch);
 }
 
 /// How long the long poll of the map in

@@ -289,6 +289,18 @@ impl EtcdCluster {
         netns::reconnect(&self.hosts[index], &self.other_hosts(index));
     }
 
+    /// Drops every packet sent to member `index` from here (the test's
+    /// namespace, where the coordinators run): to them it is gone, to its
+    /// peers it is not.
+    pub fn unreachable(&self, index: usize) {
+        netns::unreachable(&self.hosts[index]);
+    }
+
+    /// Lifts [`Self::unreachable`].
+    pub fn reachable(&self, index: usize) {
+        netns::reachable(&self.hosts[index]);
+    }
+
     /// Whether member `index` knows a leader now (`None`: no answer).
     pub fn knows_leader(&self, index: usize) -> Option<bool> {
         let status = self.status(index)?;

@@ -12,6 +12,9 @@
 //! - [`cut_off`] drops in that router every packet a host sends to another
 //!   host or receives from one; packets between the host and the test's
 //!   namespace (the coordinators) still pass. [`reconnect`] lifts it.
+//! - [`unreachable`] drops every packet the test's namespace sends the
+//!   host (a machine gone, as the coordinators see it: no refusal, no
+//!   answer); the hosts still reach each other. [`reachable`] lifts it.
 //!
 //! Needs root, iproute2 and util-linux (`unshare`, `nsenter`).
 
@@ -182,21 +185,49 @@ fn partition_rules(host: &Host, others: &[&Host]) -> Vec<Vec<String>> {
     rules
 }
 
-/// Drops every packet between `host` and `others` (silently, as a cable
-/// pulled between them would).
-pub fn cut_off(host: &Host, others: &[&Host]) {
-    for rule in partition_rules(host, others) {
-        let mut args = vec!["rule", "add"];
+/// `ip rule add` (or `del`) of each of `rules`.
+fn ip_rules(verb: &str, rules: &[Vec<String>]) {
+    for rule in rules {
+        let mut args = vec!["rule", verb];
         args.extend(rule.iter().map(String::as_str));
         run("ip", &args);
     }
 }
 
+/// Drops every packet between `host` and `others` (silently, as a cable
+/// pulled between them would).
+pub fn cut_off(host: &Host, others: &[&Host]) {
+    ip_rules("add", &partition_rules(host, others));
+}
+
 /// Lifts [`cut_off`].
 pub fn reconnect(host: &Host, others: &[&Host]) {
-    for rule in partition_rules(host, others) {
-        let mut args = vec!["rule", "del"];
-        args.extend(rule.iter().map(String::as_str));
-        run("ip", &args);
-    }
+    ip_rules("del", &partition_rules(host, others));
+}
+
+/// The routing rule that drops what the test's namespace itself sends
+/// `host` (`iif lo`: packets of local origin).
+fn unreachable_rule(host: &Host) -> Vec<String> {
+    let preference = (1000 + u32::from(host.index) * 256 + 128).to_string();
+    [
+        "iif",
+        "lo",
+        "to",
+        &host.address(),
+        "pref",
+        &preference,
+        "blackhole",
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+/// Drops every packet the test's namespace sends `host`.
+pub fn unreachable(host: &Host) {
+    ip_rules("add", &[unreachable_rule(host)]);
+}
+
+/// Lifts [`unreachable`].
+pub fn reachable(host: &Host) {
+    ip_rules("del", &[unreachable_rule(host)]);
 }
