@@ -18,6 +18,7 @@
 //! - A watch on the `version` key tells long polls of the map that it
 //!   changed, whichever coordinator changed it.
 
+mod hedge;
 mod keys;
 mod members;
 mod model;
@@ -51,6 +52,8 @@ pub(crate) struct EtcdBackend {
     lease_ttl_s: i64,
     request_timeout: Duration,
     versions: Arc<tokio::sync::watch::Sender<u64>>,
+    /// Changes each time the prober changes the balance.
+    balance: tokio::sync::watch::Receiver<u64>,
     follower: tokio::task::JoinHandle<()>,
     /// Keeps members that do not answer out of the client's balance.
     prober: Option<tokio::task::JoinHandle<()>>,
@@ -141,6 +144,7 @@ impl EtcdBackend {
             lease_ttl_s: i64::try_from(lease_ms.div_ceil(1000).max(1)).unwrap_or(i64::MAX),
             request_timeout,
             versions: Arc::new(tokio::sync::watch::Sender::new(0)),
+            balance: balance.clone(),
             follower: tokio::spawn(async {}),
             prober,
         };
@@ -163,16 +167,28 @@ impl EtcdBackend {
     /// Runs `attempt` until it succeeds, fails with something other than
     /// [`StoreError::Unavailable`], or the request timeout passes (an
     /// attempt still running then is dropped: one that makes several etcd
-    /// requests, each with the request timeout, cannot stretch it).
+    /// requests, each with the request timeout, cannot stretch it). An
+    /// attempt still running after half the timeout, or when a member
+    /// leaves the balance, is run again alongside ([`hedge::hedged`]):
+    /// `attempt` must be safe to run twice.
     async fn retrying<T, F, Fut>(&self, mut attempt: F) -> Result<T, StoreError>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, StoreError>>,
     {
         let deadline = Instant::now() + self.request_timeout;
+        let hedge_after = self.request_timeout / 2;
         let mut pause = Duration::from_millis(5);
         loop {
-            let outcome = tokio::time::timeout_at(deadline, attempt())
+            let mut balance = self.balance.clone();
+            balance.borrow_and_update();
+            let again = async {
+                tokio::select! {
+                    () = tokio::time::sleep(hedge_after) => {}
+                    () = watch::changed(&mut balance) => {}
+                }
+            };
+            let outcome = tokio::time::timeout_at(deadline, hedge::hedged(&mut attempt, again))
                 .await
                 .unwrap_or_else(|_| {
                     Err(StoreError::Unavailable(

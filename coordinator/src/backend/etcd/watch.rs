@@ -55,7 +55,7 @@ pub(super) async fn follow_versions(
 
 /// Returns when `balance` changes; never when nothing can change it (a
 /// single endpoint has no prober).
-async fn changed(balance: &mut watch::Receiver<u64>) {
+pub(super) async fn changed(balance: &mut watch::Receiver<u64>) {
     if balance.changed().await.is_err() {
         std::future::pending::<()>().await;
     }
