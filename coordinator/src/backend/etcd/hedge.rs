@@ -6,11 +6,12 @@
 //! coordinator/tests/etcd_partition.rs measures it.
 
 use std::future::Future;
+
 /// Runs `attempt`; when it has not finished once `again` is ready (a
 /// delay, or a member left the balance), runs it once more alongside and
 /// returns the first success, or the later failure. Only for attempts that
-/// may run twice: reads, and heartbeats (which renew a lease and rewrite a
-/// key to the same value).
+/// may run twice: reads, heartbeats (which renew a lease and rewrite a key
+/// to the same value) and lease grants (a lease nothing uses expires).
 pub(super) async fn hedged<T, E, F, Fut>(
     attempt: &mut F,
     again: impl Future<Output = ()>,
