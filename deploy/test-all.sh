@@ -85,8 +85,9 @@ COORDINATOR_TEST_STORE=etcd cargo test -p coordinator --features etcd --lib \
 cargo test -p coordinator --features etcd --test etcd_cluster
 # The same with each etcd member in a network namespace of its own: a
 # follower, then the leader, cut off from its peers (every packet dropped)
-# while the coordinators still reach it; a coordinator cut off from etcd.
-# Needs root, as this whole script.
+# while the coordinators still reach it; a follower the coordinators cannot
+# reach; the member a coordinator's watch is on cut off under a long poll;
+# a coordinator cut off from etcd. Needs root, as this whole script.
 cargo test -p coordinator --features etcd --test etcd_partition
 ok
 
