@@ -53,6 +53,21 @@ fn registration(port: u16) -> NodeRegistration {
     }
 }
 
+/// [`PAGE_SERVERS`] page-servers registered through `admin`, each
+/// heartbeating through `coordinators` (comma-separated).
+fn page_servers(admin: &CoordinatorClient, coordinators: &str) -> Vec<Heartbeats> {
+    let started = Instant::now();
+    (0..PAGE_SERVERS)
+        .map(|i| {
+            let id = format!("ps{i}");
+            admin
+                .register_node(&id, &registration(7000 + i))
+                .expect("registration");
+            Heartbeats::start(coordinators, &id, started)
+        })
+        .collect()
+}
+
 /// Waits `watch` at least, and until every page-server has had two more
 /// heartbeats answered; then checks none was reported dead. Returns how
 /// many heartbeats failed meanwhile.
@@ -100,16 +115,7 @@ fn an_etcd_member_cut_off_from_its_peers_makes_no_page_server_look_dead() {
     let dir = tempfile::tempdir().expect("tempdir");
     let a = CoordinatorProcess::start(&cluster.endpoints(), dir.path(), "a");
     let admin = CoordinatorClient::new(&a.url, None, Duration::from_secs(10)).expect("client");
-    let started = Instant::now();
-    let heartbeats: Vec<Heartbeats> = (0..PAGE_SERVERS)
-        .map(|i| {
-            let id = format!("ps{i}");
-            admin
-                .register_node(&id, &registration(7000 + i))
-                .expect("registration");
-            Heartbeats::start(&a.url, &id, started)
-        })
-        .collect();
+    let heartbeats = page_servers(&admin, &a.url);
     heartbeats_go_on(&heartbeats, "before any partition", Duration::ZERO);
     // A lapse shows within a lease and a heartbeat period of its cause.
     let watch = Duration::from_millis(LEASE_MS) + HEARTBEAT_PERIOD;
@@ -226,17 +232,8 @@ fn a_coordinator_cut_off_from_etcd_answers_503_and_its_page_servers_move_on() {
     let a = CoordinatorProcess::start_on(&a_host, &cluster.endpoints(), dir.path(), "a");
     let b = CoordinatorProcess::start(&cluster.endpoints(), dir.path(), "b");
     let through_a = CoordinatorClient::new(&a.url, None, Duration::from_secs(10)).expect("a");
-    let started = Instant::now();
-    let heartbeats: Vec<Heartbeats> = (0..PAGE_SERVERS)
-        .map(|i| {
-            let id = format!("ps{i}");
-            through_a
-                .register_node(&id, &registration(7000 + i))
-                .expect("registration");
-            // Given both coordinators, a first (as `--coordinator a,b`).
-            Heartbeats::start(&format!("{},{}", a.url, b.url), &id, started)
-        })
-        .collect();
+    // Given both coordinators, a first (as `--coordinator a,b`).
+    let heartbeats = page_servers(&through_a, &format!("{},{}", a.url, b.url));
     heartbeats_go_on(&heartbeats, "before any partition", Duration::ZERO);
     let watch = Duration::from_millis(LEASE_MS) + HEARTBEAT_PERIOD;
 
