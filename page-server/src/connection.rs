@@ -356,6 +356,7 @@ fn serve_messages(
                     // closing its connection would declare it lost (and
                     // lose the pages it owns).
                     guard.exempt_from_idle_timeout();
+                    guard.note_coherence_node();
                 }
             } else if let Err(refusal) =
                 handle(&header, payload, exported, &mut session, &mut outbox, tally)
@@ -385,7 +386,7 @@ fn serve_messages(
                 };
                 if !guard.note_rdma(rdma) {
                     // A replica recovery began since the HELLO_ACK: the QP
-                    // must not live on (see `Connections::pause_rdma`).
+                    // must not live on (see `Connections::fence`).
                     return Err(io::Error::new(
                         io::ErrorKind::ConnectionAborted,
                         "RDMA paused for a replica recovery",

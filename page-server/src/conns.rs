@@ -28,7 +28,7 @@ struct Inner {
     handshaken: usize,
     /// Set by [`Connections::close_all`]: nothing is recorded after it.
     closed: bool,
-    /// Set while a replica recovery runs ([`Connections::pause_rdma`]): no
+    /// Set while a replica recovery runs ([`Connections::fence`]): no
     /// connection may keep an RDMA session.
     rdma_paused: bool,
 }
@@ -42,6 +42,11 @@ struct Entry {
     state: State,
     thread: Option<JoinHandle<()>>,
     rdma: RdmaUse,
+    /// The connection joined the coherence directory as a node: a fence
+    /// leaves it open (closing it would lose the pages the node owns).
+    coherence_node: bool,
+    /// Shut down by [`Connections::fence`]; its thread may not have ended.
+    fenced: bool,
 }
 
 /// Whether a connection's client moves pages by RDMA.
@@ -113,6 +118,15 @@ impl Recorded {
             entry.rdma = rdma;
         }
         true
+    }
+
+    /// Records that the connection joined the coherence directory as a
+    /// node (see [`Connections::fence`]).
+    pub(crate) fn note_coherence_node(&self) {
+        let mut inner = self.conns.inner.lock();
+        if let Some(entry) = inner.entries.iter_mut().find(|e| e.id == self.id) {
+            entry.coherence_node = true;
+        }
     }
 
     /// Moves the connection from pending to handshaken, unless
@@ -210,6 +224,8 @@ impl Connections {
             state: State::Pending,
             thread: None,
             rdma: RdmaUse::None,
+            coherence_node: false,
+            fenced: false,
         });
         inner.pending += 1;
         Some(Admitted {
@@ -242,24 +258,41 @@ impl Connections {
         (inner.pending, inner.handshaken)
     }
 
-    /// Pauses RDMA (a replica recovery begins: every write must go through
-    /// this process, see `recovery_guard.rs`): shuts down every connection
-    /// with an RDMA session, and refuses new ones until
-    /// [`Connections::resume_rdma`]. Returns the connections shut down.
-    pub(crate) fn pause_rdma(&self) -> usize {
+    /// Fences off the connections a replica recovery must not hear from
+    /// again (see `recovery.rs`): shuts down every connection but the
+    /// coherence nodes' (and those too when they hold an RDMA session),
+    /// and pauses RDMA: no new session may start until
+    /// [`Connections::resume_rdma`]. Returns the connections shut down;
+    /// [`Connections::fenced_open`] tells when their threads are gone.
+    ///
+    /// A client's TCP may deliver, long after the client gave a request
+    /// up, bytes it sent before a link went down; on a shut-down socket
+    /// they are refused. An RDMA WRITE lands without this process seeing
+    /// it at all.
+    pub(crate) fn fence(&self) -> usize {
         let mut inner = self.inner.lock();
         inner.rdma_paused = true;
-        inner.shut_down_where(RdmaUse::Session)
+        let mut n = 0;
+        for entry in inner
+            .entries
+            .iter_mut()
+            .filter(|e| !e.coherence_node || e.rdma == RdmaUse::Session)
+        {
+            let _ = entry.socket.shutdown(Shutdown::Both);
+            entry.fenced = true;
+            n += 1;
+        }
+        n
     }
 
-    /// Connections with an RDMA session still recorded (shut down ones
-    /// whose threads, and so QPs, are not gone yet included).
-    pub(crate) fn rdma_sessions(&self) -> usize {
+    /// Connections shut down by [`Connections::fence`], or holding an RDMA
+    /// session, whose threads (and QPs) are not gone yet.
+    pub(crate) fn fenced_open(&self) -> usize {
         let inner = self.inner.lock();
         inner
             .entries
             .iter()
-            .filter(|e| e.rdma == RdmaUse::Session)
+            .filter(|e| e.fenced || e.rdma == RdmaUse::Session)
             .count()
     }
 
@@ -433,49 +466,62 @@ mod tests {
         assert_eq!(conns.counts(), (0, 1));
     }
 
-    /// A recovery pauses RDMA: the connections with an RDMA session are
-    /// shut down (the others are not) and no new session may start; when
-    /// it ends, the connections answered without RDMA are shut down so
-    /// that their clients come back with it.
+    /// Whether the client end of a pair is still open (no end of stream,
+    /// nothing to read).
+    fn still_open(client: &mut TcpStream) -> bool {
+        client
+            .set_read_timeout(Some(std::time::Duration::from_millis(50)))
+            .unwrap();
+        let mut byte = [0u8; 1];
+        matches!(
+            client.read(&mut byte),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
+                || e.kind() == std::io::ErrorKind::TimedOut
+        )
+    }
+
+    /// A recovery's fence shuts down every connection but a coherence
+    /// node's (unless it holds an RDMA session), counts them until their
+    /// threads are gone, and pauses RDMA; when the recovery ends, the
+    /// connections answered without RDMA are shut down so that their
+    /// clients come back with it.
     #[test]
-    fn pausing_rdma_closes_the_sessions_and_resuming_closes_the_withheld() {
+    fn a_fence_closes_all_but_coherence_nodes_and_pauses_rdma() {
         let conns = Arc::new(Connections::default());
         let (mut c_rdma, s_rdma) = pair();
         let (mut c_tcp, s_tcp) = pair();
+        let (mut c_node, s_node) = pair();
+        let (mut c_pending, s_pending) = pair();
         let rdma = conns.record(s_rdma, 8).unwrap().recorded;
         let tcp = conns.record(s_tcp, 8).unwrap().recorded;
+        let node = conns.record(s_node, 8).unwrap().recorded;
+        let pending = conns.record(s_pending, 8).unwrap().recorded;
         assert!(rdma.note_rdma(RdmaUse::Session));
         assert!(tcp.note_rdma(RdmaUse::None));
-        assert_eq!(conns.rdma_sessions(), 1);
+        assert!(node.note_rdma(RdmaUse::None));
+        node.note_coherence_node();
 
-        assert_eq!(conns.pause_rdma(), 1);
-        assert_eof(&mut c_rdma);
-        // Shut down, but its thread (and QP) not gone yet: still counted.
-        assert_eq!(conns.rdma_sessions(), 1);
-        drop(rdma);
-        assert_eq!(conns.rdma_sessions(), 0);
-        // A handshake that raced the pause may not keep its session.
+        assert_eq!(conns.fence(), 3);
+        for closed in [&mut c_rdma, &mut c_tcp, &mut c_pending] {
+            assert_eof(closed);
+        }
+        assert!(still_open(&mut c_node), "a coherence node was closed");
+        // Shut down, but their threads (and the QP) not gone yet: counted.
+        assert_eq!(conns.fenced_open(), 3);
+        drop((rdma, tcp, pending));
+        assert_eq!(conns.fenced_open(), 0);
+        // A handshake that raced the fence may not keep an RDMA session.
         let (_c_late, s_late) = pair();
         let late = conns.record(s_late, 8).unwrap().recorded;
         assert!(!late.note_rdma(RdmaUse::Session));
         assert!(late.note_rdma(RdmaUse::Withheld));
-        assert_eq!(conns.rdma_sessions(), 0);
+        assert_eq!(conns.fenced_open(), 0, "opened after the fence");
 
         assert_eq!(conns.resume_rdma(), 1, "the withheld connection");
-        // The TCP-only client was left alone throughout.
-        c_tcp
-            .set_read_timeout(Some(std::time::Duration::from_millis(50)))
-            .unwrap();
-        let mut byte = [0u8; 1];
-        let still_open = matches!(
-            c_tcp.read(&mut byte),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
-                || e.kind() == std::io::ErrorKind::TimedOut
-        );
-        assert!(still_open, "a TCP-only connection was closed");
+        assert!(still_open(&mut c_node));
         let (_c_new, s_new) = pair();
         let new = conns.record(s_new, 8).unwrap().recorded;
         assert!(new.note_rdma(RdmaUse::Session), "RDMA is offered again");
-        drop((tcp, late, new));
+        drop((node, late, new));
     }
 }

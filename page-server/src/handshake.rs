@@ -102,7 +102,7 @@ pub(crate) struct Session {
     /// (`rdma_transport::wire::offset_bound_checksum`), and got them.
     pub(crate) bound_sums: bool,
     /// The client asked for RDMA and was answered without it: a replica
-    /// recovery was running (see `Connections::pause_rdma`).
+    /// recovery was running (see `Connections::fence`).
     pub(crate) rdma_withheld: bool,
 }
 
@@ -174,7 +174,7 @@ pub(crate) enum RdmaOffer<'a> {
     /// No RDMA here.
     None,
     /// A replica recovery is running: every write must come over the
-    /// socket (see `Connections::pause_rdma`).
+    /// socket (see `Connections::fence`).
     Paused,
     Offered(&'a RdmaExport),
 }

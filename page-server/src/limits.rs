@@ -112,6 +112,7 @@ pub(crate) struct ConnGuard {
     watchdog: Watchdog,
     recorded: Recorded,
     admission: Arc<Admission>,
+    coherence_node: bool,
 }
 
 impl ConnGuard {
@@ -120,6 +121,7 @@ impl ConnGuard {
             watchdog: Watchdog::new(accepted_at, admission.timeouts),
             recorded,
             admission,
+            coherence_node: false,
         }
     }
 
@@ -164,6 +166,15 @@ impl ConnGuard {
     /// RDMA session (see `Connections::note_rdma`).
     pub(crate) fn note_rdma(&self, rdma: crate::conns::RdmaUse) -> bool {
         self.recorded.note_rdma(rdma)
+    }
+
+    /// The connection joined the coherence directory as a node: a replica
+    /// recovery's fence leaves it open (see `Connections::fence`).
+    pub(crate) fn note_coherence_node(&mut self) {
+        if !self.coherence_node {
+            self.coherence_node = true;
+            self.recorded.note_coherence_node();
+        }
     }
 
     /// The connection's pages move by RDMA, not over its socket, which then

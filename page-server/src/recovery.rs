@@ -4,14 +4,16 @@
 //!
 //! Once registered, and then every heartbeat period, the thread reads the
 //! map. For each exported range in turn (one recovery at a time), when this
-//! node's replica of it is stale and another replica is live, it: turns the
-//! write guard on
-//! (`recovery_guard.rs`); asks the coordinator to mark the replica
-//! `recovering` (clients then send it every write, and it serves no
-//! reads); waits the grace period, so that every client has seen the
-//! change and writes here too; copies the range from the first live replica, 64 pages at a time at a
-//! bounded rate, each page applied only if no client wrote it meanwhile;
-//! and asks the coordinator to mark it `live` under the recovery's number.
+//! node's replica of it is stale and another replica is live, it: closes
+//! every connection opened before (but coherence nodes'), so that no write
+//! a client gave up on can still arrive (`conns.rs`, `Connections::fence`);
+//! turns the write guard on (`recovery_guard.rs`); asks the coordinator to
+//! mark the replica `recovering` (clients then send it every write, and it
+//! serves no reads); waits the grace period, so that every client has seen
+//! the change and writes here too; copies the range from the first live
+//! replica, 64 pages at a time at a bounded rate, each page applied only if
+//! no client wrote it meanwhile; and asks the coordinator to mark it `live`
+//! under the recovery's number.
 //! A refusal (the replica went stale again meanwhile) or any failure turns
 //! the guard off and the next period tries again.
 //!
@@ -44,9 +46,9 @@ use crate::server::Shared as ServerShared;
 const BATCH_PAGES: usize = 64;
 /// Deadline of each batch read from the source.
 const SOURCE_REQUEST_TIMEOUT_MS: u64 = 5000;
-/// How long the RDMA sessions shut down at the start of a recovery may
-/// take to end.
-const RDMA_PAUSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long the connections shut down at the start of a recovery may take
+/// to end.
+const FENCE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Deadline of each coordinator request.
 const COORDINATOR_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -74,10 +76,8 @@ enum RecoveryError {
     Region(#[from] io::Error),
     #[error("page-server stopping")]
     Stopped,
-    #[error(
-        "{sessions} RDMA session(s) still open {RDMA_PAUSE_TIMEOUT:?} after they were shut down"
-    )]
-    RdmaSessionsLinger { sessions: usize },
+    #[error("{connections} connection(s) still open {FENCE_TIMEOUT:?} after they were shut down")]
+    ConnectionsLinger { connections: usize },
 }
 
 /// What the recovery works on, from the server's configuration.
@@ -301,11 +301,18 @@ impl Worker {
     /// copied in.
     fn recover(&self, range: &PlacedRange) -> Result<(u64, u64), RecoveryError> {
         let (gpa_start, me) = (range.gpa_start, self.plan.node_id.as_str());
-        // Guard first: clients may write here as soon as the coordinator
+        // Fence first: a write a client gave up on while this replica was
+        // cut off from it (the reason it is stale) may still be in its
+        // TCP's send queue, and land when the link comes back, older than
+        // what the live replicas hold. Landed before the guard, the copy
+        // overwrites it; after, the guard would keep it for good. So every
+        // connection opened before now is closed (and its thread gone)
+        // before the guard begins.
+        self.fence_connections()?;
+        // Then the guard: clients may write here as soon as the coordinator
         // says `recovering`, before its answer reaches this thread. The
         // caller turns it off whatever the outcome.
         self.server.exported.guard.begin();
-        self.pause_rdma()?;
         // Named by this process's epoch: the coordinator refuses a recovery
         // by any other process of this node (an earlier one still running
         // would otherwise copy into memory that nobody serves and turn the
@@ -377,25 +384,26 @@ impl Worker {
         Err(last_err)
     }
 
-    /// Ends every RDMA session and waits until their QPs are gone: an RDMA
-    /// WRITE lands in memory without this process seeing it, so the write
-    /// guard cannot keep it from being overwritten by an older copied page.
-    /// Until the recovery ends, clients get TCP (see
-    /// `Connections::pause_rdma`).
-    fn pause_rdma(&self) -> Result<(), RecoveryError> {
+    /// Closes the connections opened before the recovery and pauses RDMA
+    /// (`Connections::fence`), and waits until their threads, and so their
+    /// QPs, are gone. Their clients reconnect; until the recovery ends they
+    /// get TCP only: an RDMA WRITE lands in memory without this process
+    /// seeing it, so the write guard could not keep it from being
+    /// overwritten by an older copied page.
+    fn fence_connections(&self) -> Result<(), RecoveryError> {
         let conns = &self.server.admission.conns;
-        let closed = conns.pause_rdma();
+        let closed = conns.fence();
         if closed > 0 {
             tracing::info!(
                 connections = closed,
-                "replica recovery: closed the RDMA sessions; clients write over TCP until it ends"
+                "replica recovery: closed the connections opened before it; clients reconnect, over TCP until it ends"
             );
         }
-        let deadline = Instant::now() + RDMA_PAUSE_TIMEOUT;
-        while conns.rdma_sessions() > 0 {
+        let deadline = Instant::now() + FENCE_TIMEOUT;
+        while conns.fenced_open() > 0 {
             if Instant::now() >= deadline {
-                return Err(RecoveryError::RdmaSessionsLinger {
-                    sessions: conns.rdma_sessions(),
+                return Err(RecoveryError::ConnectionsLinger {
+                    connections: conns.fenced_open(),
                 });
             }
             if self.stop.sleep(Duration::from_millis(1)) {

@@ -1,17 +1,16 @@
 //! Replica recovery end to end (issue 9), real processes: a page-server
 //! that joins a replicated range (its replica starts `stale`) copies the
 //! range from the live replica by itself and turns `live`; a client write
-//! that reaches it during the copy is never overwritten by the copy.
-//!
-//! Needs the coordinator's replica routes (`.../replicas/{node}/recovering`
-//! and `.../live`, and a second node claiming the same range): ignored
-//! until they land on main.
+//! that reaches it during the copy is never overwritten by the copy; a
+//! write that a stalled link delivers after the recovery began, older than
+//! what the live replica holds, is not kept.
 
 mod common;
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use common::stalling_link::StallingLink;
 use common::*;
 use rdma_transport::coordinator::api::{MapEntry, MapResponse, Replica, ReplicaState};
 use rdma_transport::coordinator::CoordinatorClient;
@@ -146,4 +145,82 @@ fn writes_during_the_recovery_are_not_overwritten_by_the_copy() {
         2 => page_indexed(i, 3),
         _ => page_indexed(i, 1),
     });
+}
+
+#[test]
+fn a_write_delivered_late_by_a_stalled_link_does_not_outlive_the_recovery() {
+    let (coord, a, _db) = cluster_with_written_range();
+    let admin = coordinator_client(&coord.url());
+    // b is reached through a link the test can stall.
+    let link = StallingLink::start();
+    let b = ChildServer::start_with(
+        &coord.url(),
+        "b",
+        0,
+        &["--advertise", &link.addr(), "--recovery-grace-ms", "1000"],
+    );
+    link.set_target(&b.addr);
+    wait_for_state(&admin, "b", ReplicaState::Live);
+
+    // A client of both replicas, with a connection to each.
+    let page = 5;
+    let client = manager(&coord.url());
+    assert!(wait_until(RECOVERY_LIMIT, || client.refresh_map().is_ok()
+        && client.map().replica_count(0) == 2));
+    client
+        .write_pages(&[gpa(page)], &[page_indexed(page, 2)])
+        .unwrap();
+
+    // The link to b goes down. The next write reaches a only: b misses it
+    // (the request times out) and the client marks b stale. Its bytes stay
+    // in the link, as a client's TCP keeps unacknowledged data.
+    link.hold();
+    client
+        .write_pages(&[gpa(page)], &[page_indexed(page, 3)])
+        .unwrap();
+    assert_eq!(
+        replica(&admin, "b").map(|r| r.state),
+        Some(ReplicaState::Stale),
+        "the client did not mark b stale after b missed its write"
+    );
+    // A newer write, to a only (b takes no writes while stale).
+    client
+        .write_pages(&[gpa(page)], &[page_indexed(page, 4)])
+        .unwrap();
+
+    // b starts recovering; then the link comes back and delivers the write
+    // it held (seed 3), older than a's page (seed 4).
+    wait_for_state(&admin, "b", ReplicaState::Recovering);
+    link.release();
+    assert!(
+        wait_until(RECOVERY_LIMIT, || link.server_reacted()),
+        "b neither answered the late write nor closed the connection"
+    );
+    wait_for_state(&admin, "b", ReplicaState::Live);
+
+    let mut back = [0u8; PAGE_SIZE];
+    manager_on(&admin, "b")
+        .read_pages(&[gpa(page)], std::slice::from_mut(&mut back))
+        .unwrap();
+    assert!(
+        back == page_indexed(page, 4),
+        "b turned live holding {} of page {page}, not the last write (seed 4)",
+        if back == page_indexed(page, 3) {
+            "the late write (seed 3)"
+        } else {
+            "other contents"
+        }
+    );
+    // a is lost; the client's reads fail over to b and must still see its
+    // last write.
+    let mut a = a;
+    a.kill();
+    let mut back = [0u8; PAGE_SIZE];
+    client
+        .read_pages(&[gpa(page)], std::slice::from_mut(&mut back))
+        .unwrap();
+    assert!(
+        back == page_indexed(page, 4),
+        "with a gone, the client read an older page than it wrote"
+    );
 }

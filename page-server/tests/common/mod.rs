@@ -5,6 +5,7 @@
 pub mod coherent_copies;
 pub mod fake_coordinator;
 pub mod raw;
+pub mod stalling_link;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,136 @@
+//! A TCP relay between the tests' clients and one page-server that can stall:
+//! while held it passes nothing on in either direction, and once released
+//! it delivers everything it kept, late. That is what a page-server sees of
+//! a link that went down and came back: the clients' TCP retransmits what
+//! it sent meanwhile, on the same connections, whatever the clients have
+//! done since. The page-server advertises the relay's address
+//! (`--advertise`), so the coordinator sends every client through it.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+/// The relay; its threads end with the test process.
+pub struct StallingLink {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+}
+
+#[derive(Default)]
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    target: Option<SocketAddr>,
+    held: bool,
+    /// Set by the first release after a hold.
+    released: bool,
+    /// Chunks the page-server sent after a release (its answers to what
+    /// was delivered late).
+    answers_after_release: u64,
+    /// Connections the page-server ended.
+    closed_by_server: u64,
+}
+
+impl StallingLink {
+    /// Listens on a loopback port; connections are refused until
+    /// [`StallingLink::set_target`].
+    pub fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the relay");
+        let addr = listener.local_addr().expect("relay address");
+        let shared = Arc::new(Shared::default());
+        let accepting = Arc::clone(&shared);
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let Some(target) = accepting.state.lock().target else {
+                    continue;
+                };
+                let Ok(server) = TcpStream::connect_timeout(&target, Duration::from_secs(2)) else {
+                    continue;
+                };
+                let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                for (from, to, from_server) in [
+                    (client.try_clone(), server.try_clone(), false),
+                    (server.try_clone(), client.try_clone(), true),
+                ] {
+                    if let (Ok(from), Ok(to)) = (from, to) {
+                        let shared = Arc::clone(&accepting);
+                        std::thread::spawn(move || shared.pump(from, to, from_server));
+                    }
+                }
+            }
+        });
+        Self { addr, shared }
+    }
+
+    /// The address clients are to use (the page-server's `--advertise`).
+    pub fn addr(&self) -> String {
+        self.addr.to_string()
+    }
+
+    /// Where the relay connects each client it accepts.
+    pub fn set_target(&self, target: &str) {
+        self.shared.state.lock().target = Some(target.parse().expect("page-server address"));
+    }
+
+    /// Stops passing bytes on, both ways; what arrives is kept.
+    pub fn hold(&self) {
+        let mut state = self.shared.state.lock();
+        state.held = true;
+        state.released = false;
+    }
+
+    /// Delivers what was kept, and everything after it.
+    pub fn release(&self) {
+        let mut state = self.shared.state.lock();
+        state.held = false;
+        state.released = true;
+        self.shared.changed.notify_all();
+    }
+
+    /// Whether the page-server answered something delivered after the
+    /// release, or has ended a connection: either way it is done with
+    /// what it was sent late.
+    pub fn server_reacted(&self) -> bool {
+        let state = self.shared.state.lock();
+        state.answers_after_release > 0 || state.closed_by_server > 0
+    }
+}
+
+impl Shared {
+    /// Copies `from` to `to` chunk by chunk, each chunk waiting while the
+    /// link is held.
+    fn pump(&self, mut from: TcpStream, mut to: TcpStream, from_server: bool) {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = from.read(&mut buf).unwrap_or(0);
+            {
+                let mut state = self.state.lock();
+                if n == 0 && from_server {
+                    state.closed_by_server += 1;
+                }
+                // The end of a stream is held back like its bytes.
+                while state.held {
+                    self.changed.wait(&mut state);
+                }
+                if n > 0 && from_server && state.released {
+                    state.answers_after_release += 1;
+                }
+            }
+            if n == 0 {
+                let _ = to.shutdown(Shutdown::Write);
+                return;
+            }
+            if to.write_all(&buf[..n]).is_err() {
+                let _ = from.shutdown(Shutdown::Both);
+                return;
+            }
+        }
+    }
+}
