@@ -43,3 +43,50 @@ pub(crate) fn wait_readable(
         Err(err) => Err(err),
     }
 }
+
+/// Gives a TCP connection up at once. Bytes its peer has not acknowledged
+/// are discarded, with a reset: a socket merely shut down would keep
+/// sending and retransmitting them (for minutes, if the link is down), so
+/// that a request given up on could land long after, behind newer ones
+/// sent another way. Then the socket is shut down both ways, which wakes
+/// every thread polling or reading it.
+pub(crate) fn abandon(stream: &std::net::TcpStream) {
+    use std::os::fd::AsFd;
+    if unacknowledged_bytes(stream.as_fd()).is_ok_and(|bytes| bytes > 0) {
+        if let Err(err) = reset_connection(stream.as_fd()) {
+            tracing::debug!(%err, "cannot reset a connection given up on");
+        }
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+}
+
+/// Bytes written to the TCP socket `fd` that its peer has not acknowledged
+/// yet (sent or not: `SIOCOUTQ`).
+fn unacknowledged_bytes(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    let mut bytes: libc::c_int = 0;
+    // SAFETY: `SIOCOUTQ` (`TIOCOUTQ` on Linux) writes one int through the
+    // pointer, which points at a live local.
+    cvt(unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCOUTQ, &mut bytes) })?;
+    Ok(usize::try_from(bytes).unwrap_or(0))
+}
+
+/// Drops the TCP connection of `fd` at once: `connect(2)` to an `AF_UNSPEC`
+/// address disconnects it, discarding its send queue (nothing written
+/// will be sent or retransmitted any more) and sending a reset. Threads
+/// polling it see an error and hang-up.
+fn reset_connection(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: all-zero bytes are a valid `sockaddr` (family `AF_UNSPEC`).
+    let mut addr: libc::sockaddr = unsafe { std::mem::zeroed() };
+    addr.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+    // SAFETY: `addr` is a live, initialised `sockaddr` of the length given.
+    let ret = unsafe {
+        libc::connect(
+            fd.as_raw_fd(),
+            &addr,
+            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+        )
+    };
+    cvt(ret).map(drop)
+}

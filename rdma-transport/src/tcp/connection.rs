@@ -151,10 +151,13 @@ impl TcpConnection {
     }
 
     /// Marks the connection dead, shuts the socket and fails every request
-    /// in flight. Idempotent.
+    /// in flight. Idempotent. What the server has not acknowledged yet is
+    /// discarded (`sys::abandon`): a WRITE given up on here never lands
+    /// after a newer write of its page sent over the next connection, or
+    /// by another host.
     pub(crate) fn mark_broken(&self, code: u32) {
         if !self.broken.swap(true, Ordering::SeqCst) {
-            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+            crate::sys::abandon(&self.stream);
         }
         self.inflight.fail_all(code);
     }

@@ -1,6 +1,8 @@
 //! The TCP data path: client connections to page-servers, the reading of
 //! answers (by waiting callers or pollers) and the poller threads.
 
+#[cfg(test)]
+mod broken_tests;
 mod connection;
 mod deferred;
 mod free_slots;
