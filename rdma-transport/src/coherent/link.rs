@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::TcpStream;
+use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -205,13 +205,12 @@ impl Link {
         }
     }
 
-    /// Breaks the connection at once (frames still queued are dropped, in
-    /// the socket too: `sys::abandon`); the reader sees it and cleans up,
-    /// the writer ends.
+    /// Breaks the connection at once (frames still queued are dropped);
+    /// the reader sees it and cleans up, the writer ends.
     pub(crate) fn shut(&self) {
         self.dead.store(true, Ordering::SeqCst);
         self.outgoing.lock().take();
-        crate::sys::abandon(&self.stream);
+        let _ = self.stream.shutdown(Shutdown::Both);
     }
 
     /// Closes the connection: the frames queued so far are written first

@@ -120,12 +120,16 @@ impl TcpConnection {
         stream: TcpStream,
         ack: HelloAck,
     ) -> Result<Self, ConnectError> {
-        stream
-            .set_nonblocking(true)
-            .map_err(|source| ConnectError::Io {
-                addr: addr.to_owned(),
-                source,
-            })?;
+        let io_err = |source| ConnectError::Io {
+            addr: addr.to_owned(),
+            source,
+        };
+        stream.set_nonblocking(true).map_err(io_err)?;
+        // No request sent here may arrive after the connection is closed,
+        // however it is closed, its process killed included (see
+        // `sys::abandon`).
+        crate::sys::discard_unacknowledged_on_close(std::os::fd::AsFd::as_fd(&stream))
+            .map_err(io_err)?;
         Ok(Self {
             node_id: auth.node_id.to_owned(),
             stream,
