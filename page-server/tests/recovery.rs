@@ -178,10 +178,11 @@ fn a_write_delivered_late_by_a_stalled_link_does_not_outlive_the_recovery() {
     client
         .write_pages(&[gpa(page)], &[page_indexed(page, 3)])
         .unwrap();
-    assert_eq!(
-        replica(&admin, "b").map(|r| r.state),
-        Some(ReplicaState::Stale),
-        "the client did not mark b stale after b missed its write"
+    // (b may have begun recovering already: it reads the map every 200 ms.)
+    let state = replica(&admin, "b").map(|r| r.state);
+    assert!(
+        matches!(state, Some(ReplicaState::Stale | ReplicaState::Recovering)),
+        "the client did not mark b stale after b missed its write (b is {state:?})"
     );
     // A newer write, to a only (b takes no writes while stale).
     client
