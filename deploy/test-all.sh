@@ -91,6 +91,13 @@ cargo test -p coordinator --features etcd --test etcd_cluster
 cargo test -p coordinator --features etcd --test etcd_partition
 ok
 
+step "replica recovery across a real partition (a network namespace: needs root and iproute2, installed above)"
+# The link from a client to a replica goes down; the client's TCP keeps the
+# write the replica missed and retransmits it once the link is back, after
+# the replica began recovering: it must not outlive the recovery.
+cargo test -p page-server --test recovery -- --ignored
+ok
+
 step "bench: local cluster, TCP, every page checked"
 cargo run --release --quiet -p bench -- --ops 20000 --depth 8 --json target/bench-smoke.json
 ok

@@ -3,9 +3,15 @@
 //! range from the live replica by itself and turns `live`; a client write
 //! that reaches it during the copy is never overwritten by the copy; a
 //! write that a stalled link delivers after the recovery began, older than
-//! what the live replica holds, is not kept.
+//! what the live replica holds, is not kept; nor one that the client's own
+//! TCP retransmits after a real partition (ignored: needs root; run by
+//! deploy/test-all.sh).
 
 mod common;
+// The coordinator's partition tests' namespaces, shared rather than copied.
+#[allow(dead_code)]
+#[path = "../../coordinator/tests/common/netns.rs"]
+mod netns;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -217,6 +223,88 @@ fn a_write_delivered_late_by_a_stalled_link_does_not_outlive_the_recovery() {
     let mut a = a;
     a.kill();
     let mut back = [0u8; PAGE_SIZE];
+    client
+        .read_pages(&[gpa(page)], std::slice::from_mut(&mut back))
+        .unwrap();
+    assert!(
+        back == page_indexed(page, 4),
+        "with a gone, the client read an older page than it wrote"
+    );
+}
+
+/// Bytes the client's sockets connected to `port` have sent and not had
+/// acknowledged, from the thread's namespace's `/proc/.../net/tcp`.
+fn unacknowledged_to(port: u16) -> u64 {
+    let table = std::fs::read_to_string("/proc/thread-self/net/tcp").expect("net/tcp");
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let remote_port = fields.get(2)?.rsplit_once(':')?.1;
+            let tx_queue = fields.get(4)?.split_once(':')?.0;
+            (u16::from_str_radix(remote_port, 16).ok()? == port)
+                .then(|| u64::from_str_radix(tx_queue, 16).ok())
+                .flatten()
+        })
+        .sum()
+}
+
+#[test]
+#[ignore = "needs root (a network namespace); run by deploy/test-all.sh"]
+fn a_write_retransmitted_after_a_real_partition_does_not_outlive_the_recovery() {
+    let network = netns::PrivateNetwork::enter();
+    let (coord, a, _db) = cluster_with_written_range();
+    let admin = coordinator_client(&coord.url());
+    let b = ChildServer::start_with(&coord.url(), "b", 0, &["--recovery-grace-ms", "1000"]);
+    wait_for_state(&admin, "b", ReplicaState::Live);
+    let b_port: u16 = b.addr.rsplit_once(':').unwrap().1.parse().unwrap();
+
+    let page = 5;
+    let client = manager(&coord.url());
+    assert!(wait_until(RECOVERY_LIMIT, || client.refresh_map().is_ok()
+        && client.map().replica_count(0) == 2));
+    client
+        .write_pages(&[gpa(page)], &[page_indexed(page, 2)])
+        .unwrap();
+
+    // The link from the client to b goes down: the client's TCP keeps the
+    // write (seed 3) and retransmits it; b misses it and is marked stale.
+    let mut partition = netns::LoopbackPartition::to_port(&network, b_port);
+    client
+        .write_pages(&[gpa(page)], &[page_indexed(page, 3)])
+        .unwrap();
+    assert!(unacknowledged_to(b_port) > 0, "the write to b was not held");
+    client
+        .write_pages(&[gpa(page)], &[page_indexed(page, 4)])
+        .unwrap();
+
+    // b starts recovering; the link comes back; the client's TCP delivers
+    // the held write, or learns that b closed the connection.
+    wait_for_state(&admin, "b", ReplicaState::Recovering);
+    partition.heal();
+    assert!(
+        wait_until(RECOVERY_LIMIT, || unacknowledged_to(b_port) == 0),
+        "the client's TCP still holds {} bytes for b",
+        unacknowledged_to(b_port)
+    );
+    wait_for_state(&admin, "b", ReplicaState::Live);
+
+    let mut back = [0u8; PAGE_SIZE];
+    manager_on(&admin, "b")
+        .read_pages(&[gpa(page)], std::slice::from_mut(&mut back))
+        .unwrap();
+    assert!(
+        back == page_indexed(page, 4),
+        "b turned live holding {} of page {page}, not the last write (seed 4)",
+        if back == page_indexed(page, 3) {
+            "the retransmitted write (seed 3)"
+        } else {
+            "other contents"
+        }
+    );
+    let mut a = a;
+    a.kill();
     client
         .read_pages(&[gpa(page)], std::slice::from_mut(&mut back))
         .unwrap();

@@ -15,6 +15,8 @@
 //! - [`unreachable`] drops every packet the test's namespace sends the
 //!   host (a machine gone, as the coordinators see it: no refusal, no
 //!   answer); the hosts still reach each other. [`reachable`] lifts it.
+//! - [`LoopbackPartition`] drops what is sent to one TCP port of the test
+//!   namespace's own loopback (the page-server tests use this file too).
 //!
 //! Needs root, iproute2 and util-linux (`unshare`, `nsenter`).
 
@@ -230,4 +232,59 @@ pub fn unreachable(host: &Host) {
 /// Lifts [`unreachable`].
 pub fn reachable(host: &Host) {
     ip_rules("del", &[unreachable_rule(host)]);
+}
+
+/// A partition on the test namespace's own loopback: every packet sent to
+/// TCP port `port` of 127.0.0.1 is dropped (a link to the process
+/// listening there gone down, as its clients see it; its own packets still
+/// leave), until [`LoopbackPartition::heal`] or drop.
+#[derive(Debug)]
+pub struct LoopbackPartition {
+    rule: Vec<String>,
+    healed: bool,
+}
+
+impl LoopbackPartition {
+    /// Drops what is sent to `port`. The loopback's addresses are looked up
+    /// in the `local` table by the highest-priority rule (0), which no rule
+    /// can precede: that lookup moves to priority 100 first, once.
+    pub fn to_port(_network: &PrivateNetwork, port: u16) -> Self {
+        let rules = Command::new("ip").args(["rule", "show"]).output();
+        let moved = rules.is_ok_and(|o| !String::from_utf8_lossy(&o.stdout).starts_with("0:"));
+        if !moved {
+            run("ip", &["rule", "add", "pref", "100", "lookup", "local"]);
+            run("ip", &["rule", "del", "pref", "0"]);
+        }
+        let rule = [
+            "to",
+            "127.0.0.1",
+            "ipproto",
+            "tcp",
+            "dport",
+            &port.to_string(),
+            "pref",
+            "10",
+            "blackhole",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        ip_rules("add", std::slice::from_ref(&rule));
+        Self {
+            rule,
+            healed: false,
+        }
+    }
+
+    /// Lets packets through again.
+    pub fn heal(&mut self) {
+        if !std::mem::replace(&mut self.healed, true) {
+            ip_rules("del", std::slice::from_ref(&self.rule));
+        }
+    }
+}
+
+impl Drop for LoopbackPartition {
+    fn drop(&mut self) {
+        self.heal();
+    }
 }
