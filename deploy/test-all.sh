@@ -91,11 +91,12 @@ cargo test -p coordinator --features etcd --test etcd_cluster
 cargo test -p coordinator --features etcd --test etcd_partition
 ok
 
-step "replica recovery across a real partition (a network namespace: needs root and iproute2, installed above)"
+step "replicas across a real partition (a network namespace: needs root and iproute2, installed above)"
 # The link from a client to a replica goes down; the client's TCP keeps the
 # write the replica missed and retransmits it once the link is back, after
-# the replica began recovering: it must not outlive the recovery.
-cargo test -p page-server --test recovery -- --ignored
+# the replica began recovering: it must not outlive the recovery. And
+# guest-memory faults and write-back go on while the primary is cut off.
+cargo test -p page-server --test recovery --test replication -- --ignored
 ok
 
 step "bench: local cluster, TCP, every page checked"

@@ -3,11 +3,17 @@
 //! fail over, writes go on on the survivor, nothing acknowledged is lost,
 //! no page is wrong), a restarted one recovers and serves again, a stopped
 //! primary's reads are hedged to the replica, and guest-memory faults are
-//! served while a replica dies. With three ranges on three nodes, two
-//! replicas each in rotation, a node's death, restart and recovery of both
-//! its ranges, then the death of another node lose nothing either.
+//! served while a replica dies, or while the primary is cut off by a real
+//! partition (ignored: needs root; run by deploy/test-all.sh). With three
+//! ranges on three nodes, two replicas each in rotation, a node's death,
+//! restart and recovery of both its ranges, then the death of another node
+//! lose nothing either.
 
 mod common;
+// The coordinator's partition tests' namespaces, shared rather than copied.
+#[allow(dead_code)]
+#[path = "../../coordinator/tests/common/netns.rs"]
+mod netns;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -561,6 +567,78 @@ fn guest_memory_faults_are_served_while_a_replica_is_killed() {
     }
     ram.flush().expect("flush to the survivor");
     let expected: Expected = vec![Slot::Written(6); PAGES as usize];
+    assert_eq!(verify_all(&mgr, &expected), PAGES as usize);
+}
+
+/// As above, with the primary cut off by a real partition instead of
+/// killed: what the client sends its port is dropped, so its requests get
+/// no answer at all (no refusal, no reset). Faults are served by the
+/// replica, the write-back goes on there (the primary is marked stale),
+/// and once the link is back every page is right on both replicas.
+#[test]
+#[ignore = "needs root (a network namespace); run by deploy/test-all.sh"]
+fn guest_memory_faults_are_served_while_the_primary_is_cut_off() {
+    let network = netns::PrivateNetwork::enter();
+    let (_db, coord) = start_coordinator();
+    let url = coord.url();
+    let admin = coordinator_client(&url);
+    let (a, _b) = replicated_pair(&url, &admin);
+    let mgr = replica_manager(&url, 0);
+    for p in 0..PAGES {
+        mgr.write_page(gpa(p), &content(p, 5)).expect("write");
+    }
+    let ram = GuestMemory::new(
+        Arc::clone(&mgr),
+        GuestMemoryConfig {
+            handler_cpus: Some(vec![]),
+            fault_timeout_ms: 2000,
+            ..GuestMemoryConfig::new(0, NODE_BYTES)
+        },
+    )
+    .expect("guest memory");
+    let mut page = [0u8; PAGE_SIZE];
+    let half = PAGES / 2;
+    for p in 0..half {
+        ram.read(gpa(p), &mut page).expect("fault");
+        assert!(page == content(p, 5), "faulted page {p} is wrong");
+    }
+
+    let a_port: u16 = a.addr.rsplit_once(':').unwrap().1.parse().unwrap();
+    let mut partition = netns::LoopbackPartition::to_port(&network, a_port);
+    let mut slowest = Duration::ZERO;
+    for p in half..PAGES {
+        let started = Instant::now();
+        ram.read(gpa(p), &mut page)
+            .expect("fault with the primary cut off");
+        slowest = slowest.max(started.elapsed());
+        assert!(page == content(p, 5), "faulted page {p} is wrong");
+    }
+    for p in 0..PAGES {
+        ram.write(gpa(p), &content(p, 6)).expect("guest write");
+    }
+    let started = Instant::now();
+    ram.flush()
+        .expect("flush with the primary cut off: the replica takes it");
+    eprintln!(
+        "primary cut off: {} faults, the slowest {} ms; flush of {PAGES} pages {} ms",
+        PAGES - half,
+        slowest.as_millis(),
+        started.elapsed().as_millis()
+    );
+    assert_ne!(
+        state_of(&admin, "a"),
+        Some(ReplicaState::Live),
+        "a missed the write-back but is still live"
+    );
+
+    partition.heal();
+    wait_all_live(&admin, 2);
+    let expected: Expected = vec![Slot::Written(6); PAGES as usize];
+    let map = admin.map().expect("map");
+    for node in ["a", "b"] {
+        let only = Arc::new(common::replica_manager(&map, node));
+        assert_eq!(verify_all(&only, &expected), PAGES as usize, "on {node}");
+    }
     assert_eq!(verify_all(&mgr, &expected), PAGES as usize);
 }
 
