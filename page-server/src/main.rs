@@ -11,9 +11,10 @@ use clap::Parser;
 use page_server::ServerConfig;
 
 /// Exports a region of this node's memory over the page wire protocol and
-/// registers it with the coordinator.
+/// registers it with the coordinator. A flag given twice takes its last
+/// value (a wrapper script's defaults, overridden after them).
 #[derive(Debug, Parser)]
-#[command(version)]
+#[command(version, args_override_self = true)]
 struct Args {
     /// This node's id (letters, digits, `_`, `-`, `.`).
     #[arg(long)]

@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use common::stalling_link::StallingLink;
 use common::*;
 use parking_lot::Mutex;
 use rdma_transport::coordinator::api::ReplicaState;
@@ -640,6 +641,73 @@ fn guest_memory_faults_are_served_while_the_primary_is_cut_off() {
         assert_eq!(verify_all(&only, &expected), PAGES as usize, "on {node}");
     }
     assert_eq!(verify_all(&mgr, &expected), PAGES as usize);
+}
+
+/// A VM moving to another host: the source's last write-back may mark a
+/// replica stale, and the destination's manager, set up earlier, learns it
+/// from its map's long poll, a little later. Refreshing the map before the
+/// vCPUs run (docs/embedding.md, "Moving a VM to another host") makes the
+/// destination read what the source wrote last. Here the destination's
+/// refresher is off, as if its long poll were answered late.
+#[test]
+fn a_destination_that_refreshes_its_map_reads_what_the_source_wrote_last() {
+    let (_db, coord) = start_coordinator();
+    let url = coord.url();
+    let admin = coordinator_client(&url);
+    // a (the primary) is reached through a link the test can stall, and
+    // looks at the map once, at its start: it will not notice that it went
+    // stale (its recovery would close the destination's connection, and a
+    // failed read refreshes the map: see `recovery.rs`).
+    let link = StallingLink::start();
+    let a = ChildServer::start_with(
+        &url,
+        "a",
+        0,
+        &["--advertise", &link.addr(), "--heartbeat-ms", "600000"],
+    );
+    link.set_target(&a.addr);
+    let _b = ChildServer::start_with(&url, "b", 0, &GRACE);
+    wait_all_live(&admin, 2);
+    let source = replica_manager(&url, 0);
+    let destination = TransportManager::connect(ManagerConfig {
+        coordinator_url: url.clone(),
+        request_timeout_ms: 1000,
+        connect_timeout_ms: 500,
+        map_refresh_ms: 0,
+        // Reads wait for a (no second try at b after a few ms).
+        read_hedge_delay_us: 500_000,
+        poller_cpus: Some(vec![]),
+        ..ManagerConfig::default()
+    })
+    .expect("destination manager");
+    let page = 7;
+    source
+        .write_page(gpa(page), &content(page, 1))
+        .expect("write to both replicas");
+
+    // The source's last write-back: a does not answer in time, b takes
+    // it, a is marked stale. Then the source is gone (what it had sent a
+    // goes with it), and the link to a is back.
+    link.hold();
+    source
+        .write_page(gpa(page), &content(page, 2))
+        .expect("write-back to b, a marked stale");
+    assert_eq!(state_of(&admin, "a"), Some(ReplicaState::Stale));
+    drop(source);
+    link.sever();
+
+    let mut back = [0u8; PAGE_SIZE];
+    destination.read_page(gpa(page), &mut back).expect("read");
+    assert!(
+        back == content(page, 1),
+        "the test proves nothing: the destination's old map did not send it to a"
+    );
+    destination.refresh_map().expect("refresh the map");
+    destination.read_page(gpa(page), &mut back).expect("read");
+    assert!(
+        back == content(page, 2),
+        "after refreshing its map the destination read an older page than the source wrote last"
+    );
 }
 
 /// The three ranges of the rotation test, `NODE_BYTES` each.

@@ -766,6 +766,16 @@ enum RtStatus rt_manager_connect(const struct RtManagerConfig *config, struct Rt
 // destroyed.
 void rt_manager_destroy(struct RtManager *manager);
 
+// Fetches the GPA map from the coordinator now; `*version` (when not
+// NULL) receives the version in use afterwards. A host that takes a VM
+// over from another calls it after the other's last write-back and before
+// the vCPUs run: that write-back may have marked a replica stale
+// (docs/embedding.md, "Moving a VM to another host").
+//
+// # Safety
+// `manager` must be a live handle; `version` must be NULL or writable.
+enum RtStatus rt_manager_refresh_map(const struct RtManager *manager, uint64_t *version);
+
 // Reads the 4096-byte page at `gpa` into `page`.
 //
 // # Safety

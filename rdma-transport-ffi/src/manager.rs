@@ -80,6 +80,37 @@ pub unsafe extern "C" fn rt_manager_destroy(manager: *mut RtManager) {
     }
 }
 
+/// Fetches the GPA map from the coordinator now; `*version` (when not
+/// NULL) receives the version in use afterwards. A host that takes a VM
+/// over from another calls it after the other's last write-back and before
+/// the vCPUs run: that write-back may have marked a replica stale
+/// (docs/embedding.md, "Moving a VM to another host").
+///
+/// # Safety
+/// `manager` must be a live handle; `version` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn rt_manager_refresh_map(
+    manager: *const RtManager,
+    version: *mut u64,
+) -> RtStatus {
+    guard(|| {
+        // SAFETY: the caller passes NULL or a live handle.
+        let Some(manager) = (unsafe { manager.as_ref() }) else {
+            return fail(RtStatus::InvalidArgument, "manager is NULL");
+        };
+        match manager.inner.refresh_map() {
+            Ok(v) => {
+                // SAFETY: NULL or writable (caller's contract).
+                if let Some(out) = unsafe { version.as_mut() } {
+                    *out = v;
+                }
+                RtStatus::Ok
+            }
+            Err(e) => fail(transport_status(&e), chain(&e)),
+        }
+    })
+}
+
 /// Reads the 4096-byte page at `gpa` into `page`.
 ///
 /// # Safety

@@ -3,8 +3,12 @@
 //! it delivers everything it kept, late. That is what a page-server sees of
 //! a link that went down and came back: the clients' TCP retransmits what
 //! it sent meanwhile, on the same connections, whatever the clients have
-//! done since. The page-server advertises the relay's address
-//! (`--advertise`), so the coordinator sends every client through it.
+//! done since. Or, severed, it drops what it kept and ends the connections
+//! it was kept from (their clients gave up: a client's connection discards
+//! what its server has not acknowledged when it is dropped). The
+//! page-server advertises the
+//! relay's address (`--advertise`), so the coordinator sends every client
+//! through it.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -36,6 +40,12 @@ struct State {
     answers_after_release: u64,
     /// Connections the page-server ended.
     closed_by_server: u64,
+    /// Every connection relayed, by number: its client and server side.
+    conns: Vec<(u64, TcpStream, TcpStream)>,
+    /// Connections something was kept from while the link was held.
+    stalled: Vec<u64>,
+    /// Connections ended by [`StallingLink::sever`].
+    severed: Vec<u64>,
 }
 
 impl StallingLink {
@@ -55,13 +65,21 @@ impl StallingLink {
                     continue;
                 };
                 let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                let id = {
+                    let mut state = accepting.state.lock();
+                    let id = state.conns.len() as u64;
+                    if let (Ok(c), Ok(s)) = (client.try_clone(), server.try_clone()) {
+                        state.conns.push((id, c, s));
+                    }
+                    id
+                };
                 for (from, to, from_server) in [
                     (client.try_clone(), server.try_clone(), false),
                     (server.try_clone(), client.try_clone(), true),
                 ] {
                     if let (Ok(from), Ok(to)) = (from, to) {
                         let shared = Arc::clone(&accepting);
-                        std::thread::spawn(move || shared.pump(from, to, from_server));
+                        std::thread::spawn(move || shared.pump(from, to, from_server, id));
                     }
                 }
             }
@@ -94,6 +112,22 @@ impl StallingLink {
         self.shared.changed.notify_all();
     }
 
+    /// Drops what the link kept, ends the connections it was kept from,
+    /// and passes everything again.
+    pub fn sever(&self) {
+        let mut state = self.shared.state.lock();
+        let stalled = std::mem::take(&mut state.stalled);
+        for (_, client, server) in state.conns.iter().filter(|c| stalled.contains(&c.0)) {
+            let _ = (
+                client.shutdown(Shutdown::Both),
+                server.shutdown(Shutdown::Both),
+            );
+        }
+        state.severed.extend(stalled);
+        state.held = false;
+        self.shared.changed.notify_all();
+    }
+
     /// Whether the page-server answered something delivered after the
     /// release, or has ended a connection: either way it is done with
     /// what it was sent late.
@@ -105,8 +139,8 @@ impl StallingLink {
 
 impl Shared {
     /// Copies `from` to `to` chunk by chunk, each chunk waiting while the
-    /// link is held.
-    fn pump(&self, mut from: TcpStream, mut to: TcpStream, from_server: bool) {
+    /// link is held; once the link severed connection `id`, nothing more.
+    fn pump(&self, mut from: TcpStream, mut to: TcpStream, from_server: bool, id: u64) {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
             let n = from.read(&mut buf).unwrap_or(0);
@@ -116,8 +150,14 @@ impl Shared {
                     state.closed_by_server += 1;
                 }
                 // The end of a stream is held back like its bytes.
+                if state.held && !state.stalled.contains(&id) {
+                    state.stalled.push(id);
+                }
                 while state.held {
                     self.changed.wait(&mut state);
+                }
+                if state.severed.contains(&id) {
+                    return;
                 }
                 if n > 0 && from_server && state.released {
                     state.answers_after_release += 1;

@@ -200,6 +200,11 @@ int main(int argc, char **argv) {
   RtManagerStats s0 = stats_of(m);
   EXPECT(s0.node_count == 2 && s0.nodes_connected == 2 && s0.nodes_rdma == 0);
   EXPECT(s0.map_version > 0);
+  uint64_t refreshed = 0;
+  CHECK(rt_manager_refresh_map(m, &refreshed));
+  EXPECT(refreshed >= s0.map_version && refreshed == stats_of(m).map_version);
+  CHECK(rt_manager_refresh_map(m, NULL));
+  EXPECT(rt_manager_refresh_map(NULL, &refreshed) == RT_STATUS_INVALID_ARGUMENT);
   EXPECT(s0.pool_frames == 16 && s0.pool_free_frames == 16);
   EXPECT(s0.read_hedge_delay_us == 4321);
   EXPECT(s0.calls_ok == 0 && s0.calls_failed == 0 && s0.pages_read == 0);
