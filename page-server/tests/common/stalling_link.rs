@@ -6,9 +6,8 @@
 //! done since. Or, severed, it drops what it kept and ends the connections
 //! it was kept from (their clients gave up: a client's connection discards
 //! what its server has not acknowledged when it is dropped). The
-//! page-server advertises the
-//! relay's address (`--advertise`), so the coordinator sends every client
-//! through it.
+//! page-server advertises the relay's address (`--advertise`), so the
+//! coordinator sends every client through it.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
