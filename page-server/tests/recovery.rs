@@ -153,39 +153,51 @@ fn writes_during_the_recovery_are_not_overwritten_by_the_copy() {
     });
 }
 
-#[test]
-fn a_write_delivered_late_by_a_stalled_link_does_not_outlive_the_recovery() {
-    let (coord, a, _db) = cluster_with_written_range();
-    let admin = coordinator_client(&coord.url());
-    // b is reached through a link the test can stall.
-    let link = StallingLink::start();
-    let b = ChildServer::start_with(
-        &coord.url(),
-        "b",
-        0,
-        &["--advertise", &link.addr(), "--recovery-grace-ms", "1000"],
-    );
-    link.set_target(&b.addr);
-    wait_for_state(&admin, "b", ReplicaState::Live);
+/// How a test takes the link from the client to b down and up.
+struct Link<Down, Up, Held, Settled> {
+    down: Down,
+    up: Up,
+    /// Whether the link now keeps a write the client sent b.
+    holds_a_write: Held,
+    /// Whether what the link kept has reached b, or been given up.
+    settled: Settled,
+    /// What the kept write is called in a failure.
+    late: &'static str,
+}
 
-    // A client of both replicas, with a connection to each.
+/// The scenario of both late-write tests. a holds the range (seed 1), b is
+/// live too, reached through `link`. A client writes page 5 (seed 2), the
+/// link goes down, the client writes seed 3 (b misses it and is marked
+/// stale: the link keeps its bytes), then seed 4 (to a only). Once b
+/// recovers, the link comes back with seed 3. b must turn live holding
+/// seed 4, and after a's death the client must read seed 4.
+fn late_write_is_not_kept<Down, Up, Held, Settled>(
+    admin: &CoordinatorClient,
+    url: &str,
+    a: ChildServer,
+    link: Link<Down, Up, Held, Settled>,
+) where
+    Down: FnOnce(),
+    Up: FnOnce(),
+    Held: Fn() -> bool,
+    Settled: Fn() -> bool,
+{
+    wait_for_state(admin, "b", ReplicaState::Live);
     let page = 5;
-    let client = manager(&coord.url());
+    let client = manager(url);
     assert!(wait_until(RECOVERY_LIMIT, || client.refresh_map().is_ok()
         && client.map().replica_count(0) == 2));
     client
         .write_pages(&[gpa(page)], &[page_indexed(page, 2)])
         .unwrap();
 
-    // The link to b goes down. The next write reaches a only: b misses it
-    // (the request times out) and the client marks b stale. Its bytes stay
-    // in the link, as a client's TCP keeps unacknowledged data.
-    link.hold();
+    (link.down)();
     client
         .write_pages(&[gpa(page)], &[page_indexed(page, 3)])
         .unwrap();
+    assert!((link.holds_a_write)(), "the write to b was not held");
     // (b may have begun recovering already: it reads the map every 200 ms.)
-    let state = replica(&admin, "b").map(|r| r.state);
+    let state = replica(admin, "b").map(|r| r.state);
     assert!(
         matches!(state, Some(ReplicaState::Stale | ReplicaState::Recovering)),
         "the client did not mark b stale after b missed its write (b is {state:?})"
@@ -195,40 +207,65 @@ fn a_write_delivered_late_by_a_stalled_link_does_not_outlive_the_recovery() {
         .write_pages(&[gpa(page)], &[page_indexed(page, 4)])
         .unwrap();
 
-    // b starts recovering; then the link comes back and delivers the write
-    // it held (seed 3), older than a's page (seed 4).
-    wait_for_state(&admin, "b", ReplicaState::Recovering);
-    link.release();
+    wait_for_state(admin, "b", ReplicaState::Recovering);
+    (link.up)();
     assert!(
-        wait_until(RECOVERY_LIMIT, || link.server_reacted()),
-        "b neither answered the late write nor closed the connection"
+        wait_until(RECOVERY_LIMIT, &link.settled),
+        "the write the link kept neither reached b nor was given up"
     );
-    wait_for_state(&admin, "b", ReplicaState::Live);
+    wait_for_state(admin, "b", ReplicaState::Live);
 
     let mut back = [0u8; PAGE_SIZE];
-    manager_on(&admin, "b")
+    manager_on(admin, "b")
         .read_pages(&[gpa(page)], std::slice::from_mut(&mut back))
         .unwrap();
     assert!(
         back == page_indexed(page, 4),
         "b turned live holding {} of page {page}, not the last write (seed 4)",
         if back == page_indexed(page, 3) {
-            "the late write (seed 3)"
+            link.late
         } else {
             "other contents"
         }
     );
-    // a is lost; the client's reads fail over to b and must still see its
-    // last write.
+    // a is lost; the client's reads fail over to b.
     let mut a = a;
     a.kill();
-    let mut back = [0u8; PAGE_SIZE];
     client
         .read_pages(&[gpa(page)], std::slice::from_mut(&mut back))
         .unwrap();
     assert!(
         back == page_indexed(page, 4),
         "with a gone, the client read an older page than it wrote"
+    );
+}
+
+/// The link is a relay that keeps what the client sends while held, and
+/// delivers it when released.
+#[test]
+fn a_write_delivered_late_by_a_stalled_link_does_not_outlive_the_recovery() {
+    let (coord, a, _db) = cluster_with_written_range();
+    let admin = coordinator_client(&coord.url());
+    let link = StallingLink::start();
+    let b = ChildServer::start_with(
+        &coord.url(),
+        "b",
+        0,
+        &["--advertise", &link.addr(), "--recovery-grace-ms", "1000"],
+    );
+    link.set_target(&b.addr);
+    late_write_is_not_kept(
+        &admin,
+        &coord.url(),
+        a,
+        Link {
+            down: || link.hold(),
+            up: || link.release(),
+            holds_a_write: || link.holds_something(),
+            // b answered the late write, or had closed the connection.
+            settled: || link.server_reacted(),
+            late: "the late write (seed 3)",
+        },
     );
 }
 
@@ -250,6 +287,9 @@ fn unacknowledged_to(port: u16) -> u64 {
         .sum()
 }
 
+/// The link is real: in a network namespace of the test's own, routing
+/// drops what the client sends b's port, and the client's own TCP keeps and
+/// retransmits the write.
 #[test]
 #[ignore = "needs root (a network namespace); run by deploy/test-all.sh"]
 fn a_write_retransmitted_after_a_real_partition_does_not_outlive_the_recovery() {
@@ -257,59 +297,22 @@ fn a_write_retransmitted_after_a_real_partition_does_not_outlive_the_recovery() 
     let (coord, a, _db) = cluster_with_written_range();
     let admin = coordinator_client(&coord.url());
     let b = ChildServer::start_with(&coord.url(), "b", 0, &["--recovery-grace-ms", "1000"]);
-    wait_for_state(&admin, "b", ReplicaState::Live);
     let b_port: u16 = b.addr.rsplit_once(':').unwrap().1.parse().unwrap();
-
-    let page = 5;
-    let client = manager(&coord.url());
-    assert!(wait_until(RECOVERY_LIMIT, || client.refresh_map().is_ok()
-        && client.map().replica_count(0) == 2));
-    client
-        .write_pages(&[gpa(page)], &[page_indexed(page, 2)])
-        .unwrap();
-
-    // The link from the client to b goes down: the client's TCP keeps the
-    // write (seed 3) and retransmits it; b misses it and is marked stale.
-    let mut partition = netns::LoopbackPartition::to_port(&network, b_port);
-    client
-        .write_pages(&[gpa(page)], &[page_indexed(page, 3)])
-        .unwrap();
-    assert!(unacknowledged_to(b_port) > 0, "the write to b was not held");
-    client
-        .write_pages(&[gpa(page)], &[page_indexed(page, 4)])
-        .unwrap();
-
-    // b starts recovering; the link comes back; the client's TCP delivers
-    // the held write, or learns that b closed the connection.
-    wait_for_state(&admin, "b", ReplicaState::Recovering);
-    partition.heal();
-    assert!(
-        wait_until(RECOVERY_LIMIT, || unacknowledged_to(b_port) == 0),
-        "the client's TCP still holds {} bytes for b",
-        unacknowledged_to(b_port)
-    );
-    wait_for_state(&admin, "b", ReplicaState::Live);
-
-    let mut back = [0u8; PAGE_SIZE];
-    manager_on(&admin, "b")
-        .read_pages(&[gpa(page)], std::slice::from_mut(&mut back))
-        .unwrap();
-    assert!(
-        back == page_indexed(page, 4),
-        "b turned live holding {} of page {page}, not the last write (seed 4)",
-        if back == page_indexed(page, 3) {
-            "the retransmitted write (seed 3)"
-        } else {
-            "other contents"
-        }
-    );
-    let mut a = a;
-    a.kill();
-    client
-        .read_pages(&[gpa(page)], std::slice::from_mut(&mut back))
-        .unwrap();
-    assert!(
-        back == page_indexed(page, 4),
-        "with a gone, the client read an older page than it wrote"
+    let partition = std::cell::RefCell::new(None);
+    late_write_is_not_kept(
+        &admin,
+        &coord.url(),
+        a,
+        Link {
+            down: || {
+                *partition.borrow_mut() = Some(netns::LoopbackPartition::to_port(&network, b_port));
+            },
+            up: || drop(partition.borrow_mut().take()),
+            holds_a_write: || unacknowledged_to(b_port) > 0,
+            // The client's TCP delivered it, or learnt that b closed the
+            // connection.
+            settled: || unacknowledged_to(b_port) == 0,
+            late: "the retransmitted write (seed 3)",
+        },
     );
 }

@@ -531,18 +531,15 @@ fn a_read_fails_over_to_a_replica_newer_than_the_clients_map() {
     }
 }
 
-#[test]
-fn guest_memory_faults_are_served_while_a_replica_is_killed() {
-    let (_db, coord) = start_coordinator();
-    let url = coord.url();
-    let admin = coordinator_client(&url);
-    let (mut a, _b) = replicated_pair(&url, &admin);
-    let mgr = replica_manager(&url, 0);
+/// Guest memory over the range at GPA 0 through `mgr`, every page written
+/// first (version 5), and its first half faulted in and checked. Returns
+/// the memory and the first page not faulted yet.
+fn guest_memory_half_faulted(mgr: &Arc<TransportManager>) -> (GuestMemory, u64) {
     for p in 0..PAGES {
         mgr.write_page(gpa(p), &content(p, 5)).expect("write");
     }
     let ram = GuestMemory::new(
-        Arc::clone(&mgr),
+        Arc::clone(mgr),
         GuestMemoryConfig {
             handler_cpus: Some(vec![]),
             fault_timeout_ms: 2000,
@@ -556,16 +553,33 @@ fn guest_memory_faults_are_served_while_a_replica_is_killed() {
         ram.read(gpa(p), &mut page).expect("fault");
         assert!(page == content(p, 5), "faulted page {p} is wrong");
     }
+    (ram, half)
+}
+
+/// The guest writes every page (version 6).
+fn guest_writes_every_page(ram: &GuestMemory) {
+    for p in 0..PAGES {
+        ram.write(gpa(p), &content(p, 6)).expect("guest write");
+    }
+}
+
+#[test]
+fn guest_memory_faults_are_served_while_a_replica_is_killed() {
+    let (_db, coord) = start_coordinator();
+    let url = coord.url();
+    let admin = coordinator_client(&url);
+    let (mut a, _b) = replicated_pair(&url, &admin);
+    let mgr = replica_manager(&url, 0);
+    let (ram, half) = guest_memory_half_faulted(&mgr);
     // The primary dies: the remaining faults are served by the replica.
     a.kill();
+    let mut page = [0u8; PAGE_SIZE];
     for p in half..PAGES {
         ram.read(gpa(p), &mut page).expect("fault after the kill");
         assert!(page == content(p, 5), "faulted page {p} is wrong");
     }
     // And dirty pages go back to the survivor.
-    for p in 0..PAGES {
-        ram.write(gpa(p), &content(p, 6)).expect("guest write");
-    }
+    guest_writes_every_page(&ram);
     ram.flush().expect("flush to the survivor");
     let expected: Expected = vec![Slot::Written(6); PAGES as usize];
     assert_eq!(verify_all(&mgr, &expected), PAGES as usize);
@@ -585,25 +599,9 @@ fn guest_memory_faults_are_served_while_the_primary_is_cut_off() {
     let admin = coordinator_client(&url);
     let (a, _b) = replicated_pair(&url, &admin);
     let mgr = replica_manager(&url, 0);
-    for p in 0..PAGES {
-        mgr.write_page(gpa(p), &content(p, 5)).expect("write");
-    }
-    let ram = GuestMemory::new(
-        Arc::clone(&mgr),
-        GuestMemoryConfig {
-            handler_cpus: Some(vec![]),
-            fault_timeout_ms: 2000,
-            ..GuestMemoryConfig::new(0, NODE_BYTES)
-        },
-    )
-    .expect("guest memory");
-    let mut page = [0u8; PAGE_SIZE];
-    let half = PAGES / 2;
-    for p in 0..half {
-        ram.read(gpa(p), &mut page).expect("fault");
-        assert!(page == content(p, 5), "faulted page {p} is wrong");
-    }
+    let (ram, half) = guest_memory_half_faulted(&mgr);
 
+    let mut page = [0u8; PAGE_SIZE];
     let a_port: u16 = a.addr.rsplit_once(':').unwrap().1.parse().unwrap();
     let mut partition = netns::LoopbackPartition::to_port(&network, a_port);
     let mut slowest = Duration::ZERO;
@@ -614,9 +612,7 @@ fn guest_memory_faults_are_served_while_the_primary_is_cut_off() {
         slowest = slowest.max(started.elapsed());
         assert!(page == content(p, 5), "faulted page {p} is wrong");
     }
-    for p in 0..PAGES {
-        ram.write(gpa(p), &content(p, 6)).expect("guest write");
-    }
+    guest_writes_every_page(&ram);
     let started = Instant::now();
     ram.flush()
         .expect("flush with the primary cut off: the replica takes it");

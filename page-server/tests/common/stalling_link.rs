@@ -127,6 +127,12 @@ impl StallingLink {
         self.shared.changed.notify_all();
     }
 
+    /// Whether the link keeps something from the page-server now.
+    pub fn holds_something(&self) -> bool {
+        let state = self.shared.state.lock();
+        state.held && !state.stalled.is_empty()
+    }
+
     /// Whether the page-server answered something delivered after the
     /// release, or has ended a connection: either way it is done with
     /// what it was sent late.
