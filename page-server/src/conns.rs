@@ -285,15 +285,12 @@ impl Connections {
         n
     }
 
-    /// Connections shut down by [`Connections::fence`], or holding an RDMA
-    /// session, whose threads (and QPs) are not gone yet.
+    /// Connections shut down by [`Connections::fence`] (every RDMA session
+    /// among them: none can start after it) whose threads, and QPs, are not
+    /// gone yet.
     pub(crate) fn fenced_open(&self) -> usize {
         let inner = self.inner.lock();
-        inner
-            .entries
-            .iter()
-            .filter(|e| e.fenced || e.rdma == RdmaUse::Session)
-            .count()
+        inner.entries.iter().filter(|e| e.fenced).count()
     }
 
     /// Ends the pause: RDMA is offered again, and the connections that were

@@ -60,30 +60,6 @@ pub(crate) fn abandon(stream: &std::net::TcpStream) {
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }
 
-/// Makes every close of the TCP socket `fd` abortive (`SO_LINGER` on, 0
-/// seconds): when the last descriptor closes, its process exiting or
-/// killed included, bytes the peer has not acknowledged are discarded with
-/// a reset instead of being sent on and retransmitted.
-pub(crate) fn discard_unacknowledged_on_close(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let linger = libc::linger {
-        l_onoff: 1,
-        l_linger: 0,
-    };
-    // SAFETY: `SO_LINGER` reads one `linger` through the pointer, which
-    // points at a live local of the length given.
-    let ret = unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            std::ptr::addr_of!(linger).cast(),
-            std::mem::size_of::<libc::linger>() as libc::socklen_t,
-        )
-    };
-    cvt(ret).map(drop)
-}
-
 /// Bytes written to the TCP socket `fd` that its peer has not acknowledged
 /// yet (sent or not: `SIOCOUTQ`).
 fn unacknowledged_bytes(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<usize> {

@@ -128,7 +128,10 @@ impl TcpConnection {
         // No request sent here may arrive after the connection is closed,
         // however it is closed, its process killed included (see
         // `sys::abandon`).
-        crate::sys::discard_unacknowledged_on_close(std::os::fd::AsFd::as_fd(&stream))
+        // (`SO_LINGER` on, 0 s: a close resets the connection and discards
+        // what the server has not acknowledged.)
+        socket2::SockRef::from(&stream)
+            .set_linger(Some(Duration::ZERO))
             .map_err(io_err)?;
         Ok(Self {
             node_id: auth.node_id.to_owned(),
