@@ -4,7 +4,9 @@
 //!
 //! Once registered, and then every heartbeat period, the thread reads the
 //! map. For each exported range in turn (one recovery at a time), when this
-//! node's replica of it is stale and another replica is live, it: closes
+//! node's replica of it is stale and another replica is live, it: reads
+//! one page from a live replica (none answering, it disturbs nobody and
+//! tries again next period); closes
 //! every connection opened before (but coherence nodes'), so that no write
 //! a client gave up on can still arrive (`conns.rs`, `Connections::fence`);
 //! turns the write guard on (`recovery_guard.rs`); asks the coordinator to
@@ -46,6 +48,9 @@ use crate::server::Shared as ServerShared;
 const BATCH_PAGES: usize = 64;
 /// Deadline of each batch read from the source.
 const SOURCE_REQUEST_TIMEOUT_MS: u64 = 5000;
+/// Deadline of the one-page read that checks, before a recovery disturbs
+/// this node's clients, that a live replica answers.
+const SOURCE_PROBE_TIMEOUT_MS: u64 = 1000;
 /// How long the connections shut down at the start of a recovery may take
 /// to end.
 const FENCE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -63,6 +68,12 @@ enum RecoveryError {
     NotAReplica,
     #[error("no live replica to copy from")]
     NoSource,
+    #[error("no live replica answered ({tried} tried; node {node}: {source}); nothing was fenced")]
+    NoSourceAnswers {
+        tried: usize,
+        node: String,
+        source: TransportError,
+    },
     #[error("copy from node {node}: {source}")]
     Copy {
         node: String,
@@ -254,6 +265,18 @@ impl Worker {
             return false;
         }
         let counters = &self.server.recovery;
+        if let Err(err) = self.probe_sources(range, map) {
+            counters.failed();
+            tracing::warn!(
+                node = %self.plan.node_id,
+                gpa_start = format_args!("{:#x}", range.gpa_start),
+                length_bytes = range.length_bytes,
+                %err,
+                retry_in_ms = self.plan.period.as_millis() as u64,
+                "replica recovery not started; trying again next period"
+            );
+            return false;
+        }
         counters.set_running(Some(range.gpa_start));
         let started = Instant::now();
         let result = self.recover(range);
@@ -294,6 +317,42 @@ impl Worker {
             }
         }
         true
+    }
+
+    /// Reads the range's first page from each live replica in `map` until
+    /// one answers. A recovery starts by fencing this node's clients (every
+    /// connection closed, RDMA paused until it ends); one whose sources are
+    /// all out of reach from here would do that for nothing, and again
+    /// every period for as long as they stay so.
+    fn probe_sources(&self, range: &PlacedRange, map: &MapResponse) -> Result<(), RecoveryError> {
+        let entry = own_entry(map, range).ok_or(RecoveryError::NotAReplica)?;
+        let sources = live_sources(map, entry, &self.plan.node_id);
+        let mut last = None;
+        for &(source, node) in &sources {
+            let config = ManagerConfig {
+                request_timeout_ms: SOURCE_PROBE_TIMEOUT_MS,
+                connect_timeout_ms: SOURCE_PROBE_TIMEOUT_MS,
+                ..self.manager_config()
+            };
+            let mut page: Page = [0u8; PAGE_SIZE];
+            let answered = TransportManager::from_map(config, source_map(entry, source, node))
+                .and_then(|m| m.read_pages(&[entry.gpa_start], std::slice::from_mut(&mut page)));
+            match answered {
+                Ok(()) => return Ok(()),
+                Err(err) => {
+                    tracing::debug!(source = %node.id, %err, "replica recovery: a live replica did not answer");
+                    last = Some((node.id.clone(), err));
+                }
+            }
+        }
+        match last {
+            Some((node, source)) => Err(RecoveryError::NoSourceAnswers {
+                tried: sources.len(),
+                node,
+                source,
+            }),
+            None => Err(RecoveryError::NoSource),
+        }
     }
 
     /// Marks the replica recovering, waits the grace period, copies the

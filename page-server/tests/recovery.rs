@@ -13,13 +13,16 @@ mod common;
 #[path = "../../coordinator/tests/common/netns.rs"]
 mod netns;
 
-use std::net::SocketAddr;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use common::stalling_link::StallingLink;
 use common::*;
+use page_server::{ExportedRange, ServerConfig};
 use rdma_transport::coordinator::api::{MapEntry, MapResponse, Replica, ReplicaState};
 use rdma_transport::coordinator::CoordinatorClient;
+use rdma_transport::wire::{Header, Opcode, Status, HEADER_LEN};
 use rdma_transport::{Page, TransportManager, PAGE_SIZE};
 
 const PAGES: u64 = (NODE_BYTES / PAGE_SIZE) as u64;
@@ -65,13 +68,24 @@ fn cluster_with_written_range() -> (
     ChildServer,
     tempfile::TempDir,
 ) {
+    let (coord, db) = coordinator();
+    let a = ChildServer::start(&coord.url(), "a", 0);
+    write_the_range(&coord.url());
+    (coord, a, db)
+}
+
+fn coordinator() -> (coordinator::RunningCoordinator, tempfile::TempDir) {
     let db = tempfile::tempdir().unwrap();
     let coord = coordinator_on(
         &db.path().join("c.db"),
         SocketAddr::from(([127, 0, 0, 1], 0)),
     );
-    let a = ChildServer::start(&coord.url(), "a", 0);
-    let mgr = manager(&coord.url());
+    (coord, db)
+}
+
+/// Writes every page of the range at GPA 0 (seed 1) through a manager.
+fn write_the_range(url: &str) {
+    let mgr = manager(url);
     assert!(wait_until(Duration::from_secs(10), || mgr
         .refresh_map()
         .is_ok()
@@ -79,7 +93,6 @@ fn cluster_with_written_range() -> (
     let gpas: Vec<u64> = (0..PAGES).map(gpa).collect();
     let pages: Vec<Page> = (0..PAGES).map(|i| page_indexed(i, 1)).collect();
     mgr.write_pages(&gpas, &pages).unwrap();
-    (coord, a, db)
 }
 
 /// Reads every page from `node` alone and checks it against `expected`.
@@ -315,4 +328,123 @@ fn a_write_retransmitted_after_a_real_partition_does_not_outlive_the_recovery() 
             late: "the retransmitted write (seed 3)",
         },
     );
+}
+
+/// `node`'s replica of the range at `gpa_start`, if the coordinator has it.
+fn replica_at(admin: &CoordinatorClient, gpa_start: u64, node: &str) -> Option<Replica> {
+    let map = admin.map().ok()?;
+    let entry = map.entries.into_iter().find(|e| e.gpa_start == gpa_start)?;
+    entry.replicas.into_iter().find(|r| r.node_id == node)
+}
+
+/// WRITE of `page` at `offset` on a raw connection, then READ back and
+/// compared; `Err` when the server closed the connection (or answered
+/// anything else).
+fn raw_round_trip(s: &mut TcpStream, id: u64, offset: u64, page: &Page) -> Result<(), String> {
+    let mut msg = Header::request(Opcode::Write, id, offset, PAGE_SIZE as u32)
+        .encode()
+        .to_vec();
+    msg.extend_from_slice(page);
+    let read = Header::request(Opcode::Read, id + 1, offset, PAGE_SIZE as u32).encode();
+    s.write_all(&msg)
+        .and_then(|()| s.write_all(&read))
+        .map_err(|e| format!("sending: {e}"))?;
+    let mut answer = |expected: Opcode, payload: usize| -> Result<Vec<u8>, String> {
+        let mut head = [0u8; HEADER_LEN];
+        s.read_exact(&mut head)
+            .map_err(|e| format!("no answer: {e}"))?;
+        let h = Header::decode(&head).map_err(|e| format!("bad header: {e:?}"))?;
+        if (h.opcode, h.status) != (expected, Status::Ok) {
+            return Err(format!("answered {:?} {:?}", h.opcode, h.status));
+        }
+        let mut body = vec![0u8; payload];
+        s.read_exact(&mut body)
+            .map_err(|e| format!("no payload: {e}"))?;
+        Ok(body)
+    };
+    answer(Opcode::WriteResp, 0)?;
+    let back = answer(Opcode::ReadResp, PAGE_SIZE)?;
+    if back != page[..] {
+        return Err("read back other contents".into());
+    }
+    Ok(())
+}
+
+/// A stale replica whose only live source it cannot reach leaves its
+/// clients alone. A recovery starts by fencing the node's clients (every
+/// connection closed, RDMA paused until it ends); with the source out of
+/// reach, each attempt used to do that for nothing, every period. Now each
+/// period's attempt finds that no source answers and fences nothing. Once
+/// the source answers, the recovery fences, copies and turns live as
+/// before.
+#[test]
+fn a_recovery_whose_source_is_out_of_reach_leaves_the_clients_connected() {
+    const OWN_GPA: u64 = 0x1000_0000;
+    let (coord, _db) = coordinator();
+    let admin = coordinator_client(&coord.url());
+    // a holds the range at GPA 0; everybody reaches it through the link
+    // (its heartbeats go to the coordinator directly: it stays alive).
+    let link = StallingLink::start();
+    let _a = ChildServer::start_with(&coord.url(), "a", 0, &["--advertise", &link.addr()]);
+    link.set_target(&_a.addr);
+    write_the_range(&coord.url());
+    link.hold();
+
+    // b: a replica of that range (stale: it joins) and a range of its own.
+    let mut cfg = ServerConfig::new("b", 2 * NODE_BYTES);
+    cfg.set_ranges(vec![
+        ExportedRange::new(0, NODE_BYTES as u64),
+        ExportedRange::new(OWN_GPA, NODE_BYTES as u64),
+    ]);
+    cfg.heartbeat_interval = Duration::from_millis(200);
+    cfg.recovery_grace = Duration::from_millis(300);
+    let b = page_server_with(&coord.url(), cfg);
+    let mut client = TcpStream::connect(b.addr()).expect("connect to b");
+    client
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    raw::handshake(&mut client, 7, "b", None).expect("b takes the client");
+    let own_offset = NODE_BYTES as u64;
+    raw_round_trip(&mut client, 10, own_offset, &page_indexed(0, 5)).expect("b serves its range");
+
+    let failed = b.stats().recovery_failures;
+    assert!(
+        wait_until(RECOVERY_LIMIT, || b.stats().recovery_failures >= failed + 2),
+        "b did not try to recover its stale replica twice"
+    );
+    raw_round_trip(&mut client, 20, own_offset, &page_indexed(1, 5)).unwrap_or_else(|e| {
+        panic!("b's recoveries with no source answering disturbed its client: {e}")
+    });
+    assert_eq!(
+        replica_at(&admin, 0, "b").map(|r| r.state),
+        Some(ReplicaState::Stale),
+        "b began a recovery with no source answering"
+    );
+
+    // The link comes back (what it kept is dropped): the recovery runs,
+    // and fences the connection opened before it.
+    link.sever();
+    assert!(
+        wait_until(RECOVERY_LIMIT, || replica_at(&admin, 0, "b")
+            .is_some_and(|r| r.state == ReplicaState::Live)),
+        "b never recovered once a answered"
+    );
+    let mut byte = [0u8; 1];
+    assert!(
+        matches!(client.read(&mut byte), Ok(0) | Err(_)),
+        "the recovery that ran did not close the connection opened before it"
+    );
+    let map = admin.map().expect("map");
+    let mut back = vec![[0u8; PAGE_SIZE]; PAGES as usize];
+    let gpas: Vec<u64> = (0..PAGES).map(gpa).collect();
+    range_replica_manager(&map, 0, "b")
+        .read_pages(&gpas, &mut back)
+        .unwrap();
+    for (i, page) in back.iter().enumerate() {
+        assert!(
+            *page == page_indexed(i as u64, 1),
+            "page {i} of b differs from a's"
+        );
+    }
+    b.shutdown();
 }
