@@ -183,6 +183,7 @@ mod tests {
             node_id: "n1".to_owned(),
             remote_offset,
             rdma: None,
+            contents: Default::default(),
         }
     }
 

@@ -24,6 +24,7 @@ fn range(gpa_start: u64, length_bytes: u64, node_id: &str) -> RangeRequest {
         node_id: node_id.to_owned(),
         remote_offset: 0,
         rdma: None,
+        contents: Default::default(),
     }
 }
 

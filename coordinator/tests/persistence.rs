@@ -130,6 +130,7 @@ fn state_survives_sigkill_and_restart() {
             node_id: node_id.to_owned(),
             remote_offset: 0,
             rdma,
+            contents: Default::default(),
         })
         .expect("add range");
     }

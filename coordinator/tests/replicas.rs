@@ -291,6 +291,7 @@ fn the_typed_client_calls_the_replica_routes() {
             node_id: id.to_owned(),
             remote_offset: 0,
             rdma: None,
+            contents: Default::default(),
         })
         .expect("claim");
     }

@@ -220,7 +220,7 @@ impl Worker {
     /// here is stale, one after the other.
     fn round(&self) {
         let mut map = None;
-        for range in &self.plan.ranges {
+        for (index, range) in self.plan.ranges.iter().enumerate() {
             if self.stop.is_stopped() {
                 return;
             }
@@ -234,7 +234,10 @@ impl Worker {
                     }
                 },
             };
-            if !self.range_round(range, &current) {
+            if let Some(mine) = own_entry(&current, range).and_then(|e| self.own_replica(e)) {
+                self.server.seen.note(index, mine.state);
+            }
+            if !self.range_round(index, range, &current) {
                 // No recovery ran: the map is still current for the next range.
                 map = Some(current);
             }
@@ -243,7 +246,7 @@ impl Worker {
 
     /// A recovery of `range` when this node's replica of it is stale in
     /// `map` and another replica is live. Returns whether one ran.
-    fn range_round(&self, range: &PlacedRange, map: &MapResponse) -> bool {
+    fn range_round(&self, index: usize, range: &PlacedRange, map: &MapResponse) -> bool {
         let Some(entry) = own_entry(map, range) else {
             return false;
         };
@@ -292,6 +295,7 @@ impl Worker {
         match result {
             Ok((seq, pages)) => {
                 counters.recovered();
+                self.server.seen.note(index, ReplicaState::Live);
                 tracing::info!(
                     node = %self.plan.node_id,
                     gpa_start = format_args!("{:#x}", range.gpa_start),

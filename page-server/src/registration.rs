@@ -14,6 +14,7 @@ use rdma_transport::coordinator::{CoordinatorClient, CoordinatorError, Credentia
 
 use crate::config::ServerConfig;
 use crate::layout::Layout;
+use crate::range_contents::RangesSeen;
 use crate::server::ServerError;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,6 +44,8 @@ struct Plan {
     registration: NodeRegistration,
     /// Every exported range, each at its offset in the exported memory.
     ranges: Vec<RangeRequest>,
+    /// What each claim says the memory holds (`range_contents.rs`).
+    seen: Arc<RangesSeen>,
     heartbeat: Duration,
     retry: Duration,
 }
@@ -58,6 +61,7 @@ impl Registration {
         bound: SocketAddr,
         rdma: Option<RdmaEndpoint>,
         epoch: u64,
+        seen: Arc<RangesSeen>,
     ) -> Self {
         let shared = Arc::new(Shared::default());
         *shared.state.lock() = Some(State::Pending);
@@ -80,8 +84,10 @@ impl Registration {
                     node_id: config.node_id.clone(),
                     remote_offset: r.remote_offset,
                     rdma: None,
+                    contents: Default::default(),
                 })
                 .collect(),
+            seen,
             heartbeat: config.heartbeat_interval,
             retry: config.register_retry,
         };
@@ -261,7 +267,11 @@ fn register(client: &CoordinatorClient, plan: &Plan) -> Result<(), CoordinatorEr
     // Each claim is idempotent (a range the node holds keeps its state and
     // gets its offset refreshed), so a registration that failed half-way
     // is simply made again from the start.
-    for range in &plan.ranges {
+    for (index, range) in plan.ranges.iter().enumerate() {
+        let range = &RangeRequest {
+            contents: plan.seen.contents(index),
+            ..range.clone()
+        };
         if let Err(err) = client.add_range(range) {
             if !err.is_unreachable() {
                 tracing::warn!(
@@ -279,6 +289,7 @@ fn register(client: &CoordinatorClient, plan: &Plan) -> Result<(), CoordinatorEr
             gpa_start = format_args!("{:#x}", range.gpa_start),
             length_bytes = range.length_bytes,
             remote_offset = format_args!("{:#x}", range.remote_offset),
+            contents = ?range.contents,
             "range claimed"
         );
     }

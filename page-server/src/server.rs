@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use rdma_transport::coordinator::api::RdmaRegion;
+use rdma_transport::coordinator::api::{RangeContents, RdmaRegion};
 use rdma_transport::region::{MapOptions, MappedRegion};
 
 use crate::admission::Admission;
@@ -21,6 +21,7 @@ use crate::limits::Timeouts;
 use crate::metrics::PageMetrics;
 use crate::metrics_http::MetricsEndpoint;
 use crate::page_sums::PageSums;
+use crate::range_contents::RangesSeen;
 use crate::rdma::RdmaExport;
 use crate::recovery::Recovery;
 use crate::recovery_guard::RecoveryGuard;
@@ -87,6 +88,9 @@ pub(crate) struct Shared {
     pub(crate) spin_before_block: Duration,
     /// Replica recovery counters (the recovery thread counts).
     pub(crate) recovery: RecoveryCounters,
+    /// Each range's replica state in the last map read (the recovery
+    /// thread notes it, each registration claims by it).
+    pub(crate) seen: Arc<RangesSeen>,
 }
 
 /// Maps the exported memory, binds the listener, starts serving, and starts
@@ -162,6 +166,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         )),
         spin_before_block: config.spin_before_block,
         recovery: RecoveryCounters::default(),
+        seen: Arc::new(RangesSeen::new(layout.ranges().len())),
     });
     let accept_shared = Arc::clone(&shared);
     let acceptor = std::thread::Builder::new()
@@ -177,10 +182,16 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         "page-server listening"
     );
     let published = shared.exported.rdma.as_ref().map(|r| r.endpoint());
-    let registration = config
-        .coordinator_url
-        .is_some()
-        .then(|| Registration::start(&config, &layout, addr, published, shared.exported.epoch));
+    let registration = config.coordinator_url.is_some().then(|| {
+        Registration::start(
+            &config,
+            &layout,
+            addr,
+            published,
+            shared.exported.epoch,
+            Arc::clone(&shared.seen),
+        )
+    });
     // Starts copying only once registered (it watches the registration).
     let recovery = registration
         .as_ref()
@@ -353,6 +364,16 @@ impl RunningServer {
         stats.reads_with_kept_sums = self.shared.exported.metrics.kept_sums();
         stats.checksum_failures = self.shared.exported.metrics.checksum_failures();
         stats
+    }
+
+    /// What a claim of each exported range (in layout order) says this
+    /// process's memory holds, from the replica's state in the last map the
+    /// node read: what a registration with a coordinator that lost its
+    /// state goes by (docs/operations.md, "Coordinator state lost").
+    pub fn range_contents(&self) -> Vec<RangeContents> {
+        (0..self.shared.seen.len())
+            .map(|i| self.shared.seen.contents(i))
+            .collect()
     }
 
     /// Blocks until the node and its range are registered with the

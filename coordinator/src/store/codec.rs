@@ -24,6 +24,11 @@ pub(super) fn ms_to_sql(ms: u64) -> i64 {
     i64::try_from(ms).unwrap_or(i64::MAX)
 }
 
+/// A stored millisecond timestamp (a negative one, never written, as 0).
+pub(super) fn ms_from_sql(ms: i64) -> u64 {
+    u64::try_from(ms).unwrap_or(0)
+}
+
 /// An epoch as stored: its bit pattern (epochs are only compared for
 /// equality; 0 stays 0).
 pub(super) fn epoch_to_sql(epoch: u64) -> i64 {
@@ -60,7 +65,7 @@ pub(super) fn range_row(row: &Row<'_>) -> rusqlite::Result<RangeRow> {
 /// effective state); select `FROM` [`REPLICA_FROM`].
 pub(super) const REPLICA_COLUMNS: &str =
     "r.gpa_start, r.node_id, r.rank, r.remote_offset, r.valid_epoch, r.state, r.recovery_seq,
-     (SELECT epoch FROM nodes WHERE nodes.id = r.node_id)";
+     (SELECT epoch FROM nodes WHERE nodes.id = r.node_id), r.unconfirmed_until_ms";
 
 /// The table [`REPLICA_COLUMNS`] reads.
 pub(super) const REPLICA_FROM: &str = "map_replicas AS r";
@@ -80,6 +85,7 @@ pub(super) fn replica_row(row: &Row<'_>) -> rusqlite::Result<(u64, StoredReplica
             state: row.get(5)?,
             recovery_seq: dec(row.get(6)?),
             node_epoch,
+            unconfirmed_until_ms: ms_from_sql(row.get(8)?),
         },
     ))
 }

@@ -71,6 +71,9 @@ pub(crate) struct StoredReplica {
     pub recovery_seq: u64,
     /// The holder's current epoch (0: unknown).
     pub node_epoch: u64,
+    /// Until when (Unix ms) a holder of the range's contents that claims
+    /// it displaces this replica (0: never; `claims.rs`).
+    pub unconfirmed_until_ms: u64,
 }
 
 impl StoredReplica {
@@ -201,6 +204,7 @@ mod tests {
             state,
             recovery_seq: 0,
             node_epoch,
+            unconfirmed_until_ms: 0,
         }
     }
 

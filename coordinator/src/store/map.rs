@@ -4,22 +4,26 @@
 use rdma_transport::coordinator::api::{MapEntry, RangeRequest};
 use rusqlite::{params, Connection};
 
+use super::claims::{self, Joining};
 use super::codec::{enc, epoch_to_sql};
 use super::effective::{StoredRange, StoredState};
 use super::schema::{bump_version, version};
 use super::{load, nodes, replicas, AddOutcome, NodeRecord, SqliteStore, StoreError, StoreLimits};
+use crate::clock::now_unix_ms;
 
 impl SqliteStore {
     /// Adds a range, or a replica of one; the request must already be
     /// validated (aligned, no overflow).
     ///
-    /// - A new range (overlapping none) gets one replica, `live` in the
-    ///   node's current epoch ([`AddOutcome::Created`]).
+    /// - A new range (overlapping none) gets one replica in the node's
+    ///   current epoch, `live` unless the claimer says it missed writes
+    ///   (`claims.rs`; [`AddOutcome::Created`]).
     /// - The same `gpa_start` and `length_bytes` as a range the node holds
-    ///   no replica of: a new replica of higher rank, stored `stale` in the
-    ///   node's current epoch (it must copy the contents in before it
-    ///   serves; see [`SqliteStore::begin_recovery`]), refused past
-    ///   `max_replicas` ([`AddOutcome::Created`]).
+    ///   no replica of: a new replica of higher rank in the node's current
+    ///   epoch, stored `stale` (it must copy the contents in before it
+    ///   serves; see [`SqliteStore::begin_recovery`]), or `live` when the
+    ///   claimer holds the contents and the live replicas are unconfirmed
+    ///   (`claims.rs`), refused past `max_replicas` ([`AddOutcome::Created`]).
     /// - A range the node already holds: its `remote_offset` is refreshed;
     ///   its state and `valid_epoch` are kept (a holder that restarted
     ///   re-claims its range with empty memory: its replica stays stale or
@@ -36,6 +40,15 @@ impl SqliteStore {
         &mut self,
         request: &RangeRequest,
     ) -> Result<(MapEntry, AddOutcome), StoreError> {
+        self.add_range_at(request, now_unix_ms())
+    }
+
+    /// [`SqliteStore::add_range`] at `now_unix_ms`.
+    pub(crate) fn add_range_at(
+        &mut self,
+        request: &RangeRequest,
+        now_unix_ms: u64,
+    ) -> Result<(MapEntry, AddOutcome), StoreError> {
         let limits = self.limits;
         let tx = self.conn.transaction()?;
         let Some(node) = nodes::get(&tx, &request.node_id)? else {
@@ -49,7 +62,7 @@ impl SqliteStore {
                         existing: Box::new(existing.to_entry()?),
                     });
                 }
-                add_to_existing(&tx, limits, &existing, request, &node)?
+                add_to_existing(&tx, limits, &existing, request, &node, now_unix_ms)?
             }
             before => {
                 if let Some(existing) = before.filter(|e| e.end() > u128::from(request.gpa_start)) {
@@ -70,7 +83,9 @@ impl SqliteStore {
                     "INSERT INTO map_entries (gpa_start, length_bytes) VALUES (?1, ?2)",
                     params![enc(request.gpa_start), enc(request.length_bytes)],
                 )?;
-                replicas::insert(&tx, request, 0, StoredState::Live, node.epoch)?;
+                let (state, unconfirmed_until_ms) =
+                    claims::first_replica(request.contents, now_unix_ms);
+                replicas::insert(&tx, request, 0, state, node.epoch, unconfirmed_until_ms)?;
                 bump_version(&tx)?;
                 AddOutcome::Created
             }
@@ -172,6 +187,7 @@ fn add_to_existing(
     existing: &StoredRange,
     request: &RangeRequest,
     node: &NodeRecord,
+    now_unix_ms: u64,
 ) -> Result<AddOutcome, StoreError> {
     let gpa_start = request.gpa_start;
     if let Some(mine) = existing.replica(&request.node_id) {
@@ -203,7 +219,22 @@ fn add_to_existing(
     }
     check_per_node_limit(conn, limits, &request.node_id)?;
     let rank = existing.replicas.iter().map(|r| r.rank).max().unwrap_or(-1) + 1;
-    replicas::insert(conn, request, rank, StoredState::Stale, node.epoch)?;
+    let state = match claims::joining(existing, request.contents, now_unix_ms) {
+        Joining::Stale => StoredState::Stale,
+        Joining::Live { displaced } => {
+            for holder in &displaced {
+                replicas::set_state(conn, gpa_start, holder, StoredState::Stale)?;
+            }
+            tracing::warn!(
+                gpa_start = format_args!("{gpa_start:#x}"),
+                node = %request.node_id,
+                ?displaced,
+                "a claimer that holds the range's contents displaces its unconfirmed replicas"
+            );
+            StoredState::Live
+        }
+    };
+    replicas::insert(conn, request, rank, state, node.epoch, 0)?;
     bump_version(conn)?;
     Ok(AddOutcome::Created)
 }

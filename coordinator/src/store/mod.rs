@@ -6,6 +6,7 @@
 //! mode with `synchronous=FULL`, so a committed answer survives `kill -9` and
 //! power loss.
 
+mod claims;
 mod codec;
 mod effective;
 mod load;
@@ -14,6 +15,8 @@ mod nodes;
 mod replicas;
 mod schema;
 
+#[cfg(feature = "etcd")]
+pub(crate) use claims::{first_replica, joining, Joining};
 #[cfg(feature = "etcd")]
 pub(crate) use effective::{RangeRow, StoredRange, StoredReplica, StoredState};
 pub use replicas::ReplicaRefusal;

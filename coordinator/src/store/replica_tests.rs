@@ -3,7 +3,7 @@
 //! rules and re-initialisation.
 
 use rdma_transport::coordinator::api::{
-    MapEntry, NodeRegistration, RangeRequest, RangeState, ReplicaState,
+    MapEntry, NodeRegistration, RangeContents, RangeRequest, RangeState, ReplicaState,
 };
 
 use super::{AddOutcome, ReplicaRefusal, SqliteStore, StoreError, StoreLimits};
@@ -35,6 +35,7 @@ fn claim(store: &mut SqliteStore, id: &str, remote_offset: u64) -> (MapEntry, Ad
             node_id: id.to_owned(),
             remote_offset,
             rdma: None,
+            contents: Default::default(),
         })
         .expect("claim")
 }
@@ -128,6 +129,7 @@ fn a_second_holder_adds_a_stale_replica_that_must_recover() {
         node_id: "b".to_owned(),
         remote_offset: 0,
         rdma: None,
+        contents: Default::default(),
     });
     assert!(matches!(other_length, Err(StoreError::Overlap { .. })));
 }
@@ -211,6 +213,7 @@ fn the_replica_limit_and_the_per_node_limit_count_replicas() {
         node_id: "c".to_owned(),
         remote_offset: 0,
         rdma: None,
+        contents: Default::default(),
     });
     assert!(
         matches!(
@@ -229,6 +232,7 @@ fn the_replica_limit_and_the_per_node_limit_count_replicas() {
         node_id: "b".to_owned(),
         remote_offset: 0,
         rdma: None,
+        contents: Default::default(),
     });
     assert!(
         matches!(
@@ -283,6 +287,7 @@ fn deleting_a_node_removes_its_replicas_and_the_ranges_left_empty() {
             node_id: "a".to_owned(),
             remote_offset: 0,
             rdma: None,
+            contents: Default::default(),
         })
         .expect("a's own");
     assert!(store.delete_node("a").expect("delete"));
@@ -486,4 +491,91 @@ fn only_the_nodes_current_process_recovers_its_replica() {
     store
         .finish_recovery(GPA, "b", seq, 7)
         .expect("the successor finishes");
+}
+
+fn claim_at(
+    store: &mut SqliteStore,
+    id: &str,
+    contents: RangeContents,
+    now_unix_ms: u64,
+) -> MapEntry {
+    store
+        .add_range_at(
+            &RangeRequest {
+                gpa_start: GPA,
+                length_bytes: LEN,
+                node_id: id.to_owned(),
+                remote_offset: 0,
+                rdma: None,
+                contents,
+            },
+            now_unix_ms,
+        )
+        .expect("claim")
+        .0
+}
+
+/// A coordinator that lost its state: a page-server that just started
+/// (contents unknown) claims the range first, then the one that holds it.
+/// The holder becomes the live replica and the other copies from it; past
+/// the unconfirmed window, a holder joins as stale like anybody.
+#[test]
+fn a_holder_of_the_contents_displaces_a_replica_of_unknown_contents_while_unconfirmed() {
+    let (_dir, mut store) = open();
+    for (id, epoch) in [("a", 1), ("b", 2), ("c", 3)] {
+        start(&mut store, id, epoch);
+    }
+    let t = 1_000_000;
+    let e = claim_at(&mut store, "b", RangeContents::Unknown, t);
+    assert_eq!(states(&e), pairs(&[("b", ReplicaState::Live)]));
+    let e = claim_at(&mut store, "a", RangeContents::Held, t + 1000);
+    assert_eq!(
+        states(&e),
+        pairs(&[("b", ReplicaState::Stale), ("a", ReplicaState::Live)])
+    );
+    assert_eq!(e.node_id, "a", "the holder is the primary");
+    // a is confirmed: another holder joins as stale.
+    let e = claim_at(&mut store, "c", RangeContents::Held, t + 2000);
+    assert_eq!(states(&e)[2], ("c".to_owned(), ReplicaState::Stale));
+    // Read back from the database (the new column).
+    let reopened = entry(&mut store);
+    assert_eq!(states(&reopened), states(&e));
+}
+
+#[test]
+fn past_the_window_a_holder_joins_a_range_of_unknown_contents_as_stale() {
+    let (_dir, mut store) = open();
+    start(&mut store, "a", 1);
+    start(&mut store, "b", 2);
+    let t = 1_000_000;
+    claim_at(&mut store, "b", RangeContents::Unknown, t);
+    let e = claim_at(
+        &mut store,
+        "a",
+        RangeContents::Held,
+        t + super::claims::UNCONFIRMED_FOR_MS,
+    );
+    assert_eq!(
+        states(&e),
+        pairs(&[("b", ReplicaState::Live), ("a", ReplicaState::Stale)])
+    );
+}
+
+/// A page-server that knows it missed writes claims a range the
+/// coordinator does not know: the range is lost (it serves nothing) until
+/// a holder of the contents claims it.
+#[test]
+fn a_claimer_that_missed_writes_creates_a_lost_range_that_a_holder_makes_live() {
+    let (_dir, mut store) = open();
+    start(&mut store, "a", 1);
+    start(&mut store, "b", 2);
+    let e = claim_at(&mut store, "b", RangeContents::Missed, 5);
+    assert_eq!(e.state, RangeState::Lost);
+    assert_eq!(states(&e), pairs(&[("b", ReplicaState::Lost)]));
+    let e = claim_at(&mut store, "a", RangeContents::Held, 6);
+    assert_eq!(e.state, RangeState::Live);
+    assert_eq!(
+        states(&e),
+        pairs(&[("b", ReplicaState::Stale), ("a", ReplicaState::Live)])
+    );
 }

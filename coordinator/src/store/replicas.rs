@@ -5,7 +5,7 @@
 use rdma_transport::coordinator::api::{MapEntry, RangeRequest};
 use rusqlite::{params, Connection};
 
-use super::codec::{enc, epoch_to_sql};
+use super::codec::{enc, epoch_to_sql, ms_to_sql};
 use super::effective::{StoredRange, StoredReplica, StoredState};
 use super::schema::{bump_version, version};
 use super::{load, SqliteStore, StoreError};
@@ -217,11 +217,13 @@ pub(super) fn insert(
     rank: i64,
     state: StoredState,
     valid_epoch: u64,
+    unconfirmed_until_ms: u64,
 ) -> Result<(), StoreError> {
     conn.execute(
         "INSERT INTO map_replicas
-            (gpa_start, node_id, rank, remote_offset, valid_epoch, state, recovery_seq)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            (gpa_start, node_id, rank, remote_offset, valid_epoch, state, recovery_seq,
+             unconfirmed_until_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
         params![
             enc(request.gpa_start),
             request.node_id,
@@ -229,13 +231,14 @@ pub(super) fn insert(
             enc(request.remote_offset),
             epoch_to_sql(valid_epoch),
             state.as_sql(),
-            enc(0)
+            enc(0),
+            ms_to_sql(unconfirmed_until_ms)
         ],
     )?;
     Ok(())
 }
 
-fn set_state(
+pub(super) fn set_state(
     conn: &Connection,
     gpa_start: u64,
     node_id: &str,

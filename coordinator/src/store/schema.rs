@@ -5,7 +5,7 @@ use rusqlite::{Connection, OptionalExtension};
 use super::StoreError;
 
 /// Schema revision kept in `PRAGMA user_version`.
-const SCHEMA_REVISION: i64 = 3;
+const SCHEMA_REVISION: i64 = 4;
 
 /// Tables of revision 1. Every `u64` column holds the value in the
 /// order-preserving encoding of `codec.rs` (`value XOR 2^63` as a signed
@@ -92,6 +92,13 @@ INSERT INTO map_replicas
 DROP TABLE map_entries_v2;
 ";
 
+/// Revision 3 to 4: `map_replicas.unconfirmed_until_ms`, until when (Unix
+/// ms, plain) a claimer that holds the range's contents displaces the
+/// replica (`claims.rs`); 0, every existing replica's, is never.
+const MIGRATE_V4_SQL: &str = "
+ALTER TABLE map_replicas ADD COLUMN unconfirmed_until_ms INTEGER NOT NULL DEFAULT 0;
+";
+
 /// Sets the connection up (WAL, full sync, foreign keys), and creates the
 /// schema or migrates an older revision's, in one transaction.
 pub(super) fn prepare(conn: &mut Connection) -> Result<(), StoreError> {
@@ -125,6 +132,9 @@ pub(super) fn prepare(conn: &mut Connection) -> Result<(), StoreError> {
     }
     if revision < 3 {
         tx.execute_batch(MIGRATE_V3_SQL)?;
+    }
+    if revision < 4 {
+        tx.execute_batch(MIGRATE_V4_SQL)?;
     }
     tx.pragma_update(None, "user_version", SCHEMA_REVISION)?;
     tx.commit()?;

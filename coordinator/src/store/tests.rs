@@ -25,6 +25,7 @@ fn range(gpa_start: u64, length_bytes: u64, node_id: &str) -> RangeRequest {
         node_id: node_id.to_owned(),
         remote_offset: 0,
         rdma: None,
+        contents: Default::default(),
     }
 }
 
@@ -452,6 +453,7 @@ fn a_revision_2_database_is_migrated_to_replicas() {
             node_id: "b".to_owned(),
             remote_offset: 0,
             rdma: None,
+            contents: Default::default(),
         })
         .expect("b's replica");
     assert!(store.delete_node("a").expect("delete a"));

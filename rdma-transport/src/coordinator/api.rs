@@ -94,6 +94,49 @@ pub struct RangeRequest {
     /// handshake). Kept so that older requests still parse.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdma: Option<RdmaRegion>,
+    /// What the claiming page-server's memory holds of the range, by the
+    /// last map it read. A coordinator that has a replica row for the node
+    /// ignores it; one that has none (it started on an empty database, or
+    /// the node joins the range) goes by it (docs/operations.md,
+    /// "Coordinator state lost").
+    #[serde(default, skip_serializing_if = "RangeContents::is_unknown")]
+    pub contents: RangeContents,
+}
+
+/// What a page-server's memory holds of a range it claims (see
+/// [`RangeRequest::contents`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RangeContents {
+    /// Not said: no map this process read had its replica of the range (a
+    /// page-server that just started: its memory is zeros), or a
+    /// page-server of an older release.
+    #[default]
+    Unknown,
+    /// Its replica was live in the last map it read: its memory holds the
+    /// range's contents.
+    Held,
+    /// Its replica was stale, recovering or lost in the last map it read:
+    /// its memory missed writes.
+    Missed,
+}
+
+impl RangeContents {
+    /// True for [`RangeContents::Unknown`] (left out of the request).
+    #[must_use]
+    pub fn is_unknown(&self) -> bool {
+        *self == Self::Unknown
+    }
+
+    /// What a page-server whose replica was last seen in `state` claims.
+    #[must_use]
+    pub fn from_state(state: ReplicaState) -> Self {
+        if state == ReplicaState::Live {
+            Self::Held
+        } else {
+            Self::Missed
+        }
+    }
 }
 
 /// One entry of the GPA map.

@@ -8,9 +8,10 @@ use std::collections::BTreeMap;
 use rdma_transport::coordinator::api::{MapEntry, NodeRegistration, RangeRequest, RdmaEndpoint};
 use serde::{Deserialize, Serialize};
 
+use crate::clock::now_unix_ms;
 use crate::store::{
-    AddOutcome, NodeRecord, RangeRow, ReplicaRefusal, StoreError, StoreLimits, StoredRange,
-    StoredReplica, StoredState,
+    first_replica, joining, AddOutcome, Joining, NodeRecord, RangeRow, ReplicaRefusal, StoreError,
+    StoreLimits, StoredRange, StoredReplica, StoredState,
 };
 
 use crate::backend::ReplicaOp;
@@ -51,6 +52,13 @@ pub(super) struct ReplicaValue {
     /// `live`, `recovering` or `stale` (as in SQLite).
     pub state: String,
     pub recovery_seq: u64,
+    /// As in SQLite (`claims.rs`); absent in values written before it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub unconfirmed_until_ms: u64,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 /// Everything under the prefix, read at one revision.
@@ -134,6 +142,7 @@ impl State {
                     state: parse_state(&r.state)?,
                     recovery_seq: r.recovery_seq,
                     node_epoch: self.node_epoch(&r.node_id),
+                    unconfirmed_until_ms: r.unconfirmed_until_ms,
                 })
             })
             .collect::<Result<_, StoreError>>()?;
@@ -270,6 +279,16 @@ impl State {
         request: &RangeRequest,
         limits: StoreLimits,
     ) -> Result<(Change, AddOutcome, RangeValue), StoreError> {
+        self.add_range_at(request, limits, now_unix_ms())
+    }
+
+    /// [`State::add_range`] at `now_unix_ms`.
+    pub fn add_range_at(
+        &self,
+        request: &RangeRequest,
+        limits: StoreLimits,
+        now_unix_ms: u64,
+    ) -> Result<(Change, AddOutcome, RangeValue), StoreError> {
         let Some(node) = self.nodes.get(&request.node_id) else {
             return Err(StoreError::UnknownNode(request.node_id.clone()));
         };
@@ -289,7 +308,7 @@ impl State {
             if existing.length_bytes != request.length_bytes {
                 return Err(overlap(start));
             }
-            return self.add_to_existing(existing, request, node.epoch, limits);
+            return self.add_to_existing(existing, request, node.epoch, limits, now_unix_ms);
         }
         if let Some((&before, value)) = self.ranges.range(..start).next_back() {
             if u128::from(before) + u128::from(value.length_bytes) > u128::from(start) {
@@ -309,9 +328,12 @@ impl State {
             });
         }
         self.check_per_node_limit(&request.node_id, limits)?;
+        let (state, unconfirmed_until_ms) = first_replica(request.contents, now_unix_ms);
+        let mut first = replica(request, 0, state, node.epoch);
+        first.unconfirmed_until_ms = unconfirmed_until_ms;
         let value = RangeValue {
             length_bytes: request.length_bytes,
-            replicas: vec![replica(request, 0, StoredState::Live, node.epoch)],
+            replicas: vec![first],
         };
         let change = Change::bumping(vec![Write::PutRange(start, value.clone())]);
         Ok((change, AddOutcome::Created, value))
@@ -323,6 +345,7 @@ impl State {
         request: &RangeRequest,
         node_epoch: u64,
         limits: StoreLimits,
+        now_unix_ms: u64,
     ) -> Result<(Change, AddOutcome, RangeValue), StoreError> {
         let mut value = existing.clone();
         if let Some(mine) = value
@@ -351,9 +374,31 @@ impl State {
         }
         self.check_per_node_limit(&request.node_id, limits)?;
         let rank = value.replicas.iter().map(|r| r.rank).max().unwrap_or(-1) + 1;
+        let stored = self
+            .stored_range(request.gpa_start)?
+            .ok_or(StoreError::NoRange(request.gpa_start))?;
+        let state = match joining(&stored, request.contents, now_unix_ms) {
+            Joining::Stale => StoredState::Stale,
+            Joining::Live { displaced } => {
+                for r in value
+                    .replicas
+                    .iter_mut()
+                    .filter(|r| displaced.contains(&r.node_id))
+                {
+                    r.state = StoredState::Stale.as_sql().to_owned();
+                }
+                tracing::warn!(
+                    gpa_start = format_args!("{:#x}", request.gpa_start),
+                    node = %request.node_id,
+                    ?displaced,
+                    "a claimer that holds the range's contents displaces its unconfirmed replicas"
+                );
+                StoredState::Live
+            }
+        };
         value
             .replicas
-            .push(replica(request, rank, StoredState::Stale, node_epoch));
+            .push(replica(request, rank, state, node_epoch));
         let change = Change::bumping(vec![Write::PutRange(request.gpa_start, value.clone())]);
         Ok((change, AddOutcome::Created, value))
     }
@@ -542,5 +587,6 @@ fn replica(
         valid_epoch,
         state: state.as_sql().to_owned(),
         recovery_seq: 0,
+        unconfirmed_until_ms: 0,
     }
 }

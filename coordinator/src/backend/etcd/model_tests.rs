@@ -1,7 +1,9 @@
 //! The in-memory rules of the etcd backend, without etcd (the HTTP suites
 //! run them against a real etcd too).
 
-use rdma_transport::coordinator::api::{NodeRegistration, RangeRequest, RangeState, ReplicaState};
+use rdma_transport::coordinator::api::{
+    NodeRegistration, RangeContents, RangeRequest, RangeState, ReplicaState,
+};
 
 use super::model::{State, Write};
 use crate::backend::ReplicaOp;
@@ -29,6 +31,7 @@ fn request(gpa_start: u64, length_bytes: u64, node: &str) -> RangeRequest {
         node_id: node.to_owned(),
         remote_offset: 0,
         rdma: None,
+        contents: Default::default(),
     }
 }
 
@@ -217,4 +220,59 @@ fn limits_are_kept() {
         state.add_range(&request(PAGE, PAGE, "a"), limits),
         Err(StoreError::LimitReached { what: "range", .. })
     ));
+}
+
+/// The claim rules of `store/claims.rs`, as the etcd backend applies them:
+/// a holder of the contents displaces a replica of unknown contents while
+/// it is unconfirmed, and the value it writes keeps the deadline.
+#[test]
+fn a_holder_of_the_contents_displaces_a_replica_of_unknown_contents_while_unconfirmed() {
+    let mut state = State::default();
+    for (id, epoch) in [("a", 1), ("b", 2), ("c", 3)] {
+        register(&mut state, id, epoch);
+    }
+    let claim_at = |state: &mut State, node: &str, contents, now| {
+        let request = RangeRequest {
+            contents,
+            ..request(0, PAGE, node)
+        };
+        let (change, _, value) = state
+            .add_range_at(&request, StoreLimits::default(), now)
+            .expect("claim");
+        state.apply(&change);
+        value
+    };
+    let t = 1_000_000;
+    let value = claim_at(&mut state, "b", RangeContents::Unknown, t);
+    assert!(value.replicas[0].unconfirmed_until_ms > t);
+    claim_at(&mut state, "a", RangeContents::Held, t + 1);
+    let states = |state: &State| -> Vec<(String, ReplicaState)> {
+        state.entries().expect("entries")[0]
+            .replicas
+            .iter()
+            .map(|r| (r.node_id.clone(), r.state))
+            .collect()
+    };
+    assert_eq!(
+        states(&state),
+        [
+            ("b".to_owned(), ReplicaState::Stale),
+            ("a".to_owned(), ReplicaState::Live)
+        ]
+    );
+    claim_at(&mut state, "c", RangeContents::Held, t + 2);
+    assert_eq!(states(&state)[2], ("c".to_owned(), ReplicaState::Stale));
+
+    // A claimer that missed writes makes a new range lost.
+    let value = {
+        let request = RangeRequest {
+            contents: RangeContents::Missed,
+            ..request(PAGE, PAGE, "c")
+        };
+        state
+            .add_range_at(&request, StoreLimits::default(), t)
+            .expect("claim")
+    };
+    state.apply(&value.0);
+    assert_eq!(state.entries().expect("entries")[1].state, RangeState::Lost);
 }

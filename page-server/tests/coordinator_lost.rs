@@ -1,0 +1,207 @@
+//! A coordinator that lost its state (it started on an empty database, or a
+//! new etcd-backed one took over) sees the running page-servers claim their
+//! ranges again, in whatever order their heartbeats come, beside
+//! page-servers that just started. The page-server that holds a range's
+//! contents must stay its live replica whoever claims first, and no page
+//! may come back older or zeroed (docs/operations.md, "Coordinator state
+//! lost"). The page-servers are real, in this process; the holder reaches
+//! the coordinator through a link the test holds, so the other one claims
+//! first.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::stalling_link::StallingLink;
+use common::*;
+use page_server::{RunningServer, ServerConfig};
+use rdma_transport::coordinator::api::{MapResponse, RangeContents, ReplicaState};
+use rdma_transport::coordinator::CoordinatorClient;
+use rdma_transport::{Page, PAGE_SIZE};
+
+const PAGES: u64 = (NODE_BYTES / PAGE_SIZE) as u64;
+const LIMIT: Duration = Duration::from_secs(30);
+
+fn gpas() -> Vec<u64> {
+    (0..PAGES).map(|i| i * PAGE_SIZE as u64).collect()
+}
+
+/// A page-server holding the range at GPA 0 that looks at the map every
+/// 200 ms, registered with the coordinator at `url`.
+fn node(url: &str, id: &str, advertise: Option<String>) -> RunningServer {
+    let mut cfg = ServerConfig::new(id, NODE_BYTES);
+    cfg.heartbeat_interval = Duration::from_millis(200);
+    cfg.recovery_grace = Duration::from_millis(300);
+    cfg.advertise = advertise;
+    page_server_with(url, cfg)
+}
+
+/// (holder, state) of each replica of the only range.
+fn states(admin: &CoordinatorClient) -> Vec<(String, ReplicaState)> {
+    admin
+        .map()
+        .ok()
+        .and_then(|m| m.entries.first().cloned())
+        .map(|e| {
+            e.replicas
+                .iter()
+                .map(|r| (r.node_id.clone(), r.state))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn both_live(admin: &CoordinatorClient) -> bool {
+    let s = states(admin);
+    s.len() == 2 && s.iter().all(|(_, state)| *state == ReplicaState::Live)
+}
+
+/// Writes every page of the range (`seed`) through a manager of `map`'s
+/// replica on `node` alone.
+fn write_on(map: &MapResponse, node: &str, seed: u64) {
+    let pages: Vec<Page> = (0..PAGES).map(|i| page_indexed(i, seed)).collect();
+    range_replica_manager(map, 0, node)
+        .write_pages(&gpas(), &pages)
+        .expect("write the range");
+}
+
+/// Reads every page from `node` alone; each must be `seed`'s.
+fn check_on(admin: &CoordinatorClient, node: &str, seed: u64) {
+    let mut back = vec![[0u8; PAGE_SIZE]; PAGES as usize];
+    range_replica_manager(&admin.map().expect("map"), 0, node)
+        .read_pages(&gpas(), &mut back)
+        .expect("read the range");
+    let zeroed = back.iter().filter(|p| p.iter().all(|&b| b == 0)).count();
+    let wrong = (0..PAGES)
+        .filter(|&i| back[i as usize] != page_indexed(i, seed))
+        .count();
+    assert_eq!(
+        wrong, 0,
+        "{wrong} of {PAGES} pages on {node} are not the last written ({zeroed} are zeros)"
+    );
+}
+
+/// The coordinator restarts on an empty database while the holder `a`
+/// cannot reach it; `b`, which just started, claims the range first (a new
+/// range, as far as the coordinator knows). When `a` claims it, holding the
+/// contents, it becomes the live replica and `b` copies from it, not the
+/// other way round.
+#[test]
+fn a_page_server_that_just_started_does_not_displace_the_holder() {
+    let dir = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &dir.path().join("first.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let coordinator_addr = coord.addr();
+    let to_coordinator = StallingLink::start();
+    to_coordinator.set_target(&coordinator_addr.to_string());
+    let a = node(&format!("http://{}", to_coordinator.addr()), "a", None);
+    let admin = coordinator_client(&coord.url());
+    write_on(&admin.map().expect("map"), "a", 1);
+    assert!(
+        wait_until(LIMIT, || a.range_contents() == [RangeContents::Held]),
+        "a never saw its replica live"
+    );
+
+    to_coordinator.hold();
+    coord.shutdown().unwrap();
+    let coord = coordinator_on(&dir.path().join("second.db"), coordinator_addr);
+    let admin = coordinator_client(&coord.url());
+    let b = node(&coord.url(), "b", None);
+    assert_eq!(states(&admin), [("b".to_owned(), ReplicaState::Live)]);
+
+    to_coordinator.sever();
+    assert!(
+        wait_until(LIMIT, || both_live(&admin) && b.stats().recoveries >= 1),
+        "b did not recover from a (replicas: {:?}; recoveries: a {}, b {})",
+        states(&admin),
+        a.stats().recoveries,
+        b.stats().recoveries
+    );
+    assert_eq!(a.stats().recoveries, 0, "a copied the range over its own");
+    check_on(&admin, "a", 1);
+    check_on(&admin, "b", 1);
+    drop(b);
+    drop(a);
+}
+
+/// `b` missed writes (marked stale, and cut off from `a`, so it cannot
+/// recover) when the coordinator restarts on an empty database, and claims
+/// the range first: the range is lost, not live with `b`'s older pages,
+/// until `a` claims it; then `b` recovers from `a`.
+#[test]
+fn a_page_server_that_missed_writes_does_not_become_live_on_a_new_coordinator() {
+    let dir = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &dir.path().join("first.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let coordinator_addr = coord.addr();
+    let to_coordinator = StallingLink::start();
+    to_coordinator.set_target(&coordinator_addr.to_string());
+    // Everybody reaches a's pages through `to_a`, a its coordinator
+    // through `to_coordinator`.
+    let to_a = StallingLink::start();
+    let a = node(
+        &format!("http://{}", to_coordinator.addr()),
+        "a",
+        Some(to_a.addr()),
+    );
+    to_a.set_target(&a.addr().to_string());
+    let admin = coordinator_client(&coord.url());
+    write_on(&admin.map().expect("map"), "a", 1);
+    let b = node(&coord.url(), "b", None);
+    assert!(
+        wait_until(LIMIT, || both_live(&admin)),
+        "b never recovered at first"
+    );
+
+    // b misses writes: cut off from a, marked stale, then a gets seed 2.
+    to_a.hold();
+    let failures = b.stats().recovery_failures;
+    admin
+        .mark_replica_stale(0, "b", Duration::from_secs(5))
+        .expect("mark b stale");
+    assert!(
+        wait_until(LIMIT, || b.stats().recovery_failures > failures),
+        "b never tried to recover"
+    );
+    assert_eq!(b.range_contents(), [RangeContents::Missed]);
+    let mut direct = admin.map().expect("map");
+    for n in direct.nodes.iter_mut().filter(|n| n.id == "a") {
+        n.tcp_addr = a.addr().to_string();
+    }
+    write_on(&direct, "a", 2);
+    assert!(
+        wait_until(LIMIT, || a.range_contents() == [RangeContents::Held]),
+        "a never saw its replica live"
+    );
+
+    to_coordinator.hold();
+    coord.shutdown().unwrap();
+    let coord = coordinator_on(&dir.path().join("second.db"), coordinator_addr);
+    let admin = coordinator_client(&coord.url());
+    assert!(
+        wait_until(LIMIT, || !states(&admin).is_empty()),
+        "b never claimed the range again"
+    );
+    assert_eq!(
+        states(&admin),
+        [("b".to_owned(), ReplicaState::Lost)],
+        "b, which missed writes, was made the range's live replica"
+    );
+
+    to_coordinator.sever();
+    to_a.sever();
+    assert!(
+        wait_until(LIMIT, || both_live(&admin) && b.stats().recoveries >= 2),
+        "b did not recover from a (replicas: {:?})",
+        states(&admin)
+    );
+    check_on(&admin, "a", 2);
+    check_on(&admin, "b", 2);
+    drop(b);
+    drop(a);
+}
