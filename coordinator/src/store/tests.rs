@@ -324,7 +324,7 @@ fn a_revision_1_database_is_migrated() {
         .conn
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .expect("revision");
-    assert_eq!(revision, 3);
+    assert_eq!(revision, 4);
     assert_eq!(store.version().expect("v"), 5, "version kept");
     let snapshot = store.snapshot().expect("snapshot");
     assert_eq!(snapshot.nodes.len(), 1);
@@ -399,7 +399,7 @@ fn a_revision_2_database_is_migrated_to_replicas() {
         .conn
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .expect("revision");
-    assert_eq!(revision, 3);
+    assert_eq!(revision, 4);
     assert_eq!(store.version().expect("v"), 9, "version kept");
     let entries = store.snapshot().expect("snapshot").entries;
     assert_eq!(entries.len(), 2);
