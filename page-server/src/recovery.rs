@@ -269,15 +269,7 @@ impl Worker {
         }
         let counters = &self.server.recovery;
         if let Err(err) = self.probe_sources(range, map) {
-            counters.failed();
-            tracing::warn!(
-                node = %self.plan.node_id,
-                gpa_start = format_args!("{:#x}", range.gpa_start),
-                length_bytes = range.length_bytes,
-                %err,
-                retry_in_ms = self.plan.period.as_millis() as u64,
-                "replica recovery not started; trying again next period"
-            );
+            self.failed(range, &err, "not started");
             return false;
         }
         counters.set_running(Some(range.gpa_start));
@@ -308,19 +300,23 @@ impl Worker {
                 );
             }
             Err(RecoveryError::Stopped) => {}
-            Err(err) => {
-                counters.failed();
-                tracing::warn!(
-                    node = %self.plan.node_id,
-                    gpa_start = format_args!("{:#x}", range.gpa_start),
-                    length_bytes = range.length_bytes,
-                    %err,
-                    retry_in_ms = self.plan.period.as_millis() as u64,
-                    "replica recovery failed; trying again next period"
-                );
-            }
+            Err(err) => self.failed(range, &err, "failed"),
         }
         true
+    }
+
+    /// Counts a recovery of `range` that did not turn it live (`outcome`:
+    /// how far it got) and logs why.
+    fn failed(&self, range: &PlacedRange, err: &RecoveryError, outcome: &str) {
+        self.server.recovery.failed();
+        tracing::warn!(
+            node = %self.plan.node_id,
+            gpa_start = format_args!("{:#x}", range.gpa_start),
+            length_bytes = range.length_bytes,
+            %err,
+            retry_in_ms = self.plan.period.as_millis() as u64,
+            "replica recovery {outcome}; trying again next period"
+        );
     }
 
     /// Reads the range's first page from each live replica in `map` until

@@ -37,19 +37,59 @@ fn node(url: &str, id: &str, advertise: Option<String>) -> RunningServer {
     page_server_with(url, cfg)
 }
 
-/// (holder, state) of each replica of the only range.
+/// The coordinator, on a first database, and the link through which the
+/// holder reaches it.
+struct Cluster {
+    dir: tempfile::TempDir,
+    coord: Option<coordinator::RunningCoordinator>,
+    addr: SocketAddr,
+    to_coordinator: StallingLink,
+}
+
+impl Cluster {
+    fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let coord = coordinator_on(
+            &dir.path().join("first.db"),
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+        );
+        let addr = coord.addr();
+        let to_coordinator = StallingLink::start();
+        to_coordinator.set_target(&addr.to_string());
+        Self {
+            dir,
+            coord: Some(coord),
+            addr,
+            to_coordinator,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The coordinator's URL through the link.
+    fn via_link(&self) -> String {
+        format!("http://{}", self.to_coordinator.addr())
+    }
+
+    /// Holds the link, and starts the coordinator again at its address on
+    /// an empty database: it lost its state.
+    fn restart_empty(&mut self) {
+        self.to_coordinator.hold();
+        if let Some(coord) = self.coord.take() {
+            coord.shutdown().unwrap();
+        }
+        self.coord = Some(coordinator_on(
+            &self.dir.path().join("second.db"),
+            self.addr,
+        ));
+    }
+}
+
+/// (holder, state) of each replica of the range.
 fn states(admin: &CoordinatorClient) -> Vec<(String, ReplicaState)> {
-    admin
-        .map()
-        .ok()
-        .and_then(|m| m.entries.first().cloned())
-        .map(|e| {
-            e.replicas
-                .iter()
-                .map(|r| (r.node_id.clone(), r.state))
-                .collect()
-        })
-        .unwrap_or_default()
+    range_states(admin, 0)
 }
 
 fn both_live(admin: &CoordinatorClient) -> bool {
@@ -89,30 +129,21 @@ fn check_on(admin: &CoordinatorClient, node: &str, seed: u64) {
 /// other way round.
 #[test]
 fn a_page_server_that_just_started_does_not_displace_the_holder() {
-    let dir = tempfile::tempdir().unwrap();
-    let coord = coordinator_on(
-        &dir.path().join("first.db"),
-        SocketAddr::from(([127, 0, 0, 1], 0)),
-    );
-    let coordinator_addr = coord.addr();
-    let to_coordinator = StallingLink::start();
-    to_coordinator.set_target(&coordinator_addr.to_string());
-    let a = node(&format!("http://{}", to_coordinator.addr()), "a", None);
-    let admin = coordinator_client(&coord.url());
+    let mut cluster = Cluster::start();
+    let a = node(&cluster.via_link(), "a", None);
+    let admin = coordinator_client(&cluster.url());
     write_on(&admin.map().expect("map"), "a", 1);
     assert!(
         wait_until(LIMIT, || a.range_contents() == [RangeContents::Held]),
         "a never saw its replica live"
     );
 
-    to_coordinator.hold();
-    coord.shutdown().unwrap();
-    let coord = coordinator_on(&dir.path().join("second.db"), coordinator_addr);
-    let admin = coordinator_client(&coord.url());
-    let b = node(&coord.url(), "b", None);
+    cluster.restart_empty();
+    let admin = coordinator_client(&cluster.url());
+    let b = node(&cluster.url(), "b", None);
     assert_eq!(states(&admin), [("b".to_owned(), ReplicaState::Live)]);
 
-    to_coordinator.sever();
+    cluster.to_coordinator.sever();
     assert!(
         wait_until(LIMIT, || both_live(&admin) && b.stats().recoveries >= 1),
         "b did not recover from a (replicas: {:?}; recoveries: a {}, b {})",
@@ -133,26 +164,15 @@ fn a_page_server_that_just_started_does_not_displace_the_holder() {
 /// until `a` claims it; then `b` recovers from `a`.
 #[test]
 fn a_page_server_that_missed_writes_does_not_become_live_on_a_new_coordinator() {
-    let dir = tempfile::tempdir().unwrap();
-    let coord = coordinator_on(
-        &dir.path().join("first.db"),
-        SocketAddr::from(([127, 0, 0, 1], 0)),
-    );
-    let coordinator_addr = coord.addr();
-    let to_coordinator = StallingLink::start();
-    to_coordinator.set_target(&coordinator_addr.to_string());
+    let mut cluster = Cluster::start();
     // Everybody reaches a's pages through `to_a`, a its coordinator
     // through `to_coordinator`.
     let to_a = StallingLink::start();
-    let a = node(
-        &format!("http://{}", to_coordinator.addr()),
-        "a",
-        Some(to_a.addr()),
-    );
+    let a = node(&cluster.via_link(), "a", Some(to_a.addr()));
     to_a.set_target(&a.addr().to_string());
-    let admin = coordinator_client(&coord.url());
+    let admin = coordinator_client(&cluster.url());
     write_on(&admin.map().expect("map"), "a", 1);
-    let b = node(&coord.url(), "b", None);
+    let b = node(&cluster.url(), "b", None);
     assert!(
         wait_until(LIMIT, || both_live(&admin)),
         "b never recovered at first"
@@ -179,10 +199,8 @@ fn a_page_server_that_missed_writes_does_not_become_live_on_a_new_coordinator() 
         "a never saw its replica live"
     );
 
-    to_coordinator.hold();
-    coord.shutdown().unwrap();
-    let coord = coordinator_on(&dir.path().join("second.db"), coordinator_addr);
-    let admin = coordinator_client(&coord.url());
+    cluster.restart_empty();
+    let admin = coordinator_client(&cluster.url());
     assert!(
         wait_until(LIMIT, || !states(&admin).is_empty()),
         "b never claimed the range again"
@@ -193,7 +211,7 @@ fn a_page_server_that_missed_writes_does_not_become_live_on_a_new_coordinator() 
         "b, which missed writes, was made the range's live replica"
     );
 
-    to_coordinator.sever();
+    cluster.to_coordinator.sever();
     to_a.sever();
     assert!(
         wait_until(LIMIT, || both_live(&admin) && b.stats().recoveries >= 2),

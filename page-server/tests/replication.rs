@@ -53,23 +53,6 @@ fn replica_states(admin: &CoordinatorClient) -> Vec<(String, ReplicaState)> {
     range_states(admin, 0)
 }
 
-/// The states of the replicas of the range at `gpa_start`, by node.
-fn range_states(admin: &CoordinatorClient, gpa_start: u64) -> Vec<(String, ReplicaState)> {
-    let Ok(map) = admin.map() else {
-        return Vec::new();
-    };
-    map.entries
-        .iter()
-        .find(|e| e.gpa_start == gpa_start)
-        .map(|e| {
-            e.replicas
-                .iter()
-                .map(|r| (r.node_id.clone(), r.state))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 fn state_of(admin: &CoordinatorClient, node: &str) -> Option<ReplicaState> {
     replica_states(admin)
         .into_iter()

@@ -285,6 +285,26 @@ pub fn coordinator_client(url: &str) -> rdma_transport::coordinator::Coordinator
         .expect("coordinator client")
 }
 
+/// The states of the replicas of the range at `gpa_start`, by node.
+pub fn range_states(
+    admin: &rdma_transport::coordinator::CoordinatorClient,
+    gpa_start: u64,
+) -> Vec<(String, rdma_transport::coordinator::api::ReplicaState)> {
+    let Ok(map) = admin.map() else {
+        return Vec::new();
+    };
+    map.entries
+        .iter()
+        .find(|e| e.gpa_start == gpa_start)
+        .map(|e| {
+            e.replicas
+                .iter()
+                .map(|r| (r.node_id.clone(), r.state))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// The epoch the coordinator has for `node` now.
 pub fn node_epoch(url: &str, node: &str) -> u64 {
     coordinator_client(url)
