@@ -3,12 +3,14 @@
 //! write) copies the range from a live replica, by itself.
 //!
 //! Once registered, and then every heartbeat period, the thread reads the
-//! map. For each exported range in turn (one recovery at a time), when this
-//! node's replica of it is stale and another replica is live, it: reads
-//! one page from a live replica (none answering, it disturbs nobody and
-//! tries again next period); closes
-//! every connection opened before (but coherence nodes'), so that no write
-//! a client gave up on can still arrive (`conns.rs`, `Connections::fence`);
+//! map, and notes each range's replica state in it (what the node's next
+//! registration claims its memory holds, `range_contents.rs`). For each
+//! exported range in turn (one recovery at a time), when this node's
+//! replica of it is stale and another replica is live, it: reads one page
+//! from a live replica (none answering, it disturbs nobody and tries again
+//! next period); closes every connection opened before (but coherence
+//! nodes'), so that no write a client gave up on can still arrive
+//! (`conns.rs`, `Connections::fence`);
 //! turns the write guard on (`recovery_guard.rs`); asks the coordinator to
 //! mark the replica `recovering` (clients then send it every write, and it
 //! serves no reads); waits the grace period, so that every client has seen
