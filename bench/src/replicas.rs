@@ -290,6 +290,7 @@ mod tests {
     fn map(replicas: Vec<Replica>) -> MapResponse {
         MapResponse {
             version: 1,
+            generation: 0,
             entries: vec![MapEntry {
                 gpa_start: 0,
                 length_bytes: PAGE_SIZE as u64,

@@ -169,6 +169,15 @@ fn page_servers_register_through_one_coordinator_and_clients_read_through_the_ot
             .as_u64()
     };
     assert_eq!(version(&a.url), version(&b.url));
+    // So do generations: both read the one the first wrote on the prefix.
+    let generation = |url: &str| {
+        call(&http, url, Method::GET, "/v1/map", None)
+            .expect("map")
+            .1["generation"]
+            .as_u64()
+    };
+    assert!(generation(&a.url).is_some_and(|g| g != 0));
+    assert_eq!(generation(&a.url), generation(&b.url));
 }
 
 fn http_long() -> Client {

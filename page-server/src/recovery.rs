@@ -613,6 +613,7 @@ fn live_sources<'m>(
 fn source_map(entry: &MapEntry, source: &Replica, node: &NodeInfo) -> MapResponse {
     MapResponse {
         version: 1,
+        generation: 0,
         entries: vec![MapEntry {
             gpa_start: entry.gpa_start,
             length_bytes: entry.length_bytes,

@@ -36,6 +36,7 @@ fn node(server: &RunningServer, key: &ClusterKey, min_hold_us: u64) -> Node {
 fn manager_for(server: &RunningServer, key: &ClusterKey) -> TransportManager {
     let map = MapResponse {
         version: 1,
+        generation: 0,
         entries: vec![MapEntry {
             gpa_start: GPA_BASE,
             length_bytes: NODE_BYTES as u64,

@@ -16,7 +16,7 @@ use std::time::Duration;
 use common::stalling_link::StallingLink;
 use common::*;
 use page_server::{RunningServer, ServerConfig};
-use rdma_transport::coordinator::api::{MapResponse, RangeContents, ReplicaState};
+use rdma_transport::coordinator::api::{MapResponse, RangeContents, RangeRequest, ReplicaState};
 use rdma_transport::coordinator::CoordinatorClient;
 use rdma_transport::{Page, PAGE_SIZE};
 
@@ -126,9 +126,12 @@ fn check_on(admin: &CoordinatorClient, node: &str, seed: u64) {
 /// cannot reach it; `b`, which just started, claims the range first (a new
 /// range, as far as the coordinator knows). When `a` claims it, holding the
 /// contents, it becomes the live replica and `b` copies from it, not the
-/// other way round.
+/// other way round. A hypervisor's manager that followed the first
+/// coordinator's map, whose version the second one does not reach, follows
+/// the second one's (another generation) and reads every page back.
 #[test]
 fn a_page_server_that_just_started_does_not_displace_the_holder() {
+    const SPARE_GPA: u64 = 0x4000_0000;
     let mut cluster = Cluster::start();
     let a = node(&cluster.via_link(), "a", None);
     let admin = coordinator_client(&cluster.url());
@@ -137,6 +140,22 @@ fn a_page_server_that_just_started_does_not_displace_the_holder() {
         wait_until(LIMIT, || a.range_contents() == [RangeContents::Held]),
         "a never saw its replica live"
     );
+    // Map changes that take the first coordinator's version to 80 and more.
+    let spare = RangeRequest {
+        gpa_start: SPARE_GPA,
+        length_bytes: PAGE_SIZE as u64,
+        node_id: "a".to_owned(),
+        remote_offset: 0,
+        rdma: None,
+        contents: RangeContents::Unknown,
+    };
+    for _ in 0..40 {
+        admin.add_range(&spare).expect("claim a spare range");
+        admin.remove_range(SPARE_GPA).expect("remove it");
+    }
+    let client = manager(&cluster.url());
+    let first_version = client.map().version();
+    assert!(first_version >= 80, "version {first_version}");
 
     cluster.restart_empty();
     let admin = coordinator_client(&cluster.url());
@@ -154,6 +173,23 @@ fn a_page_server_that_just_started_does_not_displace_the_holder() {
     assert_eq!(a.stats().recoveries, 0, "a copied the range over its own");
     check_on(&admin, "a", 1);
     check_on(&admin, "b", 1);
+
+    assert!(
+        admin.map().expect("map").version < first_version,
+        "the second coordinator's version passed the first one's: the test proves less"
+    );
+    assert!(
+        wait_until(LIMIT, || client.map().replica_count(0) == 2),
+        "the manager kept the lost coordinator's map (version {}, generation {})",
+        client.map().version(),
+        client.map().generation()
+    );
+    let mut back = vec![[0u8; PAGE_SIZE]; PAGES as usize];
+    client.read_pages(&gpas(), &mut back).expect("read");
+    for (i, page) in back.iter().enumerate() {
+        assert!(*page == page_indexed(i as u64, 1), "page {i} read wrong");
+    }
+    drop(client);
     drop(b);
     drop(a);
 }

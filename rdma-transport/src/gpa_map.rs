@@ -69,6 +69,8 @@ impl Range {
 #[derive(Debug, Clone, Default)]
 pub struct GpaMap {
     version: u64,
+    /// The coordinator state `version` counts in (0: not said).
+    generation: u64,
     ranges: Vec<Range>,
     nodes: Vec<NodeInfo>,
 }
@@ -80,6 +82,7 @@ impl GpaMap {
     pub fn from_response(resp: MapResponse) -> Self {
         let MapResponse {
             version,
+            generation,
             mut entries,
             nodes,
         } = resp;
@@ -175,6 +178,7 @@ impl GpaMap {
         }
         Self {
             version,
+            generation,
             ranges,
             nodes,
         }
@@ -183,6 +187,19 @@ impl GpaMap {
     /// The coordinator's version of this snapshot.
     pub fn version(&self) -> u64 {
         self.version
+    }
+
+    /// The coordinator state [`GpaMap::version`] counts in
+    /// (`MapResponse::generation`; 0: not said).
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Whether this map replaces one at `generation` and `version`: it is
+    /// newer, or of another generation (a coordinator that lost its state
+    /// counts versions from 0 again; its maps are the current ones).
+    pub fn supersedes(&self, generation: u64, version: u64) -> bool {
+        self.generation != generation || self.version > version
     }
 
     /// Every node the map knows, indexed by [`Location::node_index`].
@@ -321,6 +338,7 @@ mod tests {
     fn map() -> GpaMap {
         GpaMap::from_response(MapResponse {
             version: 3,
+            generation: 0,
             entries: vec![
                 entry(0x10_0000, 0x1000 * 4, "b", 0x8000),
                 entry(0, 0x1000 * 16, "a", 0),
@@ -358,6 +376,7 @@ mod tests {
         entry.valid_epoch = 0x77;
         let m = GpaMap::from_response(MapResponse {
             version: 1,
+            generation: 0,
             entries: vec![entry],
             nodes: vec![node("a")],
         });
@@ -382,6 +401,7 @@ mod tests {
         ];
         let m = GpaMap::from_response(MapResponse {
             version: 5,
+            generation: 0,
             entries: vec![e],
             nodes: vec![node("a"), node("b"), node("c")],
         });
@@ -421,6 +441,7 @@ mod tests {
     fn bad_entries_are_dropped() {
         let m = GpaMap::from_response(MapResponse {
             version: 1,
+            generation: 0,
             entries: vec![
                 entry(0, 0x2000, "a", 0),
                 entry(0x1000, 0x2000, "a", 0),        // overlaps
@@ -448,6 +469,7 @@ mod tests {
             .collect();
         let m = GpaMap::from_response(MapResponse {
             version: 1,
+            generation: 0,
             entries,
             nodes: vec![node("a")],
         });

@@ -368,7 +368,8 @@ impl TransportManager {
         self.inner.refresh(None)
     }
 
-    /// Installs `map` if its version is newer than the map in use (for a
+    /// Installs `map` if its version is newer than the map in use, or it is
+    /// of another generation (`MapResponse::generation`) (for a
     /// hypervisor that distributes the map itself, or a coordinator push).
     /// Connections of nodes that left the map or changed address are closed
     /// once the requests still using them are done. Returns whether `map`

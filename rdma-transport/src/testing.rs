@@ -23,6 +23,7 @@ pub(crate) const NODE_STRIDE: u64 = 0x10_0000;
 pub(crate) fn map_of(version: u64, nodes: &[(&str, SocketAddr)]) -> MapResponse {
     MapResponse {
         version,
+        generation: 0,
         entries: nodes
             .iter()
             .enumerate()

@@ -85,4 +85,7 @@ pub(crate) trait Store: Send + Sync + fmt::Debug {
     /// the map waits on. It may lag the store; a reader that wakes reads
     /// the store itself.
     fn versions(&self) -> watch::Receiver<u64>;
+    /// The generation the versions count in (`MapResponse::generation`):
+    /// fixed when the store's state was created, read when it was opened.
+    fn generation(&self) -> u64;
 }

@@ -18,6 +18,7 @@ use crate::store::{SqliteStore, StoreLimits};
 pub(crate) struct SqliteBackend {
     store: Arc<Mutex<SqliteStore>>,
     version_tx: Arc<watch::Sender<u64>>,
+    generation: u64,
 }
 
 impl SqliteBackend {
@@ -27,9 +28,11 @@ impl SqliteBackend {
         let mut store = SqliteStore::open(path)?;
         store.set_limits(limits);
         let version = store.version()?;
+        let generation = store.generation()?;
         Ok(Self {
             store: Arc::new(Mutex::new(store)),
             version_tx: Arc::new(watch::Sender::new(version)),
+            generation,
         })
     }
 
@@ -170,5 +173,9 @@ impl Store for SqliteBackend {
 
     fn versions(&self) -> watch::Receiver<u64> {
         self.version_tx.subscribe()
+    }
+
+    fn generation(&self) -> u64 {
+        self.generation
     }
 }

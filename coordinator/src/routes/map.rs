@@ -76,6 +76,7 @@ pub(super) async fn get_map(
 fn map_response(state: &AppState, snapshot: Snapshot) -> MapResponse {
     MapResponse {
         version: snapshot.version,
+        generation: state.store().generation(),
         entries: snapshot.entries,
         nodes: snapshot.nodes.iter().map(|r| state.info(r)).collect(),
     }

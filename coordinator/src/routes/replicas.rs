@@ -37,7 +37,11 @@ pub(super) async fn mark_stale(
     let (gpa_start, version, entry) =
         change(&state, &gpa_text, &node_id, ReplicaOp::MarkStale).await?;
     tracing::warn!(gpa_start, node = %node_id, version, "replica marked stale");
-    Ok(Json(ReplicaChange { version, entry }))
+    Ok(Json(ReplicaChange {
+        version,
+        generation: state.store().generation(),
+        entry,
+    }))
 }
 
 /// `POST /v1/map/{gpa_start}/replicas/{node_id}/recovering` with a
@@ -63,7 +67,11 @@ pub(super) async fn begin_recovery(
         version,
         "replica recovery begun"
     );
-    Ok(Json(ReplicaChange { version, entry }))
+    Ok(Json(ReplicaChange {
+        version,
+        generation: state.store().generation(),
+        entry,
+    }))
 }
 
 /// `POST /v1/map/{gpa_start}/replicas/{node_id}/live` with a
@@ -91,5 +99,9 @@ pub(super) async fn finish_recovery(
         version,
         "replica recovered: live again"
     );
-    Ok(Json(ReplicaChange { version, entry }))
+    Ok(Json(ReplicaChange {
+        version,
+        generation: state.store().generation(),
+        entry,
+    }))
 }

@@ -189,6 +189,13 @@ impl SqliteStore {
         schema::version(&self.conn)
     }
 
+    /// The database's generation: random, chosen when it was created, so
+    /// that clients tell a coordinator that lost its state (and counts
+    /// versions from 0 again) from one that did not.
+    pub fn generation(&self) -> Result<u64, StoreError> {
+        schema::generation(&self.conn)
+    }
+
     /// Nodes, entries and version read in one transaction.
     pub fn snapshot(&mut self) -> Result<Snapshot, StoreError> {
         let tx = self.conn.transaction()?;

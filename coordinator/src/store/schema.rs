@@ -136,6 +136,14 @@ pub(super) fn prepare(conn: &mut Connection) -> Result<(), StoreError> {
     if revision < 4 {
         tx.execute_batch(MIGRATE_V4_SQL)?;
     }
+    // The generation: chosen once, when the database is created (or first
+    // opened by a release that knows it), and kept for its life.
+    tx.execute(
+        "INSERT OR IGNORE INTO meta (key, value) VALUES ('generation', ?1)",
+        [i64::from_ne_bytes(
+            (rdma_transport::ids::random_u64() | 1).to_ne_bytes(),
+        )],
+    )?;
     tx.pragma_update(None, "user_version", SCHEMA_REVISION)?;
     tx.commit()?;
     Ok(())
@@ -150,6 +158,20 @@ pub(super) fn version(conn: &Connection) -> Result<u64, StoreError> {
         .optional()?;
     let value = value.ok_or_else(|| StoreError::Corrupt("no version row".to_owned()))?;
     u64::try_from(value).map_err(|_| StoreError::Corrupt(format!("negative version {value}")))
+}
+
+/// The database's generation (`MapResponse::generation`): random, never 0,
+/// stored as its bit pattern.
+pub(super) fn generation(conn: &Connection) -> Result<u64, StoreError> {
+    let value: Option<i64> = conn
+        .query_row(
+            "SELECT value FROM meta WHERE key = 'generation'",
+            [],
+            |row| row.get(0),
+        )
+        .optional()?;
+    let value = value.ok_or_else(|| StoreError::Corrupt("no generation row".to_owned()))?;
+    Ok(u64::from_ne_bytes(value.to_ne_bytes()))
 }
 
 /// Increases the version by one; call inside the write's transaction.

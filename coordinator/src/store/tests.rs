@@ -475,3 +475,25 @@ fn a_revision_2_database_is_migrated_to_replicas() {
     let mut store = SqliteStore::open(&path).expect("reopens");
     assert_eq!(store.snapshot().expect("s").entries.len(), 2);
 }
+
+/// The generation is chosen once per database: a reopened file keeps it, a
+/// new file (a coordinator that lost its state) gets another.
+#[test]
+fn a_database_keeps_its_generation_and_a_new_one_gets_another() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let first = SqliteStore::open(&dir.path().join("a.db"))
+        .expect("open")
+        .generation()
+        .expect("generation");
+    assert_ne!(first, 0);
+    let again = SqliteStore::open(&dir.path().join("a.db"))
+        .expect("reopen")
+        .generation()
+        .expect("generation");
+    assert_eq!(again, first);
+    let other = SqliteStore::open(&dir.path().join("b.db"))
+        .expect("open")
+        .generation()
+        .expect("generation");
+    assert_ne!(other, first);
+}

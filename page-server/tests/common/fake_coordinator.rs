@@ -50,6 +50,7 @@ impl FakeState {
     pub fn map(&self) -> MapResponse {
         MapResponse {
             version: self.version,
+            generation: 0,
             entries: self.entry.iter().cloned().collect(),
             nodes: self.nodes.clone(),
         }
@@ -277,6 +278,7 @@ fn route(method: &str, path: &str, body: &[u8], s: &mut FakeState) -> (u16, Vec<
 fn changed(s: &FakeState) -> (u16, Vec<u8>) {
     json(&ReplicaChange {
         version: s.version,
+        generation: 0,
         entry: s.entry.clone().expect("entry"),
     })
 }

@@ -122,6 +122,7 @@ pub fn range_replica_manager(
         .clone();
     let map = MapResponse {
         version: 1,
+        generation: 0,
         entries: vec![MapEntry {
             node_id: r.node_id,
             remote_offset: r.remote_offset,

@@ -233,6 +233,9 @@ impl ReplicaState {
 pub struct ReplicaChange {
     /// The map version after the change.
     pub version: u64,
+    /// The generation `version` counts in (see [`MapResponse::generation`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub generation: u64,
     /// The range, with every replica's state.
     pub entry: MapEntry,
 }
@@ -292,6 +295,13 @@ impl RangeState {
 pub struct MapResponse {
     /// Increases whenever a node endpoint or a map entry changes.
     pub version: u64,
+    /// Names the coordinator state `version` counts in: chosen when that
+    /// state was created (a new database or etcd prefix), so a coordinator
+    /// that lost its state and counts from 0 again answers with another
+    /// one. Versions of two generations are not comparable. 0: not said
+    /// (an older coordinator, or a map made by hand).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub generation: u64,
     /// Entries sorted by `gpa_start`, never overlapping.
     pub entries: Vec<MapEntry>,
     /// Every registered node.
@@ -325,6 +335,11 @@ pub struct ErrorBody {
 pub struct HealthResponse {
     /// Always `ok` when the service answers.
     pub status: String,
+}
+
+/// Serde's `skip_serializing_if` for fields whose 0 means "not said".
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 #[cfg(test)]

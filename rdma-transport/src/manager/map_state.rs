@@ -182,7 +182,7 @@ impl Inner {
         sent_ms: u64,
         wait_ms: u64,
     ) -> bool {
-        let changed = resp.version > after;
+        let changed = resp.version > after || resp.generation != self.state.load().map.generation();
         let waited = self.clock_ms().saturating_sub(sent_ms) >= wait_ms;
         self.install_map(resp, Install::IfNewer);
         let confirmed_ms = if !changed && waited {
@@ -215,13 +215,25 @@ impl Inner {
     /// address did not change. With `Install::IfNewer`, a map whose version
     /// is not newer than the one in use is dropped: refreshes race (the
     /// background loop, misses, lost nodes), and an answer that was slower
-    /// to arrive must not undo a newer one. Returns whether it was installed.
+    /// to arrive must not undo a newer one. A map of another generation
+    /// (`GpaMap::supersedes`: the coordinator lost its state and counts
+    /// from 0 again) is always installed. Returns whether it was installed.
     pub(super) fn install_map(&self, resp: MapResponse, rule: Install) -> bool {
         let map = GpaMap::from_response(resp);
         loop {
             let old = self.state.load_full();
-            if rule == Install::IfNewer && map.version() <= old.map.version() {
+            if rule == Install::IfNewer && !map.supersedes(old.map.generation(), old.map.version())
+            {
                 return false;
+            }
+            if old.map.generation() != 0 && map.generation() != old.map.generation() {
+                tracing::warn!(
+                    old_generation = old.map.generation(),
+                    old_version = old.map.version(),
+                    generation = map.generation(),
+                    version = map.version(),
+                    "the coordinator's map is of another generation (it lost its state): installed whatever its version"
+                );
             }
             let nodes = map
                 .nodes()

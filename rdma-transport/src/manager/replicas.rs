@@ -185,15 +185,24 @@ impl Inner {
             .mark_replica_stale(range_start, &node, remaining)
             .map_err(|e| missed(e.to_string()))?;
         // The coordinator's map at `change.version` has it stale: until a
-        // refresh brings that (or newer), the map in use says so too.
+        // refresh brings that (or newer), the map in use says so too. A map
+        // in use of another generation (the coordinator lost its state
+        // since) is not comparable: it gets the state, keeping its version,
+        // so that any map of the coordinator's generation replaces it.
         loop {
             let old = self.state.load_full();
-            if old.map.version() >= change.version {
+            let same_generation = old.map.generation() == change.generation;
+            if same_generation && old.map.version() >= change.version {
                 break;
             }
-            let map =
-                old.map
-                    .with_replica_state(range_start, &node, ReplicaState::Stale, change.version);
+            let version = if same_generation {
+                change.version
+            } else {
+                old.map.version()
+            };
+            let map = old
+                .map
+                .with_replica_state(range_start, &node, ReplicaState::Stale, version);
             let new = std::sync::Arc::new(MapState {
                 map,
                 nodes: old.nodes.clone(),

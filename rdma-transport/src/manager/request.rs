@@ -201,8 +201,8 @@ impl Inner {
     /// in `state` (a recovery this map predates may have ended), else rate
     /// limited like any refresh on a miss.
     fn newer_map_may_serve(&self, state: &MapState, targets: &[Target], deadline: Instant) -> bool {
-        let before = state.map.version();
-        let newer = || self.state.load().map.version() > before;
+        let (generation, version) = (state.map.generation(), state.map.version());
+        let newer = || self.state.load().map.supersedes(generation, version);
         if newer() {
             return true;
         }

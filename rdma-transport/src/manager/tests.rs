@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::TransportManager;
 use crate::config::{ManagerConfig, PollMode, TransportKind};
+use crate::coordinator::api::MapResponse;
 use crate::error::TransportError;
 use crate::page::PAGE_SIZE;
 use crate::testing::{
@@ -53,6 +54,33 @@ fn an_older_map_never_replaces_a_newer_one() {
     assert!(mgr.update_map(map_of(6, &[])));
     assert_eq!(mgr.map().version(), 6);
     assert!(mgr.map().is_empty());
+}
+
+/// A coordinator that lost its state counts versions from 0 again, under
+/// another generation: its maps replace the one in use whatever their
+/// version, and then the usual order holds within the new generation.
+#[test]
+fn a_map_of_another_generation_replaces_the_one_in_use_whatever_its_version() {
+    let (addr_a, _a) = fake_node(sees_close);
+    let of = |generation, version, nodes: &[(&str, SocketAddr)]| MapResponse {
+        generation,
+        ..map_of(version, nodes)
+    };
+    let mgr =
+        TransportManager::from_map(config(2000, PollMode::Event), of(7, 500, &[("a", addr_a)]))
+            .expect("manager");
+    assert!(
+        mgr.update_map(of(9, 3, &[])),
+        "a new generation at version 3"
+    );
+    assert_eq!((mgr.map().generation(), mgr.map().version()), (9, 3));
+    assert!(mgr.map().is_empty());
+    assert!(
+        !mgr.update_map(of(9, 2, &[("a", addr_a)])),
+        "older, same generation"
+    );
+    assert!(mgr.update_map(of(9, 4, &[("a", addr_a)])));
+    assert_eq!(mgr.map().len(), 1);
 }
 
 #[test]

@@ -3,6 +3,7 @@
 //! | key | value | |
 //! | --- | --- | --- |
 //! | `<prefix>version` | empty | rewritten by every map change: its mod revision is the map version |
+//! | `<prefix>generation` | decimal `u64` | written once, by the first coordinator on the prefix: the generation of its versions |
 //! | `<prefix>nodes/<id>` | [`NodeValue`] JSON | a registered node |
 //! | `<prefix>alive/<id>` | [`AliveValue`] JSON | attached to the node's lease: gone when it expires |
 //! | `<prefix>ranges/<gpa_start, 16 hex digits>` | [`RangeValue`] JSON | a range with its replicas |
@@ -24,6 +25,7 @@ pub(super) struct Keys {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Key<'a> {
     Version,
+    Generation,
     Node(&'a str),
     Alive(&'a str),
     Range(u64),
@@ -45,6 +47,10 @@ impl Keys {
         format!("{}version", self.prefix)
     }
 
+    pub fn generation(&self) -> String {
+        format!("{}generation", self.prefix)
+    }
+
     pub fn node(&self, id: &str) -> String {
         format!("{}nodes/{id}", self.prefix)
     }
@@ -62,6 +68,9 @@ impl Keys {
         let rest = key.strip_prefix(self.prefix.as_str())?;
         if rest == "version" {
             return Some(Key::Version);
+        }
+        if rest == "generation" {
+            return Some(Key::Generation);
         }
         if let Some(id) = rest.strip_prefix("nodes/") {
             return Some(Key::Node(id));
@@ -85,6 +94,7 @@ mod tests {
     fn keys_round_trip_and_sort_by_address() {
         let keys = Keys::new("/p/");
         assert_eq!(keys.parse(&keys.version()), Some(Key::Version));
+        assert_eq!(keys.parse(&keys.generation()), Some(Key::Generation));
         assert_eq!(keys.parse(&keys.node("a.b")), Some(Key::Node("a.b")));
         assert_eq!(keys.parse(&keys.alive("a")), Some(Key::Alive("a")));
         assert_eq!(

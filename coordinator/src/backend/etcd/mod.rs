@@ -52,6 +52,8 @@ pub(crate) struct EtcdBackend {
     lease_ttl_s: i64,
     request_timeout: Duration,
     versions: Arc<tokio::sync::watch::Sender<u64>>,
+    /// The prefix's generation (`MapResponse::generation`).
+    generation: u64,
     /// Changes each time the prober changes the balance.
     balance: tokio::sync::watch::Receiver<u64>,
     follower: tokio::task::JoinHandle<()>,
@@ -144,10 +146,12 @@ impl EtcdBackend {
             lease_ttl_s: i64::try_from(lease_ms.div_ceil(1000).max(1)).unwrap_or(i64::MAX),
             request_timeout,
             versions: Arc::new(tokio::sync::watch::Sender::new(0)),
+            generation: 0,
             balance: balance.clone(),
             follower: tokio::spawn(async {}),
             prober,
         };
+        backend.generation = backend.read_generation().await?;
         // One read proves the cluster answers and seeds the version.
         let state = backend.read_state().await?;
         backend.publish(state.version);
@@ -158,6 +162,39 @@ impl EtcdBackend {
             balance,
         ));
         Ok(backend)
+    }
+
+    /// The prefix's generation: written, random, by the first coordinator
+    /// that finds none (every coordinator on the prefix then reads the same
+    /// one), and read back.
+    async fn read_generation(&self) -> Result<u64, StoreError> {
+        let key = self.keys.generation();
+        self.retrying(|| {
+            let mut kv = self.client.kv_client();
+            let key = key.clone();
+            async move {
+                let fresh = (rdma_transport::ids::random_u64() | 1).to_string();
+                let txn = Txn::new()
+                    .when(vec![Compare::create_revision(
+                        key.clone(),
+                        CompareOp::Equal,
+                        0,
+                    )])
+                    .and_then(vec![TxnOp::put(key.clone(), fresh, None)]);
+                kv.txn(txn).await.map_err(unavailable)?;
+                let response = kv.get(key.clone(), None).await.map_err(unavailable)?;
+                let value = response
+                    .kvs()
+                    .first()
+                    .and_then(|kv| kv.value_str().ok())
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .ok_or_else(|| {
+                        StoreError::Corrupt(format!("etcd key {key} does not hold a u64"))
+                    })?;
+                Ok(value)
+            }
+        })
+        .await
     }
 
     fn publish(&self, version: u64) {
@@ -226,6 +263,7 @@ impl EtcdBackend {
                 Some(Key::Version) => {
                     state.version = u64::try_from(kv.mod_revision()).unwrap_or(0);
                 }
+                Some(Key::Generation) => {}
                 Some(Key::Node(id)) => {
                     state
                         .nodes
@@ -583,5 +621,9 @@ impl Store for EtcdBackend {
 
     fn versions(&self) -> tokio::sync::watch::Receiver<u64> {
         self.versions.subscribe()
+    }
+
+    fn generation(&self) -> u64 {
+        self.generation
     }
 }
