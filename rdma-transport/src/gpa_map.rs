@@ -197,9 +197,11 @@ impl GpaMap {
 
     /// Whether this map replaces one at `generation` and `version`: it is
     /// newer, or of another generation (a coordinator that lost its state
-    /// counts versions from 0 again; its maps are the current ones).
+    /// counts versions from 0 again; its maps are the current ones). A
+    /// generation of 0 (not said: an older coordinator, a map made by hand)
+    /// is compared by version only.
     pub fn supersedes(&self, generation: u64, version: u64) -> bool {
-        self.generation != generation || self.version > version
+        other_generation(self.generation, generation) || self.version > version
     }
 
     /// Every node the map knows, indexed by [`Location::node_index`].
@@ -298,6 +300,12 @@ impl GpaMap {
         }
         map
     }
+}
+
+/// Whether versions of generations `a` and `b` are not comparable: both
+/// are said (not 0) and they differ (`MapResponse::generation`).
+pub(crate) fn other_generation(a: u64, b: u64) -> bool {
+    a != 0 && b != 0 && a != b
 }
 
 impl Range {

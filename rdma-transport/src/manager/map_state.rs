@@ -14,7 +14,7 @@ use super::{Inner, RETRY_INTERVAL};
 use crate::config::DataPath;
 use crate::coordinator::api::{MapResponse, NodeInfo};
 use crate::error::TransportError;
-use crate::gpa_map::GpaMap;
+use crate::gpa_map::{other_generation, GpaMap};
 
 /// One installed map and the nodes it names, in the map's node order.
 #[derive(Debug, Default)]
@@ -182,7 +182,8 @@ impl Inner {
         sent_ms: u64,
         wait_ms: u64,
     ) -> bool {
-        let changed = resp.version > after || resp.generation != self.state.load().map.generation();
+        let changed = resp.version > after
+            || other_generation(resp.generation, self.state.load().map.generation());
         let waited = self.clock_ms().saturating_sub(sent_ms) >= wait_ms;
         self.install_map(resp, Install::IfNewer);
         let confirmed_ms = if !changed && waited {
@@ -226,7 +227,7 @@ impl Inner {
             {
                 return false;
             }
-            if old.map.generation() != 0 && map.generation() != old.map.generation() {
+            if other_generation(map.generation(), old.map.generation()) {
                 tracing::warn!(
                     old_generation = old.map.generation(),
                     old_version = old.map.version(),

@@ -10,7 +10,7 @@ use super::request::{Outcome, Target};
 use super::{Inner, RETRY_INTERVAL};
 use crate::coordinator::api::ReplicaState;
 use crate::error::TransportError;
-use crate::gpa_map::Location;
+use crate::gpa_map::{other_generation, Location};
 
 /// Shortest automatic hedging delay: below it, the scheduling noise of a
 /// busy host would send reads to a second replica for nothing.
@@ -191,7 +191,7 @@ impl Inner {
         // so that any map of the coordinator's generation replaces it.
         loop {
             let old = self.state.load_full();
-            let same_generation = old.map.generation() == change.generation;
+            let same_generation = !other_generation(old.map.generation(), change.generation);
             if same_generation && old.map.version() >= change.version {
                 break;
             }

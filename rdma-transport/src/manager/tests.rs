@@ -81,6 +81,11 @@ fn a_map_of_another_generation_replaces_the_one_in_use_whatever_its_version() {
     );
     assert!(mgr.update_map(of(9, 4, &[("a", addr_a)])));
     assert_eq!(mgr.map().len(), 1);
+    // A map that names no generation (made by hand, an older coordinator)
+    // is compared by version only.
+    assert!(!mgr.update_map(of(0, 4, &[])), "generation 0, same version");
+    assert!(mgr.update_map(of(0, 5, &[])));
+    assert!(!mgr.update_map(of(9, 5, &[])), "back to 9, same version");
 }
 
 #[test]
