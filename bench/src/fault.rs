@@ -362,13 +362,14 @@ impl Run {
             direct => format!("; TCP: {direct} read straight into guest RAM"),
         };
         let line = format!(
-            "fault {}/{}, {:?}, {threads} thread(s): {:.0} faults/s, p50 {} us ({} fetched by faults, {} by prefetch{rdma_pages}{tcp_pages})",
+            "fault {}/{}, {:?}, {threads} thread(s): {:.0} faults/s, p50 {} us ({} fetched by faults, {} of them inline, {} by prefetch{rdma_pages}{tcp_pages})",
             self.label,
             params.data_path,
             self.pattern,
             record.throughput.pages_per_s,
             fmt_us(record.latency_us.p50),
             stats.missing_faults,
+            stats.faults_fetched_inline,
             stats.prefetched_pages
         );
         Ok((record, line))

@@ -273,6 +273,9 @@ pub struct RtGuestMemoryStats {
     /// Pages written back straight out of guest memory (runs of at least
     /// 16 consecutive dirty pages of a shared region).
     pub pages_written_in_place: u64,
+    /// Faults whose page a handler read on the spot on the one-page TCP
+    /// path (it had no other fault), not through its completion queue.
+    pub faults_fetched_inline: u64,
 }
 
 impl COut for RtGuestMemoryStats {
@@ -723,6 +726,7 @@ pub unsafe extern "C" fn rt_guest_memory_stats(
             pages_evicted,
             pages_fetched,
             pages_written_in_place,
+            faults_fetched_inline,
         } = m.stats();
         let value = RtGuestMemoryStats {
             struct_size: 0,
@@ -737,6 +741,7 @@ pub unsafe extern "C" fn rt_guest_memory_stats(
             pages_evicted,
             pages_fetched,
             pages_written_in_place,
+            faults_fetched_inline,
         };
         // SAFETY: the caller passes NULL or a struct of `struct_size` bytes.
         match unsafe { write_out(stats, &value) } {

@@ -349,6 +349,22 @@ impl TransportManager {
         self.inner.config.caller_spin()
     }
 
+    /// A fault handler's one-page read straight into `page`, waiting at
+    /// most `wait` (see `Inner::read_direct_within`): `None` when the
+    /// one-page TCP path does not apply.
+    ///
+    /// # Safety
+    /// `page` must be valid for writes of `PAGE_SIZE` bytes, and nobody
+    /// else may read or write them until this returns.
+    pub(crate) unsafe fn read_direct_within(
+        &self,
+        gpa: u64,
+        page: *mut u8,
+        wait: std::time::Duration,
+    ) -> Option<Result<(), TransportError>> {
+        self.inner.read_direct_within(gpa, page, wait)
+    }
+
     /// The page pool.
     pub fn pool(&self) -> &PagePool {
         &self.inner.pool

@@ -51,6 +51,11 @@ const MAX_FETCHES: usize = 256;
 /// While spinning on answers, the userfaultfd and the stop and queue
 /// eventfds are looked at every this many socket reads.
 const UFFD_CHECK_EVERY: u32 = 4;
+/// How long the one-fault path (`Handler::fetch_now`) waits for its answer
+/// before it hands the fault to the completion queue: past the p999 of a
+/// page on a loaded loopback, short enough that the faults behind it do
+/// not notice a hung node.
+const FETCH_NOW_WAIT: Duration = Duration::from_micros(200);
 
 /// How a handler's spin on its one fetch ended.
 enum Spun {
@@ -216,6 +221,9 @@ impl Handler<'_> {
                     return;
                 }
             };
+            // One fault and nothing else in the thread's hands (one vCPU
+            // faulting): fetch it on the one-page path (`fetch_now`).
+            let alone = got == 1 && !self.in_flight() && self.pending.is_empty();
             for event in events.events() {
                 let Event::Pagefault(Pagefault {
                     addr,
@@ -237,14 +245,17 @@ impl Handler<'_> {
                     // served like a missing one, from its owner.
                     FaultKind::Missing | FaultKind::Minor => {
                         let now = Instant::now();
-                        self.missing(PendingFault {
-                            page,
-                            write,
-                            thread_id,
-                            first_seen: now,
-                            due: now,
-                            attempts: 0,
-                        });
+                        self.missing(
+                            PendingFault {
+                                page,
+                                write,
+                                thread_id,
+                                first_seen: now,
+                                due: now,
+                                attempts: 0,
+                            },
+                            alone,
+                        );
                     }
                     FaultKind::WriteProtect => self.write_protected(page),
                 }
@@ -270,7 +281,7 @@ impl Handler<'_> {
         while i < self.pending.len() {
             if self.pending[i].due <= now {
                 let fault = self.pending.swap_remove(i);
-                self.missing(fault);
+                self.missing(fault, false);
             } else {
                 i += 1;
             }
@@ -278,8 +289,9 @@ impl Handler<'_> {
     }
 
     /// Starts the fetch a MISSING fault needs (or defers the fault behind
-    /// whoever works on its page).
-    fn missing(&mut self, fault: PendingFault) {
+    /// whoever works on its page). `alone`: the thread has nothing else to
+    /// do, so the page may be fetched on the spot (`fetch_now`).
+    fn missing(&mut self, fault: PendingFault, alone: bool) {
         let shared = self.shared;
         let page = fault.page;
         let gen = loop {
@@ -301,6 +313,14 @@ impl Handler<'_> {
         }
         let mut fault = fault;
         fault.attempts += 1;
+        Counters::add(
+            &shared.counters.pages_fetched,
+            shared.region.unit_pages() as u64,
+        );
+        shared.region.gpas_of(page, page + 1, &mut self.gpas);
+        if alone && self.gpas.len() == 1 && self.fetch_now(fault, gen) {
+            return;
+        }
         let slot = match self.free.pop() {
             Some(slot) => slot,
             None => {
@@ -309,11 +329,6 @@ impl Handler<'_> {
             }
         };
         self.fetches[slot] = Some(Fetch { fault, gen });
-        Counters::add(
-            &shared.counters.pages_fetched,
-            shared.region.unit_pages() as u64,
-        );
-        shared.region.gpas_of(page, page + 1, &mut self.gpas);
         let gpa = &self.gpas[..];
         let submitted = if shared.region.is_shared() {
             // SAFETY: the page is claimed `FETCHING` by us and absent from
@@ -413,15 +428,76 @@ impl Handler<'_> {
             if let Some(frame) = completion.pages {
                 self.frames.push(frame);
             }
-            match outcome {
-                Ok(Installed::Mapped) => super::prefetch::after_fault(self.shared, page),
-                Ok(Installed::Settled) => {}
-                Ok(Installed::Again) => self.missing(fetch.fault),
-                Err(err) => self.failed(fetch.fault, err),
-            }
+            self.settle(fetch.fault, outcome);
         }
         self.done = done;
         n
+    }
+
+    /// What follows a fetch of `fault`'s page and its install.
+    fn settle(&mut self, fault: PendingFault, outcome: Result<Installed, TransportError>) {
+        match outcome {
+            Ok(Installed::Mapped) => super::prefetch::after_fault(self.shared, fault.page),
+            Ok(Installed::Settled) => {}
+            Ok(Installed::Again) => self.missing(fault, false),
+            Err(err) => self.failed(fault, err),
+        }
+    }
+
+    /// The one-fault path: `fault`'s page (one page, claimed `FETCHING` at
+    /// `gen`, its GPA in `self.gpas`) read and put in place right here, as
+    /// a bare handler would, on the manager's one-page TCP path: no
+    /// completion queue, no round, no slot. The answer is waited for at
+    /// most [`FETCH_NOW_WAIT`], so a slow or hung node holds the thread's
+    /// other faults back that long at most. False (the claim still held)
+    /// when that path does not apply, or the read failed or took longer:
+    /// the caller submits it the general way, which reads the page again
+    /// and handles any error.
+    fn fetch_now(&mut self, fault: PendingFault, gen: u32) -> bool {
+        let shared = self.shared;
+        let page = fault.page;
+        let gpa = self.gpas[0];
+        let mut frame = None;
+        let dst = if shared.region.is_shared() {
+            // SAFETY: as in `missing`: the page is claimed `FETCHING` by
+            // us and absent from the guest mapping, so nobody else reads
+            // or writes its alias until we release the claim.
+            match unsafe { shared.region.alias_pages_mut(page, page + 1) } {
+                Some(dst) => dst.as_mut_ptr().cast::<u8>(),
+                None => return false,
+            }
+        } else {
+            let f = frame.insert(
+                self.frames
+                    .pop()
+                    .unwrap_or_else(|| vec![[0u8; PAGE_SIZE]; 1].into_boxed_slice()),
+            );
+            f.as_mut_ptr().cast::<u8>()
+        };
+        // SAFETY: `dst` is one page: the claimed page's alias (above), or
+        // the frame we own, which nothing else refers to.
+        let read = unsafe { shared.manager.read_direct_within(gpa, dst, FETCH_NOW_WAIT) };
+        let fetched = matches!(read, Some(Ok(())));
+        if fetched {
+            let outcome = install::fetched(
+                shared,
+                page,
+                gen,
+                fault.write,
+                frame.as_deref().and_then(|p| p.first()),
+            );
+            Counters::add(&shared.counters.faults_fetched_inline, 1);
+            if let Some(frame) = frame.take() {
+                self.frames.push(frame);
+            }
+            self.settle(fault, Ok(outcome));
+        } else if let Some(Err(err)) = read {
+            tracing::debug!(page, %err, "one-page fetch did not complete; submitting it");
+        }
+        if let Some(frame) = frame {
+            self.frames.push(frame);
+        }
+        fetched
     }
 
     /// Gives the claims of the fetches still in flight back (the thread

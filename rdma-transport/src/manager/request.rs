@@ -124,7 +124,7 @@ impl Inner {
         let deadline = Deadline::lazy(self.config.request_timeout());
         let single = match self.run_single_rdma(opcode, gpa, page, frame, &deadline) {
             Some(result) => result,
-            None => self.run_single_tcp(opcode, gpa, page, &deadline)?,
+            None => self.run_single_tcp(opcode, gpa, page, false, &deadline)?,
         };
         match single {
             // Served again, on a new connection, within what is left of

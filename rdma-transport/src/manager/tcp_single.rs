@@ -30,6 +30,28 @@ impl Holder {
 }
 
 impl Inner {
+    /// A fault handler's read of the page at `gpa` straight into `page`,
+    /// on the one-page TCP path (no completion queue), waiting for its
+    /// answer at most `wait`. `None` when that path does not apply (see
+    /// [`Inner::run_single_tcp`]) or the holder's link is RDMA. An error
+    /// when the read failed or took longer than `wait` (its request is
+    /// cancelled): `page` is then unspecified and the caller reads it again
+    /// the general way, which counts that outcome (so only a success is
+    /// counted here).
+    pub(crate) fn read_direct_within(
+        &self,
+        gpa: u64,
+        page: *mut u8,
+        wait: std::time::Duration,
+    ) -> Option<Result<(), TransportError>> {
+        let deadline = Deadline::lazy(wait);
+        let result = self.run_single_tcp(Opcode::Read, gpa, page, true, &deadline)?;
+        if result.is_ok() {
+            self.counters.record(Opcode::Read, 1, &result);
+        }
+        Some(result)
+    }
+
     /// The one holder of `gpa` and its node's live connection, when a
     /// one-page request may take a fast path: an aligned address in a
     /// single-holder range that serves, on a connection to the server in
@@ -56,11 +78,15 @@ impl Inner {
     /// Runs one page over the node's live TCP connection. `None` when the
     /// general path must do it: a replicated range, no connection yet, a
     /// map miss, a bad address, a server in another epoch than the range's.
+    ///
+    /// A `direct` READ's answer may be read from the socket straight into
+    /// `page`, which is then unspecified if the read fails.
     pub(super) fn run_single_tcp(
         &self,
         opcode: Opcode,
         gpa: u64,
         page: *mut u8,
+        direct: bool,
         deadline: &Deadline,
     ) -> Option<Result<(), TransportError>> {
         let holder = self.single_holder(gpa)?;
@@ -77,7 +103,7 @@ impl Inner {
         let request = [Request {
             offset: loc.remote_offset,
             page,
-            direct: false,
+            direct,
         }];
         let code = match conn.submit(opcode, &request, &mut ids, &waiter, deadline) {
             Ok(()) => {
