@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use rdma_transport::guest_memory::{GuestBacking, GuestMemory, GuestMemoryConfig, SharedFile};
-use rdma_transport::{ManagerConfig, PollMode, TransportManager, PAGE_SIZE};
+use rdma_transport::{ManagerConfig, Page, PollMode, TransportManager, PAGE_SIZE};
 
 const NODE: u64 = NODE_BYTES as u64;
 /// Faulting threads on node a's pages, and pages each touches.
@@ -167,7 +167,129 @@ fn hung_node_delays_only_its_faults(shared: bool, poll_mode: PollMode) {
         stats.pages_fetched, stats.missing_faults,
         "one fetch per page"
     );
+    // b's fault came alone and was tried on the one-page path, which gave
+    // up on b after its short wait and left it to the queue; a's came
+    // while b's was in flight, so they went through the queue at once.
+    assert_eq!(
+        stats.faults_fetched_inline, 0,
+        "a fault was served inline while another was in flight, or the hung one counted"
+    );
     assert_eq!((stats.fault_errors, stats.sigbus_raised), (0, 0));
+}
+
+/// One vCPU faulting, one page at a time: each fault is alone, and the
+/// handler reads its page on the spot (the one-page path), straight into
+/// the frame or the alias; every page arrives intact. Then the page-server
+/// is stopped for real while a fault waits on it: the handler gives up its
+/// one-page wait, hands the fault to its queue (so it keeps serving), and
+/// once the server runs again the page arrives, right, though the server
+/// then answers the abandoned request too.
+#[test]
+fn lone_faults_are_fetched_inline_and_a_stopped_server_sends_them_to_the_queue() {
+    for shared in [false, true] {
+        lone_faults_inline(shared);
+    }
+}
+
+fn lone_faults_inline(shared: bool) {
+    const PAGES: usize = 24;
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let server = ChildServer::start(&coord.url(), "a", 0);
+    let mgr = Arc::new(
+        TransportManager::connect(ManagerConfig {
+            coordinator_url: coord.url(),
+            request_timeout_ms: 60_000,
+            poller_cpus: Some(vec![]),
+            ..ManagerConfig::default()
+        })
+        .expect("manager connects"),
+    );
+    assert!(wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().len() == 1
+    }));
+    let gpas: Vec<u64> = (0..=PAGES).map(|i| (5 * i * PAGE_SIZE) as u64).collect();
+    for &gpa in &gpas {
+        mgr.write_page(gpa, &page_for(gpa, 4)).unwrap();
+    }
+    let backing = if shared {
+        GuestBacking::SharedFile(SharedFile::new(memfd(NODE_BYTES), 0))
+    } else {
+        GuestBacking::Anonymous
+    };
+    let ram = Arc::new(
+        GuestMemory::new(
+            Arc::clone(&mgr),
+            GuestMemoryConfig {
+                handler_threads: 1,
+                handler_cpus: Some(vec![]),
+                prefetch_max_pages: 0,
+                fault_timeout_ms: 120_000,
+                backing,
+                ..GuestMemoryConfig::new(0, NODE_BYTES)
+            },
+        )
+        .unwrap(),
+    );
+    let mut page = vec![0u8; PAGE_SIZE];
+    for &gpa in &gpas[..PAGES] {
+        ram.read(gpa, &mut page).unwrap();
+        assert!(page[..] == page_for(gpa, 4)[..], "page {gpa:#x} differs");
+    }
+    let stats = ram.stats();
+    let inline = stats.faults_fetched_inline;
+    // Most, not all: an answer slower than the one-page wait (a cold
+    // debug build's first pages) goes to the queue.
+    assert!(
+        stats.missing_faults == PAGES as u64 && inline > PAGES as u64 / 2 && inline <= PAGES as u64,
+        "shared {shared}: lone faults were not fetched inline ({stats:?})"
+    );
+
+    server.pause();
+    let last = gpas[PAGES];
+    let (got_tx, got_rx) = mpsc::channel();
+    {
+        let ram = Arc::clone(&ram);
+        std::thread::spawn(move || {
+            let mut page = vec![0u8; PAGE_SIZE];
+            let read = ram.read(last, &mut page).map(|()| page);
+            let _ = got_tx.send(read);
+        });
+    }
+    assert!(wait_until(Duration::from_secs(10), || ram
+        .stats()
+        .pages_fetched
+        > PAGES as u64));
+    let early = got_rx.try_recv().is_ok();
+    server.resume();
+    assert!(!early, "the fault was served while its server was stopped");
+    let got = got_rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the fault is served once its server runs again")
+        .unwrap();
+    assert!(
+        got[..] == page_for(last, 4)[..],
+        "shared {shared}: the page that waited for the stopped server differs"
+    );
+    let stats = ram.stats();
+    assert_eq!(
+        (
+            stats.missing_faults,
+            stats.faults_fetched_inline,
+            stats.pages_fetched
+        ),
+        (PAGES as u64 + 1, inline, PAGES as u64 + 1),
+        "shared {shared}: the fault on the stopped server was counted inline, or fetched twice ({stats:?})"
+    );
+    assert_eq!((stats.fault_errors, stats.sigbus_raised), (0, 0));
+    // Served again after the abandoned answer came: the connection took it
+    // in stride.
+    let mut again: Page = [0; PAGE_SIZE];
+    mgr.read_page(gpas[1], &mut again).unwrap();
+    assert!(again[..] == page_for(gpas[1], 4)[..]);
 }
 
 /// CPU time (ns) of each of this process's fault handler threads (named
