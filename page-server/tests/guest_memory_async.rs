@@ -42,6 +42,34 @@ fn busy_handler_a_hung_node_delays_only_the_faults_that_need_it() {
 /// threads must all be served before b comes back. The request timeout is
 /// a minute, so a handler that waited for b's answer would serve none of
 /// them in time. Then b resumes and its fault is served with its page.
+/// Guest RAM of `size_bytes` from GPA 0 (a memfd's when `shared`), served
+/// by one unpinned handler thread, without read-ahead.
+fn one_handler_ram(
+    mgr: &Arc<TransportManager>,
+    shared: bool,
+    size_bytes: usize,
+) -> Arc<GuestMemory> {
+    let backing = if shared {
+        GuestBacking::SharedFile(SharedFile::new(memfd(size_bytes), 0))
+    } else {
+        GuestBacking::Anonymous
+    };
+    Arc::new(
+        GuestMemory::new(
+            Arc::clone(mgr),
+            GuestMemoryConfig {
+                handler_threads: 1,
+                handler_cpus: Some(vec![]),
+                prefetch_max_pages: 0,
+                fault_timeout_ms: 120_000,
+                backing,
+                ..GuestMemoryConfig::new(0, size_bytes)
+            },
+        )
+        .unwrap(),
+    )
+}
+
 fn hung_node_delays_only_its_faults(shared: bool, poll_mode: PollMode) {
     let db = tempfile::tempdir().unwrap();
     let coord = coordinator_on(
@@ -72,25 +100,7 @@ fn hung_node_delays_only_its_faults(shared: bool, poll_mode: PollMode) {
     for &gpa in gpas_a.iter().chain([&gpa_b]) {
         mgr.write_page(gpa, &page_for(gpa, 9)).unwrap();
     }
-    let backing = if shared {
-        GuestBacking::SharedFile(SharedFile::new(memfd(2 * NODE_BYTES), 0))
-    } else {
-        GuestBacking::Anonymous
-    };
-    let ram = Arc::new(
-        GuestMemory::new(
-            Arc::clone(&mgr),
-            GuestMemoryConfig {
-                handler_threads: 1,
-                handler_cpus: Some(vec![]),
-                prefetch_max_pages: 0,
-                fault_timeout_ms: 120_000,
-                backing,
-                ..GuestMemoryConfig::new(0, 2 * NODE_BYTES)
-            },
-        )
-        .unwrap(),
-    );
+    let ram = one_handler_ram(&mgr, shared, 2 * NODE_BYTES);
 
     b.pause();
     let hung = {
@@ -215,25 +225,7 @@ fn lone_faults_inline(shared: bool) {
     for &gpa in &gpas {
         mgr.write_page(gpa, &page_for(gpa, 4)).unwrap();
     }
-    let backing = if shared {
-        GuestBacking::SharedFile(SharedFile::new(memfd(NODE_BYTES), 0))
-    } else {
-        GuestBacking::Anonymous
-    };
-    let ram = Arc::new(
-        GuestMemory::new(
-            Arc::clone(&mgr),
-            GuestMemoryConfig {
-                handler_threads: 1,
-                handler_cpus: Some(vec![]),
-                prefetch_max_pages: 0,
-                fault_timeout_ms: 120_000,
-                backing,
-                ..GuestMemoryConfig::new(0, NODE_BYTES)
-            },
-        )
-        .unwrap(),
-    );
+    let ram = one_handler_ram(&mgr, shared, NODE_BYTES);
     let mut page = vec![0u8; PAGE_SIZE];
     for &gpa in &gpas[..PAGES] {
         ram.read(gpa, &mut page).unwrap();
