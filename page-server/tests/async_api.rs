@@ -12,7 +12,9 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use rdma_transport::{Completion, Page, Reap, TransportError, TransportManager, PAGE_SIZE};
+use rdma_transport::{
+    Completion, ManagerConfig, Page, Reap, TransportError, TransportManager, PAGE_SIZE,
+};
 
 fn cluster() -> (
     tempfile::TempDir,
@@ -419,4 +421,57 @@ fn a_submission_after_a_failed_or_a_large_one_starts_clean() {
             assert!(*page == page_for(gpa, 9), "round {round}: page {gpa:#x}");
         }
     }
+}
+
+/// A queue reaped with `wait` (poll mode, the library's default event
+/// polling) sleeps on its rounds' sockets and a wake fd. What does not come
+/// on those sockets must still wake it at once: here reads of a range
+/// that joined after the manager read its map, which a fallback job on
+/// another thread serves (it refreshes the map). `wait` is given 60 s and
+/// the requests 30 s, so a wake-up that went missing would hold each
+/// completion for the whole wait (a bound of 20 s cannot be missed by a
+/// working queue, however loaded the host).
+#[test]
+fn a_completion_finished_off_the_sockets_wakes_a_waiting_reaper() {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let _a = page_server(&coord.url(), "a", 0);
+    let mgr = TransportManager::connect(ManagerConfig {
+        coordinator_url: coord.url(),
+        request_timeout_ms: 30_000,
+        poller_cpus: Some(vec![]),
+        ..ManagerConfig::default()
+    })
+    .expect("manager connects");
+    assert!(wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().len() == 1
+    }));
+    let _b = page_server(&coord.url(), "b", NODE_BYTES as u64);
+    let gpas: Vec<u64> = (0..4u64)
+        .map(|i| NODE_BYTES as u64 + i * PAGE_SIZE as u64)
+        .collect();
+    fill(&manager(&coord.url()), &gpas, 4);
+    let queue = mgr.completion_queue(Reap::Poll).unwrap();
+    for (i, &gpa) in gpas.iter().enumerate() {
+        queue.submit_read(&[gpa], zeroed(1), i as u64).unwrap();
+        let started = Instant::now();
+        let mut out = Vec::new();
+        queue.wait(&mut out, 1, Duration::from_secs(60));
+        let waited = started.elapsed();
+        assert_eq!(out.len(), 1, "read {i}: nothing completed");
+        assert!(
+            waited < Duration::from_secs(20),
+            "read {i}: the completion waited {waited:?}: its wake-up was lost"
+        );
+        let c = out.pop().unwrap();
+        c.result.unwrap();
+        assert!(
+            c.pages.unwrap()[0] == page_for(gpa, 4),
+            "read {i}: page {gpa:#x}"
+        );
+    }
+    assert_eq!(mgr.map().len(), 2, "the reads refreshed the map");
 }

@@ -11,7 +11,7 @@
 //! delivers the submission's completion after its last window.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -91,12 +91,23 @@ impl Inner {
             Reap::Eventfd => (Mode::Eventfd, None),
             Reap::Callback(f) => (Mode::Callback, Some(f)),
         };
-        let eventfd = if mode == Mode::Eventfd {
+        let new_eventfd = || -> Result<OwnedFd, TransportError> {
             // SAFETY: eventfd takes no pointers; the result is checked.
             let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) })
                 .map_err(|e| TransportError::Config(format!("cannot create an eventfd: {e}")))?;
             // SAFETY: `fd` is a fresh descriptor nothing else owns.
-            Some(unsafe { OwnedFd::from_raw_fd(fd) })
+            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        };
+        let eventfd = if mode == Mode::Eventfd {
+            Some(new_eventfd()?)
+        } else {
+            None
+        };
+        // Without it, `wait` parks as before: slower, not wrong.
+        let wake_fd = if mode == Mode::Poll {
+            new_eventfd()
+                .map_err(|err| tracing::debug!(%err, "completion queue: no wake fd; wait parks"))
+                .ok()
         } else {
             None
         };
@@ -124,6 +135,8 @@ impl Inner {
             stop: AtomicBool::new(false),
             callback: Mutex::new(callback),
             reaper_reads_tcp: AtomicBool::new(false),
+            wake_fd,
+            fd_sleeper: AtomicBool::new(false),
         });
         let thread = match mode {
             Mode::Poll => None,
@@ -278,6 +291,9 @@ impl CompletionQueue {
                 std::thread::yield_now();
                 continue;
             }
+            if self.sleep_on_sockets(until) {
+                continue;
+            }
             // Sleep: the pollers read the lanes' answers meanwhile.
             *self.shared.sleeper.lock() = Some(std::thread::current());
             let earliest = {
@@ -299,6 +315,67 @@ impl CompletionQueue {
                 st.lanes[t].round.park(false);
             }
         }
+    }
+
+    /// Poll mode's sleep in `wait`, until an answer, a wake-up or the
+    /// earliest deadline (at most `until`): in `ppoll` on the TCP sockets
+    /// of the rounds on the wire and the queue's wake fd, so an answer
+    /// wakes this thread directly, which then reads it (one wake-up, not
+    /// a poller's and then this thread's). Their RDMA connections are left
+    /// to the pollers, whose answers, like the fallbacks' and other
+    /// readers', come through `Shared::wake`. False when there is no wake
+    /// fd (the caller parks instead).
+    fn sleep_on_sockets(&self, until: Instant) -> bool {
+        let shared = &*self.shared;
+        let Some(wake_fd) = shared.wake_fd.as_ref() else {
+            return false;
+        };
+        let mut conns = Vec::new();
+        let earliest = {
+            let mut st = shared.stepper.lock();
+            let st = &mut *st;
+            for &t in &st.active {
+                let round = &mut st.lanes[t].round;
+                round.park_some(true, false);
+                round.tcp_connections(&mut conns);
+            }
+            st.active.iter().map(|&t| st.lanes[t].deadline).min()
+        };
+        shared.fd_sleeper.store(true, Ordering::SeqCst);
+        // Pairs with the fence in `Shared::wake`.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if shared.ready.is_empty() {
+            let mut fds: Vec<libc::pollfd> = std::iter::once(wake_fd.as_raw_fd())
+                .chain(conns.iter().flatten().map(|c| c.stream().as_raw_fd()))
+                .map(|fd| libc::pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                })
+                .collect();
+            let wake_at = earliest.map_or(until, |d| d.min(until));
+            let timeout = crate::sys::timespec(wake_at.saturating_duration_since(Instant::now()));
+            // SAFETY: `fds` are live, initialised pollfds; `timeout` is a
+            // valid timespec and a null signal mask is allowed.
+            let ret = unsafe {
+                libc::ppoll(
+                    fds.as_mut_ptr(),
+                    fds.len() as libc::nfds_t,
+                    &timeout,
+                    std::ptr::null(),
+                )
+            };
+            if ret > 0 && fds[0].revents != 0 {
+                stepper::reset_eventfd(wake_fd);
+            }
+        }
+        shared.fd_sleeper.store(false, Ordering::SeqCst);
+        let mut st = shared.stepper.lock();
+        let st = &mut *st;
+        for &t in &st.active {
+            st.lanes[t].round.park(false);
+        }
+        true
     }
 
     /// From now on the reaper waits on the TCP sockets of the rounds on

@@ -52,6 +52,11 @@ pub(super) struct Shared {
     /// ([`CompletionQueue::read_tcp_myself`]): rounds are not parked on
     /// them.
     pub(super) reaper_reads_tcp: AtomicBool,
+    /// Poll mode: `wait` sleeps in `ppoll` on its rounds' TCP sockets and
+    /// this eventfd (`None`: it could not be made, and `wait` parks).
+    pub(super) wake_fd: Option<OwnedFd>,
+    /// A reaper sleeps on `wake_fd`: `wake` writes it.
+    pub(super) fd_sleeper: AtomicBool,
 }
 
 impl std::fmt::Debug for Shared {
@@ -115,6 +120,14 @@ impl Shared {
         if self.mode == Mode::Eventfd {
             self.signal_eventfd();
         }
+        // Pairs with the fence in `CompletionQueue::sleep_on_sockets`: either
+        // it sees what the caller queued, or this sees it asleep.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.fd_sleeper.load(Ordering::SeqCst) {
+            if let Some(fd) = &self.wake_fd {
+                write_eventfd(fd);
+            }
+        }
         // A thread in `wait` (any mode but callback) or the callback thread.
         if let Some(t) = self.sleeper.lock().as_ref() {
             t.unpark();
@@ -123,12 +136,7 @@ impl Shared {
 
     pub(super) fn signal_eventfd(&self) {
         if let Some(fd) = &self.eventfd {
-            let one = 1u64.to_ne_bytes();
-            // SAFETY: writes 8 bytes from a live buffer to an eventfd we own.
-            let ret = unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), one.len()) };
-            if ret < 0 {
-                tracing::debug!(err = %std::io::Error::last_os_error(), "completion eventfd write failed");
-            }
+            write_eventfd(fd);
             // After the write: a drain that sees the flag finds the count
             // there (or a later one's), so the eventfd never stays
             // readable with the flag down.
@@ -144,9 +152,7 @@ impl Shared {
             if !self.eventfd_signalled.swap(false, Ordering::AcqRel) {
                 return;
             }
-            let mut buf = [0u8; 8];
-            // SAFETY: reads at most 8 bytes into a live buffer; the fd is non-blocking.
-            let _ = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            reset_eventfd(fd);
         }
     }
 
@@ -395,6 +401,24 @@ impl Shared {
         }
         n
     }
+}
+
+/// Adds one to the eventfd `fd`.
+pub(super) fn write_eventfd(fd: &OwnedFd) {
+    let one = 1u64.to_ne_bytes();
+    // SAFETY: writes 8 bytes from a live buffer to an eventfd we own.
+    let ret = unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    if ret < 0 {
+        tracing::debug!(err = %std::io::Error::last_os_error(), "completion eventfd write failed");
+    }
+}
+
+/// Resets the eventfd `fd` (non-blocking: nothing happens when it is not
+/// signalled).
+pub(super) fn reset_eventfd(fd: &OwnedFd) {
+    let mut buf = [0u8; 8];
+    // SAFETY: reads at most 8 bytes into a live buffer; the fd is non-blocking.
+    let _ = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
 }
 
 /// The queue's thread. Callback mode: reaps and runs the callback. Eventfd
