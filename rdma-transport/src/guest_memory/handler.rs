@@ -479,6 +479,9 @@ impl Handler<'_> {
         let read = unsafe { shared.manager.read_direct_within(gpa, dst, FETCH_NOW_WAIT) };
         let fetched = matches!(read, Some(Ok(())));
         if fetched {
+            // Counted before the install wakes the faulting thread (and
+            // taken back if it did not map the page), as `missing_faults`.
+            Counters::add(&shared.counters.faults_fetched_inline, 1);
             let outcome = install::fetched(
                 shared,
                 page,
@@ -486,7 +489,9 @@ impl Handler<'_> {
                 fault.write,
                 frame.as_deref().and_then(|p| p.first()),
             );
-            Counters::add(&shared.counters.faults_fetched_inline, 1);
+            if !matches!(outcome, Installed::Mapped) {
+                Counters::sub(&shared.counters.faults_fetched_inline, 1);
+            }
             if let Some(frame) = frame.take() {
                 self.frames.push(frame);
             }
