@@ -100,6 +100,8 @@ pub struct Params {
     pub backings: Vec<Backing>,
     /// `GuestMemoryConfig::handler_cpus` (`--handler-cpus`).
     pub handler_cpus: Option<Vec<usize>>,
+    /// `GuestMemoryConfig::handler_threads` (`--handler-threads`).
+    pub handler_threads: usize,
     /// `GuestMemoryConfig::handler_slice_us` (`--handler-slice-us`).
     pub handler_slice_us: u64,
     /// `--page-server-cpus` (`None`: the bench's choice per run, see
@@ -146,6 +148,7 @@ pub fn run(
             Arc::clone(mgr),
             GuestMemoryConfig {
                 handler_cpus: params.handler_cpus.clone(),
+                handler_threads: params.handler_threads,
                 handler_slice_us: params.handler_slice_us,
                 ..GuestMemoryConfig::new(gpa_base, pages * PAGE_SIZE)
             },
@@ -312,6 +315,7 @@ impl Run {
             Arc::clone(mgr),
             GuestMemoryConfig {
                 prefetch_max_pages: self.window,
+                handler_threads: params.handler_threads,
                 ..crate::guest::config(
                     self.backing,
                     gpa_base,

@@ -174,6 +174,11 @@ struct Args {
     /// `0,2`.
     #[arg(long, default_value = "first", value_parser = parse_handler_cpus)]
     handler_cpus: CpuChoice,
+    /// `--op fault`: fault handler threads of the measured regions
+    /// (`GuestMemoryConfig::handler_threads`; the flush runs keep one). With
+    /// `--handler-cpus first`, handler i is pinned to CPU i.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
+    handler_threads: u16,
     /// Scheduler slice (µs) the fault handlers ask for, Linux 6.12+
     /// (`GuestMemoryConfig::handler_slice_us`; 0: the kernel's). Longer
     /// than the faulting threads' (the kernel's default, at most 3 ms), a
@@ -273,6 +278,19 @@ fn local_server_cpus(args: &Args, poller_cpus: &[usize]) -> Option<Vec<usize>> {
         (None, None | Some(Op::Read | Op::Write)) if plain_local_run => Some(poller_cpus.to_vec()),
         _ => None,
     }
+}
+
+/// The fault op's handler CPUs, as the placement line shows them (`None`:
+/// not a fault run): `--handler-cpus`, or with `first` handler i on CPU i
+/// of `ncpu` (the library's choice for `handler_cpus: None`).
+fn fault_handler_cpus(args: &Args, ncpu: usize) -> Option<Vec<usize>> {
+    (args.op == Some(Op::Fault)).then(|| {
+        args.handler_cpus.0.clone().unwrap_or_else(|| {
+            (0..usize::from(args.handler_threads))
+                .map(|i| i % ncpu.max(1))
+                .collect()
+        })
+    })
 }
 
 fn parse_cpu_choice(s: &str, keyword: &str) -> Result<CpuChoice, String> {
@@ -451,9 +469,10 @@ fn run() -> anyhow::Result<()> {
             .coordinator
             .is_none()
             .then_some(server_spin.as_micros() as u64),
-        // The fault op's one handler: CPU 0 when `first`.
-        handler_cpus: (args.op == Some(Op::Fault))
-            .then(|| args.handler_cpus.0.clone().unwrap_or_else(|| vec![0])),
+        handler_cpus: fault_handler_cpus(
+            &args,
+            std::thread::available_parallelism().map_or(1, |n| n.get()),
+        ),
         handler_slice_us: (args.op == Some(Op::Fault)).then_some(args.handler_slice_us),
         page_server_cpus: local_server_cpus(&args, &poller_cpus),
     };
@@ -542,6 +561,7 @@ fn run() -> anyhow::Result<()> {
                 prefetch: prefetch.clone(),
                 backings: backings.clone(),
                 handler_cpus: args.handler_cpus.0.clone(),
+                handler_threads: usize::from(args.handler_threads),
                 handler_slice_us: args.handler_slice_us,
                 server_cpus: args.page_server_cpus.0.clone(),
                 fault_rounds: args.fault_rounds,
@@ -933,6 +953,36 @@ mod tests {
         let args = Args::try_parse_from(std::iter::once("bench").chain(argv.iter().copied()))
             .expect("valid flags");
         local_server_cpus(&args, &[1])
+    }
+
+    #[test]
+    fn fault_handlers_are_placed_one_per_cpu_unless_listed() {
+        let cpus = |argv: &[&str]| {
+            let args = Args::try_parse_from(std::iter::once("bench").chain(argv.iter().copied()))
+                .expect("valid flags");
+            fault_handler_cpus(&args, 2)
+        };
+        assert_eq!(cpus(&["--op", "fault"]), Some(vec![0]));
+        assert_eq!(
+            cpus(&["--op", "fault", "--handler-threads", "3"]),
+            Some(vec![0, 1, 0])
+        );
+        assert_eq!(
+            cpus(&[
+                "--op",
+                "fault",
+                "--handler-threads",
+                "2",
+                "--handler-cpus",
+                "none"
+            ]),
+            Some(vec![])
+        );
+        assert_eq!(cpus(&["--op", "read", "--handler-threads", "2"]), None);
+        assert!(
+            Args::try_parse_from(["bench", "--op", "fault", "--handler-threads", "0"]).is_err(),
+            "a region needs a handler"
+        );
     }
 
     #[test]
