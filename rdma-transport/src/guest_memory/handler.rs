@@ -345,10 +345,7 @@ impl Handler<'_> {
                 None => Err(TransportError::Config("shared region without alias".into())),
             }
         } else {
-            let frame = self
-                .frames
-                .pop()
-                .unwrap_or_else(|| vec![[0u8; PAGE_SIZE]; 1].into_boxed_slice());
+            let frame = take_frame(&mut self.frames);
             self.queue.submit_read(gpa, frame, slot as u64)
         };
         if let Err(err) = submitted {
@@ -467,18 +464,15 @@ impl Handler<'_> {
                 None => return false,
             }
         } else {
-            let f = frame.insert(
-                self.frames
-                    .pop()
-                    .unwrap_or_else(|| vec![[0u8; PAGE_SIZE]; 1].into_boxed_slice()),
-            );
-            f.as_mut_ptr().cast::<u8>()
+            frame
+                .insert(take_frame(&mut self.frames))
+                .as_mut_ptr()
+                .cast::<u8>()
         };
         // SAFETY: `dst` is one page: the claimed page's alias (above), or
         // the frame we own, which nothing else refers to.
         let read = unsafe { shared.manager.read_direct_within(gpa, dst, FETCH_NOW_WAIT) };
-        let fetched = matches!(read, Some(Ok(())));
-        if fetched {
+        let outcome = matches!(read, Some(Ok(()))).then(|| {
             // Counted before the install wakes the faulting thread (and
             // taken back if it did not map the page), as `missing_faults`.
             Counters::add(&shared.counters.faults_fetched_inline, 1);
@@ -492,17 +486,23 @@ impl Handler<'_> {
             if !matches!(outcome, Installed::Mapped) {
                 Counters::sub(&shared.counters.faults_fetched_inline, 1);
             }
-            if let Some(frame) = frame.take() {
-                self.frames.push(frame);
-            }
-            self.settle(fault, Ok(outcome));
-        } else if let Some(Err(err)) = read {
-            tracing::debug!(page, %err, "one-page fetch did not complete; submitting it");
-        }
+            outcome
+        });
         if let Some(frame) = frame {
             self.frames.push(frame);
         }
-        fetched
+        match outcome {
+            Some(outcome) => {
+                self.settle(fault, Ok(outcome));
+                true
+            }
+            None => {
+                if let Some(Err(err)) = read {
+                    tracing::debug!(page, %err, "one-page fetch did not complete; submitting it");
+                }
+                false
+            }
+        }
     }
 
     /// Gives the claims of the fetches still in flight back (the thread
@@ -611,6 +611,14 @@ impl Handler<'_> {
             }
         }
     }
+}
+
+/// A spare one-page receive buffer of `frames` (anonymous region), or a
+/// new one.
+fn take_frame(frames: &mut Vec<Box<[Page]>>) -> Box<[Page]> {
+    frames
+        .pop()
+        .unwrap_or_else(|| vec![[0u8; PAGE_SIZE]; 1].into_boxed_slice())
 }
 
 /// What a MISSING fault on `page`, whose state word was `s`, needs before

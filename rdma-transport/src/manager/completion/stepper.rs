@@ -120,11 +120,12 @@ impl Shared {
         if self.mode == Mode::Eventfd {
             self.signal_eventfd();
         }
-        // Pairs with the fence in `CompletionQueue::sleep_on_sockets`: either
-        // it sees what the caller queued, or this sees it asleep.
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.fd_sleeper.load(Ordering::SeqCst) {
-            if let Some(fd) = &self.wake_fd {
+        // Poll mode only (the other modes have no wake fd, and skip the
+        // fence). Pairs with the fence in `CompletionQueue::sleep_on_sockets`:
+        // either it sees what the caller queued, or this sees it asleep.
+        if let Some(fd) = &self.wake_fd {
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if self.fd_sleeper.load(Ordering::SeqCst) {
                 write_eventfd(fd);
             }
         }
