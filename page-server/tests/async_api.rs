@@ -475,3 +475,89 @@ fn a_completion_finished_off_the_sockets_wakes_a_waiting_reaper() {
     }
     assert_eq!(mgr.map().len(), 2, "the reads refreshed the map");
 }
+
+/// The system call `thread` (a task id of this process) is blocked in, or
+/// None when it is running or gone (`/proc/<pid>/task/<tid>/syscall`).
+fn blocked_in_syscall(thread: &str) -> Option<i64> {
+    let text = std::fs::read_to_string(format!("/proc/self/task/{thread}/syscall")).ok()?;
+    text.split_whitespace().next()?.parse().ok()
+}
+
+#[test]
+fn a_submission_from_another_thread_wakes_a_reaper_asleep_in_wait() {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let _a = page_server(&coord.url(), "a", 0);
+    let b = ChildServer::start(&coord.url(), "b", NODE_BYTES as u64);
+    // A hung read that times out long after the test's bound.
+    let mgr = TransportManager::connect(ManagerConfig {
+        coordinator_url: coord.url(),
+        request_timeout_ms: 60_000,
+        poller_cpus: Some(vec![]),
+        ..ManagerConfig::default()
+    })
+    .expect("manager connects");
+    assert!(wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().len() == 2
+    }));
+    let (gpa_a, gpa_b) = (3 * PAGE_SIZE as u64, NODE_BYTES as u64);
+    fill(&mgr, &[gpa_a], 9);
+    fill(&mgr, &[gpa_b], 9);
+    let queue = mgr.completion_queue(Reap::Poll).unwrap();
+    // Read node a once through the queue: its connection is warm, the
+    // later read needs no new one.
+    queue.submit_read(&[gpa_a], zeroed(1), 1).unwrap();
+    let mut out = Vec::new();
+    queue.wait(&mut out, 1, Duration::from_secs(10));
+    assert_eq!(out.len(), 1, "the warm-up read did not complete");
+
+    b.pause(); // SIGSTOP: connected, silent
+    queue.submit_read(&[gpa_b], zeroed(1), 1000).unwrap();
+    let queue = &queue;
+    std::thread::scope(|s| {
+        let (tid_tx, tid_rx) = mpsc::channel();
+        let reaper = s.spawn(move || {
+            let me = std::fs::read_link("/proc/thread-self").expect("/proc/thread-self");
+            let tid = me.file_name().unwrap().to_string_lossy().into_owned();
+            tid_tx.send(tid).unwrap();
+            let started = Instant::now();
+            let mut out = Vec::new();
+            queue.wait(&mut out, 1, Duration::from_secs(30));
+            (out, started.elapsed())
+        });
+        let tid = tid_rx.recv().unwrap();
+        // The reaper is asleep in the kernel (ppoll, or futex when the
+        // queue has no wake fd) before the other thread submits.
+        let asleep = wait_until(Duration::from_secs(10), || {
+            matches!(
+                blocked_in_syscall(&tid),
+                Some(n) if n == libc::SYS_ppoll || n == libc::SYS_futex
+            )
+        });
+        assert!(asleep, "the reaper never went to sleep in wait");
+        queue.submit_read(&[gpa_a], zeroed(1), 2).unwrap();
+        let (out, waited) = reaper.join().unwrap();
+        assert!(
+            waited < Duration::from_secs(15),
+            "the reaper slept {waited:?} with a submission unsent"
+        );
+        assert_eq!(out.len(), 1, "one completion, the new read's");
+        let c = &out[0];
+        assert_eq!(c.user_data, 2);
+        c.result.as_ref().unwrap();
+        assert!(c.pages.as_ref().unwrap()[0] == page_for(gpa_a, 9));
+    });
+    b.resume();
+    let mut out = Vec::new();
+    queue.wait(&mut out, 1, Duration::from_secs(30));
+    assert_eq!(
+        out.len(),
+        1,
+        "the paused node's read completes after SIGCONT"
+    );
+    assert_eq!(out[0].user_data, 1000);
+    assert!(out[0].pages.as_ref().unwrap()[0] == page_for(gpa_b, 9));
+}

@@ -72,7 +72,9 @@ impl std::fmt::Debug for Reap {
 
 /// Submissions in flight and their completions. Made by
 /// [`crate::TransportManager::completion_queue`]; `Send + Sync`, usually
-/// owned by one VMM thread. Dropping it cancels what is still in flight
+/// owned by one VMM thread (in [`Reap::Poll`] mode, a submission from
+/// another thread wakes one sleeping in [`CompletionQueue::wait`], which
+/// then sends it). Dropping it cancels what is still in flight
 /// (waiting for running fallbacks, at most one request timeout).
 #[derive(Debug)]
 pub struct CompletionQueue {
@@ -137,6 +139,7 @@ impl Inner {
             reaper_reads_tcp: AtomicBool::new(false),
             wake_fd,
             fd_sleeper: AtomicBool::new(false),
+            submitted: AtomicBool::new(false),
         });
         let thread = match mode {
             Mode::Poll => None,
@@ -277,6 +280,13 @@ impl CompletionQueue {
         let spin = self.shared.inner.config.caller_spin();
         let mut got = 0;
         loop {
+            // Cleared before the doorbell rings in `poll`: a submission
+            // made later (on another thread) sets it again, and this
+            // thread does not sleep before it has sent that one too. (Left
+            // set is always safe: it costs one more pass.)
+            if self.shared.submitted.load(Ordering::Relaxed) {
+                self.shared.submitted.store(false, Ordering::SeqCst);
+            }
             got += self.poll(out);
             if got >= min || self.in_flight() == 0 {
                 return got;
@@ -304,7 +314,7 @@ impl CompletionQueue {
                 }
                 st.active.iter().map(|&t| st.lanes[t].deadline).min()
             };
-            if self.shared.ready.is_empty() {
+            if self.shared.ready.is_empty() && !self.shared.submitted.load(Ordering::SeqCst) {
                 let wake_at = earliest.map_or(until, |d| d.min(until));
                 std::thread::park_timeout(wake_at.saturating_duration_since(Instant::now()));
             }
@@ -342,9 +352,10 @@ impl CompletionQueue {
             st.active.iter().map(|&t| st.lanes[t].deadline).min()
         };
         shared.fd_sleeper.store(true, Ordering::SeqCst);
-        // Pairs with the fence in `Shared::wake`.
+        // Pairs with the fence in `Shared::wake` (`ready`) and with
+        // `Shared::rouse_reaper` (`submitted`).
         std::sync::atomic::fence(Ordering::SeqCst);
-        if shared.ready.is_empty() {
+        if shared.ready.is_empty() && !shared.submitted.load(Ordering::SeqCst) {
             let mut fds: Vec<libc::pollfd> = std::iter::once(wake_fd.as_raw_fd())
                 .chain(conns.iter().flatten().map(|c| c.stream().as_raw_fd()))
                 .map(|fd| libc::pollfd {

@@ -57,6 +57,9 @@ pub(super) struct Shared {
     pub(super) wake_fd: Option<OwnedFd>,
     /// A reaper sleeps on `wake_fd`: `wake` writes it.
     pub(super) fd_sleeper: AtomicBool,
+    /// Poll mode: something was submitted since the reaper in `wait` last
+    /// rang the doorbell; it must not go to sleep before it has.
+    pub(super) submitted: AtomicBool,
 }
 
 impl std::fmt::Debug for Shared {
@@ -391,7 +394,34 @@ impl Shared {
             // submissions goes out with one write per connection.)
             self.flush(&mut st);
         }
+        drop(st);
+        if self.mode == Mode::Poll {
+            self.rouse_reaper();
+        }
         Ok(())
+    }
+
+    /// Poll mode, after a submission: a thread asleep in `wait` on another
+    /// thread than the submitter's wakes up to ring the doorbell (the
+    /// submission would otherwise stay unsent until its sleep ends), and
+    /// one about to sleep does not. Pairs with the checks of `submitted`
+    /// before `wait` sleeps: either the reaper sees the flag, or this sees
+    /// it asleep. The reaper's own submissions cost a locked store and a
+    /// load.
+    fn rouse_reaper(&self) {
+        self.submitted.store(true, Ordering::SeqCst);
+        match &self.wake_fd {
+            Some(fd) => {
+                if self.fd_sleeper.load(Ordering::SeqCst) {
+                    write_eventfd(fd);
+                }
+            }
+            None => {
+                if let Some(t) = self.sleeper.lock().as_ref() {
+                    t.unpark();
+                }
+            }
+        }
     }
 
     pub(super) fn take_done(&self, out: &mut Vec<Completion>) -> usize {
