@@ -61,27 +61,40 @@ pub const WAIT_SPIN_US: u64 = 30;
 /// other, idle CPU, and waking a halted vCPU costs tens of µs per fault
 /// (random p50 90 µs against 30 µs pinned, 2026-11-26).
 ///
-/// Several faulting threads: not pinned (empty). Both CPUs are busy then,
-/// and the servers' work (one loopback answer per fault) is half of what
-/// the faults cost; kept on CPU 0 it caps the rate (4 threads: 28-34k
-/// faults/s pinned, 41-45k unpinned, same host and hour).
+/// Several faulting threads all on one CPU (`--toucher-cpus auto` with
+/// one handler: the handler's): that CPU too, for the same reason; every
+/// fault's wake-ups stay on it (4 threads: 97-107k faults/s, against
+/// 55-59k with the servers not pinned, 2026-11-30).
+///
+/// Several faulting threads spread over the CPUs: not pinned (empty). Both
+/// CPUs are busy then, and the servers' work (one loopback answer per
+/// fault) is half of what the faults cost; kept on CPU 0 it caps the rate
+/// (4 threads: 28-34k faults/s pinned, 41-45k unpinned, same host and
+/// hour).
 ///
 /// The baselines run after the fault runs, with the last run's placement
 /// (each of their layouts pins its own threads).
-fn server_cpus(threads: usize, explicit: Option<&[usize]>) -> Vec<usize> {
-    match explicit {
-        Some(cpus) => cpus.to_vec(),
-        None if threads == 1 => vec![0],
-        None => Vec::new(),
+fn server_cpus(threads: usize, explicit: Option<&[usize]>, touchers: &[usize]) -> Vec<usize> {
+    match (explicit, touchers) {
+        (Some(cpus), _) => cpus.to_vec(),
+        (None, _) if threads == 1 => vec![0],
+        (None, &[cpu]) => vec![cpu],
+        (None, _) => Vec::new(),
     }
 }
 
-/// Toucher t runs on CPU t (mod the CPU count): toucher 0 shares CPU 0 with
-/// the fault handler (it sleeps in the fault while the handler works, and
-/// both wake-ups stay on one CPU); the transport's poller has the last CPU.
-pub(crate) fn pin_toucher(t: usize) {
-    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let _ = core_affinity::set_for_current(core_affinity::CoreId { id: t % ncpu });
+/// Pins toucher (faulting thread) t to `cpus[t % len]` (empty: not
+/// pinned). The bench's default (`--toucher-cpus auto`, main.rs) puts them
+/// all on the CPU of the one fault handler: a faulting thread sleeps in its
+/// fault while the handler works, and waking a thread on the other CPU
+/// costs tens of µs in this VM. (`spread`, thread t on CPU t, was the
+/// default until 2026-11-30.)
+pub(crate) fn pin_toucher(t: usize, cpus: &[usize]) {
+    if cpus.is_empty() {
+        return;
+    }
+    let id = cpus[t % cpus.len()];
+    let _ = core_affinity::set_for_current(core_affinity::CoreId { id });
 }
 
 /// What the fault runs need from the command line.
@@ -107,6 +120,9 @@ pub struct Params {
     /// `--page-server-cpus` (`None`: the bench's choice per run, see
     /// [`server_cpus`]).
     pub server_cpus: Option<Vec<usize>>,
+    /// The faulting threads' CPUs (`--toucher-cpus`, resolved): thread t
+    /// on entry t, mod the length; empty: not pinned.
+    pub toucher_cpus: Vec<usize>,
     /// With `baseline`: rounds of ours and the baselines one after the
     /// other (`--fault-rounds`, 0: none; see fault/alternate.rs).
     pub fault_rounds: u64,
@@ -116,7 +132,11 @@ impl Params {
     /// Places the local page-servers for a run with `threads` faulting
     /// threads.
     fn place_servers(&self, threads: usize) {
-        crate::cluster::pin_local_servers(&server_cpus(threads, self.server_cpus.as_deref()));
+        crate::cluster::pin_local_servers(&server_cpus(
+            threads,
+            self.server_cpus.as_deref(),
+            &self.toucher_cpus,
+        ));
     }
 }
 
@@ -161,7 +181,7 @@ pub fn run(
             depth: 1,
             pattern: AccessPattern::Random,
         };
-        touch_rounds(&ram, warm, |_| true)?;
+        touch_rounds(&ram, warm, &params.toucher_cpus, |_| true)?;
     }
     let default_window = GuestMemoryConfig::new(gpa_base, pages * PAGE_SIZE).prefetch_max_pages;
     // (pattern, prefetch on, p50 us, faults/s) of each anonymous run, for
@@ -336,7 +356,7 @@ impl Run {
         let base = ram.as_ptr() as usize;
         let zero_copy = ram.rdma_zero_copy();
         let zc_before = mgr.zero_copy_stats();
-        let outcome = touch_rounds(&ram, spec, |i| {
+        let outcome = touch_rounds(&ram, spec, &params.toucher_cpus, |i| {
             // SAFETY: page i was faulted in by the touch just before and
             // stays mapped until the eviction after the round.
             let page = unsafe { &*((base + i * PAGE_SIZE) as *const Page) };
@@ -383,9 +403,11 @@ impl Run {
 /// `spec.threads` threads touch every page of `[0, pages)` once per round in
 /// `spec.pattern` order until `spec.ops` touches; `check(i)` verifies page i
 /// after its touch. The region is evicted between rounds (not timed).
+/// Toucher t is pinned as [`pin_toucher`] says with `cpus`.
 fn touch_rounds(
     ram: &GuestMemory,
     spec: Spec,
+    cpus: &[usize],
     check: impl Fn(usize) -> bool + Sync,
 ) -> anyhow::Result<Outcome> {
     let pages = ram.size_bytes() / PAGE_SIZE;
@@ -405,7 +427,7 @@ fn touch_rounds(
                 .map(|(t, order)| {
                     let (start, check) = (&start, &check);
                     s.spawn(move || {
-                        pin_toucher(t);
+                        pin_toucher(t, cpus);
                         let mut hist = new_histogram();
                         let mut bad = 0u64;
                         start.wait();

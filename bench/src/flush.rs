@@ -90,7 +90,7 @@ pub fn run(
             // write-protect fault can wake the handler on an idle CPU).
             let (outcome, per_write) = std::thread::scope(|s| {
                 s.spawn(|| {
-                    crate::fault::pin_toucher(0);
+                    crate::fault::pin_toucher(0, &[0]);
                     flush_rounds(mgr, &ram, &dirty, ops, backing.unit_pages())
                 })
                 .join()

@@ -179,6 +179,14 @@ struct Args {
     /// `--handler-cpus first`, handler i is pinned to CPU i.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
     handler_threads: u16,
+    /// `--op fault`: CPUs of the faulting threads: `auto` (with one
+    /// handler thread pinned, all on its CPU, where the local page-servers
+    /// then go too; else `spread`), `spread` (thread t on CPU t, mod the
+    /// CPU count), `none` (not pinned) or a list like `0` (thread t on the
+    /// list's entry t, mod its length). See docs/benchmarking.md, "Four
+    /// faulting threads on the handler's CPU".
+    #[arg(long, default_value = "auto", value_parser = parse_toucher_cpus)]
+    toucher_cpus: CpuChoice,
     /// Scheduler slice (µs) the fault handlers ask for, Linux 6.12+
     /// (`GuestMemoryConfig::handler_slice_us`; 0: the kernel's). Longer
     /// than the faulting threads' (the kernel's default, at most 3 ms), a
@@ -250,6 +258,27 @@ fn parse_poller_cpus(s: &str) -> Result<CpuChoice, String> {
 
 fn parse_handler_cpus(s: &str) -> Result<CpuChoice, String> {
     parse_cpu_choice(s, "first")
+}
+
+fn parse_toucher_cpus(s: &str) -> Result<CpuChoice, String> {
+    if s == "spread" {
+        let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+        return Ok(CpuChoice(Some((0..ncpu).collect())));
+    }
+    parse_cpu_choice(s, "auto")
+}
+
+/// The fault op's faulting-thread CPUs (`None`: not a fault run): thread t
+/// runs on entry t (mod the length); empty: not pinned. `--toucher-cpus`,
+/// or with `auto` the CPU of the one pinned handler thread, else thread t
+/// on CPU t of `ncpu`.
+fn fault_toucher_cpus(args: &Args, ncpu: usize) -> Option<Vec<usize>> {
+    let handlers = fault_handler_cpus(args, ncpu)?;
+    Some(match (&args.toucher_cpus.0, handlers.as_slice()) {
+        (Some(cpus), _) => cpus.clone(),
+        (None, &[handler]) => vec![handler],
+        (None, _) => (0..ncpu.max(1)).collect(),
+    })
 }
 
 fn parse_server_cpus(s: &str) -> Result<CpuChoice, String> {
@@ -474,6 +503,10 @@ fn run() -> anyhow::Result<()> {
             std::thread::available_parallelism().map_or(1, |n| n.get()),
         ),
         handler_slice_us: (args.op == Some(Op::Fault)).then_some(args.handler_slice_us),
+        toucher_cpus: fault_toucher_cpus(
+            &args,
+            std::thread::available_parallelism().map_or(1, |n| n.get()),
+        ),
         page_server_cpus: local_server_cpus(&args, &poller_cpus),
     };
     let mgr = std::sync::Arc::new(
@@ -564,6 +597,11 @@ fn run() -> anyhow::Result<()> {
                 handler_threads: usize::from(args.handler_threads),
                 handler_slice_us: args.handler_slice_us,
                 server_cpus: args.page_server_cpus.0.clone(),
+                toucher_cpus: fault_toucher_cpus(
+                    &args,
+                    std::thread::available_parallelism().map_or(1, |n| n.get()),
+                )
+                .unwrap_or_default(),
                 fault_rounds: args.fault_rounds,
             };
             let (recs, summary) = fault::run(&mgr, &set, &params)?;
@@ -983,6 +1021,39 @@ mod tests {
             Args::try_parse_from(["bench", "--op", "fault", "--handler-threads", "0"]).is_err(),
             "a region needs a handler"
         );
+    }
+
+    #[test]
+    fn faulting_threads_join_a_lone_pinned_handler_unless_listed() {
+        let cpus = |argv: &[&str]| {
+            let args = Args::try_parse_from(std::iter::once("bench").chain(argv.iter().copied()))
+                .expect("valid flags");
+            fault_toucher_cpus(&args, 2)
+        };
+        assert_eq!(cpus(&["--op", "fault", "--threads", "4"]), Some(vec![0]));
+        assert_eq!(
+            cpus(&["--op", "fault", "--handler-cpus", "1"]),
+            Some(vec![1])
+        );
+        assert_eq!(
+            cpus(&["--op", "fault", "--handler-threads", "2"]),
+            Some(vec![0, 1]),
+            "two handlers: spread"
+        );
+        assert_eq!(
+            cpus(&["--op", "fault", "--handler-cpus", "none"]),
+            Some(vec![0, 1]),
+            "an unpinned handler: spread"
+        );
+        assert_eq!(
+            cpus(&["--op", "fault", "--toucher-cpus", "none"]),
+            Some(vec![])
+        );
+        assert_eq!(
+            cpus(&["--op", "fault", "--toucher-cpus", "1,0"]),
+            Some(vec![1, 0])
+        );
+        assert_eq!(cpus(&["--op", "read"]), None);
     }
 
     #[test]

@@ -108,6 +108,10 @@ pub struct Placement {
     /// 0: the kernel's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub handler_slice_us: Option<u64>,
+    /// CPUs of the faulting threads (`--op fault` only): thread t on entry
+    /// t (mod the length); empty: not pinned.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub toucher_cpus: Option<Vec<usize>>,
     /// CPUs the local page-servers' connection threads are pinned to, when
     /// `--page-server-cpus` gives them; empty: not pinned.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -139,13 +143,18 @@ impl Placement {
             None | Some(0) => String::new(),
             Some(us) => format!(" asking for a {us} us slice"),
         };
+        let touchers = match self.toucher_cpus.as_deref() {
+            None => String::new(),
+            Some([]) => ", faulting threads not pinned".to_owned(),
+            Some(cpus) => format!(", faulting threads on CPU {cpus:?}"),
+        };
         let servers = match self.page_server_cpus.as_deref() {
             None => String::new(),
             Some([]) => ", local page-servers not pinned".to_owned(),
             Some(cpus) => format!(", local page-servers pinned to CPU {cpus:?}"),
         };
         format!(
-            "placement: poll mode {}, pollers {cpus}, {spin}{server}{handlers}{slice}{servers}",
+            "placement: poll mode {}, pollers {cpus}, {spin}{server}{handlers}{slice}{touchers}{servers}",
             self.poll_mode
         )
     }
