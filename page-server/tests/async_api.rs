@@ -42,6 +42,22 @@ fn zeroed(n: usize) -> Box<[Page]> {
     vec![[0u8; PAGE_SIZE]; n].into_boxed_slice()
 }
 
+/// A manager whose requests time out only after `timeout_ms`, once its map
+/// holds `nodes` nodes.
+fn patient_manager(url: &str, timeout_ms: u64, nodes: usize) -> TransportManager {
+    let mgr = TransportManager::connect(ManagerConfig {
+        coordinator_url: url.to_owned(),
+        request_timeout_ms: timeout_ms,
+        poller_cpus: Some(vec![]),
+        ..ManagerConfig::default()
+    })
+    .expect("manager connects");
+    assert!(wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().len() == nodes
+    }));
+    mgr
+}
+
 #[test]
 fn thirty_two_reads_in_flight_from_one_thread_come_back_with_their_pages() {
     let (_db, coord, _a, _b) = cluster();
@@ -439,16 +455,7 @@ fn a_completion_finished_off_the_sockets_wakes_a_waiting_reaper() {
         SocketAddr::from(([127, 0, 0, 1], 0)),
     );
     let _a = page_server(&coord.url(), "a", 0);
-    let mgr = TransportManager::connect(ManagerConfig {
-        coordinator_url: coord.url(),
-        request_timeout_ms: 30_000,
-        poller_cpus: Some(vec![]),
-        ..ManagerConfig::default()
-    })
-    .expect("manager connects");
-    assert!(wait_until(Duration::from_secs(10), || {
-        mgr.refresh_map().is_ok() && mgr.map().len() == 1
-    }));
+    let mgr = patient_manager(&coord.url(), 30_000, 1);
     let _b = page_server(&coord.url(), "b", NODE_BYTES as u64);
     let gpas: Vec<u64> = (0..4u64)
         .map(|i| NODE_BYTES as u64 + i * PAGE_SIZE as u64)
@@ -493,16 +500,7 @@ fn a_submission_from_another_thread_wakes_a_reaper_asleep_in_wait() {
     let _a = page_server(&coord.url(), "a", 0);
     let b = ChildServer::start(&coord.url(), "b", NODE_BYTES as u64);
     // A hung read that times out long after the test's bound.
-    let mgr = TransportManager::connect(ManagerConfig {
-        coordinator_url: coord.url(),
-        request_timeout_ms: 60_000,
-        poller_cpus: Some(vec![]),
-        ..ManagerConfig::default()
-    })
-    .expect("manager connects");
-    assert!(wait_until(Duration::from_secs(10), || {
-        mgr.refresh_map().is_ok() && mgr.map().len() == 2
-    }));
+    let mgr = patient_manager(&coord.url(), 60_000, 2);
     let (gpa_a, gpa_b) = (3 * PAGE_SIZE as u64, NODE_BYTES as u64);
     fill(&mgr, &[gpa_a], 9);
     fill(&mgr, &[gpa_b], 9);
