@@ -131,8 +131,10 @@ impl Shared {
             if self.fd_sleeper.load(Ordering::SeqCst) {
                 write_eventfd(fd);
             }
+            // With a wake fd, `wait` sleeps on it and never parks.
+            return;
         }
-        // A thread in `wait` (any mode but callback) or the callback thread.
+        // A thread parked in `wait` or the callback thread.
         if let Some(t) = self.sleeper.lock().as_ref() {
             t.unpark();
         }
@@ -404,24 +406,11 @@ impl Shared {
     /// Poll mode, after a submission: a thread asleep in `wait` on another
     /// thread than the submitter's wakes up to ring the doorbell (the
     /// submission would otherwise stay unsent until its sleep ends), and
-    /// one about to sleep does not. Pairs with the checks of `submitted`
-    /// before `wait` sleeps: either the reaper sees the flag, or this sees
-    /// it asleep. The reaper's own submissions cost a locked store and a
-    /// load.
+    /// one about to sleep does not: it checks `submitted` after announcing
+    /// its sleep, as `wake` pairs with its check of `ready`.
     fn rouse_reaper(&self) {
         self.submitted.store(true, Ordering::SeqCst);
-        match &self.wake_fd {
-            Some(fd) => {
-                if self.fd_sleeper.load(Ordering::SeqCst) {
-                    write_eventfd(fd);
-                }
-            }
-            None => {
-                if let Some(t) = self.sleeper.lock().as_ref() {
-                    t.unpark();
-                }
-            }
-        }
+        self.wake();
     }
 
     pub(super) fn take_done(&self, out: &mut Vec<Completion>) -> usize {
