@@ -986,20 +986,20 @@ fn progress_bar(total: u64, label: &str) -> ProgressBar {
 mod tests {
     use super::*;
 
+    /// The bench's flags `argv` (after the program name), parsed.
+    fn parse(argv: &[&str]) -> Args {
+        Args::try_parse_from(std::iter::once("bench").chain(argv.iter().copied()))
+            .expect("valid flags")
+    }
+
     /// The local page-servers' CPUs for `argv` when the pollers are on CPU 1.
     fn servers(argv: &[&str]) -> Option<Vec<usize>> {
-        let args = Args::try_parse_from(std::iter::once("bench").chain(argv.iter().copied()))
-            .expect("valid flags");
-        local_server_cpus(&args, &[1])
+        local_server_cpus(&parse(argv), &[1])
     }
 
     #[test]
     fn fault_handlers_are_placed_one_per_cpu_unless_listed() {
-        let cpus = |argv: &[&str]| {
-            let args = Args::try_parse_from(std::iter::once("bench").chain(argv.iter().copied()))
-                .expect("valid flags");
-            fault_handler_cpus(&args, 2)
-        };
+        let cpus = |argv: &[&str]| fault_handler_cpus(&parse(argv), 2);
         assert_eq!(cpus(&["--op", "fault"]), Some(vec![0]));
         assert_eq!(
             cpus(&["--op", "fault", "--handler-threads", "3"]),
@@ -1025,11 +1025,7 @@ mod tests {
 
     #[test]
     fn faulting_threads_join_a_lone_pinned_handler_unless_listed() {
-        let cpus = |argv: &[&str]| {
-            let args = Args::try_parse_from(std::iter::once("bench").chain(argv.iter().copied()))
-                .expect("valid flags");
-            fault_toucher_cpus(&args, 2)
-        };
+        let cpus = |argv: &[&str]| fault_toucher_cpus(&parse(argv), 2);
         assert_eq!(cpus(&["--op", "fault", "--threads", "4"]), Some(vec![0]));
         assert_eq!(
             cpus(&["--op", "fault", "--handler-cpus", "1"]),

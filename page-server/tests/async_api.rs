@@ -6,7 +6,6 @@
 mod common;
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -16,24 +15,13 @@ use rdma_transport::{
     Completion, ManagerConfig, Page, Reap, TransportError, TransportManager, PAGE_SIZE,
 };
 
-/// A coordinator on loopback, its state in a fresh directory (kept alive by
-/// the returned handle).
-fn coordinator() -> (tempfile::TempDir, coordinator::RunningCoordinator) {
-    let db = tempfile::tempdir().unwrap();
-    let coord = coordinator_on(
-        &db.path().join("c.db"),
-        SocketAddr::from(([127, 0, 0, 1], 0)),
-    );
-    (db, coord)
-}
-
 fn cluster() -> (
     tempfile::TempDir,
     coordinator::RunningCoordinator,
     page_server::RunningServer,
     page_server::RunningServer,
 ) {
-    let (db, coord) = coordinator();
+    let (db, coord) = loopback_coordinator();
     let a = page_server(&coord.url(), "a", 0);
     let b = page_server(&coord.url(), "b", NODE_BYTES as u64);
     (db, coord, a, b)
@@ -205,7 +193,7 @@ fn a_callback_gets_every_completion_on_the_queues_thread() {
 
 #[test]
 fn a_hung_node_delays_only_the_requests_that_need_it() {
-    let (_db, coord) = coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let b = ChildServer::start(&coord.url(), "b", NODE_BYTES as u64);
     let mgr = manager(&coord.url()); // 500 ms request timeout
@@ -298,7 +286,7 @@ fn bad_addresses_complete_with_typed_errors_and_the_queue_keeps_serving() {
 
 #[test]
 fn dropping_a_queue_with_requests_in_flight_cancels_them() {
-    let (_db, coord) = coordinator();
+    let (_db, coord) = loopback_coordinator();
     let b = ChildServer::start(&coord.url(), "b", 0);
     let mgr = manager(&coord.url());
     assert!(wait_until(Duration::from_secs(10), || {
@@ -330,7 +318,7 @@ fn more_requests_than_a_connection_has_slots_go_out_before_the_first_reap() {
     // 1024 before this thread reaps anything. Requests are queued until a
     // reap (the doorbell): a submitter that finds the table full must send
     // what is queued and read what came, or it waits for its deadline.
-    let (_db, coord) = coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let mgr = manager(&coord.url());
     let page = |i: u64| (i % 128) * PAGE_SIZE as u64;
@@ -444,7 +432,7 @@ fn a_submission_after_a_failed_or_a_large_one_starts_clean() {
 /// working queue, however loaded the host).
 #[test]
 fn a_completion_finished_off_the_sockets_wakes_a_waiting_reaper() {
-    let (_db, coord) = coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let mgr = patient_manager(&coord.url(), 30_000, 1);
     let _b = page_server(&coord.url(), "b", NODE_BYTES as u64);
@@ -483,7 +471,7 @@ fn blocked_in_syscall(thread: &str) -> Option<i64> {
 
 #[test]
 fn a_submission_from_another_thread_wakes_a_reaper_asleep_in_wait() {
-    let (_db, coord) = coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let b = ChildServer::start(&coord.url(), "b", NODE_BYTES as u64);
     // A hung read that times out long after the test's bound.

@@ -8,7 +8,6 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use common::*;
@@ -17,15 +16,6 @@ use rdma_transport::guest_memory::{CoherentMemory, GuestBacking, GuestMemoryConf
 use rdma_transport::{TransportError, TransportManager, PAGE_SIZE};
 
 const PAGES: usize = 64;
-
-fn cluster() -> (tempfile::TempDir, coordinator::RunningCoordinator) {
-    let db = tempfile::tempdir().unwrap();
-    let coord = coordinator_on(
-        &db.path().join("c.db"),
-        SocketAddr::from(([127, 0, 0, 1], 0)),
-    );
-    (db, coord)
-}
 
 fn node(mgr: &TransportManager, threads: usize) -> CoherentMemory {
     node_on(mgr, threads, false)
@@ -64,7 +54,7 @@ fn read_page(mem: &CoherentMemory, page: usize) -> Vec<u8> {
 
 #[test]
 fn each_node_reads_the_others_latest_write() {
-    let (_db, coord) = cluster();
+    let (_db, coord) = loopback_coordinator();
     let _home = page_server(&coord.url(), "home", 0);
     let mgr = manager(&coord.url());
     // a's guest RAM is a memfd, b's anonymous memory.
@@ -103,7 +93,7 @@ fn each_node_reads_the_others_latest_write() {
 fn compare_and_swap_counters_from_two_nodes_add_up() {
     const INCREMENTS: u64 = 1600; // a multiple of COUNTERS: every counter gets as many
     const COUNTERS: usize = 8;
-    let (_db, coord) = cluster();
+    let (_db, coord) = loopback_coordinator();
     let _home = page_server(&coord.url(), "home", 0);
     let mgr = manager(&coord.url());
     let nodes = [node_on(&mgr, 2, true), node(&mgr, 2)];
@@ -153,7 +143,7 @@ fn compare_and_swap_counters_from_two_nodes_add_up() {
 /// handed back (evicted) or only read lose nothing.
 #[test]
 fn a_page_owned_by_a_dropped_node_is_reported_lost() {
-    let (_db, coord) = cluster();
+    let (_db, coord) = loopback_coordinator();
     let _home = page_server(&coord.url(), "home", 0);
     let mgr = manager(&coord.url());
     let b = node(&mgr, 1);
@@ -192,7 +182,7 @@ fn a_page_owned_by_a_dropped_node_is_reported_lost() {
 #[test]
 fn a_page_evicted_right_after_its_fault_goes_back() {
     const ROUNDS: usize = PAGES;
-    let (_db, coord) = cluster();
+    let (_db, coord) = loopback_coordinator();
     let _home = page_server(&coord.url(), "home", 0);
     let mgr = manager(&coord.url());
     let (a, b) = (node(&mgr, 1), node(&mgr, 1));
@@ -214,7 +204,7 @@ fn a_page_evicted_right_after_its_fault_goes_back() {
 #[test]
 fn bad_settings_and_addresses_are_refused() {
     use rdma_transport::guest_memory::GuestMemoryError;
-    let (_db, coord) = cluster();
+    let (_db, coord) = loopback_coordinator();
     let _home = page_server(&coord.url(), "home", 0);
     let mgr = manager(&coord.url());
     let coherence = CoherenceConfig::default();
@@ -258,7 +248,7 @@ fn bad_settings_and_addresses_are_refused() {
 #[test]
 fn faults_of_one_node_on_one_page_are_one_request() {
     const TOUCHED: usize = 32;
-    let (_db, coord) = cluster();
+    let (_db, coord) = loopback_coordinator();
     let _home = page_server(&coord.url(), "home", 0);
     let mgr = manager(&coord.url());
     let writer = node(&mgr, 1);
@@ -290,7 +280,7 @@ fn faults_of_one_node_on_one_page_are_one_request() {
 /// other replica would serve an older page after a failover.
 #[test]
 fn replicated_ranges_are_refused() {
-    let (_db, coord) = cluster();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let _b = page_server(&coord.url(), "b", 0);
     let mgr = manager(&coord.url());
@@ -318,7 +308,7 @@ fn replicated_ranges_are_refused() {
 #[test]
 fn an_owner_keeps_a_page_for_its_hold_time() {
     const HOLD: std::time::Duration = std::time::Duration::from_millis(300);
-    let (_db, coord) = cluster();
+    let (_db, coord) = loopback_coordinator();
     let _home = page_server(&coord.url(), "home", 0);
     let mgr = manager(&coord.url());
     let holding = |min_hold_us| {

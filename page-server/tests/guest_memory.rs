@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -20,15 +19,6 @@ use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
 
 const NODE: u64 = NODE_BYTES as u64;
 const PAGES_PER_NODE: usize = NODE_BYTES / PAGE_SIZE;
-
-fn cluster_coordinator() -> (tempfile::TempDir, coordinator::RunningCoordinator) {
-    let db = tempfile::tempdir().unwrap();
-    let coord = coordinator_on(
-        &db.path().join("c.db"),
-        SocketAddr::from(([127, 0, 0, 1], 0)),
-    );
-    (db, coord)
-}
 
 fn config(gpa_base: u64, size_bytes: usize) -> GuestMemoryConfig {
     GuestMemoryConfig {
@@ -51,7 +41,7 @@ fn backing(shared: bool, size_bytes: usize) -> GuestBacking {
 
 #[test]
 fn written_pattern_survives_evict_and_faults_back_in() {
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let _b = page_server(&coord.url(), "b", NODE);
     let mgr = Arc::new(manager(&coord.url()));
@@ -125,7 +115,7 @@ fn kernel_mode_read(ptr: *mut u8) -> std::io::Result<Vec<u8>> {
 
 #[test]
 fn fault_mode_decides_whether_kernel_mode_accesses_are_served() {
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let mgr = Arc::new(manager(&coord.url()));
     let gpa = 2 * PAGE_SIZE as u64;
@@ -164,7 +154,7 @@ fn fault_mode_decides_whether_kernel_mode_accesses_are_served() {
 
 #[test]
 fn two_regions_on_two_nodes() {
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let _b = page_server(&coord.url(), "b", NODE);
     let mgr = Arc::new(manager(&coord.url()));
@@ -253,7 +243,7 @@ fn handler_slices_ns() -> Vec<(i32, u64)> {
 #[test]
 fn handlers_ask_for_the_configured_slice_and_serve_faults() {
     const SLICE_NS: u64 = 4_321_000;
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let mgr = Arc::new(manager(&coord.url()));
     for p in 0..8u64 {
@@ -305,7 +295,7 @@ fn shared_scan_flush_while_faults_are_in_flight_loses_no_write() {
 }
 
 fn flush_while_faults_are_in_flight(shared: bool, dirty_tracking: DirtyTracking) {
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let mgr = Arc::new(manager(&coord.url()));
     let ram = Arc::new(
@@ -455,7 +445,7 @@ fn child_touches_dead_node() {
 
 #[test]
 fn dead_node_faults_raise_sigbus_within_deadline() {
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let mut b = ChildServer::start(&coord.url(), "b", NODE);
     let mgr = Arc::new(manager(&coord.url()));
@@ -550,7 +540,7 @@ fn dead_node_faults_raise_sigbus_within_deadline() {
 
 #[test]
 fn retried_fault_completes_when_the_node_returns() {
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let mut b = ChildServer::start(&coord.url(), "b", NODE);
     let mgr = Arc::new(manager(&coord.url()));
@@ -614,7 +604,7 @@ fn shared_poisoned_page_is_fetched_again_after_evict() {
 }
 
 fn poisoned_page_fetched_again(shared: bool) {
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let mut b = ChildServer::start(&coord.url(), "b", NODE);
     let mgr = Arc::new(manager(&coord.url()));
     assert!(wait_until(Duration::from_secs(10), || {

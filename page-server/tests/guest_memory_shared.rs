@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,15 +19,6 @@ use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
 
 const NODE: u64 = NODE_BYTES as u64;
 const PAGES_PER_NODE: usize = NODE_BYTES / PAGE_SIZE;
-
-fn cluster_coordinator() -> (tempfile::TempDir, coordinator::RunningCoordinator) {
-    let db = tempfile::tempdir().unwrap();
-    let coord = coordinator_on(
-        &db.path().join("c.db"),
-        SocketAddr::from(([127, 0, 0, 1], 0)),
-    );
-    (db, coord)
-}
 
 fn shared_config(
     fd: &Arc<OwnedFd>,
@@ -105,7 +95,7 @@ fn file_resident_bytes(fd: &OwnedFd) -> u64 {
 
 #[test]
 fn memfd_pages_fault_in_write_back_and_evict_frees_the_file() {
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let _b = page_server(&coord.url(), "b", NODE);
     let mgr = Arc::new(manager(&coord.url()));
@@ -207,7 +197,7 @@ fn memfd_pages_fault_in_write_back_and_evict_frees_the_file() {
 
 #[test]
 fn pages_the_vmm_left_in_the_file_are_fetched_not_trusted() {
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let mgr = Arc::new(manager(&coord.url()));
     for p in 0..4u64 {
@@ -247,7 +237,7 @@ fn pages_the_vmm_left_in_the_file_are_fetched_not_trusted() {
 
 #[test]
 fn concurrent_faults_on_one_shared_page_fetch_it_once() {
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let server = ChildServer::start(&coord.url(), "a", 0);
     let gpa = 5 * PAGE_SIZE as u64;
     // Long deadlines: the owner is stopped while the faults pile up.
@@ -312,7 +302,7 @@ fn concurrent_faults_on_one_shared_page_fetch_it_once() {
 
 #[test]
 fn bad_shared_files_are_refused_with_their_reason() {
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let mgr = Arc::new(manager(&coord.url()));
     let new = |config| GuestMemory::new(Arc::clone(&mgr), config).map(|_| ());
@@ -393,7 +383,7 @@ const VMM_FEATURES: u64 = feature::PAGEFAULT_FLAG_WP
 
 #[test]
 fn handed_over_uffd_and_mapping_serve_faults_and_write_back() {
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let mgr = Arc::new(manager(&coord.url()));
     for p in 0..8u64 {
@@ -438,7 +428,7 @@ fn handed_over_uffd_and_mapping_serve_faults_and_write_back() {
 
 #[test]
 fn handed_over_uffd_without_the_features_or_the_file_is_refused() {
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let mgr = Arc::new(manager(&coord.url()));
     let fd = memfd(2 * NODE_BYTES);
@@ -497,7 +487,7 @@ fn handed_over_uffd_without_the_features_or_the_file_is_refused() {
 
 #[test]
 fn long_dirty_runs_go_out_in_place_and_scattered_pages_in_one_batch() {
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let _a = page_server(&coord.url(), "a", 0);
     let mgr = Arc::new(manager(&coord.url()));
     for shared in [false, true] {
@@ -567,7 +557,7 @@ fn long_dirty_runs_go_out_in_place_and_scattered_pages_in_one_batch() {
 
 #[test]
 fn evict_during_a_shared_fetch_does_not_wait_for_it_and_the_copy_is_fetched_again() {
-    let (_db, coord) = cluster_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let server = ChildServer::start(&coord.url(), "a", 0);
     let gpa = 7 * PAGE_SIZE as u64;
     let mgr = Arc::new(

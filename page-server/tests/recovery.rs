@@ -14,7 +14,7 @@ mod common;
 mod netns;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::time::Duration;
 
 use common::stalling_link::StallingLink;
@@ -68,19 +68,10 @@ fn cluster_with_written_range() -> (
     ChildServer,
     tempfile::TempDir,
 ) {
-    let (coord, db) = coordinator();
+    let (db, coord) = loopback_coordinator();
     let a = ChildServer::start(&coord.url(), "a", 0);
     write_the_range(&coord.url());
     (coord, a, db)
-}
-
-fn coordinator() -> (coordinator::RunningCoordinator, tempfile::TempDir) {
-    let db = tempfile::tempdir().unwrap();
-    let coord = coordinator_on(
-        &db.path().join("c.db"),
-        SocketAddr::from(([127, 0, 0, 1], 0)),
-    );
-    (coord, db)
 }
 
 /// Writes every page of the range at GPA 0 (seed 1) through a manager.
@@ -380,7 +371,7 @@ fn raw_round_trip(s: &mut TcpStream, id: u64, offset: u64, page: &Page) -> Resul
 #[test]
 fn a_recovery_whose_source_is_out_of_reach_leaves_the_clients_connected() {
     const OWN_GPA: u64 = 0x1000_0000;
-    let (coord, _db) = coordinator();
+    let (_db, coord) = loopback_coordinator();
     let admin = coordinator_client(&coord.url());
     // a holds the range at GPA 0; everybody reaches it through the link
     // (its heartbeats go to the coordinator directly: it stays alive).

@@ -15,7 +15,6 @@ mod common;
 #[path = "../../coordinator/tests/common/netns.rs"]
 mod netns;
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -37,15 +36,6 @@ const GRACE: [&str; 2] = ["--recovery-grace-ms", "1500"];
 
 fn gpa(page: u64) -> u64 {
     page * PAGE_SIZE as u64
-}
-
-fn start_coordinator() -> (tempfile::TempDir, coordinator::RunningCoordinator) {
-    let db = tempfile::tempdir().unwrap();
-    let coord = coordinator_on(
-        &db.path().join("c.db"),
-        SocketAddr::from(([127, 0, 0, 1], 0)),
-    );
-    (db, coord)
 }
 
 /// The states of the replicas of the range at GPA 0, by node.
@@ -278,7 +268,7 @@ fn verify_pages(
 
 #[test]
 fn replicated_range_survives_kill_restart_and_kill_of_the_other_replica() {
-    let (_db, coord) = start_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let url = coord.url();
     let admin = coordinator_client(&url);
     let (mut a, mut b) = replicated_pair(&url, &admin);
@@ -316,7 +306,7 @@ fn replicated_range_survives_kill_restart_and_kill_of_the_other_replica() {
 
 #[test]
 fn stopped_primary_reads_are_hedged_to_the_replica() {
-    let (_db, coord) = start_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let url = coord.url();
     let admin = coordinator_client(&url);
     let (a, b) = replicated_pair(&url, &admin);
@@ -377,7 +367,7 @@ fn stopped_primary_reads_are_hedged_to_the_replica() {
 /// "connection refused", seen by the bench with --fail-node-after-ms.)
 #[test]
 fn a_slow_survivor_of_a_dead_primary_gets_the_whole_deadline() {
-    let (_db, coord) = start_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let url = coord.url();
     let admin = coordinator_client(&url);
     let (mut a, mut b) = replicated_pair(&url, &admin);
@@ -428,7 +418,7 @@ fn a_slow_survivor_of_a_dead_primary_gets_the_whole_deadline() {
 /// copy. Writes to a range whose replicas all take writes go on.
 #[test]
 fn writes_to_a_range_with_a_stale_replica_need_a_fresh_map() {
-    let (_db, coord) = start_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let url = coord.url();
     let admin = coordinator_client(&url);
     let (_a, b) = replicated_pair(&url, &admin);
@@ -485,7 +475,7 @@ fn writes_to_a_range_with_a_stale_replica_need_a_fresh_map() {
 /// read fetches the map and runs again on it, within its deadline.
 #[test]
 fn a_read_fails_over_to_a_replica_newer_than_the_clients_map() {
-    let (_db, coord) = start_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let url = coord.url();
     let admin = coordinator_client(&url);
     let mut a = ChildServer::start_with(&url, "a", 0, &GRACE);
@@ -548,7 +538,7 @@ fn guest_writes_every_page(ram: &GuestMemory) {
 
 #[test]
 fn guest_memory_faults_are_served_while_a_replica_is_killed() {
-    let (_db, coord) = start_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let url = coord.url();
     let admin = coordinator_client(&url);
     let (mut a, _b) = replicated_pair(&url, &admin);
@@ -577,7 +567,7 @@ fn guest_memory_faults_are_served_while_a_replica_is_killed() {
 #[ignore = "needs root (a network namespace); run by deploy/test-all.sh"]
 fn guest_memory_faults_are_served_while_the_primary_is_cut_off() {
     let network = netns::PrivateNetwork::enter();
-    let (_db, coord) = start_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let url = coord.url();
     let admin = coordinator_client(&url);
     let (a, _b) = replicated_pair(&url, &admin);
@@ -630,7 +620,7 @@ fn guest_memory_faults_are_served_while_the_primary_is_cut_off() {
 /// refresher is off, as if its long poll were answered late.
 #[test]
 fn a_destination_that_refreshes_its_map_reads_what_the_source_wrote_last() {
-    let (_db, coord) = start_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let url = coord.url();
     let admin = coordinator_client(&url);
     // a (the primary) is reached through a link the test can stall, and
@@ -803,7 +793,7 @@ fn verify_replica(
 /// A from n1 alone.
 #[test]
 fn three_ranges_two_replicas_each_on_three_nodes_survive_kill_restart_and_kill() {
-    let (_db, coord) = start_coordinator();
+    let (_db, coord) = loopback_coordinator();
     let url = coord.url();
     let admin = coordinator_client(&url);
     // One after the other, each registered before the next starts: the

@@ -22,6 +22,17 @@ pub fn coordinator_on(db: &Path, listen: SocketAddr) -> RunningCoordinator {
     coordinator::spawn(CoordinatorConfig::new(listen, db)).expect("coordinator starts")
 }
 
+/// A coordinator on a loopback port, its state in a fresh temporary
+/// directory (kept while the returned handle lives).
+pub fn loopback_coordinator() -> (tempfile::TempDir, RunningCoordinator) {
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator_on(
+        &db.path().join("c.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    (db, coord)
+}
+
 pub fn page_server(url: &str, node: &str, gpa_base: u64) -> RunningServer {
     let mut cfg = ServerConfig::new(node, NODE_BYTES);
     cfg.gpa_base = gpa_base;
