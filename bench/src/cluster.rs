@@ -69,6 +69,15 @@ impl LocalCluster {
         Ok(cluster)
     }
 
+    /// Sets how long every running page-server's connection threads poll
+    /// their sockets before they block (each takes it after its next
+    /// request).
+    pub fn set_server_spin(&self, spin: Duration) {
+        for server in self.servers.iter().filter_map(|(_, s)| s.as_ref()) {
+            server.set_spin_before_block(spin);
+        }
+    }
+
     /// The coordinator's base URL.
     pub fn url(&self) -> &str {
         &self.url

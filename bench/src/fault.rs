@@ -33,6 +33,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rdma_transport::guest_memory::{GuestMemory, GuestMemoryConfig};
 
+use crate::cluster::LocalCluster;
 use crate::matrix::Backing;
 use rdma_transport::{Page, TransportManager, PAGE_SIZE};
 
@@ -50,36 +51,102 @@ const SEED: u64 = 0xfa17;
 /// 30 µs give the same one-thread faults, 30 gives four threads more).
 pub const WAIT_SPIN_US: u64 = 30;
 
-/// The CPUs of the local cluster's page-server connection threads (in this
-/// process) for a run with `threads` faulting threads: `explicit` when
-/// `--page-server-cpus` gives them, else the bench's choice. They stand in
-/// for remote nodes, which have CPUs of their own.
+/// How long the local page-servers spin before they block in the fault
+/// runs that give them CPUs of their own (as the read runs' servers do,
+/// main.rs).
+pub const SERVER_SPIN_US: u64 = 200;
+
+/// Where the local cluster's page-server connection threads (in this
+/// process) run for one run, and how long they poll their sockets before
+/// they block. They stand in for remote nodes, which have CPUs of their
+/// own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerPlacement {
+    /// Empty: not pinned.
+    pub cpus: Vec<usize>,
+    pub spin: Duration,
+}
+
+/// The page-servers' placement for a fault run with `threads` faulting
+/// threads, thread t on `touchers[t % len]`, and fault handlers on
+/// `handlers` (either empty: not pinned), on a host of `ncpu` CPUs.
+/// `--page-server-cpus` and `--page-server-spin-us` (`explicit_*`) win;
+/// otherwise the bench's choice:
 ///
-/// One faulting thread: CPU 0, where the faulting thread sleeps in its
-/// fault and the handler waits for the answer, so every wake-up of a fault
-/// stays on one CPU. Left to the scheduler, a server thread lands on the
-/// other, idle CPU, and waking a halted vCPU costs tens of µs per fault
-/// (random p50 90 µs against 30 µs pinned, 2026-11-26).
+/// The faulting threads and the handler all on one CPU (one thread, or
+/// `--toucher-cpus auto` with one handler), and the host has more: the
+/// servers on the other CPUs, spinning, as the bare remote fault's best
+/// layout (`cross-cpu-spinning`). Nothing of a fault then waits for a
+/// halted vCPU to wake, and the servers' work leaves the faulting CPU:
+/// 2026-12-05, `--prefetch off --pattern random --threads 4`, four
+/// alternated pairs, one thread 41-43k faults/s against 34k with the
+/// servers blocking on the faulting CPU (the default until then), four
+/// threads 70-72k against 42-50k (x1.61-1.75 of one thread, against
+/// x1.24-1.47).
 ///
-/// Several faulting threads all on one CPU (`--toucher-cpus auto` with
-/// one handler: the handler's): that CPU too, for the same reason; every
-/// fault's wake-ups stay on it (4 threads: 97-107k faults/s, against
-/// 55-59k with the servers not pinned, 2026-11-30).
+/// Everything on one CPU (a one-CPU host): there, not spinning: waking a
+/// thread on another, idle, CPU costs tens of µs per fault in this VM
+/// (random p50 90 µs against 30 µs pinned, 2026-11-26), and a spinner
+/// would take the faulting threads' CPU.
 ///
-/// Several faulting threads spread over the CPUs: not pinned (empty). Both
-/// CPUs are busy then, and the servers' work (one loopback answer per
-/// fault) is half of what the faults cost; kept on CPU 0 it caps the rate
-/// (4 threads: 28-34k faults/s pinned, 41-45k unpinned, same host and
-/// hour).
+/// Several faulting threads spread over the CPUs: not pinned, not
+/// spinning. Both CPUs are busy then, and the servers' work (one loopback
+/// answer per fault) is half of what the faults cost (4 threads: 28-34k
+/// faults/s pinned to CPU 0, 41-45k unpinned, same host and hour).
 ///
 /// The baselines run after the fault runs, with the last run's placement
-/// (each of their layouts pins its own threads).
-fn server_cpus(threads: usize, explicit: Option<&[usize]>, touchers: &[usize]) -> Vec<usize> {
-    match (explicit, touchers) {
-        (Some(cpus), _) => cpus.to_vec(),
-        (None, _) if threads == 1 => vec![0],
-        (None, &[cpu]) => vec![cpu],
-        (None, _) => Vec::new(),
+/// (each of their layouts pins its own threads; idle servers block after
+/// their spin).
+pub fn fault_servers(
+    threads: usize,
+    explicit_cpus: Option<&[usize]>,
+    explicit_spin: Option<Duration>,
+    touchers: &[usize],
+    handlers: &[usize],
+    ncpu: usize,
+) -> ServerPlacement {
+    let mut used: Vec<usize> = if touchers.is_empty() || handlers.is_empty() {
+        Vec::new()
+    } else {
+        (0..threads.max(1))
+            .map(|t| touchers[t % touchers.len()])
+            .chain(handlers.iter().copied())
+            .collect()
+    };
+    used.sort_unstable();
+    used.dedup();
+    let chosen = match used.as_slice() {
+        &[cpu] if ncpu > 1 => (0..ncpu).filter(|&c| c != cpu).collect(),
+        &[cpu] => vec![cpu],
+        _ => Vec::new(),
+    };
+    let cpus = explicit_cpus.map_or(chosen, <[usize]>::to_vec);
+    let apart = !cpus.is_empty() && !used.is_empty() && cpus.iter().all(|c| !used.contains(c));
+    let spin = explicit_spin.unwrap_or(if apart {
+        Duration::from_micros(SERVER_SPIN_US)
+    } else {
+        Duration::ZERO
+    });
+    ServerPlacement { cpus, spin }
+}
+
+/// The page-servers' placement for the flush runs, whose writer is the
+/// bench's thread and whose write-protect calls run on `handler_cpu`:
+/// there, blocking (unless `--page-server-*` say otherwise). The servers
+/// run in this process: while one of its threads runs on another CPU,
+/// each write-protect call interrupts that CPU to flush its TLB, and a
+/// spinning server always runs. Flushing 8192 random dirty pages took
+/// 73-77 ms with the servers spinning on CPU 1 against 25-28 ms with them
+/// blocking on CPU 0 or on CPU 1 (2026-12-05). Remote page-servers are
+/// other processes on other hosts.
+pub fn flush_servers(
+    explicit_cpus: Option<&[usize]>,
+    explicit_spin: Option<Duration>,
+    handler_cpu: usize,
+) -> ServerPlacement {
+    ServerPlacement {
+        cpus: explicit_cpus.map_or_else(|| vec![handler_cpu], <[usize]>::to_vec),
+        spin: explicit_spin.unwrap_or(Duration::ZERO),
     }
 }
 
@@ -98,7 +165,7 @@ pub(crate) fn pin_toucher(t: usize, cpus: &[usize]) {
 }
 
 /// What the fault runs need from the command line.
-pub struct Params {
+pub struct Params<'a> {
     pub ops: u64,
     pub threads: usize,
     pub baseline: bool,
@@ -118,8 +185,15 @@ pub struct Params {
     /// `GuestMemoryConfig::handler_slice_us` (`--handler-slice-us`).
     pub handler_slice_us: u64,
     /// `--page-server-cpus` (`None`: the bench's choice per run, see
-    /// [`server_cpus`]).
+    /// [`fault_servers`]).
     pub server_cpus: Option<Vec<usize>>,
+    /// `--page-server-spin-us` (`None`: the bench's choice per run).
+    pub server_spin: Option<Duration>,
+    /// The local cluster, whose servers' spin each run sets (`None` with
+    /// `--coordinator`: nothing to place).
+    pub cluster: Option<&'a LocalCluster>,
+    /// CPUs of this host.
+    pub ncpu: usize,
     /// The faulting threads' CPUs (`--toucher-cpus`, resolved): thread t
     /// on entry t, mod the length; empty: not pinned.
     pub toucher_cpus: Vec<usize>,
@@ -128,15 +202,49 @@ pub struct Params {
     pub fault_rounds: u64,
 }
 
-impl Params {
+impl Params<'_> {
+    /// The local page-servers' placement for a run with `threads` faulting
+    /// threads.
+    pub fn fault_servers(&self, threads: usize) -> ServerPlacement {
+        fault_servers(
+            threads,
+            self.server_cpus.as_deref(),
+            self.server_spin,
+            &self.toucher_cpus,
+            &self.resolved_handler_cpus(),
+            self.ncpu,
+        )
+    }
+
+    /// The flush runs' (see [`flush_servers`]).
+    pub fn flush_servers(&self) -> ServerPlacement {
+        let handler_cpu = self.resolved_handler_cpus().first().copied().unwrap_or(0);
+        flush_servers(self.server_cpus.as_deref(), self.server_spin, handler_cpu)
+    }
+
+    /// The handlers' CPUs: `--handler-cpus`, or handler i on CPU i (the
+    /// library's choice for `handler_cpus: None`); empty: not pinned.
+    fn resolved_handler_cpus(&self) -> Vec<usize> {
+        self.handler_cpus.clone().unwrap_or_else(|| {
+            (0..self.handler_threads.max(1))
+                .map(|i| i % self.ncpu.max(1))
+                .collect()
+        })
+    }
+
     /// Places the local page-servers for a run with `threads` faulting
     /// threads.
     fn place_servers(&self, threads: usize) {
-        crate::cluster::pin_local_servers(&server_cpus(
-            threads,
-            self.server_cpus.as_deref(),
-            &self.toucher_cpus,
-        ));
+        self.place(&self.fault_servers(threads));
+    }
+
+    /// Pins the local page-servers' threads and sets their spin.
+    pub fn place(&self, placement: &ServerPlacement) {
+        let Some(cluster) = self.cluster else {
+            return;
+        };
+        crate::cluster::pin_local_servers(&placement.cpus);
+        cluster.set_server_spin(placement.spin);
     }
 }
 
@@ -506,4 +614,90 @@ fn local_uffd_baseline(pages: usize, spec: Spec) -> anyhow::Result<Outcome> {
         });
         Ok(fill)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPIN: Duration = Duration::from_micros(SERVER_SPIN_US);
+
+    fn placed(cpus: &[usize], spin: Duration) -> ServerPlacement {
+        ServerPlacement {
+            cpus: cpus.to_vec(),
+            spin,
+        }
+    }
+
+    #[test]
+    fn servers_spin_on_the_cpus_the_faulting_threads_leave_free() {
+        assert_eq!(
+            fault_servers(1, None, None, &[0], &[0], 2),
+            placed(&[1], SPIN),
+            "one faulting thread"
+        );
+        assert_eq!(
+            fault_servers(4, None, None, &[0], &[0], 2),
+            placed(&[1], SPIN),
+            "four on the handler's CPU"
+        );
+        assert_eq!(
+            fault_servers(4, None, None, &[1], &[1], 4),
+            placed(&[0, 2, 3], SPIN)
+        );
+        assert_eq!(
+            fault_servers(1, None, None, &[0, 1], &[0], 2),
+            placed(&[1], SPIN),
+            "one thread of a spread list runs on its first CPU"
+        );
+        assert_eq!(
+            fault_servers(1, None, None, &[0], &[0, 1], 2),
+            placed(&[], Duration::ZERO),
+            "a handler on each CPU: none is free"
+        );
+        assert_eq!(
+            fault_servers(1, None, None, &[0], &[], 2),
+            placed(&[], Duration::ZERO),
+            "handlers not pinned"
+        );
+        assert_eq!(
+            fault_servers(4, None, None, &[0, 1], &[0], 2),
+            placed(&[], Duration::ZERO),
+            "spread threads: servers not pinned, not spinning"
+        );
+        assert_eq!(
+            fault_servers(1, None, None, &[], &[0], 2),
+            placed(&[], Duration::ZERO),
+            "faulting threads not pinned"
+        );
+        assert_eq!(
+            fault_servers(1, None, None, &[0], &[0], 1),
+            placed(&[0], Duration::ZERO),
+            "one CPU: beside the faulting thread, blocking"
+        );
+    }
+
+    #[test]
+    fn page_server_flags_win_over_the_benchs_choice() {
+        assert_eq!(
+            fault_servers(1, Some(&[0]), None, &[0], &[0], 2),
+            placed(&[0], Duration::ZERO),
+            "listed on the faulting CPU: no spin"
+        );
+        let us_500 = Duration::from_micros(500);
+        assert_eq!(
+            fault_servers(1, None, Some(us_500), &[0], &[0], 2),
+            placed(&[1], us_500)
+        );
+        assert_eq!(
+            fault_servers(4, Some(&[]), Some(Duration::ZERO), &[0], &[0], 2),
+            placed(&[], Duration::ZERO)
+        );
+        assert_eq!(flush_servers(None, None, 0), placed(&[0], Duration::ZERO));
+        assert_eq!(flush_servers(None, None, 1), placed(&[1], Duration::ZERO));
+        assert_eq!(
+            flush_servers(Some(&[1]), Some(us_500), 0),
+            placed(&[1], us_500)
+        );
+    }
 }

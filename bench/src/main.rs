@@ -436,12 +436,25 @@ fn run() -> anyhow::Result<()> {
     if args.compare_rounds == 0 {
         bail!("--compare-rounds must be at least 1");
     }
-    let server_spin = Duration::from_micros(args.page_server_spin_us.unwrap_or(match args.op {
-        // The fault op pins the local page-servers to the faulting thread's
-        // CPU (see fault.rs): there they must not spin.
-        Some(Op::Fault) => 0,
-        _ => LOCAL_SERVER_SPIN_US,
-    }));
+    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // The fault op places the local page-servers, and sets their spin, per
+    // run (fault.rs); they start as its measured runs want them.
+    let fault_servers = fault_toucher_cpus(&args, ncpu)
+        .filter(|_| args.coordinator.is_none())
+        .map(|touchers| {
+            fault::fault_servers(
+                args.threads,
+                args.page_server_cpus.0.as_deref(),
+                args.page_server_spin_us.map(Duration::from_micros),
+                &touchers,
+                &fault_handler_cpus(&args, ncpu).unwrap_or_default(),
+                ncpu,
+            )
+        });
+    let server_spin = match (&fault_servers, args.page_server_spin_us) {
+        (Some(placement), _) => placement.spin,
+        (None, us) => Duration::from_micros(us.unwrap_or(LOCAL_SERVER_SPIN_US)),
+    };
     let mut cluster = match &args.coordinator {
         Some(_) => None,
         None => Some(cluster::LocalCluster::start_placed(
@@ -498,16 +511,14 @@ fn run() -> anyhow::Result<()> {
             .coordinator
             .is_none()
             .then_some(server_spin.as_micros() as u64),
-        handler_cpus: fault_handler_cpus(
-            &args,
-            std::thread::available_parallelism().map_or(1, |n| n.get()),
-        ),
+        handler_cpus: fault_handler_cpus(&args, ncpu),
         handler_slice_us: (args.op == Some(Op::Fault)).then_some(args.handler_slice_us),
-        toucher_cpus: fault_toucher_cpus(
-            &args,
-            std::thread::available_parallelism().map_or(1, |n| n.get()),
-        ),
-        page_server_cpus: local_server_cpus(&args, &poller_cpus),
+        toucher_cpus: fault_toucher_cpus(&args, ncpu),
+        // The fault op's measured runs' (the flush runs print theirs).
+        page_server_cpus: match &fault_servers {
+            Some(placement) => Some(placement.cpus.clone()),
+            None => local_server_cpus(&args, &poller_cpus),
+        },
     };
     let mgr = std::sync::Arc::new(
         TransportManager::connect(config.clone())
@@ -597,16 +608,27 @@ fn run() -> anyhow::Result<()> {
                 handler_threads: usize::from(args.handler_threads),
                 handler_slice_us: args.handler_slice_us,
                 server_cpus: args.page_server_cpus.0.clone(),
-                toucher_cpus: fault_toucher_cpus(
-                    &args,
-                    std::thread::available_parallelism().map_or(1, |n| n.get()),
-                )
-                .unwrap_or_default(),
+                server_spin: args.page_server_spin_us.map(Duration::from_micros),
+                cluster: cluster.as_ref(),
+                ncpu,
+                toucher_cpus: fault_toucher_cpus(&args, ncpu).unwrap_or_default(),
                 fault_rounds: args.fault_rounds,
             };
             let (recs, summary) = fault::run(&mgr, &set, &params)?;
             records.extend(recs);
             lines.extend(summary);
+            let flush_servers = params.flush_servers();
+            params.place(&flush_servers);
+            if params.cluster.is_some() {
+                lines.push(format!(
+                    "flush runs: local page-servers {}, spinning {} us",
+                    match flush_servers.cpus.as_slice() {
+                        [] => "not pinned".to_owned(),
+                        cpus => format!("on CPU {cpus:?}"),
+                    },
+                    flush_servers.spin.as_micros()
+                ));
+            }
             let (recs, summary) = flush::run(
                 &mgr,
                 &set,

@@ -73,7 +73,7 @@ pub(crate) fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
                 let result = serve(
                     &stream,
                     &conn_shared.exported,
-                    conn_shared.spin_before_block,
+                    &conn_shared.spin_before_block,
                     &mut guard,
                 );
                 match result {

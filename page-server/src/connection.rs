@@ -23,6 +23,7 @@ use crate::outbound::Outbound;
 use crate::page_sums::PageSums;
 use crate::rdma::RdmaExport;
 use crate::recovery_guard::RecoveryGuard;
+use crate::spin::SpinSetting;
 use rdma_transport::log_limit::LogLimit;
 
 const RECV_BUF_BYTES: usize = 256 * 1024;
@@ -268,7 +269,7 @@ pub(crate) fn writev_all(stream: &TcpStream, iovecs: &mut [libc::iovec]) -> io::
 pub(crate) fn serve(
     stream: &TcpStream,
     exported: &Exported,
-    spin: Duration,
+    spin: &SpinSetting,
     guard: &mut ConnGuard,
 ) -> io::Result<()> {
     let mut coh = CohSession::default();
@@ -285,7 +286,7 @@ pub(crate) fn serve(
 fn serve_messages(
     stream: &TcpStream,
     exported: &Exported,
-    spin: Duration,
+    spin_setting: &SpinSetting,
     guard: &mut ConnGuard,
     coh: &mut CohSession,
     tally: &mut RequestTally,
@@ -298,13 +299,14 @@ fn serve_messages(
         ..Session::default()
     };
     let mut outbox = Outbox::new();
-    // Spinning needs a non-blocking socket; without it, plain blocking
-    // reads cost one system call each.
-    stream.set_nonblocking(!spin.is_zero())?;
-    if spin.is_zero() {
-        stream.set_read_timeout(blocking_read_timeout(guard.check(Instant::now())?))?;
-    }
+    let mut spinning = None;
     loop {
+        // The setting may change while the connection is served.
+        let spin = spin_setting.get();
+        if spinning != Some(!spin.is_zero()) {
+            set_read_mode(stream, spin, guard)?;
+            spinning = Some(!spin.is_zero());
+        }
         let n = match read_spinning(stream, &mut buf[end..], spin, guard) {
             Ok(0) => return Ok(()),
             Ok(n) => n,
@@ -400,7 +402,13 @@ fn serve_messages(
                     // through the channel from now on.
                     exported.metrics.publish(tally);
                     outbox.flush(stream, None)?;
-                    return crate::coherence_channel::serve(stream, exported, &channel, coh, spin);
+                    return crate::coherence_channel::serve(
+                        stream,
+                        exported,
+                        &channel,
+                        coh,
+                        spin_setting.get(),
+                    );
                 }
             }
             if outbox.is_full() {
@@ -444,6 +452,17 @@ fn send(
 ) -> io::Result<()> {
     exported.metrics.publish(tally);
     outbox.flush(stream, coh.outbound().map(|o| &**o))
+}
+
+/// Spinning needs a non-blocking socket; without it, plain blocking reads
+/// cost one system call each, and the receive timeout brings a read back
+/// to check `guard`'s limits.
+fn set_read_mode(stream: &TcpStream, spin: Duration, guard: &mut ConnGuard) -> io::Result<()> {
+    stream.set_nonblocking(!spin.is_zero())?;
+    if spin.is_zero() {
+        stream.set_read_timeout(blocking_read_timeout(guard.check(Instant::now())?))?;
+    }
+    Ok(())
 }
 
 /// Reads from the socket: with a `spin` (non-blocking socket), polls

@@ -30,6 +30,7 @@ mod recovery;
 mod recovery_guard;
 mod registration;
 mod server;
+mod spin;
 mod stats;
 
 pub use client_keys::{ClientKeyKind, ClientKeys};

@@ -85,7 +85,7 @@ pub(crate) struct Shared {
     pub(crate) exported: Exported,
     pub(crate) stop: AtomicBool,
     pub(crate) admission: Arc<Admission>,
-    pub(crate) spin_before_block: Duration,
+    pub(crate) spin_before_block: crate::spin::SpinSetting,
     /// Replica recovery counters (the recovery thread counts).
     pub(crate) recovery: RecoveryCounters,
     /// Each range's replica state in the last map read (the recovery
@@ -164,7 +164,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             config.max_connections,
             config.max_pending_handshakes,
         )),
-        spin_before_block: config.spin_before_block,
+        spin_before_block: crate::spin::SpinSetting::new(config.spin_before_block),
         recovery: RecoveryCounters::default(),
         seen: Arc::new(RangesSeen::new(layout.ranges().len())),
     });
@@ -347,6 +347,14 @@ impl RunningServer {
     /// The coherence home's counters.
     pub fn coherence_stats(&self) -> CoherenceStats {
         self.shared.exported.coherence.snapshot()
+    }
+
+    /// Changes how long every connection thread polls its socket before it
+    /// blocks (`ServerConfig::spin_before_block`), for the connections open
+    /// now and later. An open one takes the new value when its next
+    /// request has been answered. Zero blocks at once.
+    pub fn set_spin_before_block(&self, spin: Duration) {
+        self.shared.spin_before_block.set(spin);
     }
 
     /// Connections being served now (handshaken or not, and evicted ones
