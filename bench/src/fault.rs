@@ -115,9 +115,9 @@ pub fn fault_servers(
     };
     used.sort_unstable();
     used.dedup();
-    let chosen = match used.as_slice() {
-        &[cpu] if ncpu > 1 => (0..ncpu).filter(|&c| c != cpu).collect(),
-        &[cpu] => vec![cpu],
+    let chosen = match *used.as_slice() {
+        [cpu] if ncpu > 1 => (0..ncpu).filter(|&c| c != cpu).collect(),
+        [cpu] => vec![cpu],
         _ => Vec::new(),
     };
     let cpus = explicit_cpus.map_or(chosen, <[usize]>::to_vec);
