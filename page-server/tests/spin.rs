@@ -83,9 +83,11 @@ fn an_open_connection_takes_a_new_spin_after_its_next_request() {
     server.set_spin_before_block(Duration::from_secs(3600));
     read_back(&mgr, gpa, 3);
     let (_, before, _) = task(&conn);
-    until(&conn, "spinning: 0.3 s of CPU without a request", |(_, t, _)| {
-        t >= before + 30
-    });
+    until(
+        &conn,
+        "spinning: 0.3 s of CPU without a request",
+        |(_, t, _)| t >= before + 30,
+    );
 
     server.set_spin_before_block(Duration::ZERO);
     read_back(&mgr, gpa, 3);
