@@ -6,7 +6,7 @@ mod common;
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -311,19 +311,29 @@ fn flush_while_faults_are_in_flight(shared: bool, dirty_tracking: DirtyTracking)
         .unwrap(),
     );
     const WRITERS: usize = 2;
+    // Rounds each writer makes at least; it goes on until two flushes have
+    // run during its writes, however slow the host makes them.
     const ROUNDS: u64 = 40;
+    const FLUSHES: usize = 2;
     // completed[p] = last value whose write to page p has returned.
     let completed: Arc<Vec<AtomicU64>> =
         Arc::new((0..PAGES_PER_NODE).map(|_| AtomicU64::new(0)).collect());
     let done = Arc::new(AtomicBool::new(false));
+    let flushes_done = Arc::new(AtomicUsize::new(0));
     let start = Arc::new(Barrier::new(WRITERS + 2));
     let mut threads = Vec::new();
     for w in 0..WRITERS {
-        let (ram, completed, start) =
-            (Arc::clone(&ram), Arc::clone(&completed), Arc::clone(&start));
+        let (ram, completed, start, flushes_done) = (
+            Arc::clone(&ram),
+            Arc::clone(&completed),
+            Arc::clone(&start),
+            Arc::clone(&flushes_done),
+        );
         threads.push(std::thread::spawn(move || {
             start.wait();
-            for round in 1..=ROUNDS {
+            let mut round = 0u64;
+            while round < ROUNDS || flushes_done.load(Ordering::SeqCst) < FLUSHES {
+                round += 1;
                 for p in (w..PAGES_PER_NODE).step_by(WRITERS) {
                     let gpa = (p * PAGE_SIZE) as u64;
                     // Same value at both ends: a torn copy would show.
@@ -352,7 +362,7 @@ fn flush_while_faults_are_in_flight(shared: bool, dirty_tracking: DirtyTracking)
         .map(|p| (p * PAGE_SIZE) as u64)
         .collect();
     let mut remote = vec![[0u8; PAGE_SIZE]; PAGES_PER_NODE];
-    let mut flushes = 0;
+    let mut flushes = 0usize;
     let check = |remote: &[[u8; PAGE_SIZE]], snapshot: &[u64], exact: bool| {
         for (p, page) in remote.iter().enumerate() {
             let head = u64::from_le_bytes(page[..8].try_into().unwrap());
@@ -373,6 +383,7 @@ fn flush_while_faults_are_in_flight(shared: bool, dirty_tracking: DirtyTracking)
         let snapshot: Vec<u64> = completed.iter().map(|c| c.load(Ordering::SeqCst)).collect();
         ram.flush().unwrap();
         flushes += 1;
+        flushes_done.store(flushes, Ordering::SeqCst);
         mgr.read_pages(&gpas, &mut remote).unwrap();
         check(&remote, &snapshot, false);
     }
@@ -382,9 +393,16 @@ fn flush_while_faults_are_in_flight(shared: bool, dirty_tracking: DirtyTracking)
     }
     ram.flush().unwrap();
     mgr.read_pages(&gpas, &mut remote).unwrap();
-    check(&remote, &vec![ROUNDS; PAGES_PER_NODE], true);
+    // Every page holds its writer's last round (each writer's pages have
+    // the same, at least ROUNDS).
+    let last: Vec<u64> = completed.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+    assert!(last.iter().all(|&r| r >= ROUNDS), "a writer stopped early");
+    check(&remote, &last, true);
     let stats = ram.stats();
-    assert!(flushes >= 2, "{flushes} flushes ran during the writes");
+    assert!(
+        flushes >= FLUSHES,
+        "{flushes} flushes ran during the writes"
+    );
     assert!(stats.pages_evicted > 0, "{stats:?}");
     // Write-protect faults track dirty pages, unless PAGEMAP_SCAN does.
     assert_eq!(

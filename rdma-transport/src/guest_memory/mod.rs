@@ -100,7 +100,8 @@ pub struct GuestMemoryStats {
     pub wp_faults: u64,
     /// Faults parked until another thread finished with the page.
     pub deferred_faults: u64,
-    /// Pages installed by read-ahead.
+    /// Pages installed by read-ahead (counted just before the install that
+    /// wakes the threads waiting for them).
     pub prefetched_pages: u64,
     /// Read-ahead batches fetched.
     pub prefetch_batches: u64,

@@ -258,7 +258,6 @@ fn install(shared: &Shared, batch: &Batch, gpas: &mut [u64; MAX_WINDOW], pages: 
     }
     // One UFFDIO_COPY per run of consecutive pages: a vCPU catching up
     // with read-ahead waits for one ioctl, not for one per page.
-    let mut installed = 0u64;
     let mut start = 0;
     while start < n {
         if !ok[start] {
@@ -274,15 +273,24 @@ fn install(shared: &Shared, batch: &Batch, gpas: &mut [u64; MAX_WINDOW], pages: 
         while at < end {
             let src = pages[at..end].as_ptr().cast::<u8>();
             let dst = shared.region.page_addr(claimed[at].0);
+            // Counted before the install wakes the threads that wait for
+            // these pages (and taken back for those it did not install), so
+            // a reader of the stats never misses them.
+            Counters::add(&shared.counters.prefetched_pages, (end - at) as u64);
             // SAFETY: `pages[at..end]` is contiguous (a Vec) and holds
             // `end - at` pages; `claimed[at..end]` are consecutive pages of
             // the region, all locked by us.
-            match unsafe { shared.uffd.copy_pages(src, dst, end - at, true) } {
+            let result = unsafe { shared.uffd.copy_pages(src, dst, end - at, true) };
+            let copied = result.as_ref().map_or(0, |&(copied, _)| copied);
+            Counters::sub(
+                &shared.counters.prefetched_pages,
+                (end - at - copied) as u64,
+            );
+            match result {
                 Ok((copied, outcome)) => {
                     for &(p, _) in &claimed[at..at + copied] {
                         shared.release(p, PRESENT, LOCKED | FETCHING, false);
                     }
-                    installed += copied as u64;
                     at += copied;
                     match outcome {
                         CopyOutcome::Copied => {}
@@ -313,7 +321,6 @@ fn install(shared: &Shared, batch: &Batch, gpas: &mut [u64; MAX_WINDOW], pages: 
         }
         start = end;
     }
-    Counters::add(&shared.counters.prefetched_pages, installed);
     Counters::add(&shared.counters.prefetch_batches, 1);
 }
 
@@ -330,7 +337,6 @@ fn install_shared(shared: &Shared, batch: &Batch, gpas: &mut [u64; MAX_WINDOW]) 
         claimed[n] = (p, i);
         n += 1;
     });
-    let mut installed = 0u64;
     let mut start = 0;
     while start < n {
         let mut end = start + 1;
@@ -361,17 +367,17 @@ fn install_shared(shared: &Shared, batch: &Batch, gpas: &mut [u64; MAX_WINDOW]) 
             start = end;
             continue;
         }
-        installed += continue_run(shared, batch, &claimed[start..end]);
+        continue_run(shared, batch, &claimed[start..end]);
         start = end;
     }
-    Counters::add(&shared.counters.prefetched_pages, installed);
     Counters::add(&shared.counters.prefetch_batches, 1);
 }
 
 /// Locks the pages of a received run that are still ours (absent, at their
 /// claimed generation) and maps them clean: one `UFFDIO_CONTINUE` when all
-/// are, else one per page. Returns how many were mapped.
-fn continue_run(shared: &Shared, batch: &Batch, run: &[(usize, usize)]) -> u64 {
+/// are, else one per page. Counts the pages it maps, before the call that
+/// maps them wakes their waiting threads.
+fn continue_run(shared: &Shared, batch: &Batch, run: &[(usize, usize)]) {
     let mut ours = [false; MAX_WINDOW];
     for (k, &(p, i)) in run.iter().enumerate() {
         match shared.states.try_lock(p) {
@@ -383,7 +389,9 @@ fn continue_run(shared: &Shared, batch: &Batch, run: &[(usize, usize)]) -> u64 {
         }
     }
     let all = ours[..run.len()].iter().all(|&o| o);
+    let counter = &shared.counters.prefetched_pages;
     if all {
+        Counters::add(counter, run.len() as u64);
         // SAFETY: consecutive pages of the registered range, locked by us,
         // whose page cache holds what we just received into the alias.
         let mapped = unsafe {
@@ -395,15 +403,16 @@ fn continue_run(shared: &Shared, batch: &Batch, run: &[(usize, usize)]) -> u64 {
             for &(p, _) in run {
                 shared.release(p, PRESENT, LOCKED | FETCHING, false);
             }
-            return run.len() as u64;
+            return;
         }
+        Counters::sub(counter, run.len() as u64);
     }
     // Some pages are not ours, or the one call failed: page by page.
-    let mut installed = 0;
     for (k, &(p, _)) in run.iter().enumerate() {
         if !ours[k] {
             continue;
         }
+        Counters::add(counter, 1);
         // SAFETY: as above, for one page.
         let set = match unsafe {
             shared
@@ -415,15 +424,14 @@ fn continue_run(shared: &Shared, batch: &Batch, run: &[(usize, usize)]) -> u64 {
             Ok(CopyOutcome::Exists) => PRESENT | DIRTY,
             Ok(CopyOutcome::Again) | Err(_) => 0,
         };
-        shared.release(p, set, LOCKED | FETCHING, false);
-        if set & PRESENT != 0 {
-            installed += 1;
+        if set & PRESENT == 0 {
+            Counters::sub(counter, 1);
         }
+        shared.release(p, set, LOCKED | FETCHING, false);
         if set != PRESENT {
             shared.wake(p);
         }
     }
-    installed
 }
 
 #[cfg(test)]
