@@ -8,7 +8,9 @@
 //! pages without it without taking their lock.
 //!
 //! Write-back works on runs of consecutive dirty pages (up to
-//! `WRITEBACK_BATCH`): one `UFFDIO_WRITEPROTECT` per run. A run of at least
+//! `WRITEBACK_BATCH`): one `UFFDIO_WRITEPROTECT` per run, or, for short
+//! runs of anonymous memory near each other, one per group of them
+//! (`Group`). A run of at least
 //! `ZERO_COPY_MIN_PAGES` goes out with one `write_pages` straight from
 //! memory, with no copy (from the alias of a shared region, from the guest
 //! mapping of an anonymous one), its pages locked until the owner
@@ -70,6 +72,10 @@ pub(crate) fn flush(shared: &Shared) -> Result<u64, GuestMemoryError> {
     let pages = states.len();
     let max_run = max_run(shared);
     let mut outcome = Outcome::default();
+    // Short runs near each other share one write-protect call (anonymous
+    // 4 KiB pages only, see `Group`).
+    let mut group =
+        (!shared.region.is_shared() && shared.region.unit_pages() == 1).then(Group::default);
     let mut page = 0;
     while page < pages {
         if states.load(page) & DIRTY == 0 {
@@ -91,11 +97,102 @@ pub(crate) fn flush(shared: &Shared) -> Result<u64, GuestMemoryError> {
             page += 1;
             continue;
         }
-        flush_run(shared, &mut wb, first, end, &mut outcome);
+        match group.as_mut() {
+            Some(group) if end - first < ZERO_COPY_MIN_PAGES => {
+                if !group.fits(first, end, WRITEBACK_BATCH - wb.index.len()) {
+                    group.flush(shared, &mut wb);
+                    if wb.index.len() + (end - first) > WRITEBACK_BATCH {
+                        send_bounce(shared, &mut wb, &mut outcome);
+                    }
+                }
+                group.push(first, end);
+            }
+            Some(group) => {
+                group.flush(shared, &mut wb);
+                flush_run(shared, &mut wb, first, end, &mut outcome);
+            }
+            None => flush_run(shared, &mut wb, first, end, &mut outcome),
+        }
         page = end;
+    }
+    if let Some(group) = group.as_mut() {
+        group.flush(shared, &mut wb);
     }
     send_bounce(shared, &mut wb, &mut outcome);
     outcome.into_result()
+}
+
+/// Furthest apart, in pages, the first and last page of a `Group`.
+const GROUP_SPAN_PAGES: usize = 4 * WRITEBACK_BATCH;
+
+/// Short dirty runs, locked, waiting to be write-protected together: one
+/// `UFFDIO_WRITEPROTECT` from the first run's start to the last run's end,
+/// then each run is copied into the bounce batch (which has room for all of
+/// them) and released. Each call interrupts every other CPU running a
+/// thread of this process to flush its TLB (a VMM's vCPUs, in guest mode
+/// or not): a flush of scattered pages made one per run
+/// (docs/embedding.md, "Dirty tracking without faults").
+///
+/// The pages between the runs are not locked, and protecting them is
+/// harmless: a clean page is protected already; an absent one stays absent
+/// (anonymous memory keeps no write-protect marker for it, unless the
+/// userfaultfd has `UFFD_FEATURE_WP_UNPOPULATED`, and then its MISSING
+/// fault is reported and resolved as usual); a dirty page that another
+/// thread holds keeps its `DIRTY` mark (only the locked runs' marks are
+/// cleared), so the next write faults, finds the mark and lifts the
+/// protection again, and the next flush sends the page. Evict protects
+/// whole chunks the same way. Shared-memory regions keep one call per run
+/// (their absent pages would get markers); they use `PAGEMAP_SCAN` where
+/// the kernel has it.
+#[derive(Default)]
+struct Group {
+    runs: Vec<(usize, usize)>,
+    pages: usize,
+}
+
+impl Group {
+    /// Whether the run `[first, end)` can join: within the span, and all
+    /// of the group's pages fit in `room` bounce slots.
+    fn fits(&self, first: usize, end: usize, room: usize) -> bool {
+        match self.runs.first() {
+            None => end - first <= room,
+            Some(&(start, _)) => {
+                end - start <= GROUP_SPAN_PAGES && self.pages + (end - first) <= room
+            }
+        }
+    }
+
+    fn push(&mut self, first: usize, end: usize) {
+        self.runs.push((first, end));
+        self.pages += end - first;
+    }
+
+    /// Write-protects the runs with one call, clears their `DIRTY`, copies
+    /// them into the bounce batch and releases them.
+    fn flush(&mut self, shared: &Shared, wb: &mut Writeback) {
+        let (Some(&(first, _)), Some(&(_, end))) = (self.runs.first(), self.runs.last()) else {
+            return;
+        };
+        let protected = shared.uffd.write_protect(
+            shared.region.page_addr(first),
+            (end - first) * shared.region.unit_bytes(),
+        );
+        for &(run, run_end) in &self.runs {
+            for p in run..run_end {
+                if protected.is_ok() {
+                    // Clean from now, as in `flush_run`.
+                    shared.states.release(p, 0, DIRTY, false);
+                    copy_to_bounce(shared, wb, p);
+                }
+                shared.release(p, 0, LOCKED, false);
+            }
+        }
+        if let Err(err) = protected {
+            tracing::warn!(%err, first, end, "write-protecting dirty runs failed; skipped");
+        }
+        self.runs.clear();
+        self.pages = 0;
+    }
 }
 
 /// Write-protects the locked dirty run `[first, end)` and clears `DIRTY`;
