@@ -78,11 +78,13 @@ pub struct ServerPlacement {
 /// servers on the other CPUs, spinning, as the bare remote fault's best
 /// layout (`cross-cpu-spinning`). Nothing of a fault then waits for a
 /// halted vCPU to wake, and the servers' work leaves the faulting CPU:
-/// 2026-12-05, `--prefetch off --pattern random --threads 4`, four
-/// alternated pairs, one thread 41-43k faults/s against 34k with the
+/// 2026-12-05, `--prefetch off --pattern random --threads 4`, three
+/// alternated pairs, one thread 42-47k faults/s against 35-37k with the
 /// servers blocking on the faulting CPU (the default until then), four
-/// threads 70-72k against 42-50k (x1.61-1.75 of one thread, against
-/// x1.24-1.47).
+/// threads 73-76k against 51-54k (x1.59-1.75 of one thread, against
+/// x1.44-1.48); one random fault 21-22 µs p50 against 26
+/// (docs/benchmarking.md, "Fault runs with the page-servers spinning on
+/// the other CPU").
 ///
 /// Everything on one CPU (a one-CPU host): there, not spinning: waking a
 /// thread on another, idle, CPU costs tens of µs per fault in this VM
