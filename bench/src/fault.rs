@@ -67,6 +67,20 @@ pub struct ServerPlacement {
     pub spin: Duration,
 }
 
+impl ServerPlacement {
+    /// For the summary lines.
+    pub fn describe(&self) -> String {
+        let cpus = match self.cpus.as_slice() {
+            [] => "not pinned".to_owned(),
+            cpus => format!("on CPU {cpus:?}"),
+        };
+        format!(
+            "local page-servers {cpus}, spinning {} us",
+            self.spin.as_micros()
+        )
+    }
+}
+
 /// The page-servers' placement for a fault run with `threads` faulting
 /// threads, thread t on `touchers[t % len]`, and fault handlers on
 /// `handlers` (either empty: not pinned), on a host of `ncpu` CPUs.
@@ -495,8 +509,13 @@ impl Run {
             0 => String::new(),
             direct => format!("; TCP: {direct} read straight into guest RAM"),
         };
+        // Each run places the local page-servers for its thread count.
+        let servers = match params.cluster {
+            None => String::new(),
+            Some(_) => format!("; {}", params.fault_servers(threads).describe()),
+        };
         let line = format!(
-            "fault {}/{}, {:?}, {threads} thread(s): {:.0} faults/s, p50 {} us ({} fetched by faults, {} of them inline, {} by prefetch{rdma_pages}{tcp_pages})",
+            "fault {}/{}, {:?}, {threads} thread(s): {:.0} faults/s, p50 {} us ({} fetched by faults, {} of them inline, {} by prefetch{rdma_pages}{tcp_pages}{servers})",
             self.label,
             params.data_path,
             self.pattern,

@@ -620,14 +620,7 @@ fn run() -> anyhow::Result<()> {
             let flush_servers = params.flush_servers();
             params.place(&flush_servers);
             if params.cluster.is_some() {
-                lines.push(format!(
-                    "flush runs: local page-servers {}, spinning {} us",
-                    match flush_servers.cpus.as_slice() {
-                        [] => "not pinned".to_owned(),
-                        cpus => format!("on CPU {cpus:?}"),
-                    },
-                    flush_servers.spin.as_micros()
-                ));
+                lines.push(format!("flush runs: {}", flush_servers.describe()));
             }
             let (recs, summary) = flush::run(
                 &mgr,
