@@ -196,6 +196,9 @@ pub struct Params<'a> {
     pub backings: Vec<Backing>,
     /// `GuestMemoryConfig::handler_cpus` (`--handler-cpus`).
     pub handler_cpus: Option<Vec<usize>>,
+    /// Where the handlers run: `handler_cpus`, or handler i on CPU i (the
+    /// library's choice for `None`); empty: not pinned.
+    pub placed_handler_cpus: Vec<usize>,
     /// `GuestMemoryConfig::handler_threads` (`--handler-threads`).
     pub handler_threads: usize,
     /// `GuestMemoryConfig::handler_slice_us` (`--handler-slice-us`).
@@ -227,25 +230,15 @@ impl Params<'_> {
             self.server_cpus.as_deref(),
             self.server_spin,
             &self.toucher_cpus,
-            &self.resolved_handler_cpus(),
+            &self.placed_handler_cpus,
             self.ncpu,
         )
     }
 
     /// The flush runs' (see [`flush_servers`]).
     pub fn flush_servers(&self) -> ServerPlacement {
-        let handler_cpu = self.resolved_handler_cpus().first().copied().unwrap_or(0);
+        let handler_cpu = self.placed_handler_cpus.first().copied().unwrap_or(0);
         flush_servers(self.server_cpus.as_deref(), self.server_spin, handler_cpu)
-    }
-
-    /// The handlers' CPUs: `--handler-cpus`, or handler i on CPU i (the
-    /// library's choice for `handler_cpus: None`); empty: not pinned.
-    fn resolved_handler_cpus(&self) -> Vec<usize> {
-        self.handler_cpus.clone().unwrap_or_else(|| {
-            (0..self.handler_threads.max(1))
-                .map(|i| i % self.ncpu.max(1))
-                .collect()
-        })
     }
 
     /// Places the local page-servers for a run with `threads` faulting

@@ -608,6 +608,7 @@ fn run() -> anyhow::Result<()> {
                 handler_threads: usize::from(args.handler_threads),
                 handler_slice_us: args.handler_slice_us,
                 server_cpus: args.page_server_cpus.0.clone(),
+                placed_handler_cpus: fault_handler_cpus(&args, ncpu).unwrap_or_default(),
                 server_spin: args.page_server_spin_us.map(Duration::from_micros),
                 cluster: cluster.as_ref(),
                 ncpu,
