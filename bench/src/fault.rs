@@ -180,6 +180,46 @@ pub(crate) fn pin_toucher(t: usize, cpus: &[usize]) {
     let _ = core_affinity::set_for_current(core_affinity::CoreId { id });
 }
 
+/// Where the fault op's threads run, and what the command line says of the
+/// local page-servers: the inputs of [`fault_servers`] and
+/// [`flush_servers`], resolved once.
+#[derive(Debug, Clone)]
+pub struct FaultCpus {
+    /// The faulting threads' CPUs (`--toucher-cpus`, resolved): thread t
+    /// on entry t, mod the length; empty: not pinned.
+    pub touchers: Vec<usize>,
+    /// Where the handlers run: `--handler-cpus`, or handler i on CPU i
+    /// (the library's choice); empty: not pinned.
+    pub handlers: Vec<usize>,
+    /// `--page-server-cpus` (`None`: the bench's choice per run).
+    pub server_cpus: Option<Vec<usize>>,
+    /// `--page-server-spin-us` (`None`: the bench's choice per run).
+    pub server_spin: Option<Duration>,
+    /// CPUs of this host.
+    pub ncpu: usize,
+}
+
+impl FaultCpus {
+    /// The local page-servers' placement for a run with `threads` faulting
+    /// threads.
+    pub fn fault_servers(&self, threads: usize) -> ServerPlacement {
+        fault_servers(
+            threads,
+            self.server_cpus.as_deref(),
+            self.server_spin,
+            &self.touchers,
+            &self.handlers,
+            self.ncpu,
+        )
+    }
+
+    /// The flush runs' (see [`flush_servers`]).
+    pub fn flush_servers(&self) -> ServerPlacement {
+        let handler_cpu = self.handlers.first().copied().unwrap_or(0);
+        flush_servers(self.server_cpus.as_deref(), self.server_spin, handler_cpu)
+    }
+}
+
 /// What the fault runs need from the command line.
 pub struct Params<'a> {
     pub ops: u64,
@@ -196,55 +236,25 @@ pub struct Params<'a> {
     pub backings: Vec<Backing>,
     /// `GuestMemoryConfig::handler_cpus` (`--handler-cpus`).
     pub handler_cpus: Option<Vec<usize>>,
-    /// Where the handlers run: `handler_cpus`, or handler i on CPU i (the
-    /// library's choice for `None`); empty: not pinned.
-    pub placed_handler_cpus: Vec<usize>,
     /// `GuestMemoryConfig::handler_threads` (`--handler-threads`).
     pub handler_threads: usize,
     /// `GuestMemoryConfig::handler_slice_us` (`--handler-slice-us`).
     pub handler_slice_us: u64,
-    /// `--page-server-cpus` (`None`: the bench's choice per run, see
-    /// [`fault_servers`]).
-    pub server_cpus: Option<Vec<usize>>,
-    /// `--page-server-spin-us` (`None`: the bench's choice per run).
-    pub server_spin: Option<Duration>,
+    /// Where the faulting threads, handlers and local page-servers run.
+    pub cpus: FaultCpus,
     /// The local cluster, whose servers' spin each run sets (`None` with
     /// `--coordinator`: nothing to place).
     pub cluster: Option<&'a LocalCluster>,
-    /// CPUs of this host.
-    pub ncpu: usize,
-    /// The faulting threads' CPUs (`--toucher-cpus`, resolved): thread t
-    /// on entry t, mod the length; empty: not pinned.
-    pub toucher_cpus: Vec<usize>,
     /// With `baseline`: rounds of ours and the baselines one after the
     /// other (`--fault-rounds`, 0: none; see fault/alternate.rs).
     pub fault_rounds: u64,
 }
 
 impl Params<'_> {
-    /// The local page-servers' placement for a run with `threads` faulting
-    /// threads.
-    pub fn fault_servers(&self, threads: usize) -> ServerPlacement {
-        fault_servers(
-            threads,
-            self.server_cpus.as_deref(),
-            self.server_spin,
-            &self.toucher_cpus,
-            &self.placed_handler_cpus,
-            self.ncpu,
-        )
-    }
-
-    /// The flush runs' (see [`flush_servers`]).
-    pub fn flush_servers(&self) -> ServerPlacement {
-        let handler_cpu = self.placed_handler_cpus.first().copied().unwrap_or(0);
-        flush_servers(self.server_cpus.as_deref(), self.server_spin, handler_cpu)
-    }
-
     /// Places the local page-servers for a run with `threads` faulting
     /// threads.
     fn place_servers(&self, threads: usize) {
-        self.place(&self.fault_servers(threads));
+        self.place(&self.cpus.fault_servers(threads));
     }
 
     /// Pins the local page-servers' threads and sets their spin.
@@ -298,7 +308,7 @@ pub fn run(
             depth: 1,
             pattern: AccessPattern::Random,
         };
-        touch_rounds(&ram, warm, &params.toucher_cpus, |_| true)?;
+        touch_rounds(&ram, warm, &params.cpus.touchers, |_| true)?;
     }
     let default_window = GuestMemoryConfig::new(gpa_base, pages * PAGE_SIZE).prefetch_max_pages;
     // (pattern, prefetch on, p50 us, faults/s) of each anonymous run, for
@@ -473,7 +483,7 @@ impl Run {
         let base = ram.as_ptr() as usize;
         let zero_copy = ram.rdma_zero_copy();
         let zc_before = mgr.zero_copy_stats();
-        let outcome = touch_rounds(&ram, spec, &params.toucher_cpus, |i| {
+        let outcome = touch_rounds(&ram, spec, &params.cpus.touchers, |i| {
             // SAFETY: page i was faulted in by the touch just before and
             // stays mapped until the eviction after the round.
             let page = unsafe { &*((base + i * PAGE_SIZE) as *const Page) };
@@ -505,7 +515,7 @@ impl Run {
         // Each run places the local page-servers for its thread count.
         let servers = match params.cluster {
             None => String::new(),
-            Some(_) => format!("; {}", params.fault_servers(threads).describe()),
+            Some(_) => format!("; {}", params.cpus.fault_servers(threads).describe()),
         };
         let line = format!(
             "fault {}/{}, {:?}, {threads} thread(s): {:.0} faults/s, p50 {} us ({} fetched by faults, {} of them inline, {} by prefetch{rdma_pages}{tcp_pages}{servers})",

@@ -439,18 +439,17 @@ fn run() -> anyhow::Result<()> {
     let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
     // The fault op places the local page-servers, and sets their spin, per
     // run (fault.rs); they start as its measured runs want them.
-    let fault_servers = fault_toucher_cpus(&args, ncpu)
+    let fault_cpus = fault_toucher_cpus(&args, ncpu).map(|touchers| fault::FaultCpus {
+        touchers,
+        handlers: fault_handler_cpus(&args, ncpu).unwrap_or_default(),
+        server_cpus: args.page_server_cpus.0.clone(),
+        server_spin: args.page_server_spin_us.map(Duration::from_micros),
+        ncpu,
+    });
+    let fault_servers = fault_cpus
+        .as_ref()
         .filter(|_| args.coordinator.is_none())
-        .map(|touchers| {
-            fault::fault_servers(
-                args.threads,
-                args.page_server_cpus.0.as_deref(),
-                args.page_server_spin_us.map(Duration::from_micros),
-                &touchers,
-                &fault_handler_cpus(&args, ncpu).unwrap_or_default(),
-                ncpu,
-            )
-        });
+        .map(|cpus| cpus.fault_servers(args.threads));
     let server_spin = match (&fault_servers, args.page_server_spin_us) {
         (Some(placement), _) => placement.spin,
         (None, us) => Duration::from_micros(us.unwrap_or(LOCAL_SERVER_SPIN_US)),
@@ -511,9 +510,9 @@ fn run() -> anyhow::Result<()> {
             .coordinator
             .is_none()
             .then_some(server_spin.as_micros() as u64),
-        handler_cpus: fault_handler_cpus(&args, ncpu),
+        handler_cpus: fault_cpus.as_ref().map(|c| c.handlers.clone()),
         handler_slice_us: (args.op == Some(Op::Fault)).then_some(args.handler_slice_us),
-        toucher_cpus: fault_toucher_cpus(&args, ncpu),
+        toucher_cpus: fault_cpus.as_ref().map(|c| c.touchers.clone()),
         // The fault op's measured runs' (the flush runs print theirs).
         page_server_cpus: match &fault_servers {
             Some(placement) => Some(placement.cpus.clone()),
@@ -607,18 +606,16 @@ fn run() -> anyhow::Result<()> {
                 handler_cpus: args.handler_cpus.0.clone(),
                 handler_threads: usize::from(args.handler_threads),
                 handler_slice_us: args.handler_slice_us,
-                server_cpus: args.page_server_cpus.0.clone(),
-                placed_handler_cpus: fault_handler_cpus(&args, ncpu).unwrap_or_default(),
-                server_spin: args.page_server_spin_us.map(Duration::from_micros),
+                cpus: fault_cpus
+                    .clone()
+                    .context("the fault op resolves its CPUs")?,
                 cluster: cluster.as_ref(),
-                ncpu,
-                toucher_cpus: fault_toucher_cpus(&args, ncpu).unwrap_or_default(),
                 fault_rounds: args.fault_rounds,
             };
             let (recs, summary) = fault::run(&mgr, &set, &params)?;
             records.extend(recs);
             lines.extend(summary);
-            let flush_servers = params.flush_servers();
+            let flush_servers = params.cpus.flush_servers();
             params.place(&flush_servers);
             if params.cluster.is_some() {
                 lines.push(format!("flush runs: {}", flush_servers.describe()));
