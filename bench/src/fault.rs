@@ -409,6 +409,30 @@ pub fn run(
                 ));
             }
             lines.push(report::layouts_line(&tcp));
+            // The same with the bare pages spread over as many servers as
+            // ours are over our nodes, on the same CPUs.
+            let owners = set.owners(&mgr.map());
+            let servers = owners.iter().max().map_or(0, |&m| m + 1);
+            if servers > 1 {
+                let best = crate::baseline::run_spread(tcp_spec, &owners, SEED)?;
+                let mut spread = Record::baseline(tcp_spec, &best);
+                spread.transport = format!("bare-spread{servers}");
+                let sum = local.latency_us.p50 + spread.latency_us.p50;
+                for &(_, prefetch, p50, _) in ran.iter().filter(|r| r.0 == pattern) {
+                    lines.push(format!(
+                        "{pattern:?} fault p50 {} us (prefetch {}) vs local uffd fault {} us + bare TCP 4 KiB read over {servers} servers, pages spread as over our nodes, {} us ({}) = {} us: x{}",
+                        fmt_us(p50),
+                        if prefetch { "on" } else { "off" },
+                        fmt_us(local.latency_us.p50),
+                        fmt_us(spread.latency_us.p50),
+                        best.layout.name(),
+                        fmt_us(sum),
+                        fmt_ratio(p50 / sum.max(1e-9))
+                    ));
+                }
+                lines.push(report::spread_layouts_line(&spread, servers));
+                records.push(spread);
+            }
             // The whole remote fault as one bare program: whether the sum
             // above can be had at all on this machine.
             let bare = crate::baseline::run_remote_fault(spec, pages.min(16384), SEED)?;

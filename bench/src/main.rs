@@ -544,7 +544,10 @@ fn run() -> anyhow::Result<()> {
     if gpas.is_empty() {
         bail!("the cluster at {url} maps no memory");
     }
+    // Which node serves each page (`--baseline` spreads the bare
+    // ping-pong's pages the same way).
     let set = WorkingSet::new(gpas);
+    let owners = set.owners(&map);
     eprintln!(
         "cluster: {url}, {} nodes, {} replica(s) per range, {} MiB under test ({} pages); filling it...",
         nodes,
@@ -745,9 +748,24 @@ fn run() -> anyhow::Result<()> {
                 lines.push(report::ratio_line(&ours, base));
                 lines.push(report::layouts_line(base));
             }
+            let servers = owners.iter().max().map_or(0, |&m| m + 1);
+            let spread = if args.baseline && spec.depth == 1 && servers > 1 && args.replicas == 1 {
+                // The same job for the bare program: its pages on as many
+                // servers as ours, sharing the CPUs ours share.
+                let base_spec = Spec { threads: 1, ..spec };
+                let best = baseline::run_spread(base_spec, &owners, seed)?;
+                let mut spread = Record::baseline(base_spec, &best);
+                spread.transport = format!("bare-spread{servers}");
+                lines.push(report::spread_ratio_line(&ours, &spread, servers));
+                lines.push(report::spread_layouts_line(&spread, servers));
+                Some(spread)
+            } else {
+                None
+            };
             keyed_runs.push((spec, seed));
             records.push(ours);
             records.extend(base);
+            records.extend(spread);
             records.extend(pipelined);
         }
     }

@@ -387,6 +387,22 @@ pub fn ratio_line(ours: &Record, base: &Record) -> String {
     )
 }
 
+/// Our one-page-in-flight figures against the bare ping-pong whose pages
+/// are spread over `servers` servers as ours are over our nodes (the same
+/// job on the same CPUs), as [`ratio_line`] does against one server.
+pub fn spread_ratio_line(ours: &Record, base: &Record, servers: usize) -> String {
+    let line = ratio_line(ours, base);
+    let rest = line.strip_prefix("overhead vs bare TCP").unwrap_or(&line);
+    format!("overhead vs bare TCP over {servers} servers, pages spread as over our nodes{rest}")
+}
+
+/// [`layouts_line`] of the spread baseline of [`spread_ratio_line`].
+pub fn spread_layouts_line(base: &Record, servers: usize) -> String {
+    let line = layouts_line(base);
+    let rest = line.strip_prefix("bare TCP baseline").unwrap_or(&line);
+    format!("bare TCP baseline over {servers} servers, all on the server CPU{rest}")
+}
+
 /// Our many-in-flight throughput against the bare pipelined client's
 /// (its best layout), both from this run.
 pub fn pipelined_line(ours: &Record, base: &Record) -> String {
@@ -467,6 +483,46 @@ mod tests {
         assert_eq!(fmt_us(1.0), "1.0");
         assert_eq!(fmt_ratio(1.234), "1.23");
         assert_eq!(fmt_ratio(0.00123), "1.23e-3");
+    }
+
+    #[test]
+    fn spread_lines_name_their_servers() {
+        let spec = Spec {
+            op: Op::Read,
+            ops: 1,
+            threads: 1,
+            depth: 1,
+            pattern: AccessPattern::Random,
+        };
+        let outcome = |ns: u64| {
+            let mut latency_ns = crate::workload::new_histogram();
+            latency_ns.record(ns).expect("in range");
+            Outcome {
+                latency_ns,
+                elapsed: std::time::Duration::from_millis(1),
+                ops_done: 1,
+                errors: 0,
+                bad_pages: 0,
+                pages_checked: 1,
+                first_error: None,
+            }
+        };
+        let ours = Record::new("tcp", spec, 2, &outcome(12_000));
+        let base = Record::new("bare-tcp", spec, 1, &outcome(10_000));
+        let line = spread_ratio_line(&ours, &base, 2);
+        assert!(
+            line.starts_with(
+                "overhead vs bare TCP over 2 servers, pages spread as over our nodes (Read Random, depth 1): p50 x1.20"
+            ),
+            "{line}"
+        );
+        let line = spread_layouts_line(&base, 2);
+        assert!(
+            line.starts_with(
+                "bare TCP baseline over 2 servers, all on the server CPU (Read Random, depth 1)"
+            ),
+            "{line}"
+        );
     }
 
     #[test]

@@ -172,6 +172,24 @@ pub struct Readback {
 }
 
 impl WorkingSet {
+    /// The index of the node serving each page (its primary holder in
+    /// `map`), numbered in the order the nodes are first met: the bare
+    /// baseline spreads its pages over as many servers the same way. (Every
+    /// page of the set was read from the map, so each has one.)
+    pub fn owners(&self, map: &rdma_transport::GpaMap) -> Vec<usize> {
+        let mut order: Vec<usize> = Vec::new();
+        self.gpas
+            .iter()
+            .map(|&gpa| {
+                let node = map.lookup(gpa).map_or(usize::MAX, |l| l.node_index);
+                order.iter().position(|&n| n == node).unwrap_or_else(|| {
+                    order.push(node);
+                    order.len() - 1
+                })
+            })
+            .collect()
+    }
+
     pub fn new(gpas: Vec<u64>) -> Self {
         let seeds = gpas.iter().map(|_| AtomicU64::new(0)).collect();
         let maybe_seeds = gpas.iter().map(|_| AtomicU64::new(0)).collect();

@@ -1,6 +1,7 @@
 //! The baseline's socket, blocking or spinning: `read_exact` and
 //! `write_all` either sleep in the kernel or retry a non-blocking call in a
-//! tight loop until it makes progress.
+//! tight loop until it makes progress (yielding the CPU between tries when
+//! the thread shares its CPU with other spinners, see [`Conn::yielding`]).
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -10,6 +11,8 @@ use std::net::TcpStream;
 pub struct Conn {
     stream: TcpStream,
     spin: bool,
+    /// Spinning: yield the CPU between tries instead of a pause.
+    yield_cpu: bool,
 }
 
 impl Conn {
@@ -18,7 +21,29 @@ impl Conn {
     pub fn new(stream: TcpStream, spin: bool) -> io::Result<Self> {
         stream.set_nodelay(true)?;
         stream.set_nonblocking(spin)?;
-        Ok(Self { stream, spin })
+        Ok(Self {
+            stream,
+            spin,
+            yield_cpu: false,
+        })
+    }
+
+    /// The same connection, spinning with a `sched_yield` between tries:
+    /// for threads that spin on a CPU they share with other spinners, which
+    /// would otherwise wait a whole time slice for each other (what the
+    /// local page-servers do, see page-server's `read_spinning`).
+    pub fn yielding(mut self) -> Self {
+        self.yield_cpu = true;
+        self
+    }
+
+    /// Between two tries of a spinning call.
+    fn pause(&self) {
+        if self.yield_cpu {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
     }
 
     /// Fills `buf`; `UnexpectedEof` when the peer closes first.
@@ -31,7 +56,7 @@ impl Conn {
             match self.stream.read(&mut buf[got..]) {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => got += n,
-                Err(e) if retry(&e) => std::hint::spin_loop(),
+                Err(e) if retry(&e) => self.pause(),
                 Err(e) => return Err(e),
             }
         }
@@ -45,7 +70,7 @@ impl Conn {
             match self.stream.read(buf) {
                 Ok(0) if !buf.is_empty() => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => return Ok(n),
-                Err(e) if retry(&e) => std::hint::spin_loop(),
+                Err(e) if retry(&e) => self.pause(),
                 Err(e) => return Err(e),
             }
         }
@@ -61,7 +86,7 @@ impl Conn {
             match self.stream.write(&buf[sent..]) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => sent += n,
-                Err(e) if retry(&e) => std::hint::spin_loop(),
+                Err(e) if retry(&e) => self.pause(),
                 Err(e) => return Err(e),
             }
         }

@@ -20,6 +20,7 @@ mod layout;
 mod pingpong;
 mod pipelined;
 mod remote_fault;
+mod spread;
 pub mod uffd_fault;
 pub mod verbs;
 
@@ -53,6 +54,17 @@ pub fn run(spec: Spec, pages: usize, seed: u64) -> anyhow::Result<Best> {
 pub fn run_fanout(spec: Spec, pages: usize, seed: u64, servers: usize) -> anyhow::Result<Best> {
     lowest_p50(servers, |layout, placement, server_cpus| {
         pingpong::run(spec, pages, seed, layout, placement.0, server_cpus)
+    })
+}
+
+/// The bare ping-pong with its pages spread over servers as `owners`
+/// says (page `i` on server `owners[i]`), one page in flight ([`spread`]),
+/// in every layout this process can have, the servers all on the layout's
+/// server CPU; the one with the lowest p50. Ours with `--nodes N` does the
+/// same job on the same CPUs.
+pub fn run_spread(spec: Spec, owners: &[usize], seed: u64) -> anyhow::Result<Best> {
+    lowest_p50(1, |layout, placement, _| {
+        spread::run(spec, owners, seed, layout, placement)
     })
 }
 

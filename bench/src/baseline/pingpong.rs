@@ -103,12 +103,23 @@ pub(super) fn serve(
     seed: u64,
     spin: bool,
 ) -> anyhow::Result<u64> {
+    let mem = filled_pages(pages, seed)?;
+    serve_conn(Conn::new(listener.accept()?.0, spin)?, op, mem, seed)
+}
+
+/// `pages` pages, each filled with `seed`'s pattern for its offset.
+pub(super) fn filled_pages(pages: usize, seed: u64) -> anyhow::Result<Vec<u8>> {
     let mut mem = vec![0u8; pages * PAGE_SIZE];
     for (i, page) in mem.chunks_exact_mut(PAGE_SIZE).enumerate() {
         let page: &mut [u8; PAGE_SIZE] = page.try_into()?;
         pattern::fill(page, (i * PAGE_SIZE) as u64, seed);
     }
-    let mut s = Conn::new(listener.accept()?.0, spin)?;
+    Ok(mem)
+}
+
+/// [`serve`] on a connection already accepted, from the pages `mem`.
+pub(super) fn serve_conn(mut s: Conn, op: Op, mut mem: Vec<u8>, seed: u64) -> anyhow::Result<u64> {
+    let pages = mem.len() / PAGE_SIZE;
     let (req_len, resp_len) = if op == Op::Write {
         (REQ_BYTES + PAGE_SIZE, REQ_BYTES)
     } else {

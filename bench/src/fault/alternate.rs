@@ -3,8 +3,10 @@
 //!
 //! Each round runs our fault (anonymous memory, no read-ahead, one
 //! faulting thread), the local userfaultfd fault, the bare TCP ping-pong
-//! in its best layout and the bare remote fault in its best layout,
-//! starting each round with the next of the four. The host's speed drifts
+//! in its best layout and the bare remote fault in its best layout, and,
+//! with more than one node, the bare ping-pong with its pages spread over
+//! as many servers as ours are over our nodes (`baseline::run_spread`),
+//! starting each round with the next of them. The host's speed drifts
 //! within a process as well as between processes, so a single ours/sum
 //! ratio from a run and baselines taken a minute later says little; the
 //! median of the rounds' ratios, each from runs seconds apart, says more.
@@ -18,13 +20,15 @@ use crate::matrix::Backing;
 use crate::report::{fmt_ratio, fmt_us, median, Record};
 use crate::workload::{AccessPattern, Op, Spec, WorkingSet};
 
-/// The four p50s of one round, in µs.
+/// The p50s of one round, in µs.
 #[derive(Default, Clone, Copy)]
 struct Round {
     ours: f64,
     local: f64,
     tcp: f64,
     bare: f64,
+    /// The spread ping-pong (0 with one node: not run).
+    spread: f64,
 }
 
 /// Runs `params.fault_rounds` rounds with `pattern` and returns the
@@ -48,11 +52,14 @@ pub(super) fn rounds(
         op: Op::Read,
         ..spec
     };
+    let owners = set.owners(&mgr.map());
+    let servers = owners.iter().max().map_or(0, |&m| m + 1);
+    let kinds = if servers > 1 { 5 } else { 4 };
     let mut rounds = Vec::new();
     for r in 0..params.fault_rounds {
         let mut round = Round::default();
-        for k in 0..4 {
-            match (r + k) % 4 {
+        for k in 0..kinds {
+            match (r + k) % kinds {
                 0 => {
                     params.place_servers(1);
                     let (ours, _) = run.measure(mgr, set, params, 1)?;
@@ -69,16 +76,21 @@ pub(super) fn rounds(
                     check("bare TCP ping-pong", best.all_verified)?;
                     round.tcp = Record::baseline(tcp_spec, &best).latency_us.p50;
                 }
-                _ => {
+                3 => {
                     let best = crate::baseline::run_remote_fault(spec, pages.min(16384), SEED)?;
                     check("bare remote fault", best.all_verified)?;
                     round.bare = Record::baseline(spec, &best).latency_us.p50;
+                }
+                _ => {
+                    let best = crate::baseline::run_spread(tcp_spec, &owners, SEED)?;
+                    check("bare TCP ping-pong over spread pages", best.all_verified)?;
+                    round.spread = Record::baseline(tcp_spec, &best).latency_us.p50;
                 }
             }
         }
         rounds.push(round);
     }
-    Ok(summary(pattern, params.ops, &rounds))
+    Ok(summary(pattern, params.ops, &rounds, servers))
 }
 
 fn check(what: &str, verified: bool) -> anyhow::Result<()> {
@@ -89,7 +101,7 @@ fn check(what: &str, verified: bool) -> anyhow::Result<()> {
     }
 }
 
-fn summary(pattern: AccessPattern, ops: u64, rounds: &[Round]) -> Vec<String> {
+fn summary(pattern: AccessPattern, ops: u64, rounds: &[Round], servers: usize) -> Vec<String> {
     let vs_sum: Vec<f64> = rounds
         .iter()
         .map(|r| r.ours / (r.local + r.tcp).max(1e-9))
@@ -108,7 +120,7 @@ fn summary(pattern: AccessPattern, ops: u64, rounds: &[Round]) -> Vec<String> {
             .collect::<Vec<_>>()
             .join(" ")
     };
-    vec![
+    let mut lines = vec![
         format!(
             "{pattern:?} fault, {} rounds of {ops}: ours / (local uffd fault + bare TCP) per round {}; median x{}",
             rounds.len(),
@@ -127,7 +139,20 @@ fn summary(pattern: AccessPattern, ops: u64, rounds: &[Round]) -> Vec<String> {
             us(|r| r.tcp),
             us(|r| r.bare)
         ),
-    ]
+    ];
+    if servers > 1 {
+        let vs_spread: Vec<f64> = rounds
+            .iter()
+            .map(|r| r.ours / (r.local + r.spread).max(1e-9))
+            .collect();
+        lines.push(format!(
+            "{pattern:?} fault, the same rounds: ours / (local uffd fault + bare TCP over {servers} servers, pages spread as over our nodes) per round {}; median x{} (bare TCP over {servers} servers, p50 us: {})",
+            list(&vs_spread),
+            fmt_ratio(median(&vs_spread)),
+            us(|r| r.spread)
+        ));
+    }
+    lines
 }
 
 #[cfg(test)]
@@ -142,21 +167,24 @@ mod tests {
                 local: 10.0,
                 tcp: 10.0,
                 bare: 20.0,
+                spread: 12.0,
             },
             Round {
                 ours: 33.0,
                 local: 15.0,
                 tcp: 15.0,
                 bare: 30.0,
+                spread: 15.0,
             },
             Round {
                 ours: 40.0,
                 local: 10.0,
                 tcp: 10.0,
                 bare: 25.0,
+                spread: 10.0,
             },
         ];
-        let lines = summary(AccessPattern::Random, 100, &rounds);
+        let lines = summary(AccessPattern::Random, 100, &rounds, 2);
         assert!(
             lines[0].ends_with("per round 1.10 1.10 2.00; median x1.10"),
             "{}",
@@ -166,6 +194,16 @@ mod tests {
             lines[1].ends_with("per round 1.10 1.10 1.60; median x1.10"),
             "{}",
             lines[1]
+        );
+        assert!(
+            lines[3].contains("over 2 servers, pages spread as over our nodes) per round 1.00 1.10 2.00; median x1.10"),
+            "{}",
+            lines[3]
+        );
+        assert_eq!(
+            summary(AccessPattern::Random, 100, &rounds, 1).len(),
+            3,
+            "one node: no spread line"
         );
     }
 }
