@@ -16,6 +16,7 @@ mod fault;
 mod flush;
 mod guest;
 mod hv_node;
+mod latency_rounds;
 mod matrix;
 mod pattern;
 mod replicas;
@@ -156,6 +157,12 @@ struct Args {
     /// the median of the rounds' ratios (bench/src/fault/alternate.rs).
     #[arg(long, default_value_t = 0, value_name = "N")]
     fault_rounds: u64,
+    /// `--baseline --depth 1` reads or writes from one thread: also run N
+    /// rounds of ours, the bare ping-pong and (with more than one node) the
+    /// bare ping-pong over as many servers, one after the other, and print
+    /// the median of the rounds' ratios (bench/src/latency_rounds.rs).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    latency_rounds: u64,
     /// Operations per block of `--verbs-baseline`.
     #[arg(long, default_value_t = 250, value_name = "OPS")]
     verbs_block: u64,
@@ -432,6 +439,16 @@ fn run() -> anyhow::Result<()> {
     }
     if args.fault_rounds > 0 && (args.op != Some(Op::Fault) || !args.baseline) {
         bail!("--fault-rounds needs --op fault and --baseline");
+    }
+    if args.latency_rounds > 0
+        && (!args.baseline
+            || args.depth != 1
+            || args.threads != 1
+            || matches!(args.op, Some(Op::Fault | Op::Coherence))
+            || args.replicas > 1
+            || args.fail_node_after_ms.is_some())
+    {
+        bail!("--latency-rounds needs --baseline, reads or writes, --depth 1, one thread, one replica and no failure");
     }
     if args.compare_rounds == 0 {
         bail!("--compare-rounds must be at least 1");
@@ -762,6 +779,17 @@ fn run() -> anyhow::Result<()> {
             } else {
                 None
             };
+            if args.latency_rounds > 0 {
+                let job = latency_rounds::Job {
+                    mgr: &mgr,
+                    set: &set,
+                    owners: &owners,
+                    spec,
+                    seed,
+                    api: args.api,
+                };
+                lines.extend(latency_rounds::run(&job, args.latency_rounds)?);
+            }
             keyed_runs.push((spec, seed));
             records.push(ours);
             records.extend(base);
