@@ -103,6 +103,10 @@ step "bench: local cluster, TCP, every page checked"
 cargo run --release --quiet -p bench -- --ops 20000 --depth 8 --json target/bench-smoke.json
 ok
 
+step "bench --baseline --latency-rounds: ours against the bare ping-pong over one and two servers, every page checked"
+cargo run --release --quiet -p bench -- --op read --depth 1 --ops 3000 --baseline --latency-rounds 2 --json target/bench-baseline-smoke.json
+ok
+
 step "bench --op fault: guest memory faulted in over the local cluster, every page checked"
 cargo run --release --quiet -p bench -- --op fault --ops 5000 --json target/bench-fault-smoke.json
 ok

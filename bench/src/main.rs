@@ -360,6 +360,9 @@ fn parse_poll_mode(s: &str) -> Result<PollMode, String> {
 }
 
 fn main() -> std::process::ExitCode {
+    // The CPUs the baseline's layouts may use, taken before anything pins
+    // this thread (see `baseline::allowed_cpus`).
+    baseline::allowed_cpus();
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {
@@ -516,7 +519,7 @@ fn run() -> anyhow::Result<()> {
         ..ManagerConfig::default()
     };
     let poller_cpus = config.resolved_poller_cpus();
-    let placement = report::Placement {
+    let mut placement = report::Placement {
         poll_mode: match config.poll_mode {
             PollMode::Busy => "busy".into(),
             PollMode::Event => "event".into(),
@@ -535,6 +538,7 @@ fn run() -> anyhow::Result<()> {
             Some(placement) => Some(placement.cpus.clone()),
             None => local_server_cpus(&args, &poller_cpus),
         },
+        caller_cpu: None,
     };
     let mgr = std::sync::Arc::new(
         TransportManager::connect(config.clone())
@@ -548,6 +552,24 @@ fn run() -> anyhow::Result<()> {
     ) {
         cluster::pin_local_servers(cpus);
     }
+    // One caller thread of a read or write run, with its page-servers
+    // pinned: the caller (this thread, and so the threads it starts) goes
+    // on a CPU none of them is on, where the bare client runs. Left to the
+    // scheduler, it started now and then on the servers' CPU (depth-1 read
+    // p50 18.3 us instead of 12.0, docs/benchmarking.md). `--verbs-baseline`
+    // pins it itself.
+    if let (Some(servers), 1, false, None | Some(Op::Read | Op::Write)) = (
+        placement.page_server_cpus.as_deref(),
+        args.threads,
+        args.verbs_baseline,
+        args.op,
+    ) {
+        if !servers.is_empty() {
+            let avoid: Vec<usize> = poller_cpus.iter().chain(servers).copied().collect();
+            placement.caller_cpu = baseline::pin_first_free(&avoid)?;
+        }
+    }
+    let placement = placement;
     let map = mgr.map();
     let nodes = map.nodes().len();
     let limit_pages = args.memory / PAGE_SIZE;

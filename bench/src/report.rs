@@ -116,6 +116,11 @@ pub struct Placement {
     /// `--page-server-cpus` gives them; empty: not pinned.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub page_server_cpus: Option<Vec<usize>>,
+    /// The CPU the measured caller thread (and every thread it starts) is
+    /// pinned to: one caller of a read or write run, on a CPU no poller
+    /// and no local page-server is pinned to, where the bare client runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub caller_cpu: Option<usize>,
 }
 
 impl Placement {
@@ -153,8 +158,12 @@ impl Placement {
             Some([]) => ", local page-servers not pinned".to_owned(),
             Some(cpus) => format!(", local page-servers pinned to CPU {cpus:?}"),
         };
+        let caller = self
+            .caller_cpu
+            .map(|cpu| format!(", the caller pinned to CPU {cpu}"))
+            .unwrap_or_default();
         format!(
-            "placement: poll mode {}, pollers {cpus}, {spin}{server}{handlers}{slice}{touchers}{servers}",
+            "placement: poll mode {}, pollers {cpus}, {spin}{server}{handlers}{slice}{touchers}{servers}{caller}",
             self.poll_mode
         )
     }

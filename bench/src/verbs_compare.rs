@@ -26,14 +26,7 @@ use crate::workload::{self, AccessPattern, Api, Op, Outcome, Spec, WorkingSet};
 /// `avoid` (the pollers'), so both loops run where the other's did. `None`
 /// when every CPU is in `avoid`: then neither is pinned.
 pub fn pin_loops(avoid: &[usize]) -> anyhow::Result<Option<usize>> {
-    let Some(cpu) = crate::baseline::allowed_cpus()
-        .into_iter()
-        .find(|c| !avoid.contains(c))
-    else {
-        return Ok(None);
-    };
-    crate::baseline::pin_current(cpu)?;
-    Ok(Some(cpu))
+    crate::baseline::pin_first_free(avoid)
 }
 
 /// Both loops' outcomes and each pair of blocks' ratios.

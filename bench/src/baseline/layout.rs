@@ -81,15 +81,34 @@ impl Layout {
     }
 }
 
-/// The CPU ids this process may run on, in ascending order.
+/// The CPU ids this process may run on, in ascending order: the calling
+/// thread's affinity at the first call, kept. (The bench pins its main
+/// thread to the caller's CPU, `pin_first_free`; the layouts must still see
+/// every CPU. `main` calls this before any pinning.)
 pub fn allowed_cpus() -> Vec<usize> {
-    let mut ids: Vec<usize> = core_affinity::get_core_ids()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|c| c.id)
-        .collect();
-    ids.sort_unstable();
-    ids
+    static ALLOWED: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
+    ALLOWED
+        .get_or_init(|| {
+            let mut ids: Vec<usize> = core_affinity::get_core_ids()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|c| c.id)
+                .collect();
+            ids.sort_unstable();
+            ids
+        })
+        .clone()
+}
+
+/// Pins the calling thread, and so the threads it starts, to the first CPU
+/// this process may use that is not in `avoid`. `None` when every CPU is in
+/// `avoid`: then it is not pinned.
+pub fn pin_first_free(avoid: &[usize]) -> anyhow::Result<Option<usize>> {
+    let Some(cpu) = allowed_cpus().into_iter().find(|c| !avoid.contains(c)) else {
+        return Ok(None);
+    };
+    pin_current(cpu)?;
+    Ok(Some(cpu))
 }
 
 /// Pins the calling thread to `cpu`; a layout that cannot be had is an error,
@@ -122,6 +141,27 @@ mod tests {
         assert_eq!(spin.server_cpus(&[0, 1, 2], (0, 2), 2), Some(vec![2, 1]));
         let block = Layout::SameCpuBlocking;
         assert_eq!(block.server_cpus(&two, (0, 0), 2), Some(vec![0, 0]));
+    }
+
+    #[test]
+    fn pin_first_free_skips_the_avoided_cpus() {
+        let all = allowed_cpus();
+        std::thread::spawn(move || {
+            assert_eq!(pin_first_free(&all).expect("nothing to pin"), None);
+            let skip = &all[..all.len() - 1];
+            let cpu = pin_first_free(skip).expect("pins").expect("a CPU is left");
+            assert_eq!(cpu, *all.last().expect("a CPU"));
+            let now: Vec<usize> = core_affinity::get_core_ids()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|c| c.id)
+                .collect();
+            assert_eq!(now, vec![cpu], "the thread runs on that CPU only");
+            // The process's CPUs are still every CPU for the layouts.
+            assert_eq!(allowed_cpus(), all);
+        })
+        .join()
+        .expect("pinning thread");
     }
 
     #[test]
