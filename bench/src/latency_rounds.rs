@@ -14,7 +14,7 @@ use indicatif::ProgressBar;
 use rdma_transport::TransportManager;
 
 use crate::baseline;
-use crate::report::{fmt_ratio, fmt_us, median, Record};
+use crate::report::{fmt_ratio, fmt_ratios, fmt_us_all, median, Record};
 use crate::workload::{self, Api, Op, Spec, WorkingSet};
 
 /// The p50s and p99s of one round, in µs.
@@ -104,26 +104,14 @@ fn summary(spec: Spec, rounds: &[Round], servers: usize) -> Vec<String> {
             })
             .unzip()
     };
-    let list = |v: &[f64]| {
-        v.iter()
-            .map(|&x| fmt_ratio(x))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let us = |f: fn(&Round) -> f64| {
-        rounds
-            .iter()
-            .map(|r| fmt_us(f(r)))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
+    let us = |f: fn(&Round) -> f64| fmt_us_all(rounds.iter().map(f));
     let what = format!("{:?} {:?}, depth 1", spec.op, spec.pattern);
     let line = |label: &str, (p50, p99): (Vec<f64>, Vec<f64>)| {
         format!(
             "{what}, {} rounds of {}: ours / {label} p50 per round {}; median x{}; p99 median x{}",
             rounds.len(),
             spec.ops,
-            list(&p50),
+            fmt_ratios(&p50),
             fmt_ratio(median(&p50)),
             fmt_ratio(median(&p99))
         )

@@ -450,6 +450,20 @@ pub fn median(values: &[f64]) -> f64 {
 
 /// A ratio: two decimals, or three significant digits below 0.1 (a
 /// prefetched page against a whole fault is x0.00123, not x0.00).
+/// Ratios separated by spaces, as [`fmt_ratio`] prints each.
+pub fn fmt_ratios(ratios: &[f64]) -> String {
+    ratios
+        .iter()
+        .map(|&r| fmt_ratio(r))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Microseconds separated by spaces, as [`fmt_us`] prints each.
+pub fn fmt_us_all(us: impl IntoIterator<Item = f64>) -> String {
+    us.into_iter().map(fmt_us).collect::<Vec<_>>().join(" ")
+}
+
 pub fn fmt_ratio(r: f64) -> String {
     if r < 0.1 {
         format!("{r:.2e}")

@@ -17,6 +17,7 @@
 
 mod conn;
 mod layout;
+mod page_order;
 mod pingpong;
 mod pipelined;
 mod remote_fault;

@@ -18,8 +18,9 @@ use rdma_transport::PAGE_SIZE;
 
 use super::conn::Conn;
 use super::layout::{pin_current, Layout};
+use super::page_order::PageOrder;
 use crate::pattern;
-use crate::workload::{new_histogram, AccessPattern, Op, Outcome, Spec};
+use crate::workload::{new_histogram, Op, Outcome, Spec};
 
 pub(super) const REQ_BYTES: usize = 32;
 
@@ -44,52 +45,97 @@ pub fn run(
     if servers == 0 || (servers > 1 && spec.op != Op::Write) {
         anyhow::bail!("the bare fan-out is for writes to one or more servers");
     }
-    let listeners = (0..servers)
-        .map(|_| TcpListener::bind("127.0.0.1:0"))
-        .collect::<std::io::Result<Vec<_>>>()?;
-    let addrs = listeners
-        .iter()
-        .map(TcpListener::local_addr)
-        .collect::<std::io::Result<Vec<_>>>()?;
-    let spin = layout.spinning();
-    std::thread::scope(|s| {
-        let server_threads: Vec<_> = listeners
-            .into_iter()
-            .zip(server_cpus.iter().copied())
-            .map(|(listener, server_cpu)| {
-                s.spawn(move || -> anyhow::Result<u64> {
-                    pin_current(server_cpu)?;
-                    serve(listener, spec.op, pages, seed, spin)
-                })
-            })
-            .collect();
-        let client = s.spawn(move || -> anyhow::Result<Outcome> {
-            // Connected before pinning: if pinning fails, dropping the
-            // streams lets the servers' accepts return and the scope end.
-            let streams = addrs
-                .iter()
-                .map(TcpStream::connect)
-                .collect::<std::io::Result<Vec<_>>>()?;
-            pin_current(client_cpu)?;
-            let conns = streams
+    let threads = Threads {
+        op: spec.op,
+        pages,
+        seed,
+        spin: layout.spinning(),
+        yield_servers: false,
+        client_cpu,
+        server_cpus,
+    };
+    threads.run(|conns| ping(conns, spec, pages, seed))
+}
+
+/// The threads of a bare ping-pong: one server per CPU of `server_cpus`
+/// (each serving `pages` pages of `seed`'s pattern for `op`, spinning or
+/// blocking as `spin` says, yielding its CPU between tries when
+/// `yield_servers`), and one client on `client_cpu` with a connection to
+/// each.
+pub(super) struct Threads<'a> {
+    pub op: Op,
+    pub pages: usize,
+    pub seed: u64,
+    pub spin: bool,
+    pub yield_servers: bool,
+    pub client_cpu: usize,
+    pub server_cpus: &'a [usize],
+}
+
+impl Threads<'_> {
+    /// Starts the servers, then the client, which runs `client` on its
+    /// connections (in `server_cpus` order); returns its outcome with the
+    /// written pages the servers found wrong added.
+    pub(super) fn run(
+        &self,
+        client: impl FnOnce(Vec<Conn>) -> anyhow::Result<Outcome> + Send,
+    ) -> anyhow::Result<Outcome> {
+        let listeners = self
+            .server_cpus
+            .iter()
+            .map(|_| TcpListener::bind("127.0.0.1:0"))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let addrs = listeners
+            .iter()
+            .map(TcpListener::local_addr)
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let (op, pages, seed, spin) = (self.op, self.pages, self.seed, self.spin);
+        let (yield_servers, client_cpu) = (self.yield_servers, self.client_cpu);
+        std::thread::scope(|s| {
+            let server_threads: Vec<_> = listeners
                 .into_iter()
-                .map(|stream| Conn::new(stream, spin))
-                .collect::<std::io::Result<Vec<_>>>()?;
-            ping(conns, spec, pages, seed)
-        });
-        let mut outcome = client
-            .join()
-            .map_err(|_| anyhow::anyhow!("baseline client panicked"))?
-            .context("baseline client")?;
-        // The client has closed its sockets: each server sees EOF and returns.
-        for server in server_threads {
-            outcome.bad_pages += server
+                .zip(self.server_cpus.iter().copied())
+                .map(|(listener, server_cpu)| {
+                    s.spawn(move || -> anyhow::Result<u64> {
+                        pin_current(server_cpu)?;
+                        let mem = filled_pages(pages, seed)?;
+                        let mut conn = Conn::new(listener.accept()?.0, spin)?;
+                        if yield_servers {
+                            conn = conn.yielding();
+                        }
+                        serve_conn(conn, op, mem, seed)
+                    })
+                })
+                .collect();
+            let client = s.spawn(move || -> anyhow::Result<Outcome> {
+                // Connected before pinning: if pinning fails, dropping the
+                // streams lets the servers' accepts return and the scope end.
+                let streams = addrs
+                    .iter()
+                    .map(TcpStream::connect)
+                    .collect::<std::io::Result<Vec<_>>>()?;
+                pin_current(client_cpu)?;
+                let conns = streams
+                    .into_iter()
+                    .map(|stream| Conn::new(stream, spin))
+                    .collect::<std::io::Result<Vec<_>>>()?;
+                client(conns)
+            });
+            let mut outcome = client
                 .join()
-                .map_err(|_| anyhow::anyhow!("baseline server panicked"))?
-                .context("baseline server")?;
-        }
-        Ok(outcome)
-    })
+                .map_err(|_| anyhow::anyhow!("baseline client panicked"))?
+                .context("baseline client")?;
+            // The client has closed its sockets: each server sees EOF and
+            // returns.
+            for server in server_threads {
+                outcome.bad_pages += server
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("baseline server panicked"))?
+                    .context("baseline server")?;
+            }
+            Ok(outcome)
+        })
+    }
 }
 
 /// The server: answers until the client closes; returns the number of
@@ -167,8 +213,7 @@ fn ping(mut conns: Vec<Conn>, spec: Spec, pages: usize, seed: u64) -> anyhow::Re
     let op = spec.op;
     let warmup = warmup_ops(spec.ops);
     let total_ops = warmup + spec.ops;
-    let mut rng_state = seed | 1;
-    let mut next_seq = 0usize;
+    let mut order = PageOrder::new(spec.pattern, pages, seed);
     let mut hist = new_histogram();
     let mut out = vec![0u8; spec.depth * (REQ_BYTES + PAGE_SIZE)];
     let mut inbuf = vec![0u8; spec.depth * (REQ_BYTES + PAGE_SIZE)];
@@ -184,18 +229,7 @@ fn ping(mut conns: Vec<Conn>, spec: Spec, pages: usize, seed: u64) -> anyhow::Re
         let batch = spec.depth.min(left as usize);
         let mut out_len = 0;
         for off in offs.iter_mut().take(batch) {
-            let page = match spec.pattern {
-                AccessPattern::Random => {
-                    rng_state ^= rng_state << 13;
-                    rng_state ^= rng_state >> 7;
-                    rng_state ^= rng_state << 17;
-                    (rng_state % pages as u64) as usize
-                }
-                AccessPattern::Seq => {
-                    next_seq = (next_seq + 1) % pages;
-                    next_seq
-                }
-            };
+            let page = order.next_page();
             *off = page * PAGE_SIZE;
             out[out_len..out_len + REQ_BYTES].fill(0);
             out[out_len + 16..out_len + 24].copy_from_slice(&(*off as u64).to_le_bytes());

@@ -15,9 +15,10 @@ use rdma_transport::PAGE_SIZE;
 
 use super::conn::Conn;
 use super::layout::{pin_current, Layout};
+use super::page_order::PageOrder;
 use super::pingpong::{serve, warmup_ops, REQ_BYTES};
 use crate::pattern;
-use crate::workload::{new_histogram, AccessPattern, Op, Outcome, Spec};
+use crate::workload::{new_histogram, Op, Outcome, Spec};
 
 /// Runs `spec` (op, ops, pattern; its depth and threads are ignored) with
 /// `depth` requests in flight, the client on `client_cpu` and the server on
@@ -64,39 +65,23 @@ pub fn run(
 /// The client's state.
 struct Pipeline {
     spec: Spec,
-    pages: usize,
     seed: u64,
     depth: usize,
-    rng_state: u64,
-    next_seq: usize,
+    order: PageOrder,
 }
 
 impl Pipeline {
     fn new(spec: Spec, pages: usize, seed: u64, depth: usize) -> Self {
         Self {
             spec,
-            pages,
             seed,
             depth,
-            rng_state: seed | 1,
-            next_seq: 0,
+            order: PageOrder::new(spec.pattern, pages, seed),
         }
     }
 
     fn next_offset(&mut self) -> usize {
-        let page = match self.spec.pattern {
-            AccessPattern::Random => {
-                self.rng_state ^= self.rng_state << 13;
-                self.rng_state ^= self.rng_state >> 7;
-                self.rng_state ^= self.rng_state << 17;
-                (self.rng_state % self.pages as u64) as usize
-            }
-            AccessPattern::Seq => {
-                self.next_seq = (self.next_seq + 1) % self.pages;
-                self.next_seq
-            }
-        };
-        page * PAGE_SIZE
+        self.order.next_page() * PAGE_SIZE
     }
 
     /// Appends one request for a fresh page to `out`; its offset.
@@ -197,6 +182,7 @@ impl Pipeline {
 mod tests {
     use super::*;
     use crate::baseline::layout::allowed_cpus;
+    use crate::workload::AccessPattern;
 
     #[test]
     fn every_page_comes_back_checked_in_both_directions() -> anyhow::Result<()> {

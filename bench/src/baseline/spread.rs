@@ -7,17 +7,17 @@
 //! `--nodes N` on the same CPUs; the one-server ping-pong
 //! ([`super::pingpong`]) stays the floor the line is drawn from.
 
-use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use rdma_transport::PAGE_SIZE;
 
 use super::conn::Conn;
-use super::layout::{pin_current, Layout};
-use super::pingpong::{filled_pages, serve_conn, warmup_ops, REQ_BYTES};
+use super::layout::Layout;
+use super::page_order::PageOrder;
+use super::pingpong::{warmup_ops, Threads, REQ_BYTES};
 use crate::pattern;
-use crate::workload::{new_histogram, AccessPattern, Op, Outcome, Spec};
+use crate::workload::{new_histogram, Op, Outcome, Spec};
 
 /// Runs `spec.ops` one-page operations (after a warm-up) from one client
 /// thread on `client_cpu` against one server per distinct owner in
@@ -34,64 +34,26 @@ pub fn run(
     if servers == 0 || spec.depth != 1 || !matches!(spec.op, Op::Read | Op::Write) {
         bail!("the spread baseline is one read or write in flight over one or more servers");
     }
-    let pages = owners.len();
-    let listeners = (0..servers)
-        .map(|_| TcpListener::bind("127.0.0.1:0"))
-        .collect::<std::io::Result<Vec<_>>>()?;
-    let addrs = listeners
-        .iter()
-        .map(TcpListener::local_addr)
-        .collect::<std::io::Result<Vec<_>>>()?;
     let spin = layout.spinning();
-    // Spinners that share a CPU yield it to each other.
-    let share = spin && servers > 1;
-    std::thread::scope(|s| {
-        let server_threads: Vec<_> = listeners
-            .into_iter()
-            .map(|listener| {
-                s.spawn(move || -> anyhow::Result<u64> {
-                    pin_current(server_cpu)?;
-                    let mem = filled_pages(pages, seed)?;
-                    let mut conn = Conn::new(listener.accept()?.0, spin)?;
-                    if share {
-                        conn = conn.yielding();
-                    }
-                    serve_conn(conn, spec.op, mem, seed)
-                })
-            })
-            .collect();
-        let client = s.spawn(move || -> anyhow::Result<Outcome> {
-            let streams = addrs
-                .iter()
-                .map(TcpStream::connect)
-                .collect::<std::io::Result<Vec<_>>>()?;
-            pin_current(client_cpu)?;
-            let conns = streams
-                .into_iter()
-                .map(|stream| Conn::new(stream, spin))
-                .collect::<std::io::Result<Vec<_>>>()?;
-            ping(conns, spec, owners, seed)
-        });
-        let mut outcome = client
-            .join()
-            .map_err(|_| anyhow::anyhow!("spread baseline client panicked"))?
-            .context("spread baseline client")?;
-        for server in server_threads {
-            outcome.bad_pages += server
-                .join()
-                .map_err(|_| anyhow::anyhow!("spread baseline server panicked"))?
-                .context("spread baseline server")?;
-        }
-        Ok(outcome)
-    })
+    let server_cpus = vec![server_cpu; servers];
+    let threads = Threads {
+        op: spec.op,
+        pages: owners.len(),
+        seed,
+        spin,
+        // Spinners that share a CPU yield it to each other.
+        yield_servers: spin && servers > 1,
+        client_cpu,
+        server_cpus: &server_cpus,
+    };
+    threads.run(|conns| ping(conns, spec, owners, seed))
 }
 
 /// The client: each operation asks the page's owner, and waits for it.
 fn ping(mut conns: Vec<Conn>, spec: Spec, owners: &[usize], seed: u64) -> anyhow::Result<Outcome> {
     let pages = owners.len();
     let warmup = warmup_ops(spec.ops);
-    let mut rng_state = seed | 1;
-    let mut next_seq = 0usize;
+    let mut order = PageOrder::new(spec.pattern, pages, seed);
     let mut hist = new_histogram();
     let mut out = vec![0u8; REQ_BYTES + PAGE_SIZE];
     let mut inbuf = vec![0u8; REQ_BYTES + PAGE_SIZE];
@@ -106,18 +68,7 @@ fn ping(mut conns: Vec<Conn>, spec: Spec, owners: &[usize], seed: u64) -> anyhow
         if done == warmup {
             start = Instant::now();
         }
-        let page = match spec.pattern {
-            AccessPattern::Random => {
-                rng_state ^= rng_state << 13;
-                rng_state ^= rng_state >> 7;
-                rng_state ^= rng_state << 17;
-                (rng_state % pages as u64) as usize
-            }
-            AccessPattern::Seq => {
-                next_seq = (next_seq + 1) % pages;
-                next_seq
-            }
-        };
+        let page = order.next_page();
         let off = (page * PAGE_SIZE) as u64;
         out[..REQ_BYTES].fill(0);
         out[16..24].copy_from_slice(&off.to_le_bytes());
@@ -154,8 +105,10 @@ fn ping(mut conns: Vec<Conn>, spec: Spec, owners: &[usize], seed: u64) -> anyhow
 
 #[cfg(test)]
 mod tests {
+    use super::super::pingpong::{filled_pages, serve_conn};
     use super::*;
-    use crate::workload::Spec;
+    use crate::workload::{AccessPattern, Spec};
+    use std::net::{TcpListener, TcpStream};
 
     fn spec(op: Op) -> Spec {
         Spec {

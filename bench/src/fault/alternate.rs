@@ -17,7 +17,7 @@ use rdma_transport::TransportManager;
 
 use super::{local_uffd_baseline, one_vcpu, Params, Run, SEED};
 use crate::matrix::Backing;
-use crate::report::{fmt_ratio, fmt_us, median, Record};
+use crate::report::{fmt_ratio, fmt_ratios, fmt_us_all, median, Record};
 use crate::workload::{AccessPattern, Op, Spec, WorkingSet};
 
 /// The p50s of one round, in µs.
@@ -107,29 +107,17 @@ fn summary(pattern: AccessPattern, ops: u64, rounds: &[Round], servers: usize) -
         .map(|r| r.ours / (r.local + r.tcp).max(1e-9))
         .collect();
     let vs_bare: Vec<f64> = rounds.iter().map(|r| r.ours / r.bare.max(1e-9)).collect();
-    let list = |v: &[f64]| {
-        v.iter()
-            .map(|&x| fmt_ratio(x))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let us = |f: fn(&Round) -> f64| {
-        rounds
-            .iter()
-            .map(|r| fmt_us(f(r)))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
+    let us = |f: fn(&Round) -> f64| fmt_us_all(rounds.iter().map(f));
     let mut lines = vec![
         format!(
             "{pattern:?} fault, {} rounds of {ops}: ours / (local uffd fault + bare TCP) per round {}; median x{}",
             rounds.len(),
-            list(&vs_sum),
+            fmt_ratios(&vs_sum),
             fmt_ratio(median(&vs_sum))
         ),
         format!(
             "{pattern:?} fault, the same rounds: ours / bare remote fault per round {}; median x{}",
-            list(&vs_bare),
+            fmt_ratios(&vs_bare),
             fmt_ratio(median(&vs_bare))
         ),
         format!(
@@ -147,7 +135,7 @@ fn summary(pattern: AccessPattern, ops: u64, rounds: &[Round], servers: usize) -
             .collect();
         lines.push(format!(
             "{pattern:?} fault, the same rounds: ours / (local uffd fault + bare TCP over {servers} servers, pages spread as over our nodes) per round {}; median x{} (bare TCP over {servers} servers, p50 us: {})",
-            list(&vs_spread),
+            fmt_ratios(&vs_spread),
             fmt_ratio(median(&vs_spread)),
             us(|r| r.spread)
         ));
