@@ -583,9 +583,9 @@ fn run() -> anyhow::Result<()> {
     if gpas.is_empty() {
         bail!("the cluster at {url} maps no memory");
     }
+    let set = WorkingSet::new(gpas);
     // Which node serves each page (`--baseline` spreads the bare
     // ping-pong's pages the same way).
-    let set = WorkingSet::new(gpas);
     let owners = set.owners(&map);
     eprintln!(
         "cluster: {url}, {} nodes, {} replica(s) per range, {} MiB under test ({} pages); filling it...",
