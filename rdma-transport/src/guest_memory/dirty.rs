@@ -10,7 +10,7 @@
 //! Write-back works on runs of consecutive dirty pages (up to
 //! `WRITEBACK_BATCH`): one `UFFDIO_WRITEPROTECT` per run, or, for short
 //! runs of anonymous memory near each other, one per group of them
-//! (`Group`). A run of at least
+//! (`Group`, which takes every short run). A run of at least
 //! `ZERO_COPY_MIN_PAGES` goes out with one `write_pages` straight from
 //! memory, with no copy (from the alias of a shared region, from the guest
 //! mapping of an anonymous one), its pages locked until the owner
@@ -72,10 +72,13 @@ pub(crate) fn flush(shared: &Shared) -> Result<u64, GuestMemoryError> {
     let pages = states.len();
     let max_run = max_run(shared);
     let mut outcome = Outcome::default();
-    // Short runs near each other share one write-protect call (anonymous
-    // 4 KiB pages only, see `Group`).
-    let mut group =
-        (!shared.region.is_shared() && shared.region.unit_pages() == 1).then(Group::default);
+    // Short runs go through `group`; near each other, they share one
+    // write-protect call (anonymous memory only).
+    let mut group = Group::new(if shared.region.is_shared() {
+        0
+    } else {
+        GROUP_SPAN_PAGES
+    });
     let mut page = 0;
     while page < pages {
         if states.load(page) & DIRTY == 0 {
@@ -97,32 +100,28 @@ pub(crate) fn flush(shared: &Shared) -> Result<u64, GuestMemoryError> {
             page += 1;
             continue;
         }
-        match group.as_mut() {
-            Some(group) if end - first < ZERO_COPY_MIN_PAGES => {
-                if !group.fits(first, end, WRITEBACK_BATCH - wb.index.len()) {
-                    group.flush(shared, &mut wb);
-                    if wb.index.len() + (end - first) > WRITEBACK_BATCH {
-                        send_bounce(shared, &mut wb, &mut outcome);
-                    }
-                }
-                group.push(first, end);
-            }
-            Some(group) => {
+        if (end - first) * shared.region.unit_pages() < ZERO_COPY_MIN_PAGES {
+            // Short (4 KiB pages, then: a huge page is never short).
+            if !group.fits(first, end, WRITEBACK_BATCH - wb.index.len()) {
                 group.flush(shared, &mut wb);
-                flush_run(shared, &mut wb, first, end, &mut outcome);
+                if wb.index.len() + (end - first) > WRITEBACK_BATCH {
+                    send_bounce(shared, &mut wb, &mut outcome);
+                }
             }
-            None => flush_run(shared, &mut wb, first, end, &mut outcome),
+            group.push(first, end);
+        } else {
+            group.flush(shared, &mut wb);
+            flush_run(shared, first, end, &mut outcome);
         }
         page = end;
     }
-    if let Some(group) = group.as_mut() {
-        group.flush(shared, &mut wb);
-    }
+    group.flush(shared, &mut wb);
     send_bounce(shared, &mut wb, &mut outcome);
     outcome.into_result()
 }
 
-/// Furthest apart, in pages, the first and last page of a `Group`.
+/// Furthest apart, in pages, the first and last page of a `Group` of
+/// anonymous memory.
 const GROUP_SPAN_PAGES: usize = 4 * WRITEBACK_BATCH;
 
 /// Short dirty runs, locked, waiting to be write-protected together: one
@@ -142,22 +141,31 @@ const GROUP_SPAN_PAGES: usize = 4 * WRITEBACK_BATCH;
 /// cleared), so the next write faults, finds the mark and lifts the
 /// protection again, and the next flush sends the page. Evict protects
 /// whole chunks the same way. Shared-memory regions keep one call per run
-/// (their absent pages would get markers); they use `PAGEMAP_SCAN` where
-/// the kernel has it.
-#[derive(Default)]
+/// (span 0: their absent pages would get markers); they use `PAGEMAP_SCAN`
+/// where the kernel has it.
 struct Group {
     runs: Vec<(usize, usize)>,
     pages: usize,
+    /// Furthest apart the group's first and last page may be; 0: one run.
+    span_pages: usize,
 }
 
 impl Group {
+    fn new(span_pages: usize) -> Self {
+        Self {
+            runs: Vec::new(),
+            pages: 0,
+            span_pages,
+        }
+    }
+
     /// Whether the run `[first, end)` can join: within the span, and all
     /// of the group's pages fit in `room` bounce slots.
     fn fits(&self, first: usize, end: usize, room: usize) -> bool {
         match self.runs.first() {
             None => end - first <= room,
             Some(&(start, _)) => {
-                end - start <= GROUP_SPAN_PAGES && self.pages + (end - first) <= room
+                end - start <= self.span_pages && self.pages + (end - first) <= room
             }
         }
     }
@@ -180,7 +188,8 @@ impl Group {
         for &(run, run_end) in &self.runs {
             for p in run..run_end {
                 if protected.is_ok() {
-                    // Clean from now, as in `flush_run`.
+                    // Clean from now: a write after the release faults
+                    // and marks it again.
                     shared.states.release(p, 0, DIRTY, false);
                     copy_to_bounce(shared, wb, p);
                 }
@@ -195,10 +204,10 @@ impl Group {
     }
 }
 
-/// Write-protects the locked dirty run `[first, end)` and clears `DIRTY`;
-/// writes it back from memory (long run) or copies it into the bounce batch
-/// (short run); releases it.
-fn flush_run(shared: &Shared, wb: &mut Writeback, first: usize, end: usize, out: &mut Outcome) {
+/// Write-protects the locked dirty run `[first, end)` (a long one: at
+/// least `ZERO_COPY_MIN_PAGES`; short ones go through `Group`), clears
+/// `DIRTY`, writes it back from memory and releases it.
+fn flush_run(shared: &Shared, first: usize, end: usize, out: &mut Outcome) {
     let len_bytes = (end - first) * shared.region.unit_bytes();
     if let Err(err) = shared
         .uffd
@@ -215,20 +224,11 @@ fn flush_run(shared: &Shared, wb: &mut Writeback, first: usize, end: usize, out:
         shared.states.release(p, 0, DIRTY, false);
     }
     let run_pages = (end - first) * shared.region.unit_pages();
-    if run_pages >= ZERO_COPY_MIN_PAGES {
-        match send_run(shared, first, end) {
-            Ok(()) => out.written += run_pages as u64,
-            Err(err) => {
-                out.failed += run_pages;
-                out.first_error.get_or_insert(err);
-            }
-        }
-    } else {
-        for p in first..end {
-            if wb.index.len() == WRITEBACK_BATCH {
-                send_bounce(shared, wb, out);
-            }
-            copy_to_bounce(shared, wb, p);
+    match send_run(shared, first, end) {
+        Ok(()) => out.written += run_pages as u64,
+        Err(err) => {
+            out.failed += run_pages;
+            out.first_error.get_or_insert(err);
         }
     }
     for p in first..end {
