@@ -107,6 +107,10 @@ step "bench --baseline --latency-rounds: ours against the bare ping-pong over on
 cargo run --release --quiet -p bench -- --op read --depth 1 --ops 3000 --baseline --latency-rounds 2 --json target/bench-baseline-smoke.json
 ok
 
+step "bench --baseline --throughput-rounds: 32 pages in flight on the asynchronous API against the bare pipelined client, every page checked"
+cargo run --release --quiet -p bench -- --op read --nodes 1 --depth 32 --api async --ops 5000 --baseline --throughput-rounds 2 --json target/bench-throughput-smoke.json
+ok
+
 step "bench --op fault: guest memory faulted in over the local cluster, every page checked"
 cargo run --release --quiet -p bench -- --op fault --ops 5000 --json target/bench-fault-smoke.json
 ok

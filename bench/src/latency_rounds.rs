@@ -26,8 +26,9 @@ struct Round {
     spread: (f64, f64),
 }
 
-/// What the rounds run: `spec` (one thread, one page in flight) with
-/// `seed` over `set`, through `api`; `owners` as `WorkingSet::owners`.
+/// What the rounds run: `spec` (one thread; one page in flight here, many
+/// in `throughput_rounds`) with `seed` over `set`, through `api`; `owners`
+/// as `WorkingSet::owners`.
 pub struct Job<'a> {
     pub mgr: &'a TransportManager,
     pub set: &'a WorkingSet,
@@ -86,7 +87,7 @@ pub fn run(job: &Job<'_>, rounds: u64) -> anyhow::Result<Vec<String>> {
     Ok(summary(spec, &all, servers))
 }
 
-fn check(what: &str, verified: bool) -> anyhow::Result<()> {
+pub(crate) fn check(what: &str, verified: bool) -> anyhow::Result<()> {
     if verified {
         Ok(())
     } else {

@@ -21,6 +21,7 @@ mod matrix;
 mod pattern;
 mod replicas;
 mod report;
+mod throughput_rounds;
 mod verbs_compare;
 mod workload;
 
@@ -163,6 +164,12 @@ struct Args {
     /// the median of the rounds' ratios (bench/src/latency_rounds.rs).
     #[arg(long, default_value_t = 0, value_name = "N")]
     latency_rounds: u64,
+    /// `--baseline --depth N` (N > 1) reads or writes from one thread: also
+    /// run R rounds of ours and the bare pipelined client, one after the
+    /// other, and print the median of the rounds' GB/s ratios
+    /// (bench/src/throughput_rounds.rs).
+    #[arg(long, default_value_t = 0, value_name = "R")]
+    throughput_rounds: u64,
     /// Operations per block of `--verbs-baseline`.
     #[arg(long, default_value_t = 250, value_name = "OPS")]
     verbs_block: u64,
@@ -452,6 +459,16 @@ fn run() -> anyhow::Result<()> {
             || args.fail_node_after_ms.is_some())
     {
         bail!("--latency-rounds needs --baseline, reads or writes, --depth 1, one thread, one replica and no failure");
+    }
+    if args.throughput_rounds > 0
+        && (!args.baseline
+            || args.depth < 2
+            || args.threads != 1
+            || matches!(args.op, Some(Op::Fault | Op::Coherence))
+            || args.replicas > 1
+            || args.fail_node_after_ms.is_some())
+    {
+        bail!("--throughput-rounds needs --baseline, reads or writes, --depth 2 or more, one thread, one replica and no failure");
     }
     if args.compare_rounds == 0 {
         bail!("--compare-rounds must be at least 1");
@@ -801,16 +818,19 @@ fn run() -> anyhow::Result<()> {
             } else {
                 None
             };
+            let job = latency_rounds::Job {
+                mgr: &mgr,
+                set: &set,
+                owners: &owners,
+                spec,
+                seed,
+                api: args.api,
+            };
             if args.latency_rounds > 0 {
-                let job = latency_rounds::Job {
-                    mgr: &mgr,
-                    set: &set,
-                    owners: &owners,
-                    spec,
-                    seed,
-                    api: args.api,
-                };
                 lines.extend(latency_rounds::run(&job, args.latency_rounds)?);
+            }
+            if args.throughput_rounds > 0 {
+                lines.extend(throughput_rounds::run(&job, args.throughput_rounds)?);
             }
             keyed_runs.push((spec, seed));
             records.push(ours);

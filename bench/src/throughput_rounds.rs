@@ -1,0 +1,133 @@
+//! `--op read|write --depth N>1 --baseline --throughput-rounds R`: many
+//! pages in flight from one thread against the bare pipelined client in R
+//! rounds, one after the other in this process.
+//!
+//! Each round runs our loop and the bare pipelined client in its best
+//! layout (`baseline::run_pipelined`), starting each round with the other
+//! one. Our GB/s at depth 32 moved between 1.8 and 2.6 in consecutive runs
+//! of one binary (2026-12-06), and the bare's as much: one pair of runs a
+//! minute apart says little, the median of the rounds' ratios, each from
+//! runs seconds apart, says more (as `--latency-rounds` for one page in
+//! flight).
+
+use indicatif::ProgressBar;
+
+use crate::baseline;
+use crate::latency_rounds::{check, Job};
+use crate::report::{fmt_ratio, fmt_ratios, median, Record};
+use crate::workload::{self, Op};
+
+/// One round's GB/s, and the layout the bare won with.
+#[derive(Clone)]
+struct Round {
+    ours_gb_per_s: f64,
+    bare_gb_per_s: f64,
+    bare_layout: String,
+}
+
+/// Runs `rounds` rounds of `job` (one thread, `job.spec.depth` > 1) and
+/// returns the summary lines.
+pub fn run(job: &Job<'_>, rounds: u64) -> anyhow::Result<Vec<String>> {
+    let spec = job.spec;
+    if spec.depth < 2 || spec.threads != 1 || !matches!(spec.op, Op::Read | Op::Write) {
+        anyhow::bail!(
+            "--throughput-rounds is for reads or writes from one thread, depth 2 or more"
+        );
+    }
+    let mut all = Vec::new();
+    for r in 0..rounds {
+        let mut round = Round {
+            ours_gb_per_s: 0.0,
+            bare_gb_per_s: 0.0,
+            bare_layout: String::new(),
+        };
+        for k in 0..2 {
+            if (r + k) % 2 == 0 {
+                let mut outcome = workload::run_api(
+                    job.mgr,
+                    job.set,
+                    spec,
+                    job.seed,
+                    &ProgressBar::hidden(),
+                    job.api,
+                );
+                if spec.op == Op::Write {
+                    // As the main run: writes are checked by reading every
+                    // page back (outside the timed loop).
+                    outcome.bad_pages += job.set.verify_all(job.mgr)?;
+                    outcome.pages_checked = outcome.ops_done;
+                }
+                check("ours", outcome.verified())?;
+                round.ours_gb_per_s = Record::new("ours", spec, 1, &outcome).throughput.gb_per_s;
+            } else {
+                let best = baseline::run_pipelined(spec, job.set.len(), job.seed, spec.depth)?;
+                check("bare pipelined TCP", best.all_verified)?;
+                let record = Record::pipelined(spec, &best);
+                round.bare_gb_per_s = record.throughput.gb_per_s;
+                round.bare_layout = best.layout.name().to_string();
+            }
+        }
+        all.push(round);
+    }
+    Ok(summary(spec.op, spec.depth, spec.ops, &all))
+}
+
+fn summary(op: Op, depth: usize, ops: u64, rounds: &[Round]) -> Vec<String> {
+    let ratios: Vec<f64> = rounds
+        .iter()
+        .map(|r| r.ours_gb_per_s / r.bare_gb_per_s.max(1e-12))
+        .collect();
+    let gbs = |f: fn(&Round) -> f64| {
+        rounds
+            .iter()
+            .map(|r| format!("{:.2}", f(r)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let layouts = rounds
+        .iter()
+        .map(|r| r.bare_layout.as_str())
+        .collect::<Vec<_>>()
+        .join(" ");
+    vec![
+        format!(
+            "{op:?}, depth {depth}, {} rounds of {ops}: ours / bare pipelined TCP GB/s per round {}; median x{}",
+            rounds.len(),
+            fmt_ratios(&ratios),
+            fmt_ratio(median(&ratios)),
+        ),
+        format!(
+            "{op:?}, depth {depth} rounds, GB/s: ours {}; bare pipelined TCP {} ({layouts})",
+            gbs(|r| r.ours_gb_per_s),
+            gbs(|r| r.bare_gb_per_s),
+        ),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summary_divides_each_round_by_its_own_bare_run() {
+        let round = |ours: f64, bare: f64| Round {
+            ours_gb_per_s: ours,
+            bare_gb_per_s: bare,
+            bare_layout: "same-cpu-blocking".into(),
+        };
+        let rounds = [round(2.0, 2.5), round(2.4, 2.4), round(1.0, 2.5)];
+        let lines = summary(Op::Read, 32, 1000, &rounds);
+        assert!(
+            lines[0].ends_with("GB/s per round 0.80 1.00 0.40; median x0.80"),
+            "{}",
+            lines[0]
+        );
+        assert!(
+            lines[1].ends_with(
+                "ours 2.00 2.40 1.00; bare pipelined TCP 2.50 2.40 2.50 (same-cpu-blocking same-cpu-blocking same-cpu-blocking)"
+            ),
+            "{}",
+            lines[1]
+        );
+    }
+}
