@@ -149,8 +149,10 @@ struct Args {
     baseline: bool,
     /// RDMA: also run a bare verbs loop in this process (two RC QPs on the
     /// same device, one READ or WRITE posted and its completion spun on, as
-    /// perftest does), alternating blocks of `--verbs-block` operations
-    /// with ours, and print our overhead against it. One thread, depth 1.
+    /// perftest's ib_read_lat does; with --depth N, N outstanding and one
+    /// posted as each completes, as `ib_read_bw -t N`), alternating blocks
+    /// of `--verbs-block` operations with ours, and print our overhead
+    /// against it (p50 and mean at depth 1, pages/s deeper). One thread.
     #[arg(long)]
     verbs_baseline: bool,
     /// `--op fault --baseline`: also run N rounds of our one-thread fault
@@ -438,14 +440,14 @@ fn run() -> anyhow::Result<()> {
     if args.verbs_baseline
         && (args.transport != TransportKind::Rdma
             || args.threads != 1
-            || args.depth != 1
+            || args.depth > baseline::verbs::MAX_DEPTH
             || args.verbs_block == 0
             || matches!(args.op, Some(Op::Fault | Op::Coherence))
             || args.fail_node_after_ms.is_some()
             || args.baseline
             || matches!(args.pattern, Some(PatternChoice::Seq | PatternChoice::All)))
     {
-        bail!("--verbs-baseline needs --transport rdma, --op read or write, random pages, one thread, --depth 1, --verbs-block 1 or more, no failure and no --baseline");
+        bail!("--verbs-baseline needs --transport rdma, --op read or write, random pages, one thread, --depth 1 to 1024, --verbs-block 1 or more, no failure and no --baseline");
     }
     if args.fault_rounds > 0 && (args.op != Some(Op::Fault) || !args.baseline) {
         bail!("--fault-rounds needs --op fault and --baseline");
@@ -613,7 +615,12 @@ fn run() -> anyhow::Result<()> {
     );
     set.fill(&mgr, 1).context("filling remote memory")?;
     let mut bare_verbs = if args.verbs_baseline {
-        Some(baseline::verbs::BareVerbs::connect(&config, set.len(), 1)?)
+        Some(baseline::verbs::BareVerbs::connect(
+            &config,
+            set.len(),
+            1,
+            args.depth,
+        )?)
     } else {
         None
     };

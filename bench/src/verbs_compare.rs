@@ -7,7 +7,8 @@
 //! take turns every `block` operations, each pair of blocks in the other
 //! order than the last, over the same number of pages in the same pattern;
 //! both therefore meet the same speeds. Printed: the ratio of the whole
-//! runs (p50, mean) and the median of the per-pair ratios.
+//! runs (p50, mean) and the median of the per-pair ratios; with many pages
+//! in flight (`--depth N`, the bare loop as `ib_read_bw -t N`), pages/s.
 
 use std::time::Duration;
 
@@ -37,10 +38,13 @@ pub struct Alternated {
     pub pair_p50: Vec<f64>,
     /// Ours / bare, mean of each pair of blocks.
     pub pair_mean: Vec<f64>,
+    /// Ours / bare, pages/s of each pair of blocks.
+    pub pair_rate: Vec<f64>,
 }
 
-/// Runs `spec` (random pages, one thread, one page in flight) through `api` and through
-/// `bare`, `block` operations at a time, until each has done `spec.ops`.
+/// Runs `spec` (random pages, one thread, `spec.depth` pages in flight, as
+/// `bare` was connected for) through `api` and through `bare`, `block`
+/// operations at a time, until each has done `spec.ops`.
 /// Writes are checked by reading back afterwards, as in the plain run.
 pub fn alternate(
     mgr: &TransportManager,
@@ -60,7 +64,7 @@ pub fn alternate(
     let mut next_page = || rng.gen_range(0..pages);
     let mut ours = Outcome::empty(Duration::ZERO);
     let mut bare_total = Outcome::empty(Duration::ZERO);
-    let (mut pair_p50, mut pair_mean) = (Vec::new(), Vec::new());
+    let (mut pair_p50, mut pair_mean, mut pair_rate) = (Vec::new(), Vec::new(), Vec::new());
     let mut done = 0;
     let mut pair = 0u64;
     while done < spec.ops {
@@ -82,6 +86,7 @@ pub fn alternate(
         };
         pair_p50.push(p50_ns(&o) / p50_ns(&b).max(1.0));
         pair_mean.push(o.latency_ns.mean() / b.latency_ns.mean().max(1.0));
+        pair_rate.push(pages_per_s(&o) / pages_per_s(&b).max(1e-9));
         merge(&mut ours, o);
         merge(&mut bare_total, b);
         if ours.errors > 0 {
@@ -101,10 +106,12 @@ pub fn alternate(
         bare: bare_total,
         pair_p50,
         pair_mean,
+        pair_rate,
     })
 }
 
-/// The line that compares the two records of an alternated run.
+/// The line that compares the two records of an alternated run: latency
+/// with one page in flight, pages/s with more.
 pub fn ratio_line(
     ours: &Record,
     bare: &Record,
@@ -112,12 +119,26 @@ pub fn ratio_line(
     block: u64,
     cpu: Option<usize>,
 ) -> String {
+    let callers = cpu.map_or_else(|| "any CPU".to_owned(), |c| format!("CPU {c}"));
+    if ours.depth > 1 {
+        return format!(
+            "throughput vs bare verbs ({:?} {:?}, depth {}, alternated in blocks of {block}, {} pairs, callers on {callers}): x{} ({:.0} vs {:.0} pages/s); per pair: median x{}",
+            ours.op,
+            ours.pattern,
+            ours.depth,
+            alt.pair_rate.len(),
+            fmt_ratio(ours.throughput.pages_per_s / bare.throughput.pages_per_s.max(1e-9)),
+            ours.throughput.pages_per_s,
+            bare.throughput.pages_per_s,
+            fmt_ratio(median(&alt.pair_rate)),
+        );
+    }
     format!(
         "overhead vs bare verbs ({:?} {:?}, alternated in blocks of {block}, {} pairs, callers on {}): p50 x{} ({} vs {} us), mean x{} ({} vs {} us); per pair: p50 median x{}, mean median x{}",
         ours.op,
         ours.pattern,
         alt.pair_p50.len(),
-        cpu.map_or_else(|| "any CPU".to_owned(), |c| format!("CPU {c}")),
+        callers,
         fmt_ratio(ours.latency_us.p50 / bare.latency_us.p50.max(1e-9)),
         fmt_us(ours.latency_us.p50),
         fmt_us(bare.latency_us.p50),
@@ -127,6 +148,10 @@ pub fn ratio_line(
         fmt_ratio(median(&alt.pair_p50)),
         fmt_ratio(median(&alt.pair_mean)),
     )
+}
+
+fn pages_per_s(o: &Outcome) -> f64 {
+    o.ops_done as f64 / o.elapsed.as_secs_f64().max(1e-9)
 }
 
 fn p50_ns(o: &Outcome) -> f64 {

@@ -131,6 +131,9 @@ VMEOF
             # Ours against a bare verbs loop in the same process, in
             # alternating blocks (the bare loop's pages are checked too).
             "verbs|--register-buffers --verbs-baseline --verbs-block 100 --ops $ops"
+            # The same at depth 16 on the asynchronous API, against the bare
+            # loop kept 16 deep (`ib_read_bw -t 16`'s loop): pages/s.
+            "verbs16|--register-buffers --api async --op read --depth 16 --verbs-baseline --verbs-block 2000 --ops $((ops * 4))"
             # Guest-memory faults, one vCPU, no read-ahead: anonymous memory
             # (READ into a pool frame, then UFFDIO_COPY) against a memfd
             # whose alias is registered (READ straight into guest RAM,
@@ -217,7 +220,7 @@ if ((bench)); then
     if grep -q '^RDMABENCH FAILED' "$out"; then
         failed=1
     fi
-    checks=(read16:read read32:read read16t10:read event1:read verbs:read verbs:write)
+    checks=(read16:read read32:read read16t10:read event1:read verbs:read verbs:write verbs16:read)
     for ((r = 1; r <= rounds; r++)); do
         checks+=("lat$r:read" "lat$r:write")
     done
@@ -261,6 +264,11 @@ if ((bench)); then
         failed=1
     fi
     grep -a '^overhead vs bare verbs' "$out" || { echo "bench run verbs: no overhead line"; failed=1; }
+    if [[ "$(records verbs16 | grep -c '"transport":"bare-verbs".*"verified":true' || true)" != 1 ]]; then
+        echo "bench run verbs16: the bare verbs record is missing or not verified"
+        failed=1
+    fi
+    grep -a '^throughput vs bare verbs' "$out" || { echo "bench run verbs16: no throughput line"; failed=1; }
     ev="$(record event1 read)"
     perf="$(nth_perf ib_read_lat "$rounds")"
     [[ -z "$ev" || -z "$perf" ]] || printf 'event mode, read: p50 %.1f us, p99 %.1f us (x%s / x%s of the last ib_read_lat round)\n' \

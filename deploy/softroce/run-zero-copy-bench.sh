@@ -61,11 +61,12 @@ b="$(softroce_shell_quote "$bench_exe")"
             "zc16_$r|--register-buffers --op read --depth 16 --ops $((ops * 4))" \
             "bounce16_$r|--op read --depth 16 --ops $((ops * 4))" \
             "async16_$r|--register-buffers --api async --op read --depth 16 --ops $((ops * 4))" \
-            "vb$r|--register-buffers --verbs-baseline --verbs-block 100 --ops $ops"; do
+            "vb$r|--register-buffers --verbs-baseline --verbs-block 100 --ops $ops" \
+            "vb16_$r|--register-buffers --api async --op read --depth 16 --verbs-baseline --verbs-block 2000 --ops $((ops * 4))"; do
             name="${run%%|*}"
             printf 'if %s --transport rdma --memory 16MiB --json /tmp/%s.json %s >/tmp/%s.out 2>/tmp/%s.err; then\n' "$b" "$name" "${run#*|}" "$name" "$name"
             printf '    grep -a "^zero-copy" /tmp/%s.err | sed "s/^/ZC %s /"\n' "$name" "$name"
-            printf '    grep -a "^overhead vs bare verbs" /tmp/%s.out | sed "s/^/VERBS %s /"\n' "$name" "$name"
+            printf '    grep -a "^overhead vs bare verbs\\|^throughput vs bare verbs" /tmp/%s.out | sed "s/^/VERBS %s /"\n' "$name" "$name"
             # shellcheck disable=SC2016 # expanded by the generated script
             printf '    echo "BENCHJSON %s $(tr -d %s </tmp/%s.json)"\n' "$name" "'\\n '" "$name"
             printf 'else tail -n 5 /tmp/%s.err; echo "RDMABENCH FAILED %s"; failed=1; fi\n' "$name" "$name"
@@ -182,7 +183,20 @@ for ((r = 1; r <= rounds; r++)); do
     br+=" $(ratio "$(json p50 "$bare_r")" "${all[perf.read.$r]}")"
     bw_+=" $(ratio "$(json mean "$bare_w")" "${all[perf.write.$r]}")"
 done
+# Depth 16 on the asynchronous API against the bare loop kept 16 deep
+# (`vb16_`, blocks of 2000): the median of each run's per-pair pages/s ratios.
+v16=""
+for ((r = 1; r <= rounds; r++)); do
+    v16+=" $(sed -n "s/^VERBS vb16_$r throughput vs bare verbs (Read .*per pair: median x\([0-9.]*\).*/\1/p" "$out")"
+    for rec in "$(record "vb16_$r" read)" "$(bare_record "vb16_$r" read)"; do
+        if [[ -z "$rec" || "$(json verified "$rec")" != true ]]; then
+            echo "round $r: the depth-16 --verbs-baseline run is missing or not verified"
+            failed=1
+        fi
+    done
+done
 printf 'zc/bare verbs read   : per-pair p50, per round%s; median %s\n' "$vr" "$(median <<<"$vr")"
+printf 'async16/bare verbs16 : per-pair pages/s, per round%s; median %s\n' "$v16" "$(median <<<"$v16")"
 printf 'zc/bare verbs write  : per-pair mean, per round%s; median %s\n' "$vw" "$(median <<<"$vw")"
 printf 'bare verbs/perftest read : per round%s; median %s\n' "$br" "$(median <<<"$br")"
 printf 'bare verbs/perftest write: per round%s; median %s\n' "$bw_" "$(median <<<"$bw_")"

@@ -7,6 +7,11 @@
 //! the library call is in ours. Every page is checked: reads as they land,
 //! writes by reading the region after the run.
 //!
+//! With a depth N > 1 it is `ib_read_bw -t N` (and `ib_write_bw -t N`)
+//! instead: N requests outstanding, each from its own registered page, a
+//! new one posted as each completes; the CQ is polled for up to N
+//! completions at a time. Its figure is pages/s over the whole block.
+//!
 //! [`BareVerbs`] keeps its QPs and memory between calls of
 //! [`BareVerbs::run`], so the bench can alternate short blocks of it with
 //! short blocks of ours in one process (bench/src/verbs_compare.rs): the
@@ -30,6 +35,9 @@ use crate::workload::{new_histogram, Op, Outcome};
 /// How long one operation may take before the loop gives up (a lost
 /// completion must fail the run, not hang it).
 const OP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Most requests the loop keeps outstanding (the bench's `--depth` at most).
+pub const MAX_DEPTH: usize = 1024;
 
 /// Zeroed, page-aligned memory the device reads and writes (the library's
 /// own anonymous mapping). Only raw pointers reach it while a memory
@@ -77,6 +85,7 @@ pub struct BareVerbs {
     _target_cq: CompletionQueue,
     local_mr: MemoryRegion,
     region_mr: MemoryRegion,
+    /// One page per request outstanding (`depth`).
     local: DeviceBuf,
     region: DeviceBuf,
     /// The seed each region page holds now (its last write's): one per
@@ -84,14 +93,25 @@ pub struct BareVerbs {
     seeds: Vec<u64>,
     /// Blocks run so far: each write block writes its own seed.
     blocks: u64,
+    /// Requests outstanding at a time.
+    depth: usize,
 }
 
 impl BareVerbs {
     /// Opens the device `config` names (port, GID index), connects two QPs
-    /// on it and fills a region of `pages` pages with `seed`'s pattern.
-    pub fn connect(config: &ManagerConfig, pages: usize, seed: u64) -> anyhow::Result<Self> {
+    /// on it and fills a region of `pages` pages with `seed`'s pattern;
+    /// `depth` requests will be outstanding at a time.
+    pub fn connect(
+        config: &ManagerConfig,
+        pages: usize,
+        seed: u64,
+        depth: usize,
+    ) -> anyhow::Result<Self> {
         if pages == 0 {
             bail!("the bare RDMA loop needs a region of at least one page");
+        }
+        if !(1..=MAX_DEPTH).contains(&depth) {
+            bail!("the bare RDMA loop keeps 1 to {MAX_DEPTH} requests outstanding, not {depth}");
         }
         let verbs = Verbs::load().context("loading libibverbs for the bare RDMA loop")?;
         let ctx = Context::open(&verbs, config.rdma_device.as_deref())
@@ -99,7 +119,7 @@ impl BareVerbs {
         let port = PortInfo::query(&ctx, config.rdma_port, config.rdma_gid_index)
             .context("querying the RDMA port")?;
         let pd = ctx.alloc_pd()?;
-        let local = DeviceBuf::new(1)?;
+        let local = DeviceBuf::new(depth)?;
         let mut region = DeviceBuf::new(pages)?;
         for i in 0..pages {
             // SAFETY: in bounds; nothing is registered yet.
@@ -109,15 +129,16 @@ impl BareVerbs {
         // the loop touches them only while no request on them is
         // outstanding (`DeviceBuf::page`).
         let local_mr =
-            unsafe { pd.register_raw(local.ptr(), PAGE_SIZE, AccessFlags::LOCAL_WRITE) }?;
+            unsafe { pd.register_raw(local.ptr(), depth * PAGE_SIZE, AccessFlags::LOCAL_WRITE) }?;
         let access =
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
         // SAFETY: as above.
         let region_mr = unsafe { pd.register_raw(region.ptr(), pages * PAGE_SIZE, access) }?;
-        let cq = ctx.create_cq(16, None, 0)?;
-        let target_cq = ctx.create_cq(16, None, 0)?;
+        let entries = u32::try_from(depth.max(16))?;
+        let cq = ctx.create_cq(entries, None, 0)?;
+        let target_cq = ctx.create_cq(entries, None, 0)?;
         let caps = QpCaps {
-            max_send_wr: 4,
+            max_send_wr: u32::try_from(depth.max(4))?,
             max_recv_wr: 1,
             ..QpCaps::default()
         };
@@ -147,13 +168,27 @@ impl BareVerbs {
             region,
             seeds: vec![seed; pages],
             blocks: 0,
+            depth,
         })
     }
 
     /// Runs `ops` READs or WRITEs of region pages picked by `next_page`
-    /// (one in flight), reads checked as they land. A write block writes
-    /// a seed of its own; [`BareVerbs::check_region`] checks them.
+    /// (`depth` in flight), reads checked as they land. A write block
+    /// writes a seed of its own; [`BareVerbs::check_region`] checks them.
     pub fn run(
+        &mut self,
+        op: Op,
+        ops: u64,
+        next_page: impl FnMut() -> usize,
+    ) -> anyhow::Result<Outcome> {
+        if self.depth > 1 {
+            return self.run_pipelined(op, ops, next_page);
+        }
+        self.run_one(op, ops, next_page)
+    }
+
+    /// [`BareVerbs::run`] with one request outstanding.
+    fn run_one(
         &mut self,
         op: Op,
         ops: u64,
@@ -206,6 +241,88 @@ impl BareVerbs {
         })
     }
 
+    /// [`BareVerbs::run`] with `depth` requests outstanding: each slot has
+    /// its own local page; a slot is posted again as soon as its
+    /// completion is polled (and its page checked). Each request's latency
+    /// is post to poll.
+    fn run_pipelined(
+        &mut self,
+        op: Op,
+        ops: u64,
+        mut next_page: impl FnMut() -> usize,
+    ) -> anyhow::Result<Outcome> {
+        if op != Op::Read && op != Op::Write {
+            bail!("the bare RDMA loop reads and writes pages only");
+        }
+        self.blocks += 1;
+        let write_seed = 0x5eed_0000_0000 + self.blocks;
+        let depth = self.depth;
+        let mut hist = new_histogram();
+        let (mut bad, mut checked) = (0u64, 0u64);
+        let sges = (0..depth)
+            .map(|s| self.local_mr.sge(s * PAGE_SIZE, PAGE_SIZE).map(|g| [g]))
+            .collect::<Option<Vec<_>>>()
+            .context("local SGEs")?;
+        let rkey = self.region_mr.rkey();
+        // Per slot: the region page it moves and when it was posted.
+        let mut slots = vec![(0usize, Instant::now()); depth];
+        let mut free: Vec<usize> = (0..depth).rev().collect();
+        let mut wcs = vec![WorkCompletion::default(); depth];
+        let (mut posted, mut done) = (0u64, 0u64);
+        let start = Instant::now();
+        while done < ops {
+            while posted < ops {
+                let Some(slot) = free.pop() else { break };
+                let i = next_page() % self.seeds.len();
+                if op == Op::Write {
+                    // SAFETY: slot < depth; the slot is free, so no request
+                    // on its page is outstanding.
+                    pattern::fill(unsafe { self.local.page(slot) }, page_gpa(i), write_seed);
+                }
+                let remote = self.region.page_addr(i) as u64;
+                let wr = match op {
+                    Op::Write => SendWr::rdma_write(slot as u64, &sges[slot], remote, rkey),
+                    _ => SendWr::rdma_read(slot as u64, &sges[slot], remote, rkey),
+                };
+                slots[slot] = (i, Instant::now());
+                self.qp.post_send(&mut [wr.signaled()])?;
+                posted += 1;
+            }
+            let n = self.wait_some(&mut wcs)?;
+            let polled = Instant::now();
+            for wc in &wcs[..n] {
+                wc.result().context("bare RDMA request failed")?;
+                let slot = usize::try_from(wc.wr_id())?;
+                let Some(&(i, posted_at)) = slots.get(slot) else {
+                    bail!("a completion for a slot the bare RDMA loop never posted");
+                };
+                let _ = hist.record((polled.duration_since(posted_at).as_nanos() as u64).max(1));
+                if op == Op::Write {
+                    self.seeds[i] = write_seed;
+                } else {
+                    checked += 1;
+                    // SAFETY: slot < depth; its READ completed and the slot
+                    // is not posted again before this check.
+                    if !pattern::check(unsafe { self.local.page(slot) }, page_gpa(i), self.seeds[i])
+                    {
+                        bad += 1;
+                    }
+                }
+                free.push(slot);
+                done += 1;
+            }
+        }
+        Ok(Outcome {
+            latency_ns: hist,
+            elapsed: start.elapsed(),
+            ops_done: ops,
+            errors: 0,
+            bad_pages: bad,
+            pages_checked: checked,
+            first_error: None,
+        })
+    }
+
     /// Pages of the region that do not hold their last write's pattern.
     pub fn check_region(&mut self) -> u64 {
         let mut bad = 0;
@@ -222,11 +339,19 @@ impl BareVerbs {
     /// Spins on the CQ for the one outstanding completion.
     fn wait_one(&self) -> anyhow::Result<()> {
         let mut wc = [WorkCompletion::default()];
+        self.wait_some(&mut wc)?;
+        wc[0].result().context("bare RDMA request failed")
+    }
+
+    /// Spins on the CQ until it gives at least one completion (at most
+    /// `wcs.len()`); returns how many.
+    fn wait_some(&self, wcs: &mut [WorkCompletion]) -> anyhow::Result<usize> {
         let mut spins = 0u32;
         let mut deadline = None;
         loop {
-            if self.cq.poll(&mut wc)? == 1 {
-                return wc[0].result().context("bare RDMA request failed");
+            let n = self.cq.poll(wcs)?;
+            if n > 0 {
+                return Ok(n);
             }
             spins = spins.wrapping_add(1);
             if spins % 1024 == 0 {
