@@ -133,6 +133,9 @@ impl Batch {
     }
 }
 
+/// `Lane::active_at` of a lane not in its queue's active list.
+pub(super) const NOT_ACTIVE: usize = usize::MAX;
+
 /// Where a lane is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Phase {
@@ -164,6 +167,9 @@ pub(super) struct Lane {
     pub(super) phase: Phase,
     /// Requests this lane counts in its queue's total (see `requests`).
     pub(super) counted: usize,
+    /// Where its token is in its queue's list of active lanes
+    /// (`Stepper::active`), or `NOT_ACTIVE`.
+    pub(super) active_at: usize,
     /// A fallback's result, set by its worker thread.
     pub(super) fallback: Option<Result<(), TransportError>>,
 }
@@ -200,6 +206,7 @@ impl Lane {
             seq: 0,
             phase: Phase::Free,
             counted: 0,
+            active_at: NOT_ACTIVE,
             fallback: None,
         }
     }

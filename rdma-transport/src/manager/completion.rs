@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::SegQueue;
 use parking_lot::{Condvar, Mutex};
 
-use super::Inner;
+use super::{async_op, Inner};
 use crate::error::TransportError;
 use crate::page::Page;
 use crate::sys::cvt;
@@ -453,6 +453,7 @@ impl Drop for CompletionQueue {
         self.shared.flush(&mut st);
         let active = std::mem::take(&mut st.active);
         for token in active {
+            st.lanes[token].active_at = async_op::NOT_ACTIVE;
             self.shared.inner.cancel_lane(&mut st.lanes[token]);
         }
     }

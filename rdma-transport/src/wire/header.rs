@@ -168,14 +168,36 @@ pub(crate) fn crc32c_of(parts: &[&[u8]]) -> u32 {
 /// did, instead of landing on another page.
 pub fn offset_bound_checksum(page_sum: u32, offset: u64) -> u32 {
     // CRC-32C's register starts at !0 and the result is the register
-    // inverted: going on from a finished sum starts from its inverse.
-    let mut digest = crc_fast::Digest::new_with_init_state(
-        crc_fast::CrcAlgorithm::Crc32Iscsi,
-        u64::from(!page_sum),
-    );
-    digest.update(&offset.to_le_bytes());
-    digest.finalize() as u32
+    // inverted: going on from a finished sum starts from its inverse. Eight
+    // bytes a table step each: a tenth of the instructions of a general
+    // digest's set-up, on every WRITE at both ends.
+    let mut register = !page_sum;
+    for byte in offset.to_le_bytes() {
+        register = CRC32C_TABLE[((register ^ u32::from(byte)) & 0xff) as usize] ^ (register >> 8);
+    }
+    !register
 }
+
+/// CRC-32C's byte table (reflected polynomial 0x82F6_3B78).
+const CRC32C_TABLE: [u32; 256] = {
+    let mut table = [0u32; 256];
+    let mut i = 0;
+    while i < 256 {
+        let mut value = i as u32;
+        let mut bit = 0;
+        while bit < 8 {
+            value = if value & 1 == 1 {
+                (value >> 1) ^ 0x82F6_3B78
+            } else {
+                value >> 1
+            };
+            bit += 1;
+        }
+        table[i] = value;
+        i += 1;
+    }
+    table
+};
 
 /// The checksum a WRITE of `offset` carries, for a page whose own sum is
 /// `page_sum`: that sum, or [`offset_bound_checksum`] on a connection that
@@ -360,6 +382,19 @@ mod tests {
     fn an_offset_bound_checksum_is_the_crc_of_the_page_then_its_offset() {
         let page: Vec<u8> = (0..PAGE_SIZE).map(|i| (i * 13 + 1) as u8).collect();
         for offset in [0u64, 0x3000, 0x2000, u64::MAX] {
+            let mut whole = page.clone();
+            whole.extend_from_slice(&offset.to_le_bytes());
+            assert_eq!(
+                offset_bound_checksum(page_checksum(&page), offset),
+                page_checksum(&whole),
+                "offset {offset:#x}"
+            );
+        }
+        // Every byte value in every position (each entry of the table),
+        // from sums of other pages too.
+        for b in 0..=255u64 {
+            let offset = b * 0x0101_0101_0101_0101 ^ (b << 3);
+            let page = vec![b as u8; 64];
             let mut whole = page.clone();
             whole.extend_from_slice(&offset.to_le_bytes());
             assert_eq!(

@@ -15,7 +15,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::{Completion, CompletionCallback};
 use crate::error::TransportError;
-use crate::manager::async_op::{Batch, Lane, Next, Phase, SPARE_GPAS};
+use crate::manager::async_op::{Batch, Lane, Next, Phase, NOT_ACTIVE, SPARE_GPAS};
 use crate::manager::Inner;
 use crate::page::Page;
 use crate::tcp::{ReadyHook, Waiter};
@@ -246,8 +246,15 @@ impl Shared {
 
     /// Books a lane's next step.
     pub(super) fn after(self: &Arc<Self>, st: &mut Stepper, token: usize, next: Next) {
-        if let Some(at) = st.active.iter().position(|&t| t == token) {
+        let at = st.lanes[token].active_at;
+        if at != NOT_ACTIVE {
+            // Out of the active list without a search: the lane that takes
+            // its place learns its new index.
             st.active.swap_remove(at);
+            if let Some(&moved) = st.active.get(at) {
+                st.lanes[moved].active_at = at;
+            }
+            st.lanes[token].active_at = NOT_ACTIVE;
             st.requests -= st.lanes[token].counted;
             st.lanes[token].counted = 0;
         }
@@ -267,6 +274,7 @@ impl Shared {
                     let tcp = !self.reaper_reads_tcp.load(Ordering::Relaxed);
                     lane.round.park_some(true, tcp);
                 }
+                lane.active_at = st.active.len();
                 st.active.push(token);
             }
             Next::Fallback => self.start_fallback(st, token),
