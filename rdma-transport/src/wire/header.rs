@@ -393,7 +393,7 @@ mod tests {
         // Every byte value in every position (each entry of the table),
         // from sums of other pages too.
         for b in 0..=255u64 {
-            let offset = b * 0x0101_0101_0101_0101 ^ (b << 3);
+            let offset = (b * 0x0101_0101_0101_0101) ^ (b << 3);
             let page = vec![b as u8; 64];
             let mut whole = page.clone();
             whole.extend_from_slice(&offset.to_le_bytes());
