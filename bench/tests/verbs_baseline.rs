@@ -19,7 +19,7 @@ fn refused(extra: &[&str]) -> String {
 fn refuses_what_it_cannot_compare() {
     for extra in [
         &["--transport", "tcp"][..],
-        &["--transport", "rdma", "--depth", "4"],
+        &["--transport", "rdma", "--depth", "2000"],
         &["--transport", "rdma", "--threads", "2"],
         &["--transport", "rdma", "--op", "fault"],
         &["--transport", "rdma", "--baseline"],

@@ -4,7 +4,9 @@
 //! no page is wrong), a restarted one recovers and serves again, a stopped
 //! primary's reads are hedged to the replica, and guest-memory faults are
 //! served while a replica dies, or while the primary is cut off by a real
-//! partition (ignored: needs root; run by deploy/test-all.sh). With three
+//! partition, and a partition between both page-servers and the
+//! coordinator loses no write (both ignored: need root; run by
+//! deploy/test-all.sh). With three
 //! ranges on three nodes, two replicas each in rotation, a node's death,
 //! restart and recovery of both its ranges, then the death of another node
 //! lose nothing either.
@@ -610,6 +612,64 @@ fn guest_memory_faults_are_served_while_the_primary_is_cut_off() {
         assert_eq!(verify_all(&only, &expected), PAGES as usize, "on {node}");
     }
     assert_eq!(verify_all(&mgr, &expected), PAGES as usize);
+}
+
+/// Both page-servers of a replicated range cut off from the coordinator
+/// by a real partition (what anyone sends the coordinator's port is
+/// dropped: no refusal, no reset) for longer than its lease, so that it
+/// holds both for dead, and the clients' map refreshes go unanswered. The
+/// data path needs none of it: every page is rewritten and read back
+/// meanwhile. Once the link is back both replicas are live again, in the
+/// epochs they had, and each alone holds every page as last written.
+#[test]
+#[ignore = "needs root (a network namespace); run by deploy/test-all.sh"]
+fn a_partition_between_the_page_servers_and_the_coordinator_loses_no_write() {
+    let network = netns::PrivateNetwork::enter();
+    let (_db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let admin = coordinator_client(&url);
+    let (_a, _b) = replicated_pair(&url, &admin);
+    let epochs = [node_epoch(&url, "a"), node_epoch(&url, "b")];
+    let mgr = replica_manager(&url, 0);
+    let mut expected = fill(&mgr, PAGES);
+
+    let coord_addr: std::net::SocketAddr = url.trim_start_matches("http://").parse().unwrap();
+    let mut partition = netns::LoopbackPartition::to_port(&network, coord_addr.port());
+    assert!(
+        std::net::TcpStream::connect_timeout(&coord_addr, Duration::from_millis(300)).is_err(),
+        "the coordinator is still reachable"
+    );
+    // Longer than the coordinator's lease (3 s), and two passes at least.
+    let until = Instant::now() + Duration::from_secs(4);
+    let gpas: Vec<u64> = (0..PAGES).map(gpa).collect();
+    let mut version = 1;
+    while version < 3 || Instant::now() < until {
+        version += 1;
+        let contents: Vec<Page> = (0..PAGES).map(|p| content(p, version)).collect();
+        mgr.write_pages(&gpas, &contents)
+            .unwrap_or_else(|e| panic!("write of version {version} with the coordinator cut off: {e}"));
+        expected = vec![Slot::Written(version); PAGES as usize];
+        assert_eq!(verify_all(&mgr, &expected), PAGES as usize);
+    }
+    eprintln!("coordinator cut off: every page written {} times", version - 1);
+
+    partition.heal();
+    wait_all_live(&admin, 2);
+    assert_eq!(
+        [node_epoch(&url, "a"), node_epoch(&url, "b")],
+        epochs,
+        "a page-server changed its epoch"
+    );
+    let map = admin.map().expect("map");
+    for node in ["a", "b"] {
+        let only = Arc::new(common::replica_manager(&map, node));
+        assert_eq!(verify_all(&only, &expected), PAGES as usize, "on {node}");
+    }
+    // A client that starts now reads the same.
+    assert_eq!(
+        verify_all(&replica_manager(&url, 0), &expected),
+        PAGES as usize
+    );
 }
 
 /// A VM moving to another host: the source's last write-back may mark a
