@@ -646,12 +646,16 @@ fn a_partition_between_the_page_servers_and_the_coordinator_loses_no_write() {
     while version < 3 || Instant::now() < until {
         version += 1;
         let contents: Vec<Page> = (0..PAGES).map(|p| content(p, version)).collect();
-        mgr.write_pages(&gpas, &contents)
-            .unwrap_or_else(|e| panic!("write of version {version} with the coordinator cut off: {e}"));
+        mgr.write_pages(&gpas, &contents).unwrap_or_else(|e| {
+            panic!("write of version {version} with the coordinator cut off: {e}")
+        });
         expected = vec![Slot::Written(version); PAGES as usize];
         assert_eq!(verify_all(&mgr, &expected), PAGES as usize);
     }
-    eprintln!("coordinator cut off: every page written {} times", version - 1);
+    eprintln!(
+        "coordinator cut off: every page written {} times",
+        version - 1
+    );
 
     partition.heal();
     wait_all_live(&admin, 2);
