@@ -38,6 +38,27 @@ pub struct Job<'a> {
     pub api: Api,
 }
 
+impl Job<'_> {
+    /// One run of ours, every page checked (writes by reading every page
+    /// back afterwards, as in the main run); an error if any was wrong.
+    pub(crate) fn run_ours(&self) -> anyhow::Result<workload::Outcome> {
+        let mut outcome = workload::run_api(
+            self.mgr,
+            self.set,
+            self.spec,
+            self.seed,
+            &ProgressBar::hidden(),
+            self.api,
+        );
+        if self.spec.op == Op::Write {
+            outcome.bad_pages += self.set.verify_all(self.mgr)?;
+            outcome.pages_checked = outcome.ops_done;
+        }
+        check("ours", outcome.verified())?;
+        Ok(outcome)
+    }
+}
+
 /// Runs `rounds` rounds of `job` and returns the summary lines.
 pub fn run(job: &Job<'_>, rounds: u64) -> anyhow::Result<Vec<String>> {
     let spec = job.spec;
@@ -52,24 +73,7 @@ pub fn run(job: &Job<'_>, rounds: u64) -> anyhow::Result<Vec<String>> {
         let mut round = Round::default();
         for k in 0..kinds {
             match (r + k) % kinds {
-                0 => {
-                    let mut outcome = workload::run_api(
-                        job.mgr,
-                        job.set,
-                        spec,
-                        job.seed,
-                        &ProgressBar::hidden(),
-                        job.api,
-                    );
-                    if spec.op == Op::Write {
-                        // As the main run: writes are checked by reading
-                        // every page back.
-                        outcome.bad_pages += job.set.verify_all(job.mgr)?;
-                        outcome.pages_checked = outcome.ops_done;
-                    }
-                    check("ours", outcome.verified())?;
-                    round.ours = p(&Record::new("ours", spec, servers, &outcome));
-                }
+                0 => round.ours = p(&Record::new("ours", spec, servers, &job.run_ours()?)),
                 1 => {
                     let best = baseline::run(spec, job.set.len(), job.seed)?;
                     check("bare TCP ping-pong", best.all_verified)?;

@@ -10,12 +10,10 @@
 //! runs seconds apart, says more (as `--latency-rounds` for one page in
 //! flight).
 
-use indicatif::ProgressBar;
-
 use crate::baseline;
 use crate::latency_rounds::{check, Job};
 use crate::report::{fmt_ratio, fmt_ratios, median, Record};
-use crate::workload::{self, Op};
+use crate::workload::Op;
 
 /// One round's GB/s, and the layout the bare won with.
 #[derive(Clone)]
@@ -43,21 +41,7 @@ pub fn run(job: &Job<'_>, rounds: u64) -> anyhow::Result<Vec<String>> {
         };
         for k in 0..2 {
             if (r + k) % 2 == 0 {
-                let mut outcome = workload::run_api(
-                    job.mgr,
-                    job.set,
-                    spec,
-                    job.seed,
-                    &ProgressBar::hidden(),
-                    job.api,
-                );
-                if spec.op == Op::Write {
-                    // As the main run: writes are checked by reading every
-                    // page back (outside the timed loop).
-                    outcome.bad_pages += job.set.verify_all(job.mgr)?;
-                    outcome.pages_checked = outcome.ops_done;
-                }
-                check("ours", outcome.verified())?;
+                let outcome = job.run_ours()?;
                 round.ours_gb_per_s = Record::new("ours", spec, 1, &outcome).throughput.gb_per_s;
             } else {
                 let best = baseline::run_pipelined(spec, job.set.len(), job.seed, spec.depth)?;

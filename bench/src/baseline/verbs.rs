@@ -181,10 +181,15 @@ impl BareVerbs {
         ops: u64,
         next_page: impl FnMut() -> usize,
     ) -> anyhow::Result<Outcome> {
-        if self.depth > 1 {
-            return self.run_pipelined(op, ops, next_page);
+        if op != Op::Read && op != Op::Write {
+            bail!("the bare RDMA loop reads and writes pages only");
         }
-        self.run_one(op, ops, next_page)
+        self.blocks += 1;
+        let write_seed = 0x5eed_0000_0000 + self.blocks;
+        if self.depth > 1 {
+            return self.run_pipelined(op, ops, write_seed, next_page);
+        }
+        self.run_one(op, ops, write_seed, next_page)
     }
 
     /// [`BareVerbs::run`] with one request outstanding.
@@ -192,13 +197,9 @@ impl BareVerbs {
         &mut self,
         op: Op,
         ops: u64,
+        write_seed: u64,
         mut next_page: impl FnMut() -> usize,
     ) -> anyhow::Result<Outcome> {
-        if op != Op::Read && op != Op::Write {
-            bail!("the bare RDMA loop reads and writes pages only");
-        }
-        self.blocks += 1;
-        let write_seed = 0x5eed_0000_0000 + self.blocks;
         let mut hist = new_histogram();
         let (mut bad, mut checked) = (0u64, 0u64);
         let sge = [self.local_mr.sge(0, PAGE_SIZE).context("local SGE")?];
@@ -249,13 +250,9 @@ impl BareVerbs {
         &mut self,
         op: Op,
         ops: u64,
+        write_seed: u64,
         mut next_page: impl FnMut() -> usize,
     ) -> anyhow::Result<Outcome> {
-        if op != Op::Read && op != Op::Write {
-            bail!("the bare RDMA loop reads and writes pages only");
-        }
-        self.blocks += 1;
-        let write_seed = 0x5eed_0000_0000 + self.blocks;
         let depth = self.depth;
         let mut hist = new_histogram();
         let (mut bad, mut checked) = (0u64, 0u64);
