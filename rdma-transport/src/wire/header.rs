@@ -169,7 +169,7 @@ pub(crate) fn crc32c_of(parts: &[&[u8]]) -> u32 {
 pub fn offset_bound_checksum(page_sum: u32, offset: u64) -> u32 {
     // CRC-32C's register starts at !0 and the result is the register
     // inverted: going on from a finished sum starts from its inverse. Eight
-    // bytes a table step each: a tenth of the instructions of a general
+    // bytes a table step each: a quarter of the instructions of a general
     // digest's set-up, on every WRITE at both ends.
     let mut register = !page_sum;
     for byte in offset.to_le_bytes() {
