@@ -30,7 +30,7 @@ use rdma_transport::verbs::{
 use rdma_transport::{ManagerConfig, Page, PAGE_SIZE};
 
 use crate::pattern;
-use crate::workload::{new_histogram, Op, Outcome};
+use crate::workload::{Op, Outcome};
 
 /// How long one operation may take before the loop gives up (a lost
 /// completion must fail the run, not hang it).
@@ -200,8 +200,7 @@ impl BareVerbs {
         write_seed: u64,
         mut next_page: impl FnMut() -> usize,
     ) -> anyhow::Result<Outcome> {
-        let mut hist = new_histogram();
-        let (mut bad, mut checked) = (0u64, 0u64);
+        let mut out = Outcome::empty(Duration::ZERO);
         let sge = [self.local_mr.sge(0, PAGE_SIZE).context("local SGE")?];
         let rkey = self.region_mr.rkey();
         let start = Instant::now();
@@ -220,26 +219,17 @@ impl BareVerbs {
             self.qp.post_send(&mut [wr.signaled()])?;
             self.wait_one()?;
             let latency_ns = t0.elapsed().as_nanos() as u64;
-            let _ = hist.record(latency_ns.max(1));
+            let _ = out.latency_ns.record(latency_ns.max(1));
             if op == Op::Write {
                 self.seeds[i] = write_seed;
             } else {
-                checked += 1;
                 // SAFETY: the READ completed; nothing else is outstanding.
-                if !pattern::check(unsafe { self.local.page(0) }, page_gpa(i), self.seeds[i]) {
-                    bad += 1;
-                }
+                unsafe { self.check_landed(0, i, &mut out) };
             }
         }
-        Ok(Outcome {
-            latency_ns: hist,
-            elapsed: start.elapsed(),
-            ops_done: ops,
-            errors: 0,
-            bad_pages: bad,
-            pages_checked: checked,
-            first_error: None,
-        })
+        out.elapsed = start.elapsed();
+        out.ops_done = ops;
+        Ok(out)
     }
 
     /// [`BareVerbs::run`] with `depth` requests outstanding: each slot has
@@ -254,8 +244,7 @@ impl BareVerbs {
         mut next_page: impl FnMut() -> usize,
     ) -> anyhow::Result<Outcome> {
         let depth = self.depth;
-        let mut hist = new_histogram();
-        let (mut bad, mut checked) = (0u64, 0u64);
+        let mut out = Outcome::empty(Duration::ZERO);
         let sges = (0..depth)
             .map(|s| self.local_mr.sge(s * PAGE_SIZE, PAGE_SIZE).map(|g| [g]))
             .collect::<Option<Vec<_>>>()
@@ -293,31 +282,37 @@ impl BareVerbs {
                 let Some(&(i, posted_at)) = slots.get(slot) else {
                     bail!("a completion for a slot the bare RDMA loop never posted");
                 };
-                let _ = hist.record((polled.duration_since(posted_at).as_nanos() as u64).max(1));
+                let latency_ns = polled.duration_since(posted_at).as_nanos() as u64;
+                let _ = out.latency_ns.record(latency_ns.max(1));
                 if op == Op::Write {
                     self.seeds[i] = write_seed;
                 } else {
-                    checked += 1;
                     // SAFETY: slot < depth; its READ completed and the slot
                     // is not posted again before this check.
-                    if !pattern::check(unsafe { self.local.page(slot) }, page_gpa(i), self.seeds[i])
-                    {
-                        bad += 1;
-                    }
+                    unsafe { self.check_landed(slot, i, &mut out) };
                 }
                 free.push(slot);
                 done += 1;
             }
         }
-        Ok(Outcome {
-            latency_ns: hist,
-            elapsed: start.elapsed(),
-            ops_done: ops,
-            errors: 0,
-            bad_pages: bad,
-            pages_checked: checked,
-            first_error: None,
-        })
+        out.elapsed = start.elapsed();
+        out.ops_done = ops;
+        Ok(out)
+    }
+
+    /// Checks the page READ into local slot `slot` against region page
+    /// `i`'s pattern, and counts it in `out`.
+    ///
+    /// # Safety
+    /// As [`DeviceBuf::page`]: `slot` is in bounds and no request on it is
+    /// outstanding.
+    unsafe fn check_landed(&mut self, slot: usize, i: usize, out: &mut Outcome) {
+        out.pages_checked += 1;
+        // SAFETY: per this fn's contract.
+        let page = unsafe { self.local.page(slot) };
+        if !pattern::check(page, page_gpa(i), self.seeds[i]) {
+            out.bad_pages += 1;
+        }
     }
 
     /// Pages of the region that do not hold their last write's pattern.

@@ -380,28 +380,23 @@ mod tests {
 
     #[test]
     fn an_offset_bound_checksum_is_the_crc_of_the_page_then_its_offset() {
-        let page: Vec<u8> = (0..PAGE_SIZE).map(|i| (i * 13 + 1) as u8).collect();
-        for offset in [0u64, 0x3000, 0x2000, u64::MAX] {
-            let mut whole = page.clone();
+        let bound_is_whole = |page: &[u8], offset: u64| {
+            let mut whole = page.to_vec();
             whole.extend_from_slice(&offset.to_le_bytes());
             assert_eq!(
-                offset_bound_checksum(page_checksum(&page), offset),
+                offset_bound_checksum(page_checksum(page), offset),
                 page_checksum(&whole),
                 "offset {offset:#x}"
             );
+        };
+        let page: Vec<u8> = (0..PAGE_SIZE).map(|i| (i * 13 + 1) as u8).collect();
+        for offset in [0u64, 0x3000, 0x2000, u64::MAX] {
+            bound_is_whole(&page, offset);
         }
         // Every byte value in every position (each entry of the table),
         // from sums of other pages too.
         for b in 0..=255u64 {
-            let offset = (b * 0x0101_0101_0101_0101) ^ (b << 3);
-            let page = vec![b as u8; 64];
-            let mut whole = page.clone();
-            whole.extend_from_slice(&offset.to_le_bytes());
-            assert_eq!(
-                offset_bound_checksum(page_checksum(&page), offset),
-                page_checksum(&whole),
-                "offset {offset:#x}"
-            );
+            bound_is_whole(&[b as u8; 64], (b * 0x0101_0101_0101_0101) ^ (b << 3));
         }
         // One bit of the offset changes the sum.
         let sum = page_checksum(&page);
