@@ -10,12 +10,10 @@
 //! minute apart says little; the median of the rounds' ratios, each from
 //! runs seconds apart, says more (as `--fault-rounds` for faults).
 
-use indicatif::ProgressBar;
-use rdma_transport::TransportManager;
-
 use crate::baseline;
 use crate::report::{fmt_ratio, fmt_ratios, fmt_us_all, median, Record};
-use crate::workload::{self, Api, Op, Spec, WorkingSet};
+use crate::rounds::{check, Job};
+use crate::workload::{Op, Spec};
 
 /// The p50s and p99s of one round, in µs.
 #[derive(Default, Clone, Copy)]
@@ -24,39 +22,6 @@ struct Round {
     bare: (f64, f64),
     /// The spread ping-pong (zeros with one node: not run).
     spread: (f64, f64),
-}
-
-/// What the rounds run: `spec` (one thread; one page in flight here, many
-/// in `throughput_rounds`) with `seed` over `set`, through `api`; `owners`
-/// as `WorkingSet::owners`.
-pub struct Job<'a> {
-    pub mgr: &'a TransportManager,
-    pub set: &'a WorkingSet,
-    pub owners: &'a [usize],
-    pub spec: Spec,
-    pub seed: u64,
-    pub api: Api,
-}
-
-impl Job<'_> {
-    /// One run of ours, every page checked (writes by reading every page
-    /// back afterwards, as in the main run); an error if any was wrong.
-    pub(crate) fn run_ours(&self) -> anyhow::Result<workload::Outcome> {
-        let mut outcome = workload::run_api(
-            self.mgr,
-            self.set,
-            self.spec,
-            self.seed,
-            &ProgressBar::hidden(),
-            self.api,
-        );
-        if self.spec.op == Op::Write {
-            outcome.bad_pages += self.set.verify_all(self.mgr)?;
-            outcome.pages_checked = outcome.ops_done;
-        }
-        check("ours", outcome.verified())?;
-        Ok(outcome)
-    }
 }
 
 /// Runs `rounds` rounds of `job` and returns the summary lines.
@@ -89,14 +54,6 @@ pub fn run(job: &Job<'_>, rounds: u64) -> anyhow::Result<Vec<String>> {
         all.push(round);
     }
     Ok(summary(spec, &all, servers))
-}
-
-pub(crate) fn check(what: &str, verified: bool) -> anyhow::Result<()> {
-    if verified {
-        Ok(())
-    } else {
-        anyhow::bail!("{what}: not every page checked and right")
-    }
 }
 
 fn summary(spec: Spec, rounds: &[Round], servers: usize) -> Vec<String> {

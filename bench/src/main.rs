@@ -21,6 +21,7 @@ mod matrix;
 mod pattern;
 mod replicas;
 mod report;
+mod rounds;
 mod throughput_rounds;
 mod verbs_compare;
 mod workload;
@@ -825,7 +826,7 @@ fn run() -> anyhow::Result<()> {
             } else {
                 None
             };
-            let job = latency_rounds::Job {
+            let job = rounds::Job {
                 mgr: &mgr,
                 set: &set,
                 owners: &owners,

@@ -11,8 +11,8 @@
 //! flight).
 
 use crate::baseline;
-use crate::latency_rounds::{check, Job};
 use crate::report::{fmt_ratio, fmt_ratios, median, Record};
+use crate::rounds::{check, Job};
 use crate::workload::Op;
 
 /// One round's GB/s, and the layout the bare won with.

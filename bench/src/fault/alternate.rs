@@ -18,6 +18,7 @@ use rdma_transport::TransportManager;
 use super::{local_uffd_baseline, one_vcpu, Params, Run, SEED};
 use crate::matrix::Backing;
 use crate::report::{fmt_ratio, fmt_ratios, fmt_us_all, median, Record};
+use crate::rounds::check;
 use crate::workload::{AccessPattern, Op, Spec, WorkingSet};
 
 /// The p50s of one round, in µs.
@@ -91,14 +92,6 @@ pub(super) fn rounds(
         rounds.push(round);
     }
     Ok(summary(pattern, params.ops, &rounds, servers))
-}
-
-fn check(what: &str, verified: bool) -> anyhow::Result<()> {
-    if verified {
-        Ok(())
-    } else {
-        anyhow::bail!("{what}: not every page checked and right")
-    }
 }
 
 fn summary(pattern: AccessPattern, ops: u64, rounds: &[Round], servers: usize) -> Vec<String> {
