@@ -62,6 +62,7 @@ fn thirty_two_reads_in_flight_from_one_thread_come_back_with_their_pages() {
         .collect();
     fill(&mgr, &gpas, 3);
     let queue = mgr.completion_queue(Reap::Poll).unwrap();
+    let before = mgr.stats();
     for (i, &gpa) in gpas.iter().take(32).enumerate() {
         queue.submit_read(&[gpa], zeroed(1), i as u64).unwrap();
     }
@@ -87,6 +88,13 @@ fn thirty_two_reads_in_flight_from_one_thread_come_back_with_their_pages() {
         }
     }
     assert_eq!(queue.in_flight(), 0);
+    // The queue books its completions per step: all of them are counted
+    // by the time they are reaped.
+    let after = mgr.stats();
+    assert_eq!(after.calls_ok - before.calls_ok, gpas.len() as u64);
+    assert_eq!(after.pages_read - before.pages_read, gpas.len() as u64);
+    assert_eq!(after.pages_written, before.pages_written);
+    assert_eq!(after.calls_failed, before.calls_failed);
     let mut seen = vec![false; gpas.len()];
     for c in done {
         let i = c.user_data as usize;
@@ -248,6 +256,7 @@ fn bad_addresses_complete_with_typed_errors_and_the_queue_keeps_serving() {
     let (_db, coord, _a, _b) = cluster();
     let mgr = manager(&coord.url());
     let queue = mgr.completion_queue(Reap::Poll).unwrap();
+    let before = mgr.stats();
     assert!(matches!(
         queue.submit_read(&[0, 4096], zeroed(1), 0),
         Err(TransportError::Config(_))
@@ -279,6 +288,12 @@ fn bad_addresses_complete_with_typed_errors_and_the_queue_keeps_serving() {
         Err(TransportError::UnknownGpa { .. })
     ));
     assert!(done[2].result.is_ok());
+    // Two failed calls and one written page, counted once each.
+    let after = mgr.stats();
+    assert_eq!(after.calls_failed - before.calls_failed, 2);
+    assert_eq!(after.calls_ok - before.calls_ok, 1);
+    assert_eq!(after.pages_written - before.pages_written, 1);
+    assert_eq!(after.pages_read, before.pages_read);
     let mut page = [0u8; PAGE_SIZE];
     mgr.read_page(8192, &mut page).unwrap();
     assert!(page == page_for(8192, 4));

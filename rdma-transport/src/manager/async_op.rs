@@ -107,8 +107,15 @@ impl Batch {
     }
 
     /// The next window nobody took yet, as an address range.
+    ///
+    /// The window counters are plain loads and stores, not
+    /// read-modify-writes: lanes move on (`advance`) only under their
+    /// queue's stepper lock, so no two threads ever count at once (a
+    /// locked instruction per window was a measurable share of a one-page
+    /// submission).
     fn take_window(&self) -> Option<(usize, usize)> {
-        let w = self.next_window.fetch_add(1, Ordering::Relaxed);
+        let w = self.next_window.load(Ordering::Relaxed);
+        self.next_window.store(w + 1, Ordering::Relaxed);
         let from = w.checked_mul(MAX_CHUNK)?;
         (from < self.gpas.len()).then(|| (from, (from + MAX_CHUNK).min(self.gpas.len())))
     }
@@ -117,14 +124,23 @@ impl Batch {
         self.first_error.lock().get_or_insert(err);
     }
 
-    /// One window is done; true when it was the last.
+    /// One window is done; true when it was the last. (Under the stepper
+    /// lock, as `take_window`.)
     fn window_done(&self) -> bool {
-        self.windows_left.fetch_sub(1, Ordering::AcqRel) == 1
+        let left = self.windows_left.load(Ordering::Relaxed);
+        self.windows_left
+            .store(left.saturating_sub(1), Ordering::Relaxed);
+        left == 1
     }
 
     /// The submission's result (after its last window).
     pub(super) fn result(&self) -> Result<(), TransportError> {
         self.first_error.lock().take().map_or(Ok(()), Err)
+    }
+
+    /// `result` of a batch nobody shares (no lock taken).
+    pub(super) fn take_result(&mut self) -> Result<(), TransportError> {
+        self.first_error.get_mut().take().map_or(Ok(()), Err)
     }
 
     fn page(&self, i: usize) -> *mut u8 {
@@ -172,6 +188,8 @@ pub(super) struct Lane {
     pub(super) active_at: usize,
     /// A fallback's result, set by its worker thread.
     pub(super) fallback: Option<Result<(), TransportError>>,
+    /// `advance_with` found the lane finished its batch's last window.
+    end_of_batch: bool,
 }
 
 // SAFETY: the raw pointers in `targets` point into the batch's pages (see
@@ -208,6 +226,7 @@ impl Lane {
             counted: 0,
             active_at: NOT_ACTIVE,
             fallback: None,
+            end_of_batch: false,
         }
     }
 
@@ -231,28 +250,43 @@ impl Inner {
     /// takes the next window, and puts the next round on the wire (or
     /// says it needs the blocking engine).
     pub(super) fn advance(&self, lane: &mut Lane) -> Next {
-        let Some(batch) = lane.batch.clone() else {
+        // Taken out while the lane moves on, and put back unless the lane
+        // goes idle: no reference count is touched.
+        let Some(batch) = lane.batch.take() else {
             return Next::Idle(None);
         };
+        let next = self.advance_with(lane, &batch);
+        if matches!(next, Next::Idle(_)) {
+            lane.end = 0;
+            lane.phase = Phase::Free;
+            if lane.end_of_batch {
+                lane.end_of_batch = false;
+                return Next::Idle(Some(batch));
+            }
+        } else {
+            lane.batch = Some(batch);
+        }
+        next
+    }
+
+    /// `advance` with the lane's batch beside it. `Next::Idle` says the
+    /// lane is done with the batch (`end_of_batch`: it finished the last
+    /// window).
+    fn advance_with(&self, lane: &mut Lane, batch: &Batch) -> Next {
         loop {
             if lane.from >= lane.end {
                 if lane.end > 0 && batch.window_done() {
-                    lane.end = 0;
-                    lane.batch = None;
-                    lane.phase = Phase::Free;
-                    return Next::Idle(Some(batch));
+                    lane.end_of_batch = true;
+                    return Next::Idle(None);
                 }
                 let Some((from, end)) = batch.take_window() else {
-                    lane.end = 0;
-                    lane.batch = None;
-                    lane.phase = Phase::Free;
                     return Next::Idle(None);
                 };
                 lane.from = from;
                 lane.end = end;
                 lane.deadline = Instant::now() + self.config.request_timeout();
             }
-            match self.resolve_fast(&batch, lane) {
+            match self.resolve_fast(batch, lane) {
                 Fast::Skip(at, err) => {
                     batch.record(err);
                     lane.from = at + 1;
@@ -273,8 +307,13 @@ impl Inner {
                     lane.round.land_direct = true;
                     // Held across the submission: answers from the first
                     // nodes of the round must not look like the end of it
-                    // (and queue it) while later nodes are still to go.
-                    lane.waiter.add(1);
+                    // (and queue it) while later nodes are still to go. A
+                    // one-page round has no later node and takes no hold
+                    // (two locked instructions per page).
+                    let hold = n > 1;
+                    if hold {
+                        lane.waiter.add(1);
+                    }
                     self.submit_round(
                         &mut lane.round,
                         OnMap {
@@ -289,7 +328,16 @@ impl Inner {
                     );
                     lane.state = Some(state);
                     lane.phase = Phase::Round;
-                    lane.waiter.release_hold();
+                    if hold || lane.waiter.is_done() {
+                        // Without a hold, a request that could not go out
+                        // (or was answered already) still tells the queue
+                        // its round is done. Told twice is harmless: the
+                        // second finds the lane in another round or free.
+                        if !hold {
+                            lane.waiter.add(1);
+                        }
+                        lane.waiter.release_hold();
+                    }
                     return Next::Wait;
                 }
             }

@@ -117,7 +117,6 @@ impl Inner {
             inner: Arc::clone(self),
             mode,
             ready: SegQueue::new(),
-            done: Mutex::new(VecDeque::new()),
             stepper: Mutex::new(Stepper {
                 lanes: Vec::new(),
                 free: Vec::new(),
@@ -127,6 +126,11 @@ impl Inner {
                 seen: Vec::new(),
                 unflushed: false,
                 spare: Vec::new(),
+                done: VecDeque::new(),
+                delivered: 0,
+                tally: Default::default(),
+                next_deadline: None,
+                step_ready: Vec::new(),
             }),
             in_flight: AtomicUsize::new(0),
             fallbacks: Mutex::new(0),
@@ -134,6 +138,7 @@ impl Inner {
             eventfd,
             eventfd_signalled: AtomicBool::new(false),
             sleeper: Mutex::new(None),
+            parked_in_wait: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             callback: Mutex::new(callback),
             reaper_reads_tcp: AtomicBool::new(false),
@@ -263,8 +268,7 @@ impl CompletionQueue {
             return 0;
         }
         self.shared.drain_eventfd();
-        self.shared.step();
-        self.shared.take_done(out)
+        self.shared.step(out).1
     }
 
     /// As [`CompletionQueue::poll`], waiting up to `timeout` until at least
@@ -306,6 +310,10 @@ impl CompletionQueue {
             }
             // Sleep: the pollers read the lanes' answers meanwhile.
             *self.shared.sleeper.lock() = Some(std::thread::current());
+            // Before the stepper lock below: a lane booked after that sees
+            // it (and is parked by `after`); one booked before is parked
+            // here.
+            self.shared.parked_in_wait.store(true, Ordering::Relaxed);
             let earliest = {
                 let mut st = self.shared.stepper.lock();
                 let st = &mut *st;
@@ -319,6 +327,7 @@ impl CompletionQueue {
                 std::thread::park_timeout(wake_at.saturating_duration_since(Instant::now()));
             }
             *self.shared.sleeper.lock() = None;
+            self.shared.parked_in_wait.store(false, Ordering::Relaxed);
             let mut st = self.shared.stepper.lock();
             let st = &mut *st;
             for &t in &st.active {

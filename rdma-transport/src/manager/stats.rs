@@ -54,7 +54,45 @@ pub(super) struct Counters {
     pages_written: AtomicU64,
 }
 
+/// Successful calls counted by one thread and added to the shared
+/// [`Counters`] at once (`Counters::add`): a completion queue books its
+/// completions per step, not with locked instructions per page.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Tally {
+    pub(super) calls_ok: u64,
+    pub(super) pages_read: u64,
+    pub(super) pages_written: u64,
+}
+
+impl Tally {
+    /// Counts one successful call of `pages` pages.
+    pub(super) fn ok(&mut self, opcode: Opcode, pages: usize) {
+        self.calls_ok += 1;
+        if opcode == Opcode::Write {
+            self.pages_written += pages as u64;
+        } else {
+            self.pages_read += pages as u64;
+        }
+    }
+}
+
 impl Counters {
+    /// Adds a tally's counts (and leaves it empty).
+    pub(super) fn add(&self, tally: &mut Tally) {
+        let t = std::mem::take(tally);
+        if t.calls_ok == 0 {
+            return;
+        }
+        self.calls_ok.fetch_add(t.calls_ok, Ordering::Relaxed);
+        if t.pages_read > 0 {
+            self.pages_read.fetch_add(t.pages_read, Ordering::Relaxed);
+        }
+        if t.pages_written > 0 {
+            self.pages_written
+                .fetch_add(t.pages_written, Ordering::Relaxed);
+        }
+    }
+
     /// Counts one finished call of `pages` pages.
     pub(super) fn record(&self, opcode: Opcode, pages: usize, result: &Result<(), TransportError>) {
         match result {

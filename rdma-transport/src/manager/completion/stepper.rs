@@ -16,6 +16,7 @@ use parking_lot::{Condvar, Mutex};
 use super::{Completion, CompletionCallback};
 use crate::error::TransportError;
 use crate::manager::async_op::{Batch, Lane, Next, Phase, NOT_ACTIVE, SPARE_GPAS};
+use crate::manager::stats::Tally;
 use crate::manager::Inner;
 use crate::page::Page;
 use crate::tcp::{ReadyHook, Waiter};
@@ -32,9 +33,6 @@ pub(super) struct Shared {
     pub(super) inner: Arc<Inner>,
     pub(super) mode: Mode,
     pub(super) ready: SegQueue<(usize, u64)>,
-    /// Delivered completions, to be reaped. (A `SegQueue` here allocated
-    /// a block every 31 completions.)
-    pub(super) done: Mutex<VecDeque<Completion>>,
     pub(super) stepper: Mutex<Stepper>,
     /// Submissions not yet delivered.
     pub(super) in_flight: AtomicUsize,
@@ -46,6 +44,10 @@ pub(super) struct Shared {
     pub(super) eventfd_signalled: AtomicBool,
     /// A thread waiting in `wait` (poll mode) or the callback thread.
     pub(super) sleeper: Mutex<Option<Thread>>,
+    /// `sleeper` holds a thread parked in `wait` (poll mode); set and
+    /// cleared with it, read under the stepper lock by `after` without
+    /// taking `sleeper`'s lock for every submission.
+    pub(super) parked_in_wait: AtomicBool,
     pub(super) stop: AtomicBool,
     pub(super) callback: Mutex<Option<CompletionCallback>>,
     /// The reaper waits on the TCP sockets itself
@@ -90,6 +92,21 @@ pub(super) struct Stepper {
     /// Batches of delivered submissions, for the next ones (at most
     /// `SPARE_BATCHES`; none of them shared).
     pub(super) spare: Vec<Arc<Batch>>,
+    /// Delivered completions, to be reaped: under the stepper lock that
+    /// delivering and reaping hold anyway. (A `SegQueue` here allocated a
+    /// block every 31 completions; a mutex of its own cost two locked
+    /// instructions per completion.)
+    pub(super) done: VecDeque<Completion>,
+    /// Completions delivered since the books were last settled (`books`),
+    /// still counted in `Shared::in_flight`.
+    pub(super) delivered: usize,
+    /// Their successes, not yet in the manager's counters.
+    pub(super) tally: Tally,
+    /// No active lane's deadline is earlier (it may be earlier than all of
+    /// them: a lane that left keeps it until `settle_late` looks again).
+    pub(super) next_deadline: Option<Instant>,
+    /// Scratch: the lanes a step's own reads finished (see `STEP_READY`).
+    pub(super) step_ready: Vec<(usize, u64)>,
 }
 
 /// Spare batches a queue keeps: as many as submissions a thread
@@ -107,14 +124,22 @@ thread_local! {
     /// same step, nobody needs waking. (Answers of other queues or callers
     /// on the same connections wake them as usual.)
     static STEPPING: std::cell::Cell<*const Shared> = const { std::cell::Cell::new(std::ptr::null()) };
+    /// The lanes (token, round) whose rounds that step's own reads
+    /// finished: settled by the same step, without the shared queue.
+    static STEP_READY: std::cell::RefCell<Vec<(usize, u64)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl ReadyHook for Shared {
     fn ready(&self, token: usize, seq: u64) {
-        self.ready.push((token, seq));
-        if !std::ptr::eq(STEPPING.with(std::cell::Cell::get), self) {
-            self.wake();
+        // An answer this queue's own step read: that step settles the lane
+        // after its reads, so it needs neither the shared queue (a push and
+        // a pop, each with locked instructions, per page) nor a wake-up.
+        if std::ptr::eq(STEPPING.with(std::cell::Cell::get), self) {
+            STEP_READY.with(|r| r.borrow_mut().push((token, seq)));
+            return;
         }
+        self.ready.push((token, seq));
+        self.wake();
     }
 }
 
@@ -163,9 +188,10 @@ impl Shared {
     }
 
     /// Settles every lane that is ready or past its deadline, puts the next
-    /// rounds on the wire and queues the completions. Returns the earliest
-    /// deadline of the lanes still on the wire.
-    pub(super) fn step(self: &Arc<Self>) -> Option<Instant> {
+    /// rounds on the wire and appends the completions to `out`. Returns
+    /// the earliest deadline of the lanes still on the wire and how many
+    /// completions it appended.
+    pub(super) fn step(self: &Arc<Self>, out: &mut Vec<Completion>) -> (Option<Instant>, usize) {
         let mut st = self.stepper.lock();
         // The doorbell: what was submitted since the last reap goes out.
         self.flush(&mut st);
@@ -178,20 +204,52 @@ impl Shared {
         }
         STEPPING.with(|s| s.set(std::ptr::null()));
         st.seen = seen;
-        while let Some((token, seq)) = self.ready.pop() {
-            let Some(lane) = st.lanes.get_mut(token) else {
-                continue;
-            };
-            let next = match lane.phase {
-                Phase::Round if lane.seq == seq => self.inner.settle_lane(lane),
-                Phase::Fallback if seq == u64::MAX && lane.fallback.is_some() => {
-                    self.inner.fallback_done(lane)
-                }
-                _ => continue,
-            };
-            self.after(&mut st, token, next);
+        // The lanes this step's reads finished (the list is swapped with
+        // the stepper's empty one: no allocation per step).
+        let mut own = std::mem::take(&mut st.step_ready);
+        STEP_READY.with(|r| std::mem::swap(&mut *r.borrow_mut(), &mut own));
+        for (token, seq) in own.drain(..) {
+            self.settle_ready(&mut st, token, seq);
         }
+        st.step_ready = own;
+        while let Some((token, seq)) = self.ready.pop() {
+            self.settle_ready(&mut st, token, seq);
+        }
+        // Every finished round was signalled (above): the lanes are looked
+        // at one by one only when a deadline may have passed.
         let now = Instant::now();
+        if st.next_deadline.is_some_and(|d| now >= d) {
+            self.settle_late(&mut st, now);
+        }
+        // Lanes that waited for room, then the next windows of the lanes
+        // settled above.
+        self.start_waiting(&mut st);
+        self.flush(&mut st);
+        self.books(&mut st);
+        let n = st.done.len();
+        out.extend(st.done.drain(..));
+        (st.next_deadline, n)
+    }
+
+    /// Settles lane `token` if it is still in round `seq` (or, with
+    /// `u64::MAX`, its fallback finished).
+    fn settle_ready(self: &Arc<Self>, st: &mut Stepper, token: usize, seq: u64) {
+        let Some(lane) = st.lanes.get_mut(token) else {
+            return;
+        };
+        let next = match lane.phase {
+            Phase::Round if lane.seq == seq => self.inner.settle_lane(lane),
+            Phase::Fallback if seq == u64::MAX && lane.fallback.is_some() => {
+                self.inner.fallback_done(lane)
+            }
+            _ => return,
+        };
+        self.after(st, token, next);
+    }
+
+    /// Settles every active lane that is done or past its deadline, and
+    /// finds the earliest deadline of the others.
+    fn settle_late(self: &Arc<Self>, st: &mut Stepper, now: Instant) {
         let mut earliest = None::<Instant>;
         let mut i = 0;
         while i < st.active.len() {
@@ -199,20 +257,29 @@ impl Shared {
             let lane = &mut st.lanes[token];
             if lane.phase == Phase::Round && (lane.waiter.is_done() || now >= lane.deadline) {
                 let next = self.inner.settle_lane(lane);
-                self.after(&mut st, token, next);
-                // `after` may have removed or re-added it: look again.
-                i = 0;
-                earliest = None;
+                // `after` takes the lane out of the list (the last one
+                // moves to `i`) and may put it back at the end, which is
+                // then looked at again: index `i` is looked at next, and
+                // nothing before it moved.
+                self.after(st, token, next);
                 continue;
             }
             earliest = Some(earliest.map_or(lane.deadline, |e| e.min(lane.deadline)));
             i += 1;
         }
-        // Lanes that waited for room, then the next windows of the lanes
-        // settled above.
-        self.start_waiting(&mut st);
-        self.flush(&mut st);
-        earliest
+        // Lanes that `after` put back at the end were looked at again,
+        // so this covers every lane still active.
+        st.next_deadline = earliest;
+    }
+
+    /// Settles the books of the completions delivered since the last
+    /// time: once per step or submission, not per page.
+    pub(super) fn books(&self, st: &mut Stepper) {
+        self.inner.counters.add(&mut st.tally);
+        let delivered = std::mem::take(&mut st.delivered);
+        if delivered > 0 {
+            self.in_flight.fetch_sub(delivered, Ordering::AcqRel);
+        }
     }
 
     /// Puts waiting lanes on the wire while there is room for a whole
@@ -267,7 +334,7 @@ impl Shared {
                 // Its TCP requests wait in their connections' queues for
                 // the doorbell.
                 st.unflushed |= lane.round.queued_tcp();
-                if self.mode != Mode::Poll || self.sleeper.lock().is_some() {
+                if self.mode != Mode::Poll || self.parked_in_wait.load(Ordering::Relaxed) {
                     // Nobody polls these connections (or the reaper sleeps
                     // in `wait`): their pollers must (the RDMA ones only,
                     // when the reaper waits on the sockets itself).
@@ -275,18 +342,25 @@ impl Shared {
                     lane.round.park_some(true, tcp);
                 }
                 lane.active_at = st.active.len();
+                let deadline = lane.deadline;
                 st.active.push(token);
+                st.next_deadline = Some(st.next_deadline.map_or(deadline, |d| d.min(deadline)));
             }
             Next::Fallback => self.start_fallback(st, token),
             Next::Idle(complete) => {
                 st.lanes[token].batch = None;
                 if let Some(mut batch) = complete {
-                    self.deliver(&batch);
-                    // Unshared unless a fallback job still holds it.
-                    if st.spare.len() < SPARE_BATCHES
-                        && Arc::get_mut(&mut batch).is_some_and(|b| b.worth_keeping())
-                    {
-                        st.spare.push(batch);
+                    // Unshared unless a fallback job still holds it: then
+                    // its result and pages are taken without their locks.
+                    match Arc::get_mut(&mut batch) {
+                        Some(unique) => {
+                            let keep = unique.worth_keeping();
+                            self.deliver_unique(st, unique);
+                            if keep && st.spare.len() < SPARE_BATCHES {
+                                st.spare.push(batch);
+                            }
+                        }
+                        None => self.deliver(st, &batch),
                     }
                 }
                 st.free.push(token);
@@ -294,18 +368,41 @@ impl Shared {
         }
     }
 
-    pub(super) fn deliver(&self, batch: &Batch) {
+    /// Queues the completion of a batch whose last window is done; `books`
+    /// counts it.
+    fn deliver(&self, st: &mut Stepper, batch: &Batch) {
         let result = batch.result();
-        self.inner
-            .counters
-            .record(batch.opcode, batch.gpas.len(), &result);
-        let completion = Completion {
+        let pages = batch.owned.lock().take();
+        self.push_done(st, batch, result, pages);
+    }
+
+    /// `deliver` for a batch nobody else holds.
+    fn deliver_unique(&self, st: &mut Stepper, batch: &mut Batch) {
+        let result = batch.take_result();
+        let pages = batch.owned.get_mut().take();
+        self.push_done(st, batch, result, pages);
+    }
+
+    fn push_done(
+        &self,
+        st: &mut Stepper,
+        batch: &Batch,
+        result: Result<(), TransportError>,
+        pages: Option<Box<[Page]>>,
+    ) {
+        if result.is_ok() {
+            st.tally.ok(batch.opcode, batch.gpas.len());
+        } else {
+            self.inner
+                .counters
+                .record(batch.opcode, batch.gpas.len(), &result);
+        }
+        st.done.push_back(Completion {
             user_data: batch.user_data,
             result,
-            pages: batch.owned.lock().take(),
-        };
-        self.done.lock().push_back(completion);
-        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+            pages,
+        });
+        st.delivered += 1;
     }
 
     pub(super) fn start_fallback(self: &Arc<Self>, st: &mut Stepper, token: usize) {
@@ -379,7 +476,9 @@ impl Shared {
                 })
                 .unwrap_or_else(|| fresh(owned.take())),
         };
-        for _ in 0..batch.lanes() {
+        let lanes = batch.lanes();
+        let mut batch = Some(batch);
+        for i in 0..lanes {
             let token = match st.free.pop() {
                 Some(t) => t,
                 None => {
@@ -393,7 +492,12 @@ impl Shared {
                     token
                 }
             };
-            st.lanes[token].batch = Some(Arc::clone(&batch));
+            // The last lane takes the submission's own reference.
+            st.lanes[token].batch = if i + 1 == lanes {
+                batch.take()
+            } else {
+                batch.clone()
+            };
             st.waiting.push_back(token);
         }
         self.start_waiting(&mut st);
@@ -404,6 +508,8 @@ impl Shared {
             // submissions goes out with one write per connection.)
             self.flush(&mut st);
         }
+        // A window that failed at once may have delivered the submission.
+        self.books(&mut st);
         drop(st);
         if self.mode == Mode::Poll {
             self.rouse_reaper();
@@ -417,17 +523,16 @@ impl Shared {
     /// one about to sleep does not: it checks `submitted` after announcing
     /// its sleep, as `wake` pairs with its check of `ready`.
     fn rouse_reaper(&self) {
+        // Already set and not yet cleared: the reaper clears it only before
+        // a `poll`, whose stepper lock comes after this submission's (the
+        // one that saw the flag set did so after its own submission), so
+        // that poll sends it; and a reaper about to sleep still sees the
+        // flag. A burst of submissions pays for the fence once.
+        if self.submitted.load(Ordering::Relaxed) {
+            return;
+        }
         self.submitted.store(true, Ordering::SeqCst);
         self.wake();
-    }
-
-    pub(super) fn take_done(&self, out: &mut Vec<Completion>) -> usize {
-        let mut done = self.done.lock();
-        let n = done.len();
-        if n > 0 {
-            out.extend(done.drain(..));
-        }
-        n
     }
 }
 
@@ -458,9 +563,8 @@ pub(super) fn service(shared: &Arc<Shared>) {
     }
     while !shared.stop.load(Ordering::Acquire) {
         let earliest = if shared.mode == Mode::Callback {
-            let earliest = shared.step();
             let mut out = Vec::new();
-            shared.take_done(&mut out);
+            let (earliest, _) = shared.step(&mut out);
             if !out.is_empty() {
                 if let Some(cb) = shared.callback.lock().as_mut() {
                     for c in out {
