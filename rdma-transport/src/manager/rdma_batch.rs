@@ -265,8 +265,10 @@ impl Inner {
         let mut first_error = None;
         // Per group: None = nothing posted; Some(None) = timed out. As far
         // as the round has groups (not 64 entries zeroed for one).
-        let mut outcome =
-            SmallVec::<[Option<Option<u32>>; MAX_CHUNK]>::from_elem(None, chunk.groups);
+        // (Filled here: `from_elem` built it elsewhere and copied its 0.5
+        // KiB back, a `memcpy` per round.)
+        let mut outcome = SmallVec::<[Option<Option<u32>>; MAX_CHUNK]>::new();
+        outcome.extend(std::iter::repeat_n(None, chunk.groups));
         for g in 0..chunk.groups {
             let (Some(conn), Some(id)) = (&chunk.conns[g], chunk.ids[g].take()) else {
                 continue;

@@ -168,6 +168,43 @@ pub(super) struct OnMap<'a> {
     pub(super) regions: Option<&'a Arc<RegionTable>>,
 }
 
+/// Where and until when a round's groups go.
+#[derive(Clone, Copy)]
+struct Dest<'a> {
+    on: OnMap<'a>,
+    deadline: Instant,
+    rdma_deadline: &'a crate::rdma::Deadline,
+}
+
+/// One node's requests of a round: `reqs[k]`, for target `members[k]`,
+/// whose address and epoch are `fenced[k]`.
+struct Group<'a> {
+    node_index: usize,
+    reqs: &'a [Request],
+    members: &'a [usize],
+    fenced: &'a [Fenced],
+}
+
+impl Target {
+    /// Its request (`direct`: see `Round::land_direct`).
+    fn request(&self, direct: bool) -> Request {
+        Request {
+            offset: self.loc.remote_offset,
+            page: self.page,
+            direct,
+        }
+    }
+
+    /// What the epoch check needs of it.
+    fn fenced(&self) -> Fenced {
+        Fenced {
+            gpa: self.gpa,
+            remote_offset: self.loc.remote_offset,
+            valid_epoch: self.loc.valid_epoch,
+        }
+    }
+}
+
 impl Inner {
     /// Puts `targets` on the wire as `round.opcode` requests, grouped by
     /// node, counting each request on `waiter`. `round` must be fresh or
@@ -183,16 +220,31 @@ impl Inner {
         waiter: &Waiter,
         deadline: Instant,
     ) {
-        let opcode = round.opcode;
-        let n = targets.len();
         let rdma_deadline = crate::rdma::Deadline::at(deadline);
+        let to = Dest {
+            on,
+            deadline,
+            rdma_deadline: &rdma_deadline,
+        };
+        // A one-page round (every asynchronous one-page submission) is its
+        // own group: no grouping and no lists to fill.
+        if let [t] = targets {
+            let group = Group {
+                node_index: t.loc.node_index,
+                reqs: &[t.request(round.land_direct)],
+                members: &[0],
+                fenced: &[t.fenced()],
+            };
+            self.submit_group(round, to, group, chunk_pages, waiter);
+            return;
+        }
+        let n = targets.len();
         let mut done = 0u64;
         for i in 0..n {
             if done & (1 << i) != 0 {
                 continue;
             }
             let node_index = targets[i].loc.node_index;
-            let node = &on.state.nodes[node_index];
             // At most MAX_CHUNK each, so they stay on the stack; unlike
             // arrays they are not zeroed first (a one-page round fills one
             // entry, not ~4 KiB).
@@ -202,104 +254,127 @@ impl Inner {
             for (j, t) in targets.iter().enumerate().skip(i) {
                 if done & (1 << j) == 0 && t.loc.node_index == node_index {
                     done |= 1 << j;
-                    reqs.push(Request {
-                        offset: t.loc.remote_offset,
-                        page: t.page,
-                        direct: round.land_direct,
-                    });
+                    reqs.push(t.request(round.land_direct));
                     members.push(j);
-                    fenced.push(Fenced {
-                        gpa: t.gpa,
-                        remote_offset: t.loc.remote_offset,
-                        valid_epoch: t.loc.valid_epoch,
-                    });
+                    fenced.push(t.fenced());
                 }
             }
-            let m = reqs.len();
-            // Nothing goes to a server that is not in the epoch the
-            // group's ranges are valid in (see `epoch.rs`).
-            let published = on
-                .links
-                .get(node_index)
-                .and_then(Option::as_deref)
-                .filter(|link| !link.is_broken())
-                .cloned();
-            let link = match published {
-                Some(link) => Ok(link),
-                None => self.connection(node, deadline),
+            let group = Group {
+                node_index,
+                reqs: &reqs,
+                members: &members,
+                fenced: &fenced,
             };
-            let link = link.and_then(|link| {
-                self.check_epochs(node, link.epoch(), &fenced[..m], deadline)
-                    .map(|()| link)
-            });
-            let group = round.group_count;
-            let conn = match link {
-                Ok(Link::Tcp(c)) => c,
-                Ok(Link::Rdma(c)) => {
-                    if let Some(table) = on.regions {
-                        round.rdma.hold_regions(table);
-                    }
-                    round.group_count += 1;
-                    round.group_nodes[group] = node_index;
-                    let write = opcode == Opcode::Write;
-                    if let Some(e) = self.submit_rdma(
-                        &mut round.rdma,
-                        group,
-                        c,
-                        write,
-                        &reqs[..m],
-                        &members[..m],
-                        chunk_pages,
-                        waiter,
-                        &rdma_deadline,
-                        &mut round.early.failed,
-                    ) {
-                        round.early.error.get_or_insert(e);
-                    }
-                    continue;
-                }
-                Err(e) => {
-                    for &j in &members[..m] {
-                        round.early.failed |= 1 << j;
-                    }
-                    round.early.error.get_or_insert(e);
-                    continue;
-                }
-            };
-            round.group_count += 1;
-            round.group_nodes[group] = node_index;
-            let mut ids = SmallVec::<[u64; MAX_CHUNK]>::from_elem(0, m);
-            let result = if round.deferred {
-                conn.submit_deferred(opcode, &reqs[..m], &mut ids, waiter, deadline)
-            } else {
-                conn.submit(opcode, &reqs[..m], &mut ids, waiter, deadline)
-            };
-            let armed = match &result {
-                Ok(()) => m,
-                Err((armed, _)) => *armed,
-            };
-            for (&id, &j) in ids[..armed].iter().zip(&members[..m]) {
-                round.tcp.sent.push(Sent {
-                    group,
-                    id,
-                    gpa: targets[j].gpa,
-                    target: j,
-                });
-            }
-            if let Err((_, err)) = result {
-                tracing::debug!(node = %node.id, %err, "submitting to node failed");
-                for &j in &members[armed..m] {
-                    round.early.fail(
-                        j,
-                        crate::error::TransportError::NodeDown {
-                            node: node.id.clone(),
-                            reason: err.to_string(),
-                        },
-                    );
-                }
-            }
-            round.tcp.groups[group] = Some(conn);
+            self.submit_group(round, to, group, chunk_pages, waiter);
         }
+    }
+
+    /// Puts one node's requests of the round on the wire (see
+    /// `submit_round`).
+    fn submit_group(
+        &self,
+        round: &mut Round,
+        to: Dest<'_>,
+        group: Group<'_>,
+        chunk_pages: &mut Pages<'_>,
+        waiter: &Waiter,
+    ) {
+        let Group {
+            node_index,
+            reqs,
+            members,
+            fenced,
+        } = group;
+        let (on, deadline) = (to.on, to.deadline);
+        let opcode = round.opcode;
+        let node = &on.state.nodes[node_index];
+        let m = reqs.len();
+        // Nothing goes to a server that is not in the epoch the
+        // group's ranges are valid in (see `epoch.rs`).
+        let published = on
+            .links
+            .get(node_index)
+            .and_then(Option::as_deref)
+            .filter(|link| !link.is_broken())
+            .cloned();
+        let link = match published {
+            Some(link) => Ok(link),
+            None => self.connection(node, deadline),
+        };
+        let link = link.and_then(|link| {
+            self.check_epochs(node, link.epoch(), fenced, deadline)
+                .map(|()| link)
+        });
+        let group = round.group_count;
+        let conn = match link {
+            Ok(Link::Tcp(c)) => c,
+            Ok(Link::Rdma(c)) => {
+                if let Some(table) = on.regions {
+                    round.rdma.hold_regions(table);
+                }
+                round.group_count += 1;
+                round.group_nodes[group] = node_index;
+                let write = opcode == Opcode::Write;
+                if let Some(e) = self.submit_rdma(
+                    &mut round.rdma,
+                    group,
+                    c,
+                    write,
+                    reqs,
+                    members,
+                    chunk_pages,
+                    waiter,
+                    to.rdma_deadline,
+                    &mut round.early.failed,
+                ) {
+                    round.early.error.get_or_insert(e);
+                }
+                return;
+            }
+            Err(e) => {
+                for &j in members {
+                    round.early.failed |= 1 << j;
+                }
+                round.early.error.get_or_insert(e);
+                return;
+            }
+        };
+        round.group_count += 1;
+        round.group_nodes[group] = node_index;
+        // Filled as far as the group goes (`from_elem` built it elsewhere
+        // and copied it here: 0.5 KiB per round).
+        let mut ids = SmallVec::<[u64; MAX_CHUNK]>::new();
+        ids.extend(std::iter::repeat_n(0, m));
+        let result = if round.deferred {
+            conn.submit_deferred(opcode, reqs, &mut ids, waiter, deadline)
+        } else {
+            conn.submit(opcode, reqs, &mut ids, waiter, deadline)
+        };
+        let armed = match &result {
+            Ok(()) => m,
+            Err((armed, _)) => *armed,
+        };
+        for ((&id, &j), f) in ids[..armed].iter().zip(members).zip(fenced) {
+            round.tcp.sent.push(Sent {
+                group,
+                id,
+                gpa: f.gpa,
+                target: j,
+            });
+        }
+        if let Err((_, err)) = result {
+            tracing::debug!(node = %node.id, %err, "submitting to node failed");
+            for &j in &members[armed..] {
+                round.early.fail(
+                    j,
+                    crate::error::TransportError::NodeDown {
+                        node: node.id.clone(),
+                        reason: err.to_string(),
+                    },
+                );
+            }
+        }
+        round.tcp.groups[group] = Some(conn);
     }
 
     /// Waits (blocking) until every request of `round` was answered or
