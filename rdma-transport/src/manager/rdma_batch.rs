@@ -268,7 +268,7 @@ impl Inner {
         // (Filled here: `from_elem` built it elsewhere and copied its 0.5
         // KiB back, a `memcpy` per round.)
         let mut outcome = SmallVec::<[Option<Option<u32>>; MAX_CHUNK]>::new();
-        outcome.extend(std::iter::repeat_n(None, chunk.groups));
+        outcome.resize(chunk.groups, None);
         for g in 0..chunk.groups {
             let (Some(conn), Some(id)) = (&chunk.conns[g], chunk.ids[g].take()) else {
                 continue;

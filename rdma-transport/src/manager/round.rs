@@ -344,7 +344,7 @@ impl Inner {
         // Filled as far as the group goes (`from_elem` built it elsewhere
         // and copied it here: 0.5 KiB per round).
         let mut ids = SmallVec::<[u64; MAX_CHUNK]>::new();
-        ids.extend(std::iter::repeat_n(0, m));
+        ids.resize(m, 0);
         let result = if round.deferred {
             conn.submit_deferred(opcode, reqs, &mut ids, waiter, deadline)
         } else {
