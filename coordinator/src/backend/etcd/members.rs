@@ -18,8 +18,10 @@
 //! off from its peers: it still answers its status, naming the leader it
 //! lost, until an election timeout later, and requests sent to it wait for
 //! the request timeout (coordinator/tests/etcd_partition.rs). During an
-//! election the members that answer stay; when none answers, every member
-//! is kept: requests then fail as they would anyway.
+//! election the members that answer stay. When none answers, the balance
+//! stays as it was: requests then fail as they would anyway, and a round
+//! of probes that all timed out (the prober itself held up, say, on a
+//! loaded host) puts no member it had found dead back.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -55,9 +57,9 @@ enum Probe {
 }
 
 /// The members requests should go to: those that served the read; during
-/// an election (none served it), those that answered; when none answered,
-/// every member (requests then fail as they would anyway).
-fn wanted(probes: &[(String, Probe)]) -> BTreeSet<String> {
+/// an election (none served it), those that answered. `None` when none
+/// answered: the balance is left as it was.
+fn wanted(probes: &[(String, Probe)]) -> Option<BTreeSet<String>> {
     let with = |good: &[Probe]| -> BTreeSet<String> {
         probes
             .iter()
@@ -65,14 +67,9 @@ fn wanted(probes: &[(String, Probe)]) -> BTreeSet<String> {
             .map(|(key, _)| key.clone())
             .collect()
     };
-    [
-        with(&[Probe::Up]),
-        with(&[Probe::Up, Probe::CannotRead]),
-        with(&[Probe::Up, Probe::CannotRead, Probe::Down]),
-    ]
-    .into_iter()
-    .find(|set| !set.is_empty())
-    .unwrap_or_default()
+    [with(&[Probe::Up]), with(&[Probe::Up, Probe::CannotRead])]
+        .into_iter()
+        .find(|set| !set.is_empty())
 }
 
 /// One member and the client that reaches it alone.
@@ -154,7 +151,10 @@ pub(super) async fn keep_healthy_members(
         .await;
         let answers: Vec<(String, Probe)> =
             members.iter().map(|m| m.key.clone()).zip(probes).collect();
-        let wanted = wanted(&answers);
+        let Some(wanted) = wanted(&answers) else {
+            tracing::debug!("no etcd member answered its probe; the balance stays as it was");
+            continue;
+        };
         for key in in_balance.difference(&wanted) {
             tracing::warn!(member = %key, "etcd member does not answer (or cannot serve reads while others can); no requests go to it until it does");
             if let Err(error) = client.remove_endpoint(key).await {
@@ -182,8 +182,8 @@ mod tests {
         list.iter().map(|(k, p)| ((*k).to_owned(), *p)).collect()
     }
 
-    fn keys(list: &[&str]) -> std::collections::BTreeSet<String> {
-        list.iter().map(|k| (*k).to_owned()).collect()
+    fn keys(list: &[&str]) -> Option<std::collections::BTreeSet<String>> {
+        Some(list.iter().map(|k| (*k).to_owned()).collect())
     }
 
     #[test]
@@ -207,10 +207,11 @@ mod tests {
             ])),
             keys(&["a", "b"])
         );
-        // Nobody answers: everybody stays (requests fail as they would).
+        // Nobody answers: the balance stays as it was (a member found
+        // dead before does not come back with the others).
         assert_eq!(
             wanted(&probes(&[("a", Down), ("b", Down), ("c", Down)])),
-            keys(&["a", "b", "c"])
+            None
         );
     }
 
