@@ -188,8 +188,6 @@ pub(super) struct Lane {
     pub(super) active_at: usize,
     /// A fallback's result, set by its worker thread.
     pub(super) fallback: Option<Result<(), TransportError>>,
-    /// `advance_with` found the lane finished its batch's last window.
-    end_of_batch: bool,
 }
 
 // SAFETY: the raw pointers in `targets` point into the batch's pages (see
@@ -226,7 +224,6 @@ impl Lane {
             counted: 0,
             active_at: NOT_ACTIVE,
             fallback: None,
-            end_of_batch: false,
         }
     }
 
@@ -250,49 +247,35 @@ impl Inner {
     /// takes the next window, and puts the next round on the wire (or
     /// says it needs the blocking engine).
     pub(super) fn advance(&self, lane: &mut Lane) -> Next {
-        // Taken out while the lane moves on, and put back unless the lane
-        // goes idle: no reference count is touched.
+        // Taken out while the lane moves on and put back (or handed over
+        // with the completion) as it stops: no reference count is touched.
         let Some(batch) = lane.batch.take() else {
             return Next::Idle(None);
         };
-        let next = self.advance_with(lane, &batch);
-        if matches!(next, Next::Idle(_)) {
-            lane.end = 0;
-            lane.phase = Phase::Free;
-            if lane.end_of_batch {
-                lane.end_of_batch = false;
-                return Next::Idle(Some(batch));
-            }
-        } else {
-            lane.batch = Some(batch);
-        }
-        next
-    }
-
-    /// `advance` with the lane's batch beside it. `Next::Idle` says the
-    /// lane is done with the batch (`end_of_batch`: it finished the last
-    /// window).
-    fn advance_with(&self, lane: &mut Lane, batch: &Batch) -> Next {
         loop {
             if lane.from >= lane.end {
                 if lane.end > 0 && batch.window_done() {
-                    lane.end_of_batch = true;
-                    return Next::Idle(None);
+                    lane.end = 0;
+                    lane.phase = Phase::Free;
+                    return Next::Idle(Some(batch));
                 }
                 let Some((from, end)) = batch.take_window() else {
+                    lane.end = 0;
+                    lane.phase = Phase::Free;
                     return Next::Idle(None);
                 };
                 lane.from = from;
                 lane.end = end;
                 lane.deadline = Instant::now() + self.config.request_timeout();
             }
-            match self.resolve_fast(batch, lane) {
+            match self.resolve_fast(&batch, lane) {
                 Fast::Skip(at, err) => {
                     batch.record(err);
                     lane.from = at + 1;
                 }
                 Fast::Blocked => {
                     lane.phase = Phase::Fallback;
+                    lane.batch = Some(batch);
                     return Next::Fallback;
                 }
                 Fast::Ready(view, n, end) => {
@@ -338,6 +321,7 @@ impl Inner {
                         }
                         lane.waiter.release_hold();
                     }
+                    lane.batch = Some(batch);
                     return Next::Wait;
                 }
             }
