@@ -209,12 +209,12 @@ impl CompletionQueue {
     }
 
     /// Reads the pages at `gpas` into memory the caller keeps (e.g. guest
-    /// memory): page i lands at `pages + i * 4096`. Over TCP, an answer
-    /// read while its request is the only one in flight on its connection
-    /// goes from the socket straight into its page (one `readv`; its
-    /// checksum is checked there); others are copied once from the
-    /// connection's receive buffer (`ZeroCopyStats::tcp_direct_pages`
-    /// counts the former). A page whose read failed holds unspecified bytes.
+    /// memory): page i lands at `pages + i * 4096`. Over TCP, the answers
+    /// of such reads that come next on their connection go from the socket
+    /// straight into their pages (one `readv` for up to 32; each checksum
+    /// is checked there); others are copied once from the connection's
+    /// receive buffer (`ZeroCopyStats::tcp_direct_pages` counts the
+    /// former). A page whose read failed holds unspecified bytes.
     ///
     /// # Safety
     /// `pages` must be valid for writes of `gpas.len()` pages and must not

@@ -16,6 +16,7 @@ use smallvec::SmallVec;
 use super::inflight::{Inflight, Waiter};
 use super::poller::PollerHandle;
 use super::receive::RecvBuf;
+use super::wire_order::WireOrder;
 use crate::auth::{ClusterKey, Role, Transcript};
 use crate::log_limit::{LogLimit, WARN_INTERVAL};
 use crate::page::{Page, PAGE_SIZE};
@@ -68,6 +69,9 @@ pub(crate) struct TcpConnection {
     /// Requests armed but not written yet (`submit_deferred`).
     pub(super) deferred: Mutex<super::deferred::Deferred>,
     pub(crate) inflight: Inflight,
+    /// The order requests went out in (written under `send_lock`): whose
+    /// answers the reader may read straight into their pages.
+    pub(crate) wire_order: WireOrder,
     /// Bytes read but not parsed; held by whoever is reading answers.
     pub(crate) recv: Mutex<RecvBuf>,
     /// Callers parked waiting for answers on this connection: the poller
@@ -139,6 +143,7 @@ impl TcpConnection {
             send_lock: Mutex::new(()),
             deferred: Mutex::new(super::deferred::Deferred::default()),
             inflight: Inflight::new(),
+            wire_order: WireOrder::new(),
             recv: Mutex::new(RecvBuf::new()),
             parking: Parking::new(),
             blocking_reader: AtomicBool::new(false),
@@ -206,6 +211,9 @@ impl TcpConnection {
             return Err((reqs.len(), io::Error::from(io::ErrorKind::NotConnected)));
         }
         let mut iov = SmallVec::<[IoSlice<'_>; 2 * MAX_CHUNK]>::new();
+        for &id in &ids[..reqs.len()] {
+            self.wire_order.sent(id);
+        }
         for (header, req) in headers.iter().zip(reqs) {
             iov.push(IoSlice::new(header));
             if opcode == Opcode::Write {

@@ -31,6 +31,8 @@ unsafe impl Send for Payload {}
 /// The requests of one connection armed but not yet written.
 #[derive(Debug, Default)]
 pub(crate) struct Deferred {
+    /// Per header: its request's id.
+    ids: Vec<u64>,
     headers: Vec<[u8; HEADER_LEN]>,
     /// Per header: the WRITE payload, or null.
     payloads: Vec<Payload>,
@@ -57,6 +59,7 @@ impl TcpConnection {
                 .map_err(|e| (i, e))?;
             ids[i] = id;
             let mut queue = self.deferred.lock();
+            queue.ids.push(id);
             queue.headers.push(header);
             queue.payloads.push(Payload(if opcode == Opcode::Write {
                 req.page.cast_const()
@@ -87,6 +90,9 @@ impl TcpConnection {
         }
         let _send = self.send_lock.lock();
         let q = &mut *queue;
+        for &id in &q.ids {
+            self.wire_order.sent(id);
+        }
         let mut result = Ok(());
         // On the stack for a few requests (a lone fault's: one header); a
         // long flush grows it up to one write's worth.
@@ -108,6 +114,7 @@ impl TcpConnection {
             result = result.and_then(|()| self.write_draining(&mut iov, timeout));
         }
         drop(iov);
+        q.ids.clear();
         q.headers.clear();
         q.payloads.clear();
         if let Err(e) = result {

@@ -60,22 +60,6 @@ impl<const N: usize> FreeSlots<N> {
             );
         }
     }
-
-    /// True when exactly one slot is taken (a snapshot: others may take or
-    /// put slots meanwhile).
-    pub(crate) fn one_taken(&self) -> bool {
-        let mut taken = 0;
-        for word in &self.words {
-            let word_taken = !word.load(Ordering::Relaxed);
-            if word_taken != 0 {
-                taken += word_taken.count_ones();
-                if taken > 1 {
-                    return false;
-                }
-            }
-        }
-        taken == 1
-    }
 }
 
 #[cfg(test)]
@@ -97,26 +81,6 @@ mod tests {
         assert_eq!(free.take(), Some(3));
         assert_eq!(free.take(), Some(70));
         assert_eq!(free.take(), None);
-    }
-
-    #[test]
-    fn one_taken_counts_across_words() {
-        let free = FreeSlots::<3>::all_free();
-        assert!(!free.one_taken(), "none taken");
-        let a = free.take().unwrap();
-        assert!(free.one_taken());
-        let b = free.take().unwrap();
-        assert!(!free.one_taken(), "two taken");
-        free.put(a);
-        assert!(free.one_taken());
-        // Fill the first two words, keep one slot in the third.
-        free.put(b);
-        let all: Vec<_> = (0..129).map(|_| free.take().unwrap()).collect();
-        assert_eq!(all.last(), Some(&128));
-        for slot in &all[..128] {
-            free.put(*slot);
-        }
-        assert!(free.one_taken(), "the one taken is in the last word");
     }
 
     #[test]

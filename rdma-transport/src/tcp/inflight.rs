@@ -35,8 +35,8 @@ const PENDING: u64 = 1;
 const COMPLETING: u64 = 2;
 const DONE: u64 = 3;
 const LANDING: u64 = 4;
-/// `Inflight::last_direct` when no direct request may be landed.
-const NO_CANDIDATE: u64 = u64::MAX;
+/// `Slot::direct_id` of a request not armed direct (no id is this large).
+const NOT_DIRECT: u64 = u64::MAX;
 /// A cancelled slot is simply FREE with its id kept (see `cancel`).
 const CANCELLED: u64 = FREE;
 
@@ -206,6 +206,11 @@ struct Slot {
     offset: AtomicU64,
     waiter: AtomicPtr<Waiter>,
     code: AtomicU32,
+    /// The id of the request armed in this slot if it was armed `direct`
+    /// (its answer may be read straight into `dst`), else `NOT_DIRECT`.
+    /// An id, not a flag: a value left by an earlier request of the slot
+    /// can never pass for this one's.
+    direct_id: AtomicU64,
 }
 
 /// All slots of one connection.
@@ -213,10 +218,6 @@ struct Slot {
 pub(crate) struct Inflight {
     slots: Box<[Slot]>,
     free: FreeSlots<{ SLOTS / 64 }>,
-    /// The id of the last direct READ armed (`NO_CANDIDATE` after any
-    /// other request): the reader lands an answer straight in its buffer
-    /// when it is the only request in flight.
-    last_direct: AtomicU64,
 }
 
 /// A direct READ whose slot the reader holds (LANDING): it may write the
@@ -252,12 +253,12 @@ impl Inflight {
                 offset: AtomicU64::new(0),
                 waiter: AtomicPtr::new(std::ptr::null_mut()),
                 code: AtomicU32::new(0),
+                direct_id: AtomicU64::new(NOT_DIRECT),
             })
             .collect();
         Self {
             slots,
             free: FreeSlots::all_free(),
-            last_direct: AtomicU64::new(NO_CANDIDATE),
         }
     }
 
@@ -286,28 +287,30 @@ impl Inflight {
         slot.waiter
             .store(std::ptr::from_ref(waiter).cast_mut(), Ordering::Relaxed);
         slot.code.store(0, Ordering::Relaxed);
+        slot.direct_id
+            .store(if direct { id } else { NOT_DIRECT }, Ordering::Relaxed);
         waiter.add(1);
         slot.state
             .store((id << PHASE_BITS) | PENDING, Ordering::SeqCst);
-        self.last_direct
-            .store(if direct { id } else { NO_CANDIDATE }, Ordering::Relaxed);
         Some(id)
     }
 
-    /// Reader (holding the receive buffer): takes the slot of the last
-    /// direct READ armed, if it is the only request in flight and still
-    /// pending, so that its answer can be read straight into its buffer.
-    /// Give it back with [`Inflight::landed`] or [`Inflight::unland`].
-    pub(crate) fn land(&self) -> Option<Landing> {
-        let id = self.last_direct.load(Ordering::Relaxed);
-        if id == NO_CANDIDATE || !self.free.one_taken() {
-            return None;
-        }
+    /// Reader (holding the receive buffer): takes the slot of request `id`
+    /// if it is a direct READ still pending, so that its answer can be read
+    /// straight into its buffer. Give it back with [`Inflight::landed`] or
+    /// [`Inflight::unland`].
+    pub(crate) fn land(&self, id: u64) -> Option<Landing> {
         let slot_index = (id & ((1 << SLOT_BITS) - 1)) as usize;
         let slot = &self.slots[slot_index];
+        // Only `arm` stores an id here, and only the id it arms, so this
+        // was armed direct; the compare-and-swap below then succeeds only if
+        // that very request is still pending.
+        if slot.direct_id.load(Ordering::Relaxed) != id {
+            return None;
+        }
         let pending = (id << PHASE_BITS) | PENDING;
         let landing = (id << PHASE_BITS) | LANDING;
-        // On the exact id: a slot re-armed since (another id) stays alone.
+        // On the exact id: a slot re-armed since (another id) is left alone.
         slot.state
             .compare_exchange(pending, landing, Ordering::AcqRel, Ordering::Relaxed)
             .ok()?;

@@ -11,6 +11,7 @@ mod poller;
 mod receive;
 #[cfg(test)]
 mod wait_tests;
+mod wire_order;
 
 pub(crate) use connection::{Request, TcpConnection, MAX_CHUNK};
 pub(crate) use inflight::{ReadyHook, Waiter, CODE_CHECKSUM, CODE_CONN_LOST, CODE_PROTOCOL};

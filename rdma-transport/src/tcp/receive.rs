@@ -5,18 +5,20 @@
 //! connection's poller thread when no caller is waiting.
 //!
 //! An answer is read into the receive buffer, checked, and its page copied
-//! to the caller's. When one direct READ (an asynchronous one: its page is
-//! unspecified if it fails) is alone in flight, its answer is instead read
-//! straight into its page with one `readv` and checked there; bytes that
-//! turn out to be something else go back to the receive buffer.
+//! to the caller's. When the next requests on the wire (`wire_order.rs`)
+//! are direct READs (asynchronous ones: a page is unspecified if its
+//! request fails), their answers are instead read straight into their
+//! pages with one `readv` and checked there; bytes that turn out to be
+//! something else go back to the receive buffer.
 
-use std::io::{self, IoSliceMut, Read};
+use std::io::{self, Read};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::MutexGuard;
+use smallvec::SmallVec;
 
 use super::connection::TcpConnection;
 use super::inflight::{Claim, Landing, Waiter, CODE_CHECKSUM, CODE_CONN_LOST, CODE_PROTOCOL};
@@ -25,13 +27,28 @@ use crate::wire::{page_checksum, Header, Opcode, Status, HEADER_LEN, MAX_PAYLOAD
 
 const RECV_BUF_BYTES: usize = 256 * 1024;
 const MAX_MESSAGE_BYTES: usize = HEADER_LEN + MAX_PAYLOAD_BYTES as usize;
+/// A READ answer with its page.
+const ANSWER_BYTES: usize = HEADER_LEN + PAGE_SIZE;
+/// Answers read straight into their pages by one `readv` at most.
+const MAX_LANDINGS: usize = 32;
+// The landing answers' headers and gaps leave room for a whole message
+// after them.
+const _: () = assert!(MAX_LANDINGS * ANSWER_BYTES + MAX_MESSAGE_BYTES <= RECV_BUF_BYTES);
 
-/// A connection's receive buffer: bytes read but not yet parsed.
+type Landings = SmallVec<[Landing; MAX_LANDINGS]>;
+
+/// A connection's receive buffer: bytes read but not yet parsed, and where
+/// the reader is in the connection's wire order.
 #[derive(Debug)]
 pub(crate) struct RecvBuf {
     buf: Box<[u8]>,
     start: usize,
     end: usize,
+    /// The place in `TcpConnection::wire_order` of the request whose
+    /// answer is expected next.
+    next_answer: u64,
+    /// Answers the last read brought (0 after a read that found nothing).
+    last_answers: usize,
 }
 
 impl RecvBuf {
@@ -40,6 +57,8 @@ impl RecvBuf {
             buf: vec![0u8; RECV_BUF_BYTES].into_boxed_slice(),
             start: 0,
             end: 0,
+            next_answer: 0,
+            last_answers: 0,
         }
     }
 }
@@ -75,33 +94,36 @@ impl TcpConnection {
         let mut any = false;
         loop {
             let room = rb.buf.len() - rb.end;
-            // With nothing buffered, the next bytes start an answer: if one
-            // direct READ alone is in flight, they are read straight into
-            // its page.
-            let landing = if rb.end == 0 {
-                self.inflight.land()
+            // With nothing buffered, the next bytes start an answer: those
+            // of the next direct READs on the wire are read straight into
+            // their pages.
+            let mut landings = Landings::new();
+            if rb.end == 0 {
+                self.land_next(rb, &mut landings);
+            }
+            let read = if landings.is_empty() {
+                self.stream().read(&mut rb.buf[rb.end..])
             } else {
-                None
-            };
-            let read = match &landing {
-                Some(landing) => self.read_landing(rb, landing),
-                None => self.stream().read(&mut rb.buf[rb.end..]),
+                self.read_landings(rb, &landings)
             };
             match read {
                 Ok(0) => {
                     tracing::debug!(node = %self.node_id, "page-server closed the connection");
-                    if let Some(landing) = landing {
+                    for landing in landings {
                         self.inflight.landed(landing, CODE_CONN_LOST);
                     }
                     return Err(CODE_CONN_LOST);
                 }
                 Ok(n) => {
                     any = true;
-                    match landing {
-                        Some(landing) => self.settle_landing(rb, landing, n),
-                        None => rb.end += n,
-                    }
-                    self.parse(rb)?;
+                    let landed = if landings.is_empty() {
+                        rb.end += n;
+                        0
+                    } else {
+                        self.settle_landings(rb, landings, n)
+                    };
+                    let parsed = self.parse(rb)?;
+                    rb.last_answers = landed + parsed;
                     if n < room {
                         // The socket had less than the room left: it is
                         // drained, and another read would only say
@@ -111,19 +133,19 @@ impl TcpConnection {
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    if let Some(landing) = landing {
-                        self.unland(landing);
-                    }
+                    // Nothing came: the next try lands one answer at most
+                    // (a reader polling an idle socket takes and gives back
+                    // one slot per try, not a batch).
+                    rb.last_answers = 0;
+                    self.unland_all(landings);
                     return Ok(any);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {
-                    if let Some(landing) = landing {
-                        self.unland(landing);
-                    }
+                    self.unland_all(landings);
                 }
                 Err(e) => {
                     tracing::debug!(node = %self.node_id, err = %e, "connection read failed");
-                    if let Some(landing) = landing {
+                    for landing in landings {
                         self.inflight.landed(landing, CODE_CONN_LOST);
                     }
                     return Err(CODE_CONN_LOST);
@@ -132,71 +154,145 @@ impl TcpConnection {
         }
     }
 
-    /// One `readv` into an empty receive buffer with `landing`'s page in
-    /// the place its payload would take: header bytes to the buffer's
-    /// start, the next `PAGE_SIZE` bytes to the page, the rest to the
-    /// buffer after the gap the page leaves.
-    fn read_landing(&self, rb: &mut RecvBuf, landing: &Landing) -> io::Result<usize> {
-        let (header, rest) = rb.buf.split_at_mut(HEADER_LEN);
-        // SAFETY: the slot is LANDING, so its caller is blocked (or its
-        // asynchronous submission in flight) with `dst` lent to us alone:
-        // `PAGE_SIZE` live, writable bytes no one else touches until we
-        // call `landed` or `unland`. It does not overlap the receive buffer.
-        let page = unsafe { std::slice::from_raw_parts_mut(landing.dst, PAGE_SIZE) };
-        let mut iov = [
-            IoSliceMut::new(header),
-            IoSliceMut::new(page),
-            IoSliceMut::new(&mut rest[PAGE_SIZE..]),
-        ];
-        self.stream().read_vectored(&mut iov)
-    }
-
-    /// After `read_landing` read `n` bytes: if they hold the landing
-    /// request's whole, successful answer, its page is checked where it
-    /// landed and the request completed; else the bytes that went to the
-    /// page move into the gap in the receive buffer (the stream is whole
-    /// again there) and the request goes back to waiting.
-    fn settle_landing(&self, rb: &mut RecvBuf, landing: Landing, n: usize) {
-        rb.end = n;
-        // SAFETY: as in `read_landing`; the slot stays LANDING until
-        // `landed` or `unland` below, after the last use of `page`.
-        let page = unsafe { std::slice::from_raw_parts(landing.dst, PAGE_SIZE) };
-        let answer_end = HEADER_LEN + PAGE_SIZE;
-        if n >= answer_end {
-            if let Ok(Some(header)) = Header::decode_prefix(&rb.buf[..HEADER_LEN]) {
-                if is_answer_to(&header, &landing) {
-                    let code = if self.ack.checksums && page_checksum(page) != header.checksum {
-                        // As in `complete`, but the page is already in
-                        // place: the caller takes it as unspecified, since
-                        // the request failed.
-                        self.checksum_failed(&header);
-                        CODE_CHECKSUM
-                    } else {
-                        self.landed_pages.fetch_add(1, Ordering::Relaxed);
-                        0
-                    };
-                    self.inflight.landed(landing, code);
-                    rb.start = answer_end;
-                    return;
-                }
-            }
+    /// Takes the slots of the direct READs whose answers are next on the
+    /// wire, in wire order, as many as the last read brought answers and
+    /// one more (up to `MAX_LANDINGS`). Stops at the first request that
+    /// is not a direct READ still pending.
+    fn land_next(&self, rb: &RecvBuf, landings: &mut Landings) {
+        let want = (rb.last_answers + 1).min(MAX_LANDINGS) as u64;
+        for pos in rb.next_answer..rb.next_answer + want {
+            let Some(landing) = self
+                .wire_order
+                .at(pos)
+                .and_then(|id| self.inflight.land(id))
+            else {
+                break;
+            };
+            landings.push(landing);
         }
-        let in_page = n.saturating_sub(HEADER_LEN).min(PAGE_SIZE);
-        // The gap `HEADER_LEN..HEADER_LEN + PAGE_SIZE` the page left.
-        rb.buf[HEADER_LEN..HEADER_LEN + in_page].copy_from_slice(&page[..in_page]);
-        self.unland(landing);
     }
 
-    /// Puts a landing request back to waiting. A connection that broke
-    /// meanwhile skipped it when it failed its requests: fail it now.
-    fn unland(&self, landing: Landing) {
-        self.inflight.unland(landing);
+    /// One `readv` into an empty receive buffer with the landing requests'
+    /// pages in the places their payloads would take: answer `i`'s header
+    /// to `ANSWER_BYTES * i`, its page to its destination (leaving a gap
+    /// in the buffer), and whatever follows the last to the buffer after
+    /// the last gap.
+    fn read_landings(&self, rb: &mut RecvBuf, landings: &[Landing]) -> io::Result<usize> {
+        let base = rb.buf.as_mut_ptr();
+        let mut iov = SmallVec::<[libc::iovec; 2 * MAX_LANDINGS + 1]>::new();
+        for (i, landing) in landings.iter().enumerate() {
+            iov.push(libc::iovec {
+                // SAFETY: `i < MAX_LANDINGS`, so the header's place is inside
+                // the buffer (checked at compile time below).
+                iov_base: unsafe { base.add(i * ANSWER_BYTES) }.cast(),
+                iov_len: HEADER_LEN,
+            });
+            // The page is only ever passed to the kernel as a raw iovec:
+            // two requests reading into one page never make two Rust
+            // references to it.
+            iov.push(libc::iovec {
+                iov_base: landing.dst.cast(),
+                iov_len: PAGE_SIZE,
+            });
+        }
+        let used = landings.len() * ANSWER_BYTES;
+        iov.push(libc::iovec {
+            // SAFETY: as above, `used` is inside the buffer.
+            iov_base: unsafe { base.add(used) }.cast(),
+            iov_len: rb.buf.len() - used,
+        });
+        // SAFETY: every iovec is live, writable memory lent to this reader
+        // alone until it returns: parts of the receive buffer it holds
+        // (`&mut`), and the pages of LANDING slots, whose callers are
+        // blocked (or whose asynchronous submissions are in flight) with
+        // `dst` lent to us until `landed` or `unland`. The buffer's parts
+        // do not overlap each other or any page.
+        let ret = unsafe {
+            libc::readv(
+                self.stream().as_raw_fd(),
+                iov.as_ptr(),
+                iov.len() as libc::c_int,
+            )
+        };
+        if ret < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(ret as usize)
+        }
+    }
+
+    /// After `read_landings` read `n` bytes: each landing request, in
+    /// order, whose whole, successful answer came is checked where its
+    /// page landed and completed. From the first that is not, the bytes
+    /// that went to the pages move into their gaps in the receive buffer
+    /// (the stream is whole again there) and those requests go back to
+    /// waiting. Returns how many were completed.
+    fn settle_landings(&self, rb: &mut RecvBuf, landings: Landings, n: usize) -> usize {
+        rb.start = 0;
+        rb.end = n;
+        let mut landed = 0;
+        let mut rest = landings.into_iter();
+        while let Some(landing) = rest.next() {
+            let at = landed * ANSWER_BYTES;
+            let header = match Header::decode_prefix(&rb.buf[at..at + HEADER_LEN]) {
+                Ok(Some(h)) if n >= at + ANSWER_BYTES && is_answer_to(&h, &landing) => h,
+                _ => {
+                    for (i, landing) in std::iter::once(landing).chain(rest.by_ref()).enumerate() {
+                        let at = (landed + i) * ANSWER_BYTES;
+                        let in_page = n.saturating_sub(at + HEADER_LEN).min(PAGE_SIZE);
+                        let gap = &mut rb.buf[at + HEADER_LEN..at + HEADER_LEN + in_page];
+                        // SAFETY: as in `read_landings`; the slot stays
+                        // LANDING until `unland` below. `gap` is part of the
+                        // receive buffer, never of a page.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(landing.dst, gap.as_mut_ptr(), in_page);
+                        }
+                        self.inflight.unland(landing);
+                    }
+                    if self.is_broken() {
+                        // A connection that broke meanwhile skipped them
+                        // when it failed its requests: fail them now.
+                        self.inflight.fail_all(CODE_CONN_LOST);
+                    }
+                    break;
+                }
+            };
+            // SAFETY: as in `read_landings`; the slot stays LANDING until
+            // `landed` below, after the last use of `page`.
+            let page = unsafe { std::slice::from_raw_parts(landing.dst, PAGE_SIZE) };
+            let code = if self.ack.checksums && page_checksum(page) != header.checksum {
+                // As in `complete`, but the page is already in place: the
+                // caller takes it as unspecified, since the request failed.
+                self.checksum_failed(&header);
+                CODE_CHECKSUM
+            } else {
+                self.landed_pages.fetch_add(1, Ordering::Relaxed);
+                0
+            };
+            self.inflight.landed(landing, code);
+            // The landings were the requests from `next_answer` on.
+            rb.next_answer += 1;
+            landed += 1;
+            rb.start = at + ANSWER_BYTES;
+        }
+        landed
+    }
+
+    /// Puts landing requests back to waiting (nothing was read into their
+    /// pages). A connection that broke meanwhile skipped them when it
+    /// failed its requests: they fail now.
+    pub(super) fn unland_all(&self, landings: Landings) {
+        for landing in landings {
+            self.inflight.unland(landing);
+        }
         if self.is_broken() {
             self.inflight.fail_all(CODE_CONN_LOST);
         }
     }
 
-    fn parse(&self, rb: &mut RecvBuf) -> Result<(), u32> {
+    /// Completes every whole answer in the receive buffer; how many.
+    fn parse(&self, rb: &mut RecvBuf) -> Result<usize, u32> {
+        let mut answers = 0;
         loop {
             let avail = &rb.buf[rb.start..rb.end];
             let header = match Header::decode_prefix(avail) {
@@ -211,8 +307,11 @@ impl TcpConnection {
             if avail.len() < total {
                 break;
             }
+            self.wire_order
+                .answered(&mut rb.next_answer, header.request_id);
             self.complete(&header, &avail[HEADER_LEN..total])?;
             rb.start += total;
+            answers += 1;
         }
         if rb.start == rb.end {
             rb.start = 0;
@@ -222,7 +321,7 @@ impl TcpConnection {
             rb.end -= rb.start;
             rb.start = 0;
         }
-        Ok(())
+        Ok(answers)
     }
 
     fn complete(&self, header: &Header, payload: &[u8]) -> Result<(), u32> {
