@@ -6,7 +6,7 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use common::*;
@@ -120,9 +120,11 @@ fn counters_survive(evicting: bool) {
     const INCREMENTS: u64 = 3000;
     let gpa_of = |c: usize| (c * (PAGES / COUNTERS) * PAGE_SIZE + 8 * c) as u64;
     let done = Arc::new(AtomicBool::new(false));
+    let increments = Arc::new(AtomicU64::new(0));
     let writer = {
         let ram = Arc::clone(&ram);
         let done = Arc::clone(&done);
+        let increments = Arc::clone(&increments);
         std::thread::spawn(move || {
             for i in 0..INCREMENTS * COUNTERS as u64 {
                 let gpa = gpa_of((i % COUNTERS as u64) as usize);
@@ -130,18 +132,27 @@ fn counters_survive(evicting: bool) {
                 ram.read(gpa, &mut word).unwrap();
                 let next = u64::from_le_bytes(word) + 1;
                 ram.write(gpa, &next.to_le_bytes()).unwrap();
+                increments.fetch_add(1, Ordering::SeqCst);
             }
             done.store(true, Ordering::SeqCst);
         })
     };
     let mut passes = 0u64;
     while !done.load(Ordering::SeqCst) {
+        let before = increments.load(Ordering::SeqCst);
         if evicting {
             ram.evict(0, NODE_BYTES as u64).unwrap();
         } else {
             ram.flush().unwrap();
         }
         passes += 1;
+        // The next pass waits for the writer's next increment (it runs
+        // meanwhile, as it did during this pass): passes back to back
+        // starved the writer on two CPUs (one run of this test took
+        // 5 minutes, another did not end in 8).
+        while increments.load(Ordering::SeqCst) == before && !done.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
     }
     writer.join().unwrap();
     assert!(passes > 1, "the writer finished before a second pass");
