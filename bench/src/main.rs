@@ -833,6 +833,12 @@ fn run() -> anyhow::Result<()> {
                 spec,
                 seed,
                 api: args.api,
+                same_cpu: rounds::SameCpu::new(
+                    cluster.as_ref(),
+                    placement.caller_cpu,
+                    placement.page_server_cpus.as_deref().unwrap_or_default(),
+                    server_spin,
+                ),
             };
             if args.latency_rounds > 0 {
                 lines.extend(latency_rounds::run(&job, args.latency_rounds)?);

@@ -2,9 +2,13 @@
 //! `--latency-rounds` and `--throughput-rounds` repeat, and the check
 //! (theirs and `--fault-rounds`') that a run moved only right pages.
 
+use std::time::Duration;
+
 use indicatif::ProgressBar;
 use rdma_transport::TransportManager;
 
+use crate::baseline;
+use crate::cluster::{self, LocalCluster};
 use crate::workload::{self, Api, Op, Spec, WorkingSet};
 
 /// What the rounds run: `spec` (one thread; one page in flight in
@@ -17,6 +21,56 @@ pub struct Job<'a> {
     pub spec: Spec,
     pub seed: u64,
     pub api: Api,
+    /// How ours also runs in the bare ping-pong's same-CPU layout (`None`:
+    /// it cannot, e.g. against a remote cluster or with an unpinned caller).
+    pub same_cpu: Option<SameCpu<'a>>,
+}
+
+/// Ours in the bare ping-pong's `same-cpu-blocking` layout: the caller and
+/// every local page-server thread on one CPU, the page-servers blocking in
+/// their reads (no spin), the caller as configured. Each run there is
+/// followed by a return to the bench's own placement.
+pub struct SameCpu<'a> {
+    pub cluster: &'a LocalCluster,
+    /// The layout's CPU (the bare client's and server's).
+    pub cpu: usize,
+    /// The bench's placement, restored after each run: the caller's CPU,
+    /// the page-servers' CPUs (empty: not pinned) and their spin.
+    pub caller_cpu: usize,
+    pub server_cpus: Vec<usize>,
+    pub server_spin: Duration,
+}
+
+impl<'a> SameCpu<'a> {
+    /// The layout for the main-thread caller `caller_cpu` and page-servers
+    /// on `server_cpus` spinning `server_spin`, when both the caller and
+    /// the layout's CPU are known.
+    pub fn new(
+        cluster: Option<&'a LocalCluster>,
+        caller_cpu: Option<usize>,
+        server_cpus: &[usize],
+        server_spin: Duration,
+    ) -> Option<Self> {
+        let (cpu, _) = baseline::Layout::SameCpuBlocking.cpus(&baseline::allowed_cpus())?;
+        Some(SameCpu {
+            cluster: cluster?,
+            cpu,
+            caller_cpu: caller_cpu?,
+            server_cpus: server_cpus.to_vec(),
+            server_spin,
+        })
+    }
+
+    /// Runs `f` on this thread in the layout, then puts everything back.
+    fn run<T>(&self, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+        cluster::pin_local_servers(&[self.cpu]);
+        self.cluster.set_server_spin(Duration::ZERO);
+        let result = baseline::pin_current(self.cpu).and_then(|()| f());
+        cluster::pin_local_servers(&self.server_cpus);
+        self.cluster.set_server_spin(self.server_spin);
+        baseline::pin_current(self.caller_cpu)?;
+        result
+    }
 }
 
 impl Job<'_> {
@@ -37,6 +91,15 @@ impl Job<'_> {
         }
         check("ours", outcome.verified())?;
         Ok(outcome)
+    }
+
+    /// [`Job::run_ours`] in the bare ping-pong's same-CPU layout; `None`
+    /// when the job cannot be placed so.
+    pub fn run_ours_same_cpu(&self) -> anyhow::Result<Option<workload::Outcome>> {
+        self.same_cpu
+            .as_ref()
+            .map(|layout| layout.run(|| self.run_ours()))
+            .transpose()
     }
 }
 

@@ -30,7 +30,7 @@ use anyhow::bail;
 use crate::report::LayoutResult;
 use crate::workload::{Outcome, Spec};
 
-pub use layout::{allowed_cpus, pin_first_free, Layout};
+pub use layout::{allowed_cpus, pin_current, pin_first_free, Layout};
 
 /// The baseline of one spec: the chosen layout's run and every layout's.
 pub struct Best {
