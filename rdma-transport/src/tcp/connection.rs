@@ -282,7 +282,7 @@ impl TcpConnection {
         deadline: Instant,
     ) -> io::Result<()> {
         while !bufs.is_empty() {
-            match (&self.stream).write_vectored(bufs) {
+            match write_some(&self.stream, bufs) {
                 Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
                 Ok(written) => IoSlice::advance_slices(&mut bufs, written),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -293,6 +293,15 @@ impl TcpConnection {
             }
         }
         Ok(())
+    }
+}
+
+/// One `send` for one buffer (a lone request's header: no iovec for the
+/// kernel to import), else one `writev`.
+pub(super) fn write_some(mut stream: &TcpStream, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+    match bufs {
+        [one] => stream.write(one),
+        _ => stream.write_vectored(bufs),
     }
 }
 

@@ -5,7 +5,7 @@
 //! every request a VMM thread submitted since the last reap, as a bare
 //! pipelined client would send them.
 
-use std::io::{self, IoSlice, Write};
+use std::io::{self, IoSlice};
 use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
@@ -130,7 +130,7 @@ impl TcpConnection {
     fn write_draining(&self, mut bufs: &mut [IoSlice<'_>], timeout: Duration) -> io::Result<()> {
         let mut deadline = None::<Instant>;
         while !bufs.is_empty() {
-            match self.stream().write_vectored(bufs) {
+            match super::connection::write_some(self.stream(), bufs) {
                 Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
                 Ok(written) => IoSlice::advance_slices(&mut bufs, written),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
