@@ -2,15 +2,17 @@
 //!
 //! The region is mapped once (2 MiB huge pages when the host has them, normal
 //! pages otherwise), never grown, and owned by the pool: it is unmapped when
-//! the last handle goes away. Frames are handed out from a lock-free free list
-//! and come back when their [`PageFrame`] guard drops. The RDMA data path
-//! registers [`PagePool::region`] once as one memory region.
+//! the last handle goes away. Frames are handed out from a free list and come
+//! back when their [`PageFrame`] guard drops. The list is a stack: the frame
+//! given out next is the one that came back last, still in the cache (a
+//! queue handed out the frame idle longest, one of thousands). The RDMA
+//! data path registers [`PagePool::region`] once as one memory region.
 
 use std::io;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crossbeam_queue::ArrayQueue;
+use parking_lot::Mutex;
 
 use crate::page::{Page, PAGE_SIZE};
 pub use crate::region::Backing;
@@ -44,7 +46,8 @@ pub struct PagePool {
 struct PoolInner {
     region: MappedRegion,
     frames: usize,
-    free: ArrayQueue<u32>,
+    /// Free frame indices; the last one pushed is popped first.
+    free: Mutex<Vec<u32>>,
 }
 
 impl PagePool {
@@ -66,11 +69,8 @@ impl PagePool {
             },
         )
         .map_err(|source| PoolError::Map { size_bytes, source })?;
-        let free = ArrayQueue::new(frames);
-        for i in 0..frames {
-            // Cannot fail: the queue has exactly `frames` slots.
-            let _ = free.push(i as u32);
-        }
+        // Frame 0 on top. Room for every frame: a push never allocates.
+        let free = Mutex::new((0..frames as u32).rev().collect());
         tracing::debug!(frames, backing = ?region.backing(), "page pool mapped");
         Ok(Self {
             inner: Arc::new(PoolInner {
@@ -81,10 +81,10 @@ impl PagePool {
         })
     }
 
-    /// Takes a free frame, or `None` when all are in use. Never blocks,
-    /// never allocates.
+    /// Takes a free frame (the one freed last), or `None` when all are in
+    /// use. Never allocates; waits only for another thread's push or pop.
     pub fn alloc(&self) -> Option<PageFrame> {
-        let index = self.inner.free.pop()?;
+        let index = self.inner.free.lock().pop()?;
         Some(PageFrame {
             pool: Arc::clone(&self.inner),
             index,
@@ -98,7 +98,7 @@ impl PagePool {
 
     /// Number of frames not handed out.
     pub fn available(&self) -> usize {
-        self.inner.free.len()
+        self.inner.free.lock().len()
     }
 
     /// What backs the region.
@@ -160,8 +160,9 @@ impl std::ops::DerefMut for PageFrame {
 
 impl Drop for PageFrame {
     fn drop(&mut self) {
-        // Cannot fail: a frame index is only ever in the queue or in one guard.
-        let _ = self.pool.free.push(self.index);
+        // A frame index is only ever in the list or in one guard, so the
+        // list (made with room for every frame) never grows here.
+        self.pool.free.lock().push(self.index);
     }
 }
 
@@ -199,6 +200,25 @@ mod tests {
         assert_eq!(pool.available(), 6);
         drop(frames);
         assert_eq!(pool.available(), 16);
+    }
+
+    #[test]
+    fn the_frame_freed_last_is_handed_out_next() {
+        let pool = PagePool::new(8 * PAGE_SIZE).unwrap();
+        let a = pool.alloc().unwrap();
+        let b = pool.alloc().unwrap();
+        let (ia, ib) = (a.index(), b.index());
+        drop(b);
+        drop(a);
+        // A frame just used is still in the cache: it goes out first, then
+        // the one freed before it.
+        let first = pool.alloc().unwrap();
+        let second = pool.alloc().unwrap();
+        assert_eq!((first.index(), second.index()), (ia, ib));
+        drop(first);
+        assert_eq!(pool.alloc().unwrap().index(), ia, "a drop goes back on top");
+        drop(second);
+        assert_eq!(pool.available(), 8);
     }
 
     #[test]
