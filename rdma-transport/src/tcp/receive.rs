@@ -92,12 +92,14 @@ impl TcpConnection {
 
     fn read_and_complete(&self, rb: &mut RecvBuf) -> Result<bool, u32> {
         let mut any = false;
+        // Made once and drained, never moved: it holds 1 KiB inline, and a
+        // reader spinning on an idle socket comes here once per try.
+        let mut landings = Landings::new();
         loop {
             let room = rb.buf.len() - rb.end;
             // With nothing buffered, the next bytes start an answer: those
             // of the next direct READs on the wire are read straight into
             // their pages.
-            let mut landings = Landings::new();
             if rb.end == 0 {
                 self.land_next(rb, &mut landings);
             }
@@ -109,7 +111,7 @@ impl TcpConnection {
             match read {
                 Ok(0) => {
                     tracing::debug!(node = %self.node_id, "page-server closed the connection");
-                    for landing in landings {
+                    for landing in landings.drain(..) {
                         self.inflight.landed(landing, CODE_CONN_LOST);
                     }
                     return Err(CODE_CONN_LOST);
@@ -120,7 +122,7 @@ impl TcpConnection {
                         rb.end += n;
                         0
                     } else {
-                        self.settle_landings(rb, landings, n)
+                        self.settle_landings(rb, &mut landings, n)
                     };
                     let parsed = self.parse(rb)?;
                     rb.last_answers = landed + parsed;
@@ -137,15 +139,15 @@ impl TcpConnection {
                     // (a reader polling an idle socket takes and gives back
                     // one slot per try, not a batch).
                     rb.last_answers = 0;
-                    self.unland_all(landings);
+                    self.unland_all(&mut landings);
                     return Ok(any);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {
-                    self.unland_all(landings);
+                    self.unland_all(&mut landings);
                 }
                 Err(e) => {
                     tracing::debug!(node = %self.node_id, err = %e, "connection read failed");
-                    for landing in landings {
+                    for landing in landings.drain(..) {
                         self.inflight.landed(landing, CODE_CONN_LOST);
                     }
                     return Err(CODE_CONN_LOST);
@@ -227,11 +229,11 @@ impl TcpConnection {
     /// that went to the pages move into their gaps in the receive buffer
     /// (the stream is whole again there) and those requests go back to
     /// waiting. Returns how many were completed.
-    fn settle_landings(&self, rb: &mut RecvBuf, landings: Landings, n: usize) -> usize {
+    fn settle_landings(&self, rb: &mut RecvBuf, landings: &mut Landings, n: usize) -> usize {
         rb.start = 0;
         rb.end = n;
         let mut landed = 0;
-        let mut rest = landings.into_iter();
+        let mut rest = landings.drain(..);
         while let Some(landing) = rest.next() {
             let at = landed * ANSWER_BYTES;
             let header = match Header::decode_prefix(&rb.buf[at..at + HEADER_LEN]) {
@@ -281,8 +283,11 @@ impl TcpConnection {
     /// Puts landing requests back to waiting (nothing was read into their
     /// pages). A connection that broke meanwhile skipped them when it
     /// failed its requests: they fail now.
-    pub(super) fn unland_all(&self, landings: Landings) {
-        for landing in landings {
+    pub(super) fn unland_all(&self, landings: &mut Landings) {
+        if landings.is_empty() {
+            return;
+        }
+        for landing in landings.drain(..) {
             self.inflight.unland(landing);
         }
         if self.is_broken() {

@@ -194,7 +194,7 @@ fn a_connection_broken_while_an_answer_lands_fails_that_request_too() {
         "a landing slot was completed under its reader"
     );
     // ... which fails it when it puts it back.
-    conn.unland_all([landing].into_iter().collect());
+    conn.unland_all(&mut [landing].into_iter().collect());
     assert!(
         waiter.is_done(),
         "the request was left pending on a dead connection"
