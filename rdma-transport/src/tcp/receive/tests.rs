@@ -33,6 +33,24 @@ fn good_answer(id: u64, offset: u64, byte: u8) -> Vec<u8> {
     answer(id, offset, &page, page_checksum(&page))
 }
 
+/// The bytes of an answer refusing the READ `id` of `offset` (out of range).
+fn refusal(id: u64, offset: u64) -> Vec<u8> {
+    let header = Header {
+        status: Status::OutOfRange,
+        ..Header::request(Opcode::Error, id, offset, 0)
+    };
+    header.encode().to_vec()
+}
+
+/// Fewer than `max` places to cut a stream of `len` bytes, in order.
+fn random_cuts(rng: &mut impl rand::Rng, len: usize, max: usize) -> Vec<usize> {
+    let mut cuts: Vec<usize> = (0..rng.gen_range(0..max))
+        .map(|_| rng.gen_range(1..len))
+        .collect();
+    cuts.sort_unstable();
+    cuts
+}
+
 /// Reads answers (as a caller holding the receive buffer would) until
 /// `waiter` has none outstanding; bounded.
 fn read_until_done(conn: &TcpConnection, waiter: &Waiter) {
@@ -149,11 +167,7 @@ fn an_error_answer_and_a_split_answer_complete_as_without_landing() {
     let waiter = Waiter::new();
     let mut page = [0u8; PAGE_SIZE];
     let id = arm_direct(&conn, &mut page, 0x1000, &waiter);
-    let refused = Header {
-        status: Status::OutOfRange,
-        ..Header::request(Opcode::Error, id, 0x1000, 0)
-    };
-    server.write_all(&refused.encode()).unwrap();
+    server.write_all(&refusal(id, 0x1000)).unwrap();
     read_until_done(&conn, &waiter);
     assert_eq!(
         conn.inflight.finish(id),
@@ -308,18 +322,11 @@ fn answers_cut_anywhere_complete_with_their_own_pages() {
         let byte = (round % 200) as u8 + 1;
         let refused = rng.gen_bool(0.2);
         if refused {
-            let header = Header {
-                status: Status::OutOfRange,
-                ..Header::request(Opcode::Error, id, offset, 0)
-            };
-            bytes.extend(header.encode());
+            bytes.extend(refusal(id, offset));
         } else {
             bytes.extend(good_answer(id, offset, byte));
         }
-        let mut cuts: Vec<usize> = (0..rng.gen_range(0..3))
-            .map(|_| rng.gen_range(1..bytes.len()))
-            .collect();
-        cuts.sort_unstable();
+        let cuts = random_cuts(&mut rng, bytes.len(), 3);
         if !stale && !refused && cuts.is_empty() {
             whole_alone += 1;
         }
@@ -545,19 +552,12 @@ fn many_answers_in_any_order_complete_with_their_own_pages() {
         for &i in &order {
             let (id, offset, byte, _, refused, _) = reqs[i];
             if refused {
-                let header = Header {
-                    status: Status::OutOfRange,
-                    ..Header::request(Opcode::Error, id, offset, 0)
-                };
-                bytes.extend(header.encode());
+                bytes.extend(refusal(id, offset));
             } else {
                 bytes.extend(good_answer(id, offset, byte));
             }
         }
-        let mut cuts: Vec<usize> = (0..rng.gen_range(0..4))
-            .map(|_| rng.gen_range(1..bytes.len()))
-            .collect();
-        cuts.sort_unstable();
+        let cuts = random_cuts(&mut rng, bytes.len(), 4);
         write_in_pieces(&conn, &mut server, &bytes, &cuts);
         for (i, &(id, _, byte, live, refused, direct)) in reqs.iter().enumerate() {
             if !live {
