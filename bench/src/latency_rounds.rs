@@ -27,8 +27,9 @@ struct Round {
     /// The spread ping-pong (zeros with one node: not run).
     spread: (f64, f64),
     /// Ours and the bare ping-pong in the bare's same-CPU layout, and the
-    /// bare in the layout of ours' own placement (caller and page-servers
-    /// on different CPUs, both spinning); `None` when not run.
+    /// bare in the layout of the bench's default placement of ours (caller
+    /// and page-servers on different CPUs, both spinning); `None` when not
+    /// run.
     ours_same_cpu: Option<(f64, f64)>,
     bare_same_cpu: Option<(f64, f64)>,
     bare_spinning: Option<(f64, f64)>,
@@ -134,7 +135,7 @@ fn summary(spec: Spec, rounds: &[Round], servers: usize) -> Vec<String> {
     }
     if rounds.iter().all(|r| r.bare_spinning.is_some()) {
         lines.push(line(
-            "bare TCP in the layout of ours' placement (cross-cpu-spinning)",
+            "bare TCP in cross-cpu-spinning (the layout of the bench's default placement of ours)",
             ratios(|r| r.bare_spinning.unwrap_or_default()),
         ));
     }
@@ -247,7 +248,8 @@ mod tests {
         assert_eq!(lines.len(), 5, "{lines:#?}");
         assert!(lines[0].ends_with("p50 per round 1.60 1.60 1.60; median x1.60; p99 median x1.60"));
         assert!(
-            lines[1].contains("(cross-cpu-spinning) p50 per round 1.14 1.14 1.14; median x1.14"),
+            lines[1]
+                .contains("default placement of ours) p50 per round 1.14 1.14 1.14; median x1.14"),
             "{}",
             lines[1]
         );
