@@ -28,8 +28,9 @@ pub struct Job<'a> {
 
 /// Ours in the bare ping-pong's `same-cpu-blocking` layout: the caller and
 /// every local page-server thread on one CPU, the page-servers blocking in
-/// their reads (no spin), the caller as configured. Each run there is
-/// followed by a return to the bench's own placement.
+/// their reads (no spin), the caller as configured. The pollers stay where
+/// they are: a one-page caller reads its own answers, so they sit idle.
+/// Each run there is followed by a return to the bench's own placement.
 pub struct SameCpu<'a> {
     pub cluster: &'a LocalCluster,
     /// The layout's CPU (the bare client's and server's).
