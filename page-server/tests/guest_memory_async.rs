@@ -205,6 +205,7 @@ fn lone_faults_inline(shared: bool) {
     }
     let stats = ram.stats();
     let inline = stats.faults_fetched_inline;
+    let given_up = stats.inline_fetches_given_up;
     // Not necessarily all: an answer slower than the one-page wait (a
     // debug build on a loaded host) goes to the queue; locally 22-24 of 24.
     assert!(
@@ -223,10 +224,13 @@ fn lone_faults_inline(shared: bool) {
             let _ = got_tx.send(read);
         });
     }
-    assert!(wait_until(Duration::from_secs(10), || ram
-        .stats()
-        .pages_fetched
-        > PAGES as u64));
+    // The handler gives up its one-page wait (200 µs) on the stopped
+    // server and sends the fault to its queue; only then does the server
+    // run again (resumed earlier, it could answer the one-page wait).
+    assert!(wait_until(Duration::from_secs(10), || {
+        let stats = ram.stats();
+        stats.pages_fetched > PAGES as u64 && stats.inline_fetches_given_up > given_up
+    }));
     let early = got_rx.try_recv().is_ok();
     server.resume();
     assert!(!early, "the fault was served while its server was stopped");
@@ -247,6 +251,11 @@ fn lone_faults_inline(shared: bool) {
         ),
         (PAGES as u64 + 1, inline, PAGES as u64 + 1),
         "shared {shared}: the fault on the stopped server was counted inline, or fetched twice ({stats:?})"
+    );
+    assert_eq!(
+        stats.inline_fetches_given_up,
+        given_up + 1,
+        "shared {shared}: the one-page wait on the stopped server was not given up once ({stats:?})"
     );
     assert_eq!((stats.fault_errors, stats.sigbus_raised), (0, 0));
     // Served again after the abandoned answer came: the connection took it

@@ -358,6 +358,10 @@ typedef struct RtGuestMemoryStats {
   // Faults whose page a handler read on the spot on the one-page TCP
   // path (it had no other fault), not through its completion queue.
   uint64_t faults_fetched_inline;
+  // Of the faults a handler began to read on the spot, those whose
+  // answer took longer than 200 µs or failed, sent to the completion
+  // queue instead.
+  uint64_t inline_fetches_given_up;
 } RtGuestMemoryStats;
 
 // Settings of `rt_manager_connect`; fill with `rt_manager_config_default`

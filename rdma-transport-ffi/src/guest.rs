@@ -276,6 +276,10 @@ pub struct RtGuestMemoryStats {
     /// Faults whose page a handler read on the spot on the one-page TCP
     /// path (it had no other fault), not through its completion queue.
     pub faults_fetched_inline: u64,
+    /// Of the faults a handler began to read on the spot, those whose
+    /// answer took longer than 200 µs or failed, sent to the completion
+    /// queue instead.
+    pub inline_fetches_given_up: u64,
 }
 
 impl COut for RtGuestMemoryStats {
@@ -727,6 +731,7 @@ pub unsafe extern "C" fn rt_guest_memory_stats(
             pages_fetched,
             pages_written_in_place,
             faults_fetched_inline,
+            inline_fetches_given_up,
         } = m.stats();
         let value = RtGuestMemoryStats {
             struct_size: 0,
@@ -742,6 +747,7 @@ pub unsafe extern "C" fn rt_guest_memory_stats(
             pages_fetched,
             pages_written_in_place,
             faults_fetched_inline,
+            inline_fetches_given_up,
         };
         // SAFETY: the caller passes NULL or a struct of `struct_size` bytes.
         match unsafe { write_out(stats, &value) } {

@@ -498,6 +498,7 @@ impl Handler<'_> {
             }
             None => {
                 if let Some(Err(err)) = read {
+                    Counters::add(&shared.counters.inline_fetches_given_up, 1);
                     tracing::debug!(page, %err, "one-page fetch did not complete; submitting it");
                 }
                 false

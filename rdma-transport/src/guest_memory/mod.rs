@@ -96,6 +96,11 @@ pub struct GuestMemoryStats {
     /// the fault was the only one it had (one vCPU faulting); the others go
     /// through its completion queue, many in flight at once.
     pub faults_fetched_inline: u64,
+    /// Of the faults a handler began to read on the spot, those whose
+    /// answer took longer than 200 µs or failed: cancelled and sent to the
+    /// completion queue instead (a slow or hung node, or a lost
+    /// connection).
+    pub inline_fetches_given_up: u64,
     /// First writes to clean pages.
     pub wp_faults: u64,
     /// Faults parked until another thread finished with the page.
@@ -378,6 +383,7 @@ impl GuestMemory {
             pages_written_back: get(&c.pages_written_back),
             pages_written_in_place: get(&c.pages_written_in_place),
             faults_fetched_inline: get(&c.faults_fetched_inline),
+            inline_fetches_given_up: get(&c.inline_fetches_given_up),
             pages_evicted: get(&c.pages_evicted),
         }
     }

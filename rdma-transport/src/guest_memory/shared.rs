@@ -26,6 +26,7 @@ pub(crate) struct Counters {
     pub missing_faults: AtomicU64,
     pub pages_fetched: AtomicU64,
     pub faults_fetched_inline: AtomicU64,
+    pub inline_fetches_given_up: AtomicU64,
     pub wp_faults: AtomicU64,
     pub deferred_faults: AtomicU64,
     pub prefetched_pages: AtomicU64,
