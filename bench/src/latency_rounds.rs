@@ -144,17 +144,12 @@ fn summary(spec: Spec, rounds: &[Round], servers: usize) -> Vec<String> {
         .filter_map(|r| r.ours_same_cpu.zip(r.bare_same_cpu))
         .collect();
     if !rounds.is_empty() && pairs.len() == rounds.len() {
-        let (p50, p99): (Vec<f64>, Vec<f64>) = pairs
-            .iter()
-            .map(|&(ours, bare)| (ours.0 / bare.0.max(1e-9), ours.1 / bare.1.max(1e-9)))
-            .unzip();
-        lines.push(format!(
-            "{what}, {} rounds of {}: ours / bare TCP, both in same-cpu-blocking (caller and page-server on one CPU, the server blocking) p50 per round {}; median x{}; p99 median x{}",
-            rounds.len(),
-            spec.ops,
-            fmt_ratios(&p50),
-            fmt_ratio(median(&p50)),
-            fmt_ratio(median(&p99))
+        lines.push(line(
+            "bare TCP, both in same-cpu-blocking (caller and page-server on one CPU, the server blocking)",
+            pairs
+                .iter()
+                .map(|&(ours, bare)| (ours.0 / bare.0.max(1e-9), ours.1 / bare.1.max(1e-9)))
+                .unzip(),
         ));
         // Each side in its best layout of the round: ours' placement or
         // the same CPU; the bare's best of every layout it ran.

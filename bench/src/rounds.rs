@@ -32,14 +32,14 @@ pub struct Job<'a> {
 /// they are: a one-page caller reads its own answers, so they sit idle.
 /// Each run there is followed by a return to the bench's own placement.
 pub struct SameCpu<'a> {
-    pub cluster: &'a LocalCluster,
+    cluster: &'a LocalCluster,
     /// The layout's CPU (the bare client's and server's).
-    pub cpu: usize,
+    cpu: usize,
     /// The bench's placement, restored after each run: the caller's CPU,
     /// the page-servers' CPUs (empty: not pinned) and their spin.
-    pub caller_cpu: usize,
-    pub server_cpus: Vec<usize>,
-    pub server_spin: Duration,
+    caller_cpu: usize,
+    server_cpus: Vec<usize>,
+    server_spin: Duration,
 }
 
 impl<'a> SameCpu<'a> {
