@@ -213,6 +213,20 @@ impl FaultCpus {
         )
     }
 
+    /// The page-servers on the first handler's CPU, blocking: the bare
+    /// programs' `same-cpu-blocking` layout, which `--fault-rounds` also
+    /// runs ours in (fault/alternate.rs). `None` when the command line
+    /// placed the servers or the handlers are not pinned.
+    pub fn same_cpu_servers(&self) -> Option<ServerPlacement> {
+        if self.server_cpus.is_some() || self.server_spin.is_some() {
+            return None;
+        }
+        Some(ServerPlacement {
+            cpus: vec![*self.handlers.first()?],
+            spin: Duration::ZERO,
+        })
+    }
+
     /// The flush runs' (see [`flush_servers`]).
     pub fn flush_servers(&self) -> ServerPlacement {
         let handler_cpu = self.handlers.first().copied().unwrap_or(0);

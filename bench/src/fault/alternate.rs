@@ -6,7 +6,12 @@
 //! in its best layout and the bare remote fault in its best layout, and,
 //! with more than one node, the bare ping-pong with its pages spread over
 //! as many servers as ours are over our nodes (`baseline::run_spread`),
-//! starting each round with the next of them. The host's speed drifts
+//! starting each round with the next of them. When the bench's fault
+//! placement puts the local page-servers apart from the faulting CPU,
+//! each round also runs our fault with them on the handler's CPU,
+//! blocking: the layout of the bare programs' `same-cpu-blocking`, which
+//! is their best in the host's fast hours, so ours is also compared in
+//! its better placement of the round. The host's speed drifts
 //! within a process as well as between processes, so a single ours/sum
 //! ratio from a run and baselines taken a minute later says little; the
 //! median of the rounds' ratios, each from runs seconds apart, says more.
@@ -30,6 +35,20 @@ struct Round {
     bare: f64,
     /// The spread ping-pong (0 with one node: not run).
     spread: f64,
+    /// Ours with the page-servers on the handler's CPU, blocking (0: not
+    /// run, the fault placement already is that).
+    ours_same_cpu: f64,
+}
+
+impl Round {
+    /// Ours in the better of its placements this round.
+    fn ours_best(&self) -> f64 {
+        if self.ours_same_cpu > 0.0 {
+            self.ours.min(self.ours_same_cpu)
+        } else {
+            self.ours
+        }
+    }
 }
 
 /// Runs `params.fault_rounds` rounds with `pattern` and returns the
@@ -55,12 +74,24 @@ pub(super) fn rounds(
     };
     let owners = set.owners(&mgr.map());
     let servers = owners.iter().max().map_or(0, |&m| m + 1);
-    let kinds = if servers > 1 { 5 } else { 4 };
+    // The kinds of run in a round, in the order of the match below.
+    let fault_place = params.cpus.fault_servers(1);
+    let same_cpu = params
+        .cpus
+        .same_cpu_servers()
+        .filter(|same| *same != fault_place);
+    let mut kinds: Vec<usize> = vec![0, 1, 2, 3];
+    if servers > 1 {
+        kinds.push(4);
+    }
+    if same_cpu.is_some() {
+        kinds.push(5);
+    }
     let mut rounds = Vec::new();
     for r in 0..params.fault_rounds {
         let mut round = Round::default();
-        for k in 0..kinds {
-            match (r + k) % kinds {
+        for k in 0..kinds.len() {
+            match kinds[(r as usize + k) % kinds.len()] {
                 0 => {
                     params.place_servers(1);
                     let (ours, _) = run.measure(mgr, set, params, 1)?;
@@ -82,10 +113,22 @@ pub(super) fn rounds(
                     check("bare remote fault", best.all_verified)?;
                     round.bare = Record::baseline(spec, &best).latency_us.p50;
                 }
-                _ => {
+                4 => {
                     let best = crate::baseline::run_spread(tcp_spec, &owners, SEED)?;
                     check("bare TCP ping-pong over spread pages", best.all_verified)?;
                     round.spread = Record::baseline(tcp_spec, &best).latency_us.p50;
+                }
+                _ => {
+                    let Some(same_cpu) = &same_cpu else { continue };
+                    params.place(same_cpu);
+                    let measured = run.measure(mgr, set, params, 1);
+                    params.place_servers(1);
+                    let (ours, _) = measured?;
+                    check(
+                        "our fault, the page-servers on the handler's CPU",
+                        ours.verified,
+                    )?;
+                    round.ours_same_cpu = ours.latency_us.p50;
                 }
             }
         }
@@ -121,6 +164,30 @@ fn summary(pattern: AccessPattern, ops: u64, rounds: &[Round], servers: usize) -
             us(|r| r.bare)
         ),
     ];
+    if rounds.iter().any(|r| r.ours_same_cpu > 0.0) {
+        let ratios = |ours: fn(&Round) -> f64, base: fn(&Round) -> f64| -> Vec<f64> {
+            rounds.iter().map(|r| ours(r) / base(r).max(1e-9)).collect()
+        };
+        let sum = |r: &Round| r.local + r.tcp;
+        let same_sum = ratios(|r| r.ours_same_cpu, sum);
+        let same_bare = ratios(|r| r.ours_same_cpu, |r| r.bare);
+        let best_sum = ratios(Round::ours_best, sum);
+        let best_bare = ratios(Round::ours_best, |r| r.bare);
+        lines.push(format!(
+            "{pattern:?} fault, the same rounds, ours with the page-servers on the handler's CPU, blocking (the bare programs' same-cpu-blocking layout): ours / (local uffd fault + bare TCP) per round {}; median x{}; ours / bare remote fault median x{} (p50 us: {})",
+            fmt_ratios(&same_sum),
+            fmt_ratio(median(&same_sum)),
+            fmt_ratio(median(&same_bare)),
+            us(|r| r.ours_same_cpu)
+        ));
+        lines.push(format!(
+            "{pattern:?} fault, the same rounds, ours in its better placement of the round: ours / (local uffd fault + bare TCP) per round {}; median x{}; ours / bare remote fault per round {}; median x{}",
+            fmt_ratios(&best_sum),
+            fmt_ratio(median(&best_sum)),
+            fmt_ratios(&best_bare),
+            fmt_ratio(median(&best_bare))
+        ));
+    }
     if servers > 1 {
         let vs_spread: Vec<f64> = rounds
             .iter()
@@ -149,6 +216,7 @@ mod tests {
                 tcp: 10.0,
                 bare: 20.0,
                 spread: 12.0,
+                ours_same_cpu: 0.0,
             },
             Round {
                 ours: 33.0,
@@ -156,6 +224,7 @@ mod tests {
                 tcp: 15.0,
                 bare: 30.0,
                 spread: 15.0,
+                ours_same_cpu: 0.0,
             },
             Round {
                 ours: 40.0,
@@ -163,6 +232,7 @@ mod tests {
                 tcp: 10.0,
                 bare: 25.0,
                 spread: 10.0,
+                ours_same_cpu: 0.0,
             },
         ];
         let lines = summary(AccessPattern::Random, 100, &rounds, 2);
@@ -185,6 +255,31 @@ mod tests {
             summary(AccessPattern::Random, 100, &rounds, 1).len(),
             3,
             "one node: no spread line"
+        );
+    }
+
+    #[test]
+    fn the_same_cpu_runs_give_their_own_line_and_the_better_placement_per_round() {
+        let round = |ours, ours_same_cpu| Round {
+            ours,
+            local: 10.0,
+            tcp: 10.0,
+            bare: 20.0,
+            spread: 0.0,
+            ours_same_cpu,
+        };
+        let rounds = [round(30.0, 22.0), round(24.0, 26.0), round(32.0, 23.0)];
+        let lines = summary(AccessPattern::Random, 100, &rounds, 1);
+        assert_eq!(lines.len(), 5, "{lines:?}");
+        assert!(
+            lines[3].contains("per round 1.10 1.30 1.15; median x1.15; ours / bare remote fault median x1.15 (p50 us: 22.0 26.0 23.0)"),
+            "{}",
+            lines[3]
+        );
+        assert!(
+            lines[4].ends_with("per round 1.10 1.20 1.15; median x1.15; ours / bare remote fault per round 1.10 1.20 1.15; median x1.15"),
+            "{}",
+            lines[4]
         );
     }
 }
