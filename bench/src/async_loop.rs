@@ -117,6 +117,10 @@ fn thread_loop(
     let mut free_slots: Vec<usize> = (0..depth).collect();
     let mut since_tick = 0u64;
     while done < ops {
+        // One clock read for the submissions of this pass, as the bare
+        // pipelined client reads it once per write of its requests; each
+        // latency still runs from before its submission to its reap.
+        let burst = Instant::now();
         while submitted < ops {
             let Some(slot) = free_slots.pop() else { break };
             let idx = match spec.pattern {
@@ -128,7 +132,7 @@ fn thread_loop(
                 }
             };
             let gpa = set.gpas[idx];
-            slots[slot] = (idx, Instant::now());
+            slots[slot] = (idx, burst);
             let tag = slot as u64;
             match &mut buffers {
                 Buffers::Owned(free) => {
