@@ -42,13 +42,20 @@ fn bound_seconds(bucket: usize) -> f64 {
 #[derive(Debug, Default)]
 pub(crate) struct LocalDurations {
     buckets: [u64; BUCKETS],
+    /// Bit i set: `buckets[i]` is not zero (a batch of one request touches
+    /// one bucket, and publishing it looks at that one only).
+    touched: u32,
+    count: u64,
     sum_ns: u64,
 }
 
 impl LocalDurations {
     pub(crate) fn record(&mut self, duration: Duration) {
         let ns = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
-        self.buckets[bucket_of(ns)] += 1;
+        let bucket = bucket_of(ns);
+        self.buckets[bucket] += 1;
+        self.touched |= 1 << bucket;
+        self.count += 1;
         self.sum_ns = self.sum_ns.saturating_add(ns);
     }
 }
@@ -68,15 +75,19 @@ pub(crate) struct DurationHistogram(Arc<Shared>);
 impl DurationHistogram {
     /// Adds `local`'s counts and empties it.
     pub(crate) fn publish(&self, local: &mut LocalDurations) {
-        let count: u64 = local.buckets.iter().sum();
+        let count = std::mem::take(&mut local.count);
         if count == 0 {
             return;
         }
         let shared = &self.0;
-        for (to, from) in shared.buckets.iter().zip(&mut local.buckets) {
-            if *from != 0 {
-                to.fetch_add(std::mem::take(from), Ordering::Relaxed);
-            }
+        let mut touched = std::mem::take(&mut local.touched);
+        while touched != 0 {
+            let bucket = touched.trailing_zeros() as usize;
+            touched &= touched - 1;
+            shared.buckets[bucket].fetch_add(
+                std::mem::take(&mut local.buckets[bucket]),
+                Ordering::Relaxed,
+            );
         }
         shared
             .sum_ns
@@ -149,6 +160,7 @@ mod tests {
         histogram.publish(&mut local);
         histogram.publish(&mut local);
         assert_eq!(local.buckets, [0; BUCKETS]);
+        assert_eq!((local.touched, local.count, local.sum_ns), (0, 0, 0));
         let mut registry = prometheus_client::registry::Registry::default();
         registry.register("d_seconds", "durations", histogram.clone());
         let mut text = String::new();

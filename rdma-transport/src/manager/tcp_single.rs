@@ -111,7 +111,7 @@ impl Inner {
                 #[cfg(any(test, feature = "test-hooks"))]
                 super::unwind_hook::maybe_panic_after_submit();
                 let spin = self.config.caller_spin();
-                let conns = [Some(Arc::clone(conn))];
+                let conns = [Some(&**conn)];
                 let answered = crate::tcp::wait(&waiter, &conns, spin, deadline);
                 pending.settle(answered)
             }

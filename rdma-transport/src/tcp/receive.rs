@@ -12,9 +12,9 @@
 //! something else go back to the receive buffer.
 
 use std::io::{self, Read};
+use std::ops::Deref;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::MutexGuard;
@@ -408,9 +408,12 @@ const MAX_BLOCKING_CONNS: usize = 8;
 /// 3. Otherwise (another caller is reading one of them, or the call spans
 ///    too many connections) it parks, and the connections' pollers (or that
 ///    other reader) complete its requests and wake it.
-pub(crate) fn wait(
+///
+/// `conns` are the connections themselves or references to them (a
+/// one-page caller passes a reference: no reference count taken).
+pub(crate) fn wait<C: Deref<Target = TcpConnection>>(
     waiter: &Waiter,
-    conns: &[Option<Arc<TcpConnection>>],
+    conns: &[Option<C>],
     spin: Duration,
     deadline: Instant,
 ) -> bool {
@@ -435,9 +438,9 @@ pub(crate) fn wait(
 }
 
 /// Step 1 of [`wait`]: true when every answer came within `spin`.
-fn spin_reading(
+fn spin_reading<C: Deref<Target = TcpConnection>>(
     waiter: &Waiter,
-    conns: &[Option<Arc<TcpConnection>>],
+    conns: &[Option<C>],
     spin: Duration,
     deadline: Instant,
 ) -> bool {
@@ -470,9 +473,9 @@ fn spin_reading(
 /// Step 2 of [`wait`]: `None` when the caller cannot hold every
 /// connection's receive buffer (it must park instead), else whether every
 /// answer came before `deadline`.
-fn block_reading(
+fn block_reading<C: Deref<Target = TcpConnection>>(
     waiter: &Waiter,
-    conns: &[Option<Arc<TcpConnection>>],
+    conns: &[Option<C>],
     deadline: Instant,
 ) -> Option<bool> {
     // Dropped last: the receive buffers are released before the pollers
@@ -533,13 +536,18 @@ fn block_reading(
 /// The connections a caller blocks on by itself: their pollers leave the
 /// sockets alone meanwhile, and are told to look again when it is done (in
 /// case other callers parked on them).
-#[derive(Default)]
-struct BlockingReaders<'a> {
-    conns: Option<&'a [Option<Arc<TcpConnection>>]>,
+struct BlockingReaders<'a, C: Deref<Target = TcpConnection>> {
+    conns: Option<&'a [Option<C>]>,
 }
 
-impl<'a> BlockingReaders<'a> {
-    fn announce(&mut self, conns: &'a [Option<Arc<TcpConnection>>]) {
+impl<C: Deref<Target = TcpConnection>> Default for BlockingReaders<'_, C> {
+    fn default() -> Self {
+        Self { conns: None }
+    }
+}
+
+impl<'a, C: Deref<Target = TcpConnection>> BlockingReaders<'a, C> {
+    fn announce(&mut self, conns: &'a [Option<C>]) {
         for c in conns.iter().flatten() {
             c.blocking_reader.store(true, Ordering::SeqCst);
         }
@@ -547,7 +555,7 @@ impl<'a> BlockingReaders<'a> {
     }
 }
 
-impl Drop for BlockingReaders<'_> {
+impl<C: Deref<Target = TcpConnection>> Drop for BlockingReaders<'_, C> {
     fn drop(&mut self) {
         for c in self.conns.into_iter().flatten().flatten() {
             c.blocking_reader.store(false, Ordering::SeqCst);
