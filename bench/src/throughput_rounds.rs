@@ -10,10 +10,11 @@
 //! runs seconds apart, says more (as `--latency-rounds` for one page in
 //! flight).
 
-use crate::baseline;
+use crate::baseline::{self, Layout};
 use crate::report::{fmt_ratio, fmt_ratios, median, Record};
 use crate::rounds::{check, Job};
 use crate::workload::Op;
+use rdma_transport::PAGE_SIZE;
 
 /// One round's GB/s, and the layout the bare won with.
 #[derive(Clone)]
@@ -21,6 +22,10 @@ struct Round {
     ours_gb_per_s: f64,
     bare_gb_per_s: f64,
     bare_layout: String,
+    /// The bare in `cross-cpu-spinning`, the layout of the bench's default
+    /// placement of ours (caller and page-server on different CPUs, both
+    /// spinning); `None` when not run (one CPU).
+    bare_spinning_gb_per_s: Option<f64>,
 }
 
 /// Runs `rounds` rounds of `job` (one thread, `job.spec.depth` > 1) and
@@ -38,6 +43,7 @@ pub fn run(job: &Job<'_>, rounds: u64) -> anyhow::Result<Vec<String>> {
             ours_gb_per_s: 0.0,
             bare_gb_per_s: 0.0,
             bare_layout: String::new(),
+            bare_spinning_gb_per_s: None,
         };
         for k in 0..2 {
             if (r + k) % 2 == 0 {
@@ -49,6 +55,11 @@ pub fn run(job: &Job<'_>, rounds: u64) -> anyhow::Result<Vec<String>> {
                 let record = Record::pipelined(spec, &best);
                 round.bare_gb_per_s = record.throughput.gb_per_s;
                 round.bare_layout = best.layout.name().to_string();
+                round.bare_spinning_gb_per_s = best
+                    .tried
+                    .iter()
+                    .find(|t| t.layout == Layout::CrossCpuSpinning.name())
+                    .map(|t| t.pages_per_s * PAGE_SIZE as f64 / 1e9);
             }
         }
         all.push(round);
@@ -73,19 +84,30 @@ fn summary(op: Op, depth: usize, ops: u64, rounds: &[Round]) -> Vec<String> {
         .map(|r| r.bare_layout.as_str())
         .collect::<Vec<_>>()
         .join(" ");
-    vec![
-        format!(
-            "{op:?}, depth {depth}, {} rounds of {ops}: ours / bare pipelined TCP GB/s per round {}; median x{}",
-            rounds.len(),
-            fmt_ratios(&ratios),
-            fmt_ratio(median(&ratios)),
-        ),
-        format!(
-            "{op:?}, depth {depth} rounds, GB/s: ours {}; bare pipelined TCP {} ({layouts})",
-            gbs(|r| r.ours_gb_per_s),
-            gbs(|r| r.bare_gb_per_s),
-        ),
-    ]
+    let mut lines = vec![format!(
+        "{op:?}, depth {depth}, {} rounds of {ops}: ours / bare pipelined TCP GB/s per round {}; median x{}",
+        rounds.len(),
+        fmt_ratios(&ratios),
+        fmt_ratio(median(&ratios)),
+    )];
+    let spinning: Vec<f64> = rounds
+        .iter()
+        .filter_map(|r| Some(r.ours_gb_per_s / r.bare_spinning_gb_per_s?.max(1e-12)))
+        .collect();
+    if !rounds.is_empty() && spinning.len() == rounds.len() {
+        lines.push(format!(
+            "{op:?}, depth {depth}, the same rounds: ours / bare pipelined TCP in cross-cpu-spinning (the layout of the bench's default placement of ours) GB/s per round {}; median x{} (bare {})",
+            fmt_ratios(&spinning),
+            fmt_ratio(median(&spinning)),
+            gbs(|r| r.bare_spinning_gb_per_s.unwrap_or_default()),
+        ));
+    }
+    lines.push(format!(
+        "{op:?}, depth {depth} rounds, GB/s: ours {}; bare pipelined TCP {} ({layouts})",
+        gbs(|r| r.ours_gb_per_s),
+        gbs(|r| r.bare_gb_per_s),
+    ));
+    lines
 }
 
 #[cfg(test)]
@@ -98,9 +120,11 @@ mod tests {
             ours_gb_per_s: ours,
             bare_gb_per_s: bare,
             bare_layout: "same-cpu-blocking".into(),
+            bare_spinning_gb_per_s: None,
         };
         let rounds = [round(2.0, 2.5), round(2.4, 2.4), round(1.0, 2.5)];
         let lines = summary(Op::Read, 32, 1000, &rounds);
+        assert_eq!(lines.len(), 2, "no spinning layout run: no line for it");
         assert!(
             lines[0].ends_with("GB/s per round 0.80 1.00 0.40; median x0.80"),
             "{}",
@@ -110,6 +134,24 @@ mod tests {
             lines[1].ends_with(
                 "ours 2.00 2.40 1.00; bare pipelined TCP 2.50 2.40 2.50 (same-cpu-blocking same-cpu-blocking same-cpu-blocking)"
             ),
+            "{}",
+            lines[1]
+        );
+    }
+
+    #[test]
+    fn ours_is_also_divided_by_the_bare_in_the_layout_of_its_placement() {
+        let round = |ours: f64, spinning: f64| Round {
+            ours_gb_per_s: ours,
+            bare_gb_per_s: 5.0,
+            bare_layout: "same-cpu-blocking".into(),
+            bare_spinning_gb_per_s: Some(spinning),
+        };
+        let rounds = [round(4.0, 5.0), round(3.0, 4.0), round(4.5, 5.0)];
+        let lines = summary(Op::Read, 32, 1000, &rounds);
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert!(
+            lines[1].ends_with("GB/s per round 0.80 0.75 0.90; median x0.80 (bare 5.00 4.00 5.00)"),
             "{}",
             lines[1]
         );
