@@ -120,6 +120,12 @@ impl CoherentMemory {
                 "coherent guest memory works in 4 KiB pages: not on hugetlbfs".into(),
             ));
         }
+        if region.is_shared() {
+            // A shared copy is mapped write-protected, so that the first
+            // write asks its home for the page: never writable first, even
+            // for a moment.
+            super::uffd::require_continue_wp()?;
+        }
         let uffd = RegionUffd::for_region(&region, &config, false)?;
         let sigbus = uffd.sigbus_method(config.sigbus_method)?;
         let stop_fd = super::stop_eventfd()?;

@@ -65,7 +65,11 @@ pub(super) fn fetched(
     }
     // Dirty before writable: flush skips pages not marked dirty without
     // taking their lock, so the mark must come before any write can land.
-    if write {
+    // A clean page that the kernel maps writable before it is protected
+    // (Linux < 6.4, `RegionUffd::continue_clean`) is marked too, and the
+    // mark comes off below if nothing wrote it meanwhile.
+    let writable_first = frame.is_none() && !write && !shared.uffd.continue_write_protects();
+    if write || writable_first {
         states.set_bits(page, DIRTY);
     }
     // Counted before the install wakes the faulting thread (and taken back
@@ -78,7 +82,7 @@ pub(super) fn fetched(
     if set & PRESENT == 0 {
         Counters::sub(&shared.counters.missing_faults, 1);
     }
-    let clear = if set & PRESENT == 0 {
+    let clear = if set & PRESENT == 0 || (writable_first && set & DIRTY == 0) {
         LOCKED | FETCHING | DIRTY
     } else {
         LOCKED | FETCHING
@@ -107,14 +111,30 @@ fn copy(shared: &Shared, page: usize, frame: &Page, write: bool) -> u32 {
 }
 
 /// `UFFDIO_CONTINUE` of the locked page, whose page cache holds what was
-/// received into the alias; returns the state bits to set, as [`copy`].
+/// received into the alias; returns the state bits to set, as [`copy`]
+/// (`DIRTY` too for a clean page written while it was being protected).
 fn map_alias(shared: &Shared, page: usize, write: bool) -> u32 {
     let addr = shared.region.page_addr(page);
-    // SAFETY: `addr` is a page of the registered range whose page cache now
-    // holds the page we received into the alias.
-    retried(page, "UFFDIO_CONTINUE", || unsafe {
-        shared.uffd.continue_pages(addr, 1, !write)
-    })
+    if write {
+        // SAFETY: `addr` is a page of the registered range whose page cache
+        // now holds the page we received into the alias.
+        return retried(page, "UFFDIO_CONTINUE", || unsafe {
+            shared.uffd.continue_pages(addr, 1, false)
+        });
+    }
+    let alias = shared.region.data_ptr(page);
+    let mut written = false;
+    let set = retried(page, "UFFDIO_CONTINUE", || {
+        // SAFETY: as above; `alias` is the same page in the alias mapping.
+        let (outcome, bits) = unsafe { shared.uffd.continue_clean(addr, alias, 1) }?;
+        written = bits != 0;
+        Ok(outcome)
+    });
+    if written && set & PRESENT != 0 {
+        set | DIRTY
+    } else {
+        set
+    }
 }
 
 /// Runs an install until it is done or fails (`EAGAIN`, the mapping

@@ -58,6 +58,8 @@ mod region;
 mod shared;
 mod slice;
 mod state;
+#[cfg(any(test, feature = "test-hooks"))]
+pub mod test_hooks;
 mod uffd;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -143,7 +145,8 @@ impl GuestMemory {
     /// # Errors
     /// [`GuestMemoryError::Config`] for a bad size, alignment or thread
     /// count; [`GuestMemoryError::Unsupported`] when the kernel's
-    /// userfaultfd lacks write-protect (Linux < 5.7);
+    /// userfaultfd lacks write-protect (Linux < 5.7; for a shared file,
+    /// minor faults or write-protect on its memory, Linux < 5.19);
     /// [`GuestMemoryError::KernelFaultsRefused`] when `config.fault_mode` is
     /// [`FaultMode::KernelAndUser`] and the process may not have kernel-mode
     /// faults;
@@ -435,6 +438,11 @@ fn scan_dirty_tracking(
     );
     let possible = || -> Result<bool, GuestMemoryError> {
         if region.memory() != uffd::Memory::Shmem || handed_over {
+            return Ok(false);
+        }
+        // Acting as a kernel before 6.4, which has no WP_ASYNC either.
+        #[cfg(any(test, feature = "test-hooks"))]
+        if test_hooks::continue_wp_hidden() {
             return Ok(false);
         }
         let offered = uffd::probe_features(config.fault_mode)

@@ -390,18 +390,43 @@ fn continue_run(shared: &Shared, batch: &Batch, run: &[(usize, usize)]) {
     }
     let all = ours[..run.len()].iter().all(|&o| o);
     let counter = &shared.counters.prefetched_pages;
+    // Where the kernel maps pages writable before they are protected
+    // (Linux < 6.4, `RegionUffd::continue_clean`), they are marked dirty
+    // first, as a write fault's page is, and the mark comes off each page
+    // nothing wrote meanwhile.
+    let writable_first = !shared.uffd.continue_write_protects();
+    if writable_first {
+        for (k, &(p, _)) in run.iter().enumerate() {
+            if ours[k] {
+                shared.states.set_bits(p, DIRTY);
+            }
+        }
+    }
+    let settle = |p: usize, written: bool| {
+        let (set, clear) = if written {
+            (PRESENT | DIRTY, LOCKED | FETCHING)
+        } else if writable_first {
+            (PRESENT, LOCKED | FETCHING | DIRTY)
+        } else {
+            (PRESENT, LOCKED | FETCHING)
+        };
+        shared.release(p, set, clear, false);
+    };
     if all {
         Counters::add(counter, run.len() as u64);
         // SAFETY: consecutive pages of the registered range, locked by us,
-        // whose page cache holds what we just received into the alias.
+        // whose page cache holds what we just received into the alias (the
+        // same pages from `data_ptr` on).
         let mapped = unsafe {
-            shared
-                .uffd
-                .continue_pages(shared.region.page_addr(run[0].0), run.len(), true)
+            shared.uffd.continue_clean(
+                shared.region.page_addr(run[0].0),
+                shared.region.data_ptr(run[0].0),
+                run.len(),
+            )
         };
-        if let Ok(CopyOutcome::Copied) = mapped {
-            for &(p, _) in run {
-                shared.release(p, PRESENT, LOCKED | FETCHING, false);
+        if let Ok((CopyOutcome::Copied, written)) = mapped {
+            for (k, &(p, _)) in run.iter().enumerate() {
+                settle(p, written & (1 << k) != 0);
             }
             return;
         }
@@ -414,22 +439,23 @@ fn continue_run(shared: &Shared, batch: &Batch, run: &[(usize, usize)]) {
         }
         Counters::add(counter, 1);
         // SAFETY: as above, for one page.
-        let set = match unsafe {
+        let mapped = unsafe {
             shared
                 .uffd
-                .continue_pages(shared.region.page_addr(p), 1, true)
-        } {
-            Ok(CopyOutcome::Copied) => PRESENT,
-            // Mapped without our knowledge: dirty, so a flush writes it.
-            Ok(CopyOutcome::Exists) => PRESENT | DIRTY,
-            Ok(CopyOutcome::Again) | Err(_) => 0,
+                .continue_clean(shared.region.page_addr(p), shared.region.data_ptr(p), 1)
         };
-        if set & PRESENT == 0 {
-            Counters::sub(counter, 1);
-        }
-        shared.release(p, set, LOCKED | FETCHING, false);
-        if set != PRESENT {
-            shared.wake(p);
+        match mapped {
+            Ok((CopyOutcome::Copied, written)) => settle(p, written != 0),
+            // Mapped without our knowledge: dirty, so a flush writes it.
+            Ok((CopyOutcome::Exists, _)) => {
+                shared.release(p, PRESENT | DIRTY, LOCKED | FETCHING, false);
+                shared.wake(p);
+            }
+            Ok((CopyOutcome::Again, _)) | Err(_) => {
+                Counters::sub(counter, 1);
+                shared.release(p, 0, LOCKED | FETCHING | DIRTY, false);
+                shared.wake(p);
+            }
         }
     }
 }

@@ -134,13 +134,26 @@ pub(crate) fn probe_continue_wp() -> Result<bool, GuestMemoryError> {
     }
 }
 
-fn require_continue_wp() -> Result<(), GuestMemoryError> {
-    if probe_continue_wp()? {
+/// Whether this kernel maps pages write-protected with `UFFDIO_CONTINUE`
+/// (see [`probe_continue_wp`]); a test can make it say no.
+fn continue_wp() -> Result<bool, GuestMemoryError> {
+    #[cfg(any(test, feature = "test-hooks"))]
+    if super::test_hooks::continue_wp_hidden() {
+        return Ok(false);
+    }
+    probe_continue_wp()
+}
+
+/// `Unsupported` unless this kernel maps pages write-protected with
+/// `UFFDIO_CONTINUE` (coherent guest memory cannot do without).
+pub(crate) fn require_continue_wp() -> Result<(), GuestMemoryError> {
+    if continue_wp()? {
         return Ok(());
     }
     Err(GuestMemoryError::Unsupported(
         "UFFDIO_CONTINUE cannot map pages write-protected (UFFDIO_CONTINUE_MODE_WP, \
-         Linux >= 6.4), which dirty tracking of a shared region needs; use GuestBacking::Anonymous"
+         Linux >= 6.4), which coherent guest memory in a shared file needs; use \
+         GuestBacking::Anonymous"
             .into(),
     ))
 }
@@ -163,6 +176,9 @@ pub(crate) struct RegionUffd {
     pub(crate) features: u64,
     /// Bytes of one page of the region (4 KiB, or a huge page).
     unit_bytes: usize,
+    /// A shared region whose kernel maps pages write-protected with
+    /// `UFFDIO_CONTINUE` (Linux >= 6.4; see [`RegionUffd::continue_clean`]).
+    continue_wp: bool,
 }
 
 impl RegionUffd {
@@ -187,9 +203,7 @@ impl RegionUffd {
             features |= feature::WP_ASYNC;
         }
         let shared = memory != Memory::Anonymous;
-        if shared {
-            require_continue_wp()?;
-        }
+        let continue_wp = shared && continue_wp()?;
         uffd.enable(features).map_err(uffd_err("UFFDIO_API"))?;
         let register = if shared {
             RegisterMode::MISSING_MINOR_AND_WP
@@ -202,6 +216,7 @@ impl RegionUffd {
             uffd,
             features,
             unit_bytes,
+            continue_wp,
         })
     }
 
@@ -240,13 +255,14 @@ impl RegionUffd {
                 needed & !enabled
             )));
         }
-        require_continue_wp()?;
+        let continue_wp = continue_wp()?;
         uffd.register(start, len, RegisterMode::MISSING_MINOR_AND_WP)
             .map_err(uffd_err("UFFDIO_REGISTER"))?;
         Ok(Self {
             uffd,
             features: enabled,
             unit_bytes,
+            continue_wp,
         })
     }
 
@@ -393,6 +409,96 @@ impl RegionUffd {
                 _ => Err(err),
             },
         }
+    }
+
+    /// Whether `UFFDIO_CONTINUE` maps this shared region's pages
+    /// write-protected in one call (see [`RegionUffd::continue_clean`]).
+    pub(crate) fn continue_write_protects(&self) -> bool {
+        self.continue_wp
+    }
+
+    /// Maps `pages` clean pages (of the region's page size, at most 64) at
+    /// `dst` of a shared region from the file's page cache, write-protected,
+    /// and wakes their waiters. Returns the outcome and, bit i set, the
+    /// pages written while they were being protected: the caller counts
+    /// them dirty.
+    ///
+    /// Linux >= 6.4 maps them write-protected in one call
+    /// (`UFFDIO_CONTINUE_MODE_WP`): nothing can write them first, and no bit
+    /// is ever set. Linux 5.19-6.3 cannot: the pages are mapped writable
+    /// without waking their waiters, then write-protected, then woken. A
+    /// thread of the guest that is not waiting on them (another vCPU) may
+    /// write one between the first two calls, without a fault. So each
+    /// page's CRC-32C is taken through `alias` before it is mapped (nothing
+    /// of the guest can write it then) and again once it is protected
+    /// (nothing can write it now without a fault): a page whose bytes
+    /// changed was written, and is reported. The caller must have marked
+    /// the pages dirty before this call, so that a flush meanwhile waits
+    /// for them, and clear the mark of the pages not reported.
+    ///
+    /// # Safety
+    /// As [`RegionUffd::continue_pages`]; `alias..` is the alias mapping
+    /// of the same pages.
+    pub(crate) unsafe fn continue_clean(
+        &self,
+        dst: *mut u8,
+        alias: *const u8,
+        pages: usize,
+    ) -> io::Result<(CopyOutcome, u64)> {
+        if self.continue_wp {
+            // SAFETY: forwarded from the caller.
+            return unsafe { self.continue_pages(dst, pages, true) }.map(|outcome| (outcome, 0));
+        }
+        if pages > 64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "at most 64 pages are mapped clean in one call",
+            ));
+        }
+        let unit = self.unit_bytes;
+        let sum = |page: usize| {
+            // SAFETY: page `page` of the alias, mapped by the caller's
+            // contract. No thread of the guest writes it while it is read:
+            // before the install it is not in the guest mapping, after the
+            // write protection a write faults and waits.
+            let bytes =
+                unsafe { std::slice::from_raw_parts(alias.wrapping_add(page * unit), unit) };
+            crate::wire::page_checksum(bytes)
+        };
+        let mut before = [0u32; 64];
+        for (page, before) in before.iter_mut().enumerate().take(pages) {
+            *before = sum(page);
+        }
+        let len = pages * unit;
+        // SAFETY: forwarded from the caller.
+        match unsafe { self.uffd.continue_range_without_wake(dst, len) } {
+            Ok(()) => {}
+            Err(err) => {
+                return match err.raw_os_error() {
+                    // Some pages may be mapped (writable) and their waiters
+                    // asleep: the caller goes page by page, which finds them
+                    // present (dirty) and wakes them.
+                    Some(libc::EEXIST) => Ok((CopyOutcome::Exists, 0)),
+                    Some(libc::EAGAIN) => Ok((CopyOutcome::Again, 0)),
+                    _ => Err(err),
+                };
+            }
+        }
+        #[cfg(any(test, feature = "test-hooks"))]
+        super::test_hooks::before_write_protect(dst, len);
+        let protected = self.uffd.write_protect(dst, len);
+        let mut written = 0u64;
+        for (page, &before) in before.iter().enumerate().take(pages) {
+            // Not protected: writable, so dirty.
+            if protected.is_err() || sum(page) != before {
+                written |= 1 << page;
+            }
+        }
+        if let Err(err) = protected {
+            tracing::warn!(%err, pages, "write-protecting pages just mapped failed; they count as dirty");
+        }
+        self.wake(dst, len);
+        Ok((CopyOutcome::Copied, written))
     }
 
     /// Installs a poison marker on the page at `dst` and wakes its waiters:

@@ -39,7 +39,10 @@ pub(crate) const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
 /// `UFFDIO_WRITEPROTECT_MODE_DONTWAKE`: clear without waking the waiters.
 pub(crate) const UFFDIO_WRITEPROTECT_MODE_DONTWAKE: u64 = 1 << 1;
 
-/// `UFFDIO_CONTINUE_MODE_WP` of `<linux/userfaultfd.h>` (Linux >= 6.2): map
+/// `UFFDIO_CONTINUE_MODE_DONTWAKE`: map the pages without waking their
+/// waiters.
+pub(crate) const UFFDIO_CONTINUE_MODE_DONTWAKE: u64 = 1 << 0;
+/// `UFFDIO_CONTINUE_MODE_WP` of `<linux/userfaultfd.h>` (Linux >= 6.4): map
 /// the pages write-protected.
 pub(crate) const UFFDIO_CONTINUE_MODE_WP: u64 = 1 << 1;
 

@@ -425,7 +425,7 @@ impl Userfaultfd {
 
     /// Maps the pages of `[start, start + len_bytes)` that are already in
     /// the shared file's page cache (`UFFDIO_CONTINUE`, register mode
-    /// `minor`), write-protected when `write_protect` (Linux >= 6.2), and
+    /// `minor`), write-protected when `write_protect` (Linux >= 6.4), and
     /// wakes their waiters. The page cache is filled beforehand through
     /// another mapping of the same file.
     ///
@@ -444,17 +444,53 @@ impl Userfaultfd {
         len_bytes: usize,
         write_protect: bool,
     ) -> io::Result<()> {
+        let mode = if write_protect {
+            abi::UFFDIO_CONTINUE_MODE_WP
+        } else {
+            0
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { self.continue_with_mode(start, len_bytes, mode) }
+    }
+
+    /// As [`Userfaultfd::continue_range`] without write protection, and
+    /// without waking the waiters (`UFFDIO_CONTINUE_MODE_DONTWAKE`): the
+    /// caller finishes the pages first (e.g. write-protects them where the
+    /// kernel cannot map them so), then wakes them with
+    /// [`Userfaultfd::wake`].
+    ///
+    /// # Errors
+    /// As [`Userfaultfd::continue_range`].
+    ///
+    /// # Safety
+    /// As [`Userfaultfd::continue_range`].
+    pub unsafe fn continue_range_without_wake(
+        &self,
+        start: *mut u8,
+        len_bytes: usize,
+    ) -> io::Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.continue_with_mode(start, len_bytes, abi::UFFDIO_CONTINUE_MODE_DONTWAKE) }
+    }
+
+    /// `UFFDIO_CONTINUE` of the range with `mode`.
+    ///
+    /// # Safety
+    /// As [`Userfaultfd::continue_range`].
+    unsafe fn continue_with_mode(
+        &self,
+        start: *mut u8,
+        len_bytes: usize,
+        mode: u64,
+    ) -> io::Result<()> {
         let mut cont = uffdio_continue {
             range: range(start, len_bytes),
-            mode: if write_protect {
-                abi::UFFDIO_CONTINUE_MODE_WP
-            } else {
-                0
-            },
+            mode,
             mapped: 0,
         };
         // SAFETY: `cont` is a live `struct uffdio_continue`; the kernel only
-        // changes page tables of the registered range.
+        // changes page tables of the range, which the caller's contract
+        // allows.
         unsafe { ioctl(self.raw(), abi::UFFDIO_CONTINUE, &mut cont) }?;
         Ok(())
     }
