@@ -63,6 +63,7 @@ fi
 # reserved (seen on a fresh machine on 2026-11-26: ENOMEM from mmap with
 # 16, all passing one at a time or with 64).
 cargo test -p page-server --test guest_memory_hugetlbfs -- --ignored --test-threads=1
+cargo test -p page-server --test guest_memory_shared_before_6_4 -- --ignored --test-threads=1
 ok
 
 step "coordinator on etcd: etcd-server and protoc (the etcd feature's build needs it), clippy, the API suites against a real etcd"

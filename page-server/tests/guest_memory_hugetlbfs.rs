@@ -10,7 +10,6 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Barrier};
 
 use common::*;
@@ -26,37 +25,6 @@ const NODES: usize = 4;
 const REGION: usize = NODES * NODE_BYTES;
 const NEEDS: &str = "needs free 2 MiB huge pages: reserve some as root \
      (echo 16 > /proc/sys/vm/nr_hugepages), as deploy/test-all.sh does";
-
-/// An `MFD_HUGETLB` memfd of `size_bytes`.
-fn huge_memfd(size_bytes: usize) -> Arc<OwnedFd> {
-    // SAFETY: the name is NUL-terminated; the result is checked.
-    let fd = unsafe {
-        libc::memfd_create(
-            c"guest-ram-huge".as_ptr(),
-            libc::MFD_CLOEXEC | libc::MFD_HUGETLB,
-        )
-    };
-    assert!(
-        fd >= 0,
-        "memfd_create(MFD_HUGETLB): {}",
-        std::io::Error::last_os_error()
-    );
-    // SAFETY: `fd` was just created and is owned by nobody else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: plain syscall on our descriptor.
-    let rc = unsafe { libc::ftruncate(fd.as_raw_fd(), size_bytes as libc::off_t) };
-    assert_eq!(rc, 0, "ftruncate: {}", std::io::Error::last_os_error());
-    Arc::new(fd)
-}
-
-fn free_huge_pages() -> usize {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("HugePages_Free:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
-}
 
 struct Cluster {
     _db: tempfile::TempDir,

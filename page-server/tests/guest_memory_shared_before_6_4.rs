@@ -38,8 +38,13 @@ struct Setup {
 /// The hooks are process-wide: the tests of this binary run one at a time.
 static ONE_AT_A_TIME: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
-/// [`Setup`] with read-ahead of up to `prefetch_max_pages`.
+/// [`Setup`] on a memfd, with read-ahead of up to `prefetch_max_pages`.
 fn setup(prefetch_max_pages: usize) -> Setup {
+    setup_on(memfd(2 * NODE_BYTES), prefetch_max_pages)
+}
+
+/// [`Setup`] on `fd` (2 MiB of it: one huge page of a hugetlbfs file).
+fn setup_on(fd: Arc<std::os::fd::OwnedFd>, prefetch_max_pages: usize) -> Setup {
     test_hooks::hide_continue_write_protect(true);
     let (db, coord) = loopback_coordinator();
     let servers = [
@@ -50,7 +55,6 @@ fn setup(prefetch_max_pages: usize) -> Setup {
     let gpas: Vec<u64> = (0..PAGES).map(|p| (p * PAGE_SIZE) as u64).collect();
     let pages: Vec<_> = gpas.iter().map(|&g| page_for(g, 3)).collect();
     mgr.write_pages(&gpas, &pages).unwrap();
-    let fd = memfd(2 * NODE_BYTES);
     let ram = GuestMemory::new(
         Arc::clone(&mgr),
         GuestMemoryConfig {
@@ -299,4 +303,58 @@ fn coherent_memory_in_a_shared_file_needs_continue_with_write_protection() {
         CoherenceConfig::default(),
     )
     .unwrap();
+}
+
+/// On hugetlbfs the huge page is what is mapped, protected and checked
+/// (its 2 MiB summed twice): read in, it is clean; written in that moment,
+/// all of it is sent.
+#[test]
+#[ignore = "needs reserved huge pages; deploy/test-all.sh reserves them and runs it"]
+fn a_huge_page_written_in_that_moment_is_sent_whole() {
+    let _one = ONE_AT_A_TIME.lock();
+    const HUGE: usize = 2 << 20;
+    assert!(
+        free_huge_pages() >= 2,
+        "needs free 2 MiB huge pages (echo 16 > /proc/sys/vm/nr_hugepages)"
+    );
+    let Setup { ram, mgr, .. } = &setup_on(huge_memfd(HUGE), 0);
+    let mut page = [0u8; PAGE_SIZE];
+    ram.read(0, &mut page).unwrap();
+    assert!(page == page_for(0, 3));
+    assert_eq!(ram.flush().unwrap(), 0, "read in: clean");
+    assert_eq!(
+        ram.evict(0, HUGE as u64).unwrap(),
+        (HUGE / PAGE_SIZE) as u64
+    );
+
+    let target_gpa = 300 * PAGE_SIZE as u64;
+    let target = ram.host_addr(target_gpa).unwrap() as usize;
+    let hits = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&hits);
+    test_hooks::set_before_write_protect(Some(Box::new(move |start, len| {
+        let start = start as usize;
+        if (start..start + len).contains(&target) {
+            // SAFETY: as in the tests above.
+            unsafe { std::ptr::write_bytes(target as *mut u8, 0xef, 64) };
+            seen.store(len, Ordering::SeqCst);
+        }
+    })));
+    ram.read(0, &mut page).unwrap();
+    test_hooks::set_before_write_protect(None);
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        HUGE,
+        "the whole huge page was mapped"
+    );
+    let mut expected = page_for(target_gpa, 3);
+    expected[..64].fill(0xef);
+    assert_eq!(
+        ram.flush().unwrap(),
+        (HUGE / PAGE_SIZE) as u64,
+        "sent whole"
+    );
+    assert!(remote(mgr, target_gpa) == expected);
+    assert_eq!(ram.flush().unwrap(), 0);
+    ram.read(target_gpa, &mut page).unwrap();
+    assert!(page == expected);
 }

@@ -61,9 +61,19 @@ pub fn manager(url: &str) -> TransportManager {
 
 /// A memfd of `size_bytes`, as a VMM creates for guest RAM.
 pub fn memfd(size_bytes: usize) -> std::sync::Arc<std::os::fd::OwnedFd> {
+    memfd_with(size_bytes, 0)
+}
+
+/// An `MFD_HUGETLB` memfd of `size_bytes` (needs free huge pages: see
+/// [`free_huge_pages`]).
+pub fn huge_memfd(size_bytes: usize) -> std::sync::Arc<std::os::fd::OwnedFd> {
+    memfd_with(size_bytes, libc::MFD_HUGETLB)
+}
+
+fn memfd_with(size_bytes: usize, flags: libc::c_uint) -> std::sync::Arc<std::os::fd::OwnedFd> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     // SAFETY: the name is NUL-terminated; the result is checked.
-    let fd = unsafe { libc::memfd_create(c"guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(c"guest-ram".as_ptr(), libc::MFD_CLOEXEC | flags) };
     assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
     // SAFETY: `fd` was just created and is owned by nobody else.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
@@ -71,6 +81,16 @@ pub fn memfd(size_bytes: usize) -> std::sync::Arc<std::os::fd::OwnedFd> {
     let rc = unsafe { libc::ftruncate(fd.as_raw_fd(), size_bytes as libc::off_t) };
     assert_eq!(rc, 0, "ftruncate: {}", std::io::Error::last_os_error());
     std::sync::Arc::new(fd)
+}
+
+/// Free 2 MiB huge pages (`HugePages_Free` of /proc/meminfo).
+pub fn free_huge_pages() -> usize {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("HugePages_Free:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 /// A page whose every byte depends on `gpa` and `seed`.

@@ -68,7 +68,10 @@ pub(super) fn fetched(
     // A clean page that the kernel maps writable before it is protected
     // (Linux < 6.4, `RegionUffd::continue_clean`) is marked too, and the
     // mark comes off below if nothing wrote it meanwhile.
-    let writable_first = frame.is_none() && !write && !shared.uffd.continue_write_protects();
+    let writable_first = frame.is_none()
+        && !write
+        && shared.region.is_shared()
+        && !shared.uffd.continue_write_protects();
     if write || writable_first {
         states.set_bits(page, DIRTY);
     }
