@@ -51,6 +51,17 @@ impl Round {
     }
 }
 
+/// What a round runs, in turn.
+#[derive(Clone, Copy)]
+enum Kind {
+    Ours,
+    LocalFault,
+    BareTcp,
+    BareFault,
+    Spread,
+    OursSameCpu,
+}
+
 /// Runs `params.fault_rounds` rounds with `pattern` and returns the
 /// summary lines: per round ours / (local + tcp) and ours / bare fault,
 /// and their medians.
@@ -74,51 +85,50 @@ pub(super) fn rounds(
     };
     let owners = set.owners(&mgr.map());
     let servers = owners.iter().max().map_or(0, |&m| m + 1);
-    // The kinds of run in a round, in the order of the match below.
     let fault_place = params.cpus.fault_servers(1);
     let same_cpu = params
         .cpus
         .same_cpu_servers()
         .filter(|same| *same != fault_place);
-    let mut kinds: Vec<usize> = vec![0, 1, 2, 3];
+    let mut kinds = vec![Kind::Ours, Kind::LocalFault, Kind::BareTcp, Kind::BareFault];
     if servers > 1 {
-        kinds.push(4);
+        kinds.push(Kind::Spread);
     }
     if same_cpu.is_some() {
-        kinds.push(5);
+        kinds.push(Kind::OursSameCpu);
     }
     let mut rounds = Vec::new();
     for r in 0..params.fault_rounds {
         let mut round = Round::default();
         for k in 0..kinds.len() {
             match kinds[(r as usize + k) % kinds.len()] {
-                0 => {
+                Kind::Ours => {
                     params.place_servers(1);
                     let (ours, _) = run.measure(mgr, set, params, 1)?;
                     check("our fault", ours.verified)?;
                     round.ours = ours.latency_us.p50;
                 }
-                1 => {
+                Kind::LocalFault => {
                     let local = local_uffd_baseline(pages.min(16384), spec)?;
                     round.local = Record::new("uffd-local", spec, 0, &local).latency_us.p50;
                     check("local userfaultfd fault", local.verified())?;
                 }
-                2 => {
+                Kind::BareTcp => {
                     let best = crate::baseline::run(tcp_spec, pages, SEED)?;
                     check("bare TCP ping-pong", best.all_verified)?;
                     round.tcp = Record::baseline(tcp_spec, &best).latency_us.p50;
                 }
-                3 => {
+                Kind::BareFault => {
                     let best = crate::baseline::run_remote_fault(spec, pages.min(16384), SEED)?;
                     check("bare remote fault", best.all_verified)?;
                     round.bare = Record::baseline(spec, &best).latency_us.p50;
                 }
-                4 => {
+                Kind::Spread => {
                     let best = crate::baseline::run_spread(tcp_spec, &owners, SEED)?;
                     check("bare TCP ping-pong over spread pages", best.all_verified)?;
                     round.spread = Record::baseline(tcp_spec, &best).latency_us.p50;
                 }
-                _ => {
+                Kind::OursSameCpu => {
                     let Some(same_cpu) = &same_cpu else { continue };
                     params.place(same_cpu);
                     let measured = run.measure(mgr, set, params, 1);
