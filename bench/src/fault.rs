@@ -218,13 +218,9 @@ impl FaultCpus {
     /// runs ours in (fault/alternate.rs). `None` when the command line
     /// placed the servers or the handlers are not pinned.
     pub fn same_cpu_servers(&self) -> Option<ServerPlacement> {
-        if self.server_cpus.is_some() || self.server_spin.is_some() {
-            return None;
-        }
-        Some(ServerPlacement {
-            cpus: vec![*self.handlers.first()?],
-            spin: Duration::ZERO,
-        })
+        let placed = self.server_cpus.is_some() || self.server_spin.is_some();
+        // The flush runs' placement, when the bench chooses it.
+        (!placed && !self.handlers.is_empty()).then(|| self.flush_servers())
     }
 
     /// The flush runs' (see [`flush_servers`]).

@@ -69,12 +69,8 @@ pub fn run(job: &Job<'_>, rounds: u64) -> anyhow::Result<Vec<String>> {
                     let best = baseline::run(spec, job.set.len(), job.seed)?;
                     check("bare TCP ping-pong", best.all_verified)?;
                     round.bare = p(&Record::baseline(spec, &best));
-                    let layout = |layout: Layout| {
-                        best.tried
-                            .iter()
-                            .find(|t| t.layout == layout.name())
-                            .map(|t| (t.p50_us, t.p99_us))
-                    };
+                    let layout =
+                        |layout: Layout| best.tried_in(layout).map(|t| (t.p50_us, t.p99_us));
                     round.bare_same_cpu = layout(Layout::SameCpuBlocking);
                     round.bare_spinning = layout(Layout::CrossCpuSpinning);
                 }

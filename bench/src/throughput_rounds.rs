@@ -56,9 +56,7 @@ pub fn run(job: &Job<'_>, rounds: u64) -> anyhow::Result<Vec<String>> {
                 round.bare_gb_per_s = record.throughput.gb_per_s;
                 round.bare_layout = best.layout.name().to_string();
                 round.bare_spinning_gb_per_s = best
-                    .tried
-                    .iter()
-                    .find(|t| t.layout == Layout::CrossCpuSpinning.name())
+                    .tried_in(Layout::CrossCpuSpinning)
                     .map(|t| t.pages_per_s * PAGE_SIZE as f64 / 1e9);
             }
         }

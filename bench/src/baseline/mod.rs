@@ -43,6 +43,13 @@ pub struct Best {
     pub all_verified: bool,
 }
 
+impl Best {
+    /// The run in `layout`, if it was tried.
+    pub fn tried_in(&self, layout: Layout) -> Option<&LayoutResult> {
+        self.tried.iter().find(|t| t.layout == layout.name())
+    }
+}
+
 /// Runs the ping-pong with `spec` (threads ignored: one client) in every
 /// layout this process can have, over `pages` pages of `seed`'s pattern,
 /// and keeps the one with the lowest p50 (the first on a tie).
