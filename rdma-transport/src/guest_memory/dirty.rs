@@ -44,6 +44,17 @@
 //! On hugetlbfs a page of the region is a huge page (see `region.rs`): it
 //! is tracked, write-protected, written back (always in place, as its
 //! 4 KiB pages) and dropped whole, one per run.
+//!
+//! A shared file on a kernel that cannot write-protect shared memory (Linux
+//! 5.13-5.18, [`RegionUffd::write_protects`]) has no tracking: every page
+//! mapped counts as dirty from its install on. There `evict` unmaps a chunk
+//! from the guest instead of protecting it (every touch, read or write,
+//! then waits in its fault), and `flush` evicts every dirty run
+//! ([`flush_unprotected`]): nothing written before it is missed, no page is
+//! sent torn, and the pages come back on their next touch, from their
+//! owners.
+//!
+//! [`RegionUffd::write_protects`]: super::uffd::RegionUffd::write_protects
 
 use crate::error::TransportError;
 
@@ -66,6 +77,9 @@ fn max_run(shared: &Shared) -> usize {
 pub(crate) fn flush(shared: &Shared) -> Result<u64, GuestMemoryError> {
     if let Some(pagemap) = &shared.pagemap {
         return super::dirty_scan::flush(shared, pagemap);
+    }
+    if !shared.uffd.write_protects() {
+        return flush_unprotected(shared);
     }
     let mut wb = shared.writeback.lock();
     let states = &shared.states;
@@ -117,6 +131,53 @@ pub(crate) fn flush(shared: &Shared) -> Result<u64, GuestMemoryError> {
     }
     group.flush(shared, &mut wb);
     send_bounce(shared, &mut wb, &mut outcome);
+    outcome.into_result()
+}
+
+/// `flush` of a region whose pages cannot be write-protected: each run of
+/// dirty pages (every page mapped) is evicted, as `evict` does it: locked,
+/// unmapped from the guest, written back, dropped. Returns how many 4 KiB
+/// pages were written; a run whose write-back failed stays in the file and
+/// dirty, and maps again on its next touch (`handler::before_fetch`).
+fn flush_unprotected(shared: &Shared) -> Result<u64, GuestMemoryError> {
+    let mut wb = shared.writeback.lock();
+    let states = &shared.states;
+    let pages = states.len();
+    let max_run = max_run(shared);
+    let mut outcome = Outcome::default();
+    let mut page = 0;
+    while page < pages {
+        if states.load(page) & DIRTY == 0 {
+            page += 1;
+            continue;
+        }
+        let first = page;
+        let mut end = first + 1;
+        while end < pages && end - first < max_run && states.load(end) & DIRTY != 0 {
+            end += 1;
+        }
+        for p in first..end {
+            states.lock_spin(p);
+        }
+        let mut written = 0;
+        let result = evict_chunk(shared, &mut wb, first, end, &mut written);
+        outcome.written += written;
+        if let Err(err) = result {
+            wb.index.clear();
+            wb.gpas.clear();
+            for p in first..end {
+                shared.release(p, 0, LOCKED, false);
+            }
+            match err {
+                GuestMemoryError::WriteBack { pages, source } => {
+                    outcome.failed += pages;
+                    outcome.first_error.get_or_insert(source);
+                }
+                other => return Err(other),
+            }
+        }
+        page = end;
+    }
     outcome.into_result()
 }
 
@@ -340,7 +401,7 @@ pub(crate) fn evict(shared: &Shared, first: usize, end: usize) -> Result<u64, Gu
         for page in chunk..chunk_end {
             shared.states.lock_spin(page);
         }
-        let result = evict_chunk(shared, &mut wb, chunk, chunk_end);
+        let result = evict_chunk(shared, &mut wb, chunk, chunk_end, &mut 0);
         if result.is_err() {
             // Nothing is dropped: the pages stay mapped (and dirty: evict
             // never clears the mark of a page it did not drop).
@@ -357,23 +418,37 @@ pub(crate) fn evict(shared: &Shared, first: usize, end: usize) -> Result<u64, Gu
     Ok(dropped)
 }
 
-/// Evicts the locked chunk `[chunk, end)`: write-protect (one ioctl), write
-/// back its dirty pages (long runs from memory, the rest in one bounce
-/// batch), drop, release. On error the chunk is left locked and mapped.
+/// Evicts the locked chunk `[chunk, end)`: write-protect (one ioctl; or,
+/// where the region cannot be, unmap it from the guest), write back its
+/// dirty pages (long runs from memory, the rest in one bounce batch), drop,
+/// release. Adds the 4 KiB pages written to `written`. On error the chunk
+/// is left locked, and mapped (unless it was unmapped: its pages are still
+/// in the file, and `handler::before_fetch` maps them again).
 fn evict_chunk(
     shared: &Shared,
     wb: &mut Writeback,
     chunk: usize,
     end: usize,
+    written: &mut u64,
 ) -> Result<u64, GuestMemoryError> {
-    let base = shared.region.page_addr(chunk);
-    shared
-        .uffd
-        .write_protect(base, (end - chunk) * shared.region.unit_bytes())
-        .map_err(|source| GuestMemoryError::Userfaultfd {
-            op: "UFFDIO_WRITEPROTECT",
-            source,
-        })?;
+    if shared.uffd.write_protects() {
+        let base = shared.region.page_addr(chunk);
+        shared
+            .uffd
+            .write_protect(base, (end - chunk) * shared.region.unit_bytes())
+            .map_err(|source| GuestMemoryError::Userfaultfd {
+                op: "UFFDIO_WRITEPROTECT",
+                source,
+            })?;
+    } else {
+        shared
+            .region
+            .unmap_guest(chunk, end)
+            .map_err(|source| GuestMemoryError::Memory {
+                op: "madvise(MADV_DONTNEED)",
+                source,
+            })?;
+    }
     let dirty = |p: usize| shared.states.load(p) & (DIRTY | PRESENT) == (DIRTY | PRESENT);
     let mut run = chunk;
     while run < end {
@@ -385,18 +460,22 @@ fn evict_chunk(
         while run_end < end && dirty(run_end) {
             run_end += 1;
         }
-        if (run_end - run) * shared.region.unit_pages() >= ZERO_COPY_MIN_PAGES {
+        let run_pages = (run_end - run) * shared.region.unit_pages();
+        if run_pages >= ZERO_COPY_MIN_PAGES {
             send_run(shared, run, run_end).map_err(|source| GuestMemoryError::WriteBack {
-                pages: run_end - run,
+                pages: run_pages,
                 source,
             })?;
+            *written += run_pages as u64;
         } else {
             (run..run_end).for_each(|p| copy_to_bounce(shared, wb, p));
         }
         run = run_end;
     }
+    let bounced = wb.index.len() as u64;
     send_evicted_batch(shared, wb)
         .map_err(|(pages, source)| GuestMemoryError::WriteBack { pages, source })?;
+    *written += bounced;
     shared
         .region
         .drop_pages(chunk, end)

@@ -636,6 +636,9 @@ pub(super) enum BeforeFetch {
 
 /// Shared by both backings' fault paths (see [`BeforeFetch`]).
 pub(super) fn before_fetch(shared: &Shared, page: usize, s: u32) -> BeforeFetch {
+    if s & PRESENT != 0 && !shared.uffd.write_protects() {
+        return present_unprotected(shared, page, s);
+    }
     if s & (PRESENT | POISONED) != 0 {
         // Resolved since the fault was raised; make sure it is awake.
         shared.wake(page);
@@ -652,6 +655,44 @@ pub(super) fn before_fetch(shared: &Shared, page: usize, s: u32) -> BeforeFetch 
         return BeforeFetch::Done;
     }
     BeforeFetch::Fetch
+}
+
+/// A fault on a present page of a region that cannot write-protect (a
+/// shared file on Linux < 5.19). Flush and evict unmap such pages from the
+/// guest while they hold them (their contents stay in the file): the fault
+/// waits for them (and then finds the page dropped, or mapped again). A
+/// page they left unmapped after a failed write-back, or one the fault was
+/// raised for before its install, is mapped again from the file, under its
+/// lock, writable: it was dirty and stays so.
+fn present_unprotected(shared: &Shared, page: usize, s: u32) -> BeforeFetch {
+    if s & LOCKED != 0 {
+        if !shared.states.defer(page, LOCKED) {
+            return BeforeFetch::Again;
+        }
+        Counters::add(&shared.counters.deferred_faults, 1);
+        return BeforeFetch::Done;
+    }
+    let Some(locked) = shared.states.try_lock(page) else {
+        return BeforeFetch::Again;
+    };
+    if locked & PRESENT == 0 {
+        shared.release(page, 0, LOCKED, false);
+        return BeforeFetch::Again;
+    }
+    // SAFETY: a page of the registered range, locked by us, whose contents
+    // are in the file's page cache (present, and only ever unmapped from
+    // the guest while present).
+    let mapped = unsafe {
+        shared
+            .uffd
+            .continue_pages(shared.region.page_addr(page), 1, false)
+    };
+    if let Err(err) = mapped {
+        tracing::warn!(%err, page, "mapping a present page again failed");
+    }
+    shared.release(page, 0, LOCKED, false);
+    shared.wake(page);
+    BeforeFetch::Done
 }
 
 /// Makes the thread faulting on `page` take SIGBUS, with the region's

@@ -312,6 +312,16 @@ impl GuestMemory {
         }
     }
 
+    /// False when the kernel cannot write-protect the region's memory (a
+    /// shared file on Linux 5.13-5.18): then no write is tracked, every
+    /// page mapped counts as dirty, and `flush` writes back and unmaps
+    /// every mapped page (their next touch fetches them from their owners).
+    /// [`GuestMemory::dirty_tracking`] then names the method the region
+    /// would use on a newer kernel.
+    pub fn tracks_writes(&self) -> bool {
+        self.shared.uffd.write_protects()
+    }
+
     /// How a failed fault turns into SIGBUS on this host (`Auto` resolved).
     pub fn sigbus_method(&self) -> SigbusMethod {
         self.shared.sigbus

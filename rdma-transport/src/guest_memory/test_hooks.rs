@@ -2,7 +2,8 @@
 //! `test-hooks` feature, never in a release of the library): a test can
 //! make a shared region behave as on Linux 5.19-6.3, whose
 //! `UFFDIO_CONTINUE` cannot map pages write-protected, and write into pages
-//! in the moment such a kernel leaves them writable.
+//! in the moment such a kernel leaves them writable; or as on Linux
+//! 5.13-5.18, which cannot write-protect shared memory at all.
 //!
 //! Both settings are process-wide: a test binary that uses them should
 //! hold to one setting for all its tests.
@@ -12,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::Mutex;
 
 static HIDE_CONTINUE_WP: AtomicBool = AtomicBool::new(false);
+static HIDE_SHARED_WP: AtomicBool = AtomicBool::new(false);
 
 /// What runs between mapping pages writable and write-protecting them.
 type WindowHook = Box<dyn Fn(*mut u8, usize) + Send + Sync>;
@@ -26,7 +28,19 @@ pub fn hide_continue_write_protect(hide: bool) {
 }
 
 pub(crate) fn continue_wp_hidden() -> bool {
-    HIDE_CONTINUE_WP.load(Ordering::SeqCst)
+    HIDE_CONTINUE_WP.load(Ordering::SeqCst) || shared_wp_hidden()
+}
+
+/// From now on, guest memory made on a shared file acts as if the kernel's
+/// userfaultfd had no write protection on shared memory
+/// (`UFFD_FEATURE_WP_HUGETLBFS_SHMEM`, Linux < 5.19): its pages are mapped
+/// writable and always count as dirty (see `dirty::flush_unprotected`).
+pub fn hide_shared_write_protect(hide: bool) {
+    HIDE_SHARED_WP.store(hide, Ordering::SeqCst);
+}
+
+pub(crate) fn shared_wp_hidden() -> bool {
+    HIDE_SHARED_WP.load(Ordering::SeqCst)
 }
 
 /// Runs `hook(start, len_bytes)` on the fault handler's thread each time

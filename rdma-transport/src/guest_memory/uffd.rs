@@ -19,13 +19,14 @@ const REQUIRED: u64 = feature::PAGEFAULT_FLAG_WP | feature::THREAD_ID;
 
 /// Features a region in a shared-memory file needs on top of [`REQUIRED`]:
 /// MISSING faults on holes, MINOR faults on pages in the page cache
-/// (resolved with `UFFDIO_CONTINUE`), write-protect on shmem.
-const REQUIRED_SHMEM: u64 =
-    feature::MISSING_SHMEM | feature::MINOR_SHMEM | feature::WP_HUGETLBFS_SHMEM;
+/// (resolved with `UFFDIO_CONTINUE`; Linux >= 5.14). Write protection of
+/// shmem ([`feature::WP_HUGETLBFS_SHMEM`], Linux >= 5.19) is enabled when
+/// offered; without it the region's pages are mapped writable and always
+/// count as dirty ([`RegionUffd::write_protects`]).
+const REQUIRED_SHMEM: u64 = feature::MISSING_SHMEM | feature::MINOR_SHMEM;
 
-/// The same for a hugetlbfs file.
-const REQUIRED_HUGETLBFS: u64 =
-    feature::MISSING_HUGETLBFS | feature::MINOR_HUGETLBFS | feature::WP_HUGETLBFS_SHMEM;
+/// The same for a hugetlbfs file (Linux >= 5.13).
+const REQUIRED_HUGETLBFS: u64 = feature::MISSING_HUGETLBFS | feature::MINOR_HUGETLBFS;
 
 /// What the guest mapping is made of, as far as userfaultfd cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,15 +53,22 @@ impl Memory {
     fn feature_names(self) -> &'static str {
         match self {
             Self::Anonymous => "",
-            Self::Shmem => ", MISSING_SHMEM, MINOR_SHMEM, WP_HUGETLBFS_SHMEM",
-            Self::Hugetlbfs => ", MISSING_HUGETLBFS, MINOR_HUGETLBFS, WP_HUGETLBFS_SHMEM",
+            Self::Shmem => ", MISSING_SHMEM, MINOR_SHMEM",
+            Self::Hugetlbfs => ", MISSING_HUGETLBFS, MINOR_HUGETLBFS",
         }
     }
 }
 
 /// The features to enable, given what the kernel `offered`: the required
-/// ones (and those of a shared-memory file), plus poison when offered.
+/// ones (and those of a shared-memory file), plus poison, and write
+/// protection of a shared-memory file, when offered.
 pub(crate) fn features_to_enable(offered: u64, memory: Memory) -> Result<u64, GuestMemoryError> {
+    #[cfg(any(test, feature = "test-hooks"))]
+    let offered = if super::test_hooks::shared_wp_hidden() {
+        offered & !feature::WP_HUGETLBFS_SHMEM
+    } else {
+        offered
+    };
     if offered & REQUIRED != REQUIRED {
         return Err(GuestMemoryError::Unsupported(format!(
             "the kernel's userfaultfd lacks write-protect or thread ids \
@@ -72,11 +80,12 @@ pub(crate) fn features_to_enable(offered: u64, memory: Memory) -> Result<u64, Gu
     if file != 0 {
         if offered & file != file {
             return Err(GuestMemoryError::Unsupported(format!(
-                "the kernel's userfaultfd lacks minor faults or write-protect on {memory:?} \
-                 (features {offered:#x}; need Linux >= 6.2); use GuestBacking::Anonymous"
+                "the kernel's userfaultfd lacks minor faults on {memory:?} \
+                 (features {offered:#x}; need Linux >= 5.14 for shmem, 5.13 for \
+                 hugetlbfs); use GuestBacking::Anonymous"
             )));
         }
-        needed |= file;
+        needed |= file | (offered & feature::WP_HUGETLBFS_SHMEM);
     }
     Ok(needed | (offered & feature::POISON))
 }
@@ -121,8 +130,12 @@ pub(crate) fn probe_continue_wp() -> Result<bool, GuestMemoryError> {
     cvt(n).map_err(&probe)?;
     let map = FileMap::new(&fd, 0, PAGE_SIZE, PAGE_SIZE)?;
     let uffd = Userfaultfd::open(FaultMode::UserOnly).map_err(&probe)?;
-    uffd.enable(feature::MINOR_SHMEM | feature::WP_HUGETLBFS_SHMEM)
-        .map_err(&probe)?;
+    match uffd.enable(feature::MINOR_SHMEM | feature::WP_HUGETLBFS_SHMEM) {
+        Ok(_) => {}
+        // No write protection of shmem at all (Linux < 5.19).
+        Err(err) if err.raw_os_error() == Some(libc::EINVAL) => return Ok(false),
+        Err(err) => return Err(probe(err)),
+    }
     uffd.register(map.as_ptr(), PAGE_SIZE, RegisterMode::MISSING_MINOR_AND_WP)
         .map_err(&probe)?;
     // SAFETY: the probe's own registered page, in the page cache, which
@@ -179,6 +192,9 @@ pub(crate) struct RegionUffd {
     /// A shared region whose kernel maps pages write-protected with
     /// `UFFDIO_CONTINUE` (Linux >= 6.4; see [`RegionUffd::continue_clean`]).
     continue_wp: bool,
+    /// The region's pages can be write-protected: anonymous memory, or a
+    /// shared file on Linux >= 5.19 (see [`RegionUffd::write_protects`]).
+    write_protects: bool,
 }
 
 impl RegionUffd {
@@ -203,20 +219,28 @@ impl RegionUffd {
             features |= feature::WP_ASYNC;
         }
         let shared = memory != Memory::Anonymous;
-        let continue_wp = shared && continue_wp()?;
+        let write_protects = !shared || features & feature::WP_HUGETLBFS_SHMEM != 0;
+        let continue_wp = shared && write_protects && continue_wp()?;
         uffd.enable(features).map_err(uffd_err("UFFDIO_API"))?;
-        let register = if shared {
-            RegisterMode::MISSING_MINOR_AND_WP
-        } else {
-            RegisterMode::MISSING_AND_WP
+        let register = match (shared, write_protects) {
+            (false, _) => RegisterMode::MISSING_AND_WP,
+            (true, true) => RegisterMode::MISSING_MINOR_AND_WP,
+            (true, false) => RegisterMode::MISSING_AND_MINOR,
         };
         uffd.register(start, len, register)
             .map_err(uffd_err("UFFDIO_REGISTER"))?;
+        if !write_protects {
+            tracing::info!(
+                "this kernel cannot write-protect shared memory (Linux < 5.19): every page of \
+                 the region counts as dirty, and flush unmaps the pages it writes back"
+            );
+        }
         Ok(Self {
             uffd,
             features,
             unit_bytes,
             continue_wp,
+            write_protects,
         })
     }
 
@@ -246,6 +270,12 @@ impl RegionUffd {
                     "the handed-over userfaultfd has not done its UFFDIO_API handshake".into(),
                 )
             })?;
+        #[cfg(any(test, feature = "test-hooks"))]
+        let enabled = if super::test_hooks::shared_wp_hidden() {
+            enabled & !feature::WP_HUGETLBFS_SHMEM
+        } else {
+            enabled
+        };
         let needed = REQUIRED | memory.required();
         if enabled & needed != needed {
             return Err(GuestMemoryError::Unsupported(format!(
@@ -255,14 +285,21 @@ impl RegionUffd {
                 needed & !enabled
             )));
         }
-        let continue_wp = continue_wp()?;
-        uffd.register(start, len, RegisterMode::MISSING_MINOR_AND_WP)
+        let write_protects = enabled & feature::WP_HUGETLBFS_SHMEM != 0;
+        let continue_wp = write_protects && continue_wp()?;
+        let register = if write_protects {
+            RegisterMode::MISSING_MINOR_AND_WP
+        } else {
+            RegisterMode::MISSING_AND_MINOR
+        };
+        uffd.register(start, len, register)
             .map_err(uffd_err("UFFDIO_REGISTER"))?;
         Ok(Self {
             uffd,
             features: enabled,
             unit_bytes,
             continue_wp,
+            write_protects,
         })
     }
 
@@ -417,6 +454,15 @@ impl RegionUffd {
         self.continue_wp
     }
 
+    /// Whether the region's pages can be write-protected, and so writes
+    /// tracked. Not for a shared file on Linux 5.13-5.18: there every
+    /// mapped page counts as dirty ([`RegionUffd::continue_clean`] says
+    /// so), flush and evict unmap a page from the guest before they write
+    /// it back, and no write-protect fault ever comes.
+    pub(crate) fn write_protects(&self) -> bool {
+        self.write_protects
+    }
+
     /// Maps `pages` clean pages (of the region's page size, at most 64) at
     /// `dst` of a shared region from the file's page cache, write-protected,
     /// and wakes their waiters. Returns the outcome and, bit i set, the
@@ -436,6 +482,9 @@ impl RegionUffd {
     /// the pages dirty before this call, so that a flush meanwhile waits
     /// for them, and clear the mark of the pages not reported.
     ///
+    /// Linux 5.13-5.18 cannot write-protect shared memory at all: the
+    /// pages are mapped writable and every bit is set.
+    ///
     /// # Safety
     /// As [`RegionUffd::continue_pages`]; `alias..` is the alias mapping
     /// of the same pages.
@@ -454,6 +503,12 @@ impl RegionUffd {
                 io::ErrorKind::InvalidInput,
                 "at most 64 pages are mapped clean in one call",
             ));
+        }
+        if !self.write_protects {
+            // Nothing can protect them: mapped writable, all of them dirty.
+            let all = u64::MAX >> (64 - pages.max(1));
+            // SAFETY: forwarded from the caller.
+            return unsafe { self.continue_pages(dst, pages, false) }.map(|outcome| (outcome, all));
         }
         let unit = self.unit_bytes;
         let sum = |page: usize| {

@@ -111,6 +111,13 @@ impl RegisterMode {
         write_protect: true,
         minor: false,
     };
+    /// Missing-page and minor faults (shared memory on a kernel without
+    /// write protection of it, Linux < 5.19).
+    pub const MISSING_AND_MINOR: Self = Self {
+        missing: true,
+        write_protect: false,
+        minor: true,
+    };
     /// Missing-page, minor and write-protect faults (shared memory).
     pub const MISSING_MINOR_AND_WP: Self = Self {
         missing: true,
