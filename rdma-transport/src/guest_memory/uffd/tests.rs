@@ -36,7 +36,19 @@ fn shared_memory_needs_minor_and_shmem_write_protect() {
     );
     assert_eq!(
         features_to_enable(REQUIRED | REQUIRED_SHMEM, Memory::Shmem).unwrap(),
-        REQUIRED | REQUIRED_SHMEM
+        REQUIRED | REQUIRED_SHMEM,
+        "Linux 5.14-5.18: no write protection of shmem, taken without it"
+    );
+    let wp = feature::WP_HUGETLBFS_SHMEM;
+    assert_eq!(
+        features_to_enable(REQUIRED | REQUIRED_SHMEM | wp, Memory::Shmem).unwrap(),
+        REQUIRED | REQUIRED_SHMEM | wp,
+        "enabled where offered"
+    );
+    assert_eq!(
+        features_to_enable(REQUIRED | wp, Memory::Anonymous).unwrap(),
+        REQUIRED,
+        "not for anonymous memory"
     );
     let offered = probe_features(FaultMode::UserOnly).expect("userfaultfd(2) works on this host");
     assert_eq!(
