@@ -598,6 +598,19 @@ pub unsafe extern "C" fn rt_guest_memory_dirty_tracking(memory: *const RtGuestMe
     })
 }
 
+/// 1 when the region's writes are tracked; 0 when the kernel cannot
+/// write-protect its memory (a `shared_fd` region on Linux 5.13-5.18: every
+/// mapped page counts as dirty, and `rt_guest_memory_flush` writes back
+/// and unmaps every mapped page) or for a NULL handle.
+///
+/// # Safety
+/// `memory` must be NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn rt_guest_memory_tracks_writes(memory: *const RtGuestMemory) -> u32 {
+    // SAFETY: the caller passes NULL or a live handle.
+    unsafe { memory.as_ref() }.map_or(0, |m| u32::from(m.inner.tracks_writes()))
+}
+
 /// 1 when the manager's RDMA reads and writes of the region's pages land in
 /// and go out of guest memory directly (a `shared_fd` region whose second
 /// mapping is registered with the device, see `rdma_bounce`); 0 when they

@@ -282,6 +282,9 @@ int main(int argc, char **argv) {
    * 6.7), write-protect faults on a handed-over one. */
   EXPECT(rt_guest_memory_dirty_tracking(g) ==
          (handover ? RT_DIRTY_TRACKING_WRITE_FAULTS : RT_DIRTY_TRACKING_PAGEMAP_SCAN));
+  /* This host's kernel write-protects shared memory (Linux >= 5.19). */
+  EXPECT(rt_guest_memory_tracks_writes(g) == 1);
+  EXPECT(rt_guest_memory_tracks_writes(NULL) == 0);
 
   /* Round 1 through guest memory: every page faulted in from its owner,
    * straight into the file. */
