@@ -64,6 +64,7 @@ fi
 # 16, all passing one at a time or with 64).
 cargo test -p page-server --test guest_memory_hugetlbfs -- --ignored --test-threads=1
 cargo test -p page-server --test guest_memory_shared_before_6_4 -- --ignored --test-threads=1
+cargo test -p page-server --test guest_memory_shared_without_wp -- --ignored --test-threads=1
 ok
 
 step "coordinator on etcd: etcd-server and protoc (the etcd feature's build needs it), clippy, the API suites against a real etcd"

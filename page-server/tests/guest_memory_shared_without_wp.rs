@@ -39,6 +39,11 @@ struct Setup {
 static ONE_AT_A_TIME: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
 fn setup(prefetch_max_pages: usize) -> Setup {
+    setup_on(memfd(2 * NODE_BYTES), prefetch_max_pages)
+}
+
+/// [`Setup`] on `fd` (2 MiB of it: one huge page of a hugetlbfs file).
+fn setup_on(fd: Arc<std::os::fd::OwnedFd>, prefetch_max_pages: usize) -> Setup {
     test_hooks::hide_shared_write_protect(true);
     let (db, coord) = loopback_coordinator();
     let servers = [
@@ -49,7 +54,6 @@ fn setup(prefetch_max_pages: usize) -> Setup {
     let gpas: Vec<u64> = (0..PAGES).map(|p| (p * PAGE_SIZE) as u64).collect();
     let pages: Vec<_> = gpas.iter().map(|&g| page_for(g, 3)).collect();
     mgr.write_pages(&gpas, &pages).unwrap();
-    let fd = memfd(2 * NODE_BYTES);
     let ram = GuestMemory::new(
         Arc::clone(&mgr),
         GuestMemoryConfig {
@@ -260,4 +264,120 @@ fn coherent_memory_in_a_shared_file_is_refused() {
         "{:?}",
         refused.err()
     );
+}
+
+/// The hypervisor's own userfaultfd, handed over, on such a kernel: its
+/// handshake could not enable shmem write protection, and the region takes
+/// it as it is (where the kernel offers the feature, the same descriptor is
+/// refused: the hypervisor should have enabled it). The hypervisor's own
+/// accesses are served, and its writes reach their owners.
+#[test]
+fn a_handed_over_userfaultfd_without_write_protection() {
+    use common::vmm_view::VmmView;
+    use rdma_transport::guest_memory::HandedOverUffd;
+    use rdma_transport::uffd::{feature, FaultMode, RegisterMode, Userfaultfd};
+    let _one = ONE_AT_A_TIME.lock();
+    let Setup { mgr, .. } = &setup(0);
+    let fd = memfd(NODE_BYTES);
+    let vmm = VmmView::new(&fd, NODE_BYTES);
+    let uffd = Userfaultfd::open(FaultMode::KernelAndUser).unwrap();
+    uffd.enable(
+        feature::PAGEFAULT_FLAG_WP
+            | feature::THREAD_ID
+            | feature::MISSING_SHMEM
+            | feature::MINOR_SHMEM,
+    )
+    .unwrap();
+    uffd.register(vmm.ptr, NODE_BYTES, RegisterMode::MISSING)
+        .unwrap();
+    let uffd = Arc::new(
+        std::os::fd::AsFd::as_fd(&uffd)
+            .try_clone_to_owned()
+            .unwrap(),
+    );
+    let new = || {
+        // SAFETY: `vmm` maps the memfd at offset 0 for NODE_BYTES and
+        // outlives the region; nothing else reads `uffd`.
+        let handed = unsafe { HandedOverUffd::new(Arc::clone(&uffd), vmm.ptr) };
+        GuestMemory::new(
+            Arc::clone(mgr),
+            GuestMemoryConfig {
+                handler_cpus: Some(vec![]),
+                fault_timeout_ms: 2000,
+                prefetch_max_pages: 0,
+                backing: GuestBacking::SharedFile(
+                    SharedFile::new(Arc::clone(&fd), 0).with_uffd(handed),
+                ),
+                ..GuestMemoryConfig::new(0, NODE_BYTES)
+            },
+        )
+    };
+    test_hooks::hide_shared_write_protect(false);
+    let refused = new();
+    test_hooks::hide_shared_write_protect(true);
+    assert!(
+        matches!(&refused, Err(GuestMemoryError::Unsupported(m)) if m.contains("WP_HUGETLBFS_SHMEM")),
+        "{:?}",
+        refused.as_ref().err()
+    );
+    drop(refused);
+    let ram = new().unwrap();
+    assert!(!ram.tracks_writes());
+    for p in 0..8 {
+        let gpa = (p * PAGE_SIZE) as u64;
+        assert!(vmm.page(p) == page_for(gpa, 3), "the VMM reads page {p}");
+    }
+    for p in 0..4 {
+        vmm.fill(p, 0x77);
+    }
+    assert_eq!(ram.flush().unwrap(), 8, "every page it touched");
+    for p in 0..8 {
+        let gpa = (p * PAGE_SIZE) as u64;
+        let expected = if p < 4 {
+            vec![0x77; PAGE_SIZE]
+        } else {
+            page_for(gpa, 3).to_vec()
+        };
+        assert!(remote(mgr, gpa) == expected, "owner of page {p}");
+        assert!(vmm.page(p) == expected, "the VMM reads page {p} again");
+    }
+}
+
+/// On hugetlbfs (Linux 5.13-5.18 have its minor faults, not its write
+/// protection) the huge page is what is mapped, dirty, sent whole and
+/// unmapped: read in, a flush sends its 512 pages; written, the write
+/// reaches its owner and comes back.
+#[test]
+#[ignore = "needs reserved huge pages; deploy/test-all.sh reserves them and runs it"]
+fn a_huge_page_is_sent_whole_and_unmapped() {
+    let _one = ONE_AT_A_TIME.lock();
+    const HUGE: usize = 2 << 20;
+    assert!(
+        free_huge_pages() >= 2,
+        "needs free 2 MiB huge pages (echo 16 > /proc/sys/vm/nr_hugepages)"
+    );
+    let Setup { ram, mgr, .. } = &setup_on(huge_memfd(HUGE), 0);
+    let mut page = [0u8; PAGE_SIZE];
+    ram.read(0, &mut page).unwrap();
+    assert!(page == page_for(0, 3));
+    assert_eq!(
+        ram.flush().unwrap(),
+        (HUGE / PAGE_SIZE) as u64,
+        "read in: sent whole"
+    );
+    assert_eq!(ram.flush().unwrap(), 0, "unmapped by the flush");
+    let target_gpa = 300 * PAGE_SIZE as u64;
+    let mut written = page_for(target_gpa, 3);
+    written[..64].fill(0xef);
+    ram.write(target_gpa, &written).unwrap();
+    assert_eq!(
+        ram.flush().unwrap(),
+        (HUGE / PAGE_SIZE) as u64,
+        "written: sent whole"
+    );
+    assert!(remote(mgr, target_gpa) == written);
+    ram.read(target_gpa, &mut page).unwrap();
+    assert!(page == written, "fetched again with the write");
+    ram.read(PAGE_SIZE as u64, &mut page).unwrap();
+    assert!(page == page_for(PAGE_SIZE as u64, 3));
 }

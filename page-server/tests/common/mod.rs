@@ -6,6 +6,7 @@ pub mod coherent_copies;
 pub mod fake_coordinator;
 pub mod raw;
 pub mod stalling_link;
+pub mod vmm_view;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

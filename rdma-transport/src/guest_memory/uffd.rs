@@ -286,6 +286,18 @@ impl RegionUffd {
             )));
         }
         let write_protects = enabled & feature::WP_HUGETLBFS_SHMEM != 0;
+        if !write_protects {
+            // Untracked writes only where the kernel leaves no choice.
+            let offered = probe_features(mode).map_err(|err| open_error(mode, err))?;
+            if features_to_enable(offered, memory)? & feature::WP_HUGETLBFS_SHMEM != 0 {
+                return Err(GuestMemoryError::Unsupported(format!(
+                    "the handed-over userfaultfd's UFFDIO_API did not enable \
+                     WP_HUGETLBFS_SHMEM ({:#x}), which this kernel offers: without it no \
+                     write to guest memory could be tracked",
+                    feature::WP_HUGETLBFS_SHMEM
+                )));
+            }
+        }
         let continue_wp = write_protects && continue_wp()?;
         let register = if write_protects {
             RegisterMode::MISSING_MINOR_AND_WP
