@@ -149,8 +149,9 @@ pub struct RtGuestMemoryConfig {
     pub shared_fd: i32,
     /// A userfaultfd the caller opened itself (`userfaultfd(2)` and
     /// `UFFDIO_API` with `UFFD_FEATURE_PAGEFAULT_FLAG_WP`, `_THREAD_ID`,
-    /// `_MISSING_SHMEM`, `_MINOR_SHMEM`, `_WP_HUGETLBFS_SHMEM`, and
-    /// `_POISON` for `RT_SIGBUS_METHOD_POISON`), handed over with
+    /// `_MISSING_SHMEM`, `_MINOR_SHMEM`, `_WP_HUGETLBFS_SHMEM` where the
+    /// kernel offers it (Linux >= 5.19; see `rt_guest_memory_tracks_writes`),
+    /// and `_POISON` for `RT_SIGBUS_METHOD_POISON`), handed over with
     /// `handed_over_mapping`; needs `shared_fd`. -1 (the default): the
     /// region opens its own. The library duplicates it like `shared_fd`
     /// (the duplicate shares the open file: the library makes it

@@ -129,9 +129,14 @@ impl SharedFile {
 ///
 /// Features the handshake must have enabled: `PAGEFAULT_FLAG_WP`,
 /// `THREAD_ID`, `MISSING_SHMEM`, `MINOR_SHMEM`, `WP_HUGETLBFS_SHMEM` (and
-/// `POISON` for [`SigbusMethod::Poison`]). The region checks them (from
+/// `POISON` for [`SigbusMethod::Poison`]; `WP_HUGETLBFS_SHMEM` only where
+/// the kernel offers it, Linux >= 5.19: without it writes are not tracked,
+/// see [`GuestMemory::tracks_writes`]). The region checks them (from
 /// `/proc/self/fdinfo`), checks that the address maps the file at the
-/// offset, and registers the mapping for MISSING, MINOR and WP faults.
+/// offset, and registers the mapping for MISSING, MINOR and WP faults (WP
+/// where it can).
+///
+/// [`GuestMemory::tracks_writes`]: super::GuestMemory::tracks_writes
 #[derive(Debug, Clone)]
 pub struct HandedOverUffd {
     pub(crate) uffd: Arc<OwnedFd>,
