@@ -11,77 +11,29 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use common::shared_cluster::{remote, shared_setup, SharedSetup, PAGES};
 use common::*;
-use coordinator::RunningCoordinator;
-use page_server::RunningServer;
 use rdma_transport::guest_memory::{
-    test_hooks, DirtyTracking, GuestBacking, GuestMemory, GuestMemoryConfig, SharedFile,
+    test_hooks, DirtyTracking, GuestBacking, GuestMemoryConfig, SharedFile,
 };
-use rdma_transport::{TransportManager, PAGE_SIZE};
+use rdma_transport::PAGE_SIZE;
 
 const NODE: u64 = NODE_BYTES as u64;
-const PAGES: usize = 2 * NODE_BYTES / PAGE_SIZE;
-
-/// Guest memory over two page-servers holding `page_for(gpa, 3)`
-/// everywhere, in a memfd, dirty pages tracked by write faults (the only
-/// way on such a kernel). Fields drop in order: the guest memory first, the
-/// cluster last.
-struct Setup {
-    ram: GuestMemory,
-    mgr: Arc<TransportManager>,
-    _fd: Arc<std::os::fd::OwnedFd>,
-    _servers: [RunningServer; 2],
-    _coord: RunningCoordinator,
-    _db: tempfile::TempDir,
-}
 
 /// The hooks are process-wide: the tests of this binary run one at a time.
 static ONE_AT_A_TIME: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
-/// [`Setup`] on a memfd, with read-ahead of up to `prefetch_max_pages`.
-fn setup(prefetch_max_pages: usize) -> Setup {
+/// [`SharedSetup`] on a memfd, with read-ahead of up to `prefetch_max_pages`.
+fn setup(prefetch_max_pages: usize) -> SharedSetup {
     setup_on(memfd(2 * NODE_BYTES), prefetch_max_pages)
 }
 
-/// [`Setup`] on `fd` (2 MiB of it: one huge page of a hugetlbfs file).
-fn setup_on(fd: Arc<std::os::fd::OwnedFd>, prefetch_max_pages: usize) -> Setup {
+/// [`SharedSetup`] on `fd` (2 MiB of it: one huge page of a hugetlbfs file).
+fn setup_on(fd: Arc<std::os::fd::OwnedFd>, prefetch_max_pages: usize) -> SharedSetup {
     test_hooks::hide_continue_write_protect(true);
-    let (db, coord) = loopback_coordinator();
-    let servers = [
-        page_server(&coord.url(), "a", 0),
-        page_server(&coord.url(), "b", NODE),
-    ];
-    let mgr = Arc::new(manager(&coord.url()));
-    let gpas: Vec<u64> = (0..PAGES).map(|p| (p * PAGE_SIZE) as u64).collect();
-    let pages: Vec<_> = gpas.iter().map(|&g| page_for(g, 3)).collect();
-    mgr.write_pages(&gpas, &pages).unwrap();
-    let ram = GuestMemory::new(
-        Arc::clone(&mgr),
-        GuestMemoryConfig {
-            handler_cpus: Some(vec![]),
-            fault_timeout_ms: 2000,
-            prefetch_max_pages,
-            dirty_tracking: DirtyTracking::WriteFaults,
-            backing: GuestBacking::SharedFile(SharedFile::new(Arc::clone(&fd), 0)),
-            ..GuestMemoryConfig::new(0, 2 * NODE_BYTES)
-        },
-    )
-    .unwrap();
-    assert_eq!(ram.dirty_tracking(), DirtyTracking::WriteFaults);
-    Setup {
-        ram,
-        mgr,
-        _fd: fd,
-        _servers: servers,
-        _coord: coord,
-        _db: db,
-    }
-}
-
-fn remote(mgr: &TransportManager, gpa: u64) -> Vec<u8> {
-    let mut page = [0u8; PAGE_SIZE];
-    mgr.read_page(gpa, &mut page).unwrap();
-    page.to_vec()
+    let setup = shared_setup(fd, prefetch_max_pages, DirtyTracking::WriteFaults);
+    assert_eq!(setup.ram.dirty_tracking(), DirtyTracking::WriteFaults);
+    setup
 }
 
 /// Pages read in (one by one, and in read-ahead runs) are clean and
@@ -91,7 +43,7 @@ fn remote(mgr: &TransportManager, gpa: u64) -> Vec<u8> {
 fn pages_mapped_then_protected_are_clean_and_their_writes_are_tracked() {
     let _one = ONE_AT_A_TIME.lock();
     for prefetch in [0, 16] {
-        let Setup { ram, mgr, .. } = &setup(prefetch);
+        let SharedSetup { ram, mgr, .. } = &setup(prefetch);
         let mut page = [0u8; PAGE_SIZE];
         for p in 0..PAGES {
             let gpa = (p * PAGE_SIZE) as u64;
@@ -151,7 +103,7 @@ fn pages_mapped_then_protected_are_clean_and_their_writes_are_tracked() {
 fn a_write_between_mapping_and_protection_is_not_lost() {
     let _one = ONE_AT_A_TIME.lock();
     for (prefetch, lead) in [(0, 0), (16, 4)] {
-        let Setup { ram, mgr, .. } = &setup(prefetch);
+        let SharedSetup { ram, mgr, .. } = &setup(prefetch);
         let target_gpa = NODE + 5 * PAGE_SIZE as u64;
         let target = ram.host_addr(target_gpa).unwrap() as usize;
         // Calls that mapped the target, and the bytes the last one mapped.
@@ -220,7 +172,7 @@ fn a_write_between_mapping_and_protection_is_not_lost() {
 fn a_flush_in_that_moment_waits_for_the_page_and_sends_its_write() {
     let _one = ONE_AT_A_TIME.lock();
     use std::sync::mpsc;
-    let Setup { ram, mgr, .. } = &setup(0);
+    let SharedSetup { ram, mgr, .. } = &setup(0);
     let target_gpa = 9 * PAGE_SIZE as u64;
     let target = ram.host_addr(target_gpa).unwrap() as usize;
     let (opened_tx, opened) = mpsc::channel::<()>();
@@ -286,7 +238,7 @@ fn coherent_memory_in_a_shared_file_needs_continue_with_write_protection() {
     use rdma_transport::coherent::CoherenceConfig;
     use rdma_transport::guest_memory::{CoherentMemory, GuestMemoryError};
     let _one = ONE_AT_A_TIME.lock();
-    let Setup { mgr, .. } = &setup(0);
+    let SharedSetup { mgr, .. } = &setup(0);
     let shared = GuestMemoryConfig {
         backing: GuestBacking::SharedFile(SharedFile::new(memfd(NODE_BYTES), 0)),
         ..GuestMemoryConfig::new(0, NODE_BYTES)
@@ -317,7 +269,7 @@ fn a_huge_page_written_in_that_moment_is_sent_whole() {
         free_huge_pages() >= 2,
         "needs free 2 MiB huge pages (echo 16 > /proc/sys/vm/nr_hugepages)"
     );
-    let Setup { ram, mgr, .. } = &setup_on(huge_memfd(HUGE), 0);
+    let SharedSetup { ram, mgr, .. } = &setup_on(huge_memfd(HUGE), 0);
     let mut page = [0u8; PAGE_SIZE];
     ram.read(0, &mut page).unwrap();
     assert!(page == page_for(0, 3));

@@ -12,77 +12,33 @@ mod common;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use common::shared_cluster::{remote, shared_setup, SharedSetup, PAGES};
 use common::*;
-use coordinator::RunningCoordinator;
-use page_server::RunningServer;
 use rdma_transport::guest_memory::{
-    test_hooks, GuestBacking, GuestMemory, GuestMemoryConfig, GuestMemoryError, SharedFile,
+    test_hooks, DirtyTracking, GuestBacking, GuestMemory, GuestMemoryConfig, GuestMemoryError,
+    SharedFile,
 };
-use rdma_transport::{TransportManager, PAGE_SIZE};
+use rdma_transport::PAGE_SIZE;
 
 const NODE: u64 = NODE_BYTES as u64;
-const PAGES: usize = 2 * NODE_BYTES / PAGE_SIZE;
 
-/// Guest memory over two page-servers (`a` holds the first half, `b` the
-/// second) holding `page_for(gpa, 3)` everywhere, in a memfd. Fields drop
-/// in order: the guest memory first, the cluster last.
-struct Setup {
-    ram: GuestMemory,
-    mgr: Arc<TransportManager>,
-    _fd: Arc<std::os::fd::OwnedFd>,
-    servers: [Option<RunningServer>; 2],
-    _coord: RunningCoordinator,
-    _db: tempfile::TempDir,
-}
-
-/// The hook is process-wide: the tests of this binary run one at a time.
+/// The hooks are process-wide: the tests of this binary run one at a time.
 static ONE_AT_A_TIME: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
-fn setup(prefetch_max_pages: usize) -> Setup {
+/// [`SharedSetup`] on a memfd, with read-ahead of up to `prefetch_max_pages`.
+fn setup(prefetch_max_pages: usize) -> SharedSetup {
     setup_on(memfd(2 * NODE_BYTES), prefetch_max_pages)
 }
 
-/// [`Setup`] on `fd` (2 MiB of it: one huge page of a hugetlbfs file).
-fn setup_on(fd: Arc<std::os::fd::OwnedFd>, prefetch_max_pages: usize) -> Setup {
+/// [`SharedSetup`] on `fd` (2 MiB of it: one huge page of a hugetlbfs file).
+fn setup_on(fd: Arc<std::os::fd::OwnedFd>, prefetch_max_pages: usize) -> SharedSetup {
     test_hooks::hide_shared_write_protect(true);
-    let (db, coord) = loopback_coordinator();
-    let servers = [
-        Some(page_server(&coord.url(), "a", 0)),
-        Some(page_server(&coord.url(), "b", NODE)),
-    ];
-    let mgr = Arc::new(manager(&coord.url()));
-    let gpas: Vec<u64> = (0..PAGES).map(|p| (p * PAGE_SIZE) as u64).collect();
-    let pages: Vec<_> = gpas.iter().map(|&g| page_for(g, 3)).collect();
-    mgr.write_pages(&gpas, &pages).unwrap();
-    let ram = GuestMemory::new(
-        Arc::clone(&mgr),
-        GuestMemoryConfig {
-            handler_cpus: Some(vec![]),
-            fault_timeout_ms: 2000,
-            prefetch_max_pages,
-            backing: GuestBacking::SharedFile(SharedFile::new(Arc::clone(&fd), 0)),
-            ..GuestMemoryConfig::new(0, 2 * NODE_BYTES)
-        },
-    )
-    .unwrap();
+    let setup = shared_setup(fd, prefetch_max_pages, DirtyTracking::Auto);
     assert!(
-        !ram.tracks_writes(),
+        !setup.ram.tracks_writes(),
         "the hook hides shmem write protection"
     );
-    Setup {
-        ram,
-        mgr,
-        _fd: fd,
-        servers,
-        _coord: coord,
-        _db: db,
-    }
-}
-
-fn remote(mgr: &TransportManager, gpa: u64) -> Vec<u8> {
-    let mut page = [0u8; PAGE_SIZE];
-    mgr.read_page(gpa, &mut page).unwrap();
-    page.to_vec()
+    setup
 }
 
 /// Every page mapped counts as dirty, read or written: a flush sends all of
@@ -93,7 +49,7 @@ fn remote(mgr: &TransportManager, gpa: u64) -> Vec<u8> {
 fn every_mapped_page_is_dirty_and_a_flush_sends_and_unmaps_it() {
     let _one = ONE_AT_A_TIME.lock();
     for prefetch in [0, 16] {
-        let Setup { ram, mgr, .. } = &setup(prefetch);
+        let SharedSetup { ram, mgr, .. } = &setup(prefetch);
         let mut page = [0u8; PAGE_SIZE];
         for p in 0..PAGES {
             let gpa = (p * PAGE_SIZE) as u64;
@@ -145,7 +101,7 @@ fn writes_racing_flushes_and_evicts_are_never_lost() {
     let _one = ONE_AT_A_TIME.lock();
     const HOT: usize = 64;
     const WRITES: u64 = 20_000;
-    let Setup { ram, mgr, .. } = &setup(0);
+    let SharedSetup { ram, mgr, .. } = &setup(0);
     // Pages spread over both nodes.
     let gpas: Vec<u64> = (0..HOT)
         .map(|i| (i * (PAGES / HOT) * PAGE_SIZE) as u64)
@@ -210,7 +166,7 @@ fn writes_racing_flushes_and_evicts_are_never_lost() {
 #[test]
 fn a_failed_write_back_keeps_the_write_and_maps_the_page_again() {
     let _one = ONE_AT_A_TIME.lock();
-    let Setup {
+    let SharedSetup {
         ram, mgr, servers, ..
     } = &mut setup(0);
     let gpa = NODE + 3 * PAGE_SIZE as u64;
@@ -253,7 +209,7 @@ fn coherent_memory_in_a_shared_file_is_refused() {
     use rdma_transport::coherent::CoherenceConfig;
     use rdma_transport::guest_memory::CoherentMemory;
     let _one = ONE_AT_A_TIME.lock();
-    let Setup { mgr, .. } = &setup(0);
+    let SharedSetup { mgr, .. } = &setup(0);
     let shared = GuestMemoryConfig {
         backing: GuestBacking::SharedFile(SharedFile::new(memfd(NODE_BYTES), 0)),
         ..GuestMemoryConfig::new(0, NODE_BYTES)
@@ -277,7 +233,7 @@ fn a_handed_over_userfaultfd_without_write_protection() {
     use rdma_transport::guest_memory::HandedOverUffd;
     use rdma_transport::uffd::{feature, FaultMode, RegisterMode, Userfaultfd};
     let _one = ONE_AT_A_TIME.lock();
-    let Setup { mgr, .. } = &setup(0);
+    let SharedSetup { mgr, .. } = &setup(0);
     let fd = memfd(NODE_BYTES);
     let vmm = VmmView::new(&fd, NODE_BYTES);
     let uffd = Userfaultfd::open(FaultMode::KernelAndUser).unwrap();
@@ -356,7 +312,7 @@ fn a_huge_page_is_sent_whole_and_unmapped() {
         free_huge_pages() >= 2,
         "needs free 2 MiB huge pages (echo 16 > /proc/sys/vm/nr_hugepages)"
     );
-    let Setup { ram, mgr, .. } = &setup_on(huge_memfd(HUGE), 0);
+    let SharedSetup { ram, mgr, .. } = &setup_on(huge_memfd(HUGE), 0);
     let mut page = [0u8; PAGE_SIZE];
     ram.read(0, &mut page).unwrap();
     assert!(page == page_for(0, 3));

@@ -5,6 +5,7 @@
 pub mod coherent_copies;
 pub mod fake_coordinator;
 pub mod raw;
+pub mod shared_cluster;
 pub mod stalling_link;
 pub mod vmm_view;
 
