@@ -636,10 +636,14 @@ pub(super) enum BeforeFetch {
 
 /// Shared by both backings' fault paths (see [`BeforeFetch`]).
 pub(super) fn before_fetch(shared: &Shared, page: usize, s: u32) -> BeforeFetch {
-    if s & PRESENT != 0 && !shared.uffd.write_protects() {
-        return present_unprotected(shared, page, s);
+    // A present page of a region that cannot write-protect may be unmapped
+    // (see `map_present_again`): while flush or evict holds it, the fault
+    // waits below like any fault on a locked page.
+    let unmapped_maybe = s & PRESENT != 0 && !shared.uffd.write_protects();
+    if unmapped_maybe && s & LOCKED == 0 {
+        return map_present_again(shared, page);
     }
-    if s & (PRESENT | POISONED) != 0 {
+    if s & (PRESENT | POISONED) != 0 && !unmapped_maybe {
         // Resolved since the fault was raised; make sure it is awake.
         shared.wake(page);
         return BeforeFetch::Done;
@@ -657,21 +661,13 @@ pub(super) fn before_fetch(shared: &Shared, page: usize, s: u32) -> BeforeFetch 
     BeforeFetch::Fetch
 }
 
-/// A fault on a present page of a region that cannot write-protect (a
-/// shared file on Linux < 5.19). Flush and evict unmap such pages from the
-/// guest while they hold them (their contents stay in the file): the fault
-/// waits for them (and then finds the page dropped, or mapped again). A
-/// page they left unmapped after a failed write-back, or one the fault was
-/// raised for before its install, is mapped again from the file, under its
-/// lock, writable: it was dirty and stays so.
-fn present_unprotected(shared: &Shared, page: usize, s: u32) -> BeforeFetch {
-    if s & LOCKED != 0 {
-        if !shared.states.defer(page, LOCKED) {
-            return BeforeFetch::Again;
-        }
-        Counters::add(&shared.counters.deferred_faults, 1);
-        return BeforeFetch::Done;
-    }
+/// A fault on a present, unlocked page of a region that cannot
+/// write-protect (a shared file on Linux < 5.19). Flush and evict unmap
+/// such pages from the guest while they hold them (their contents stay in
+/// the file); one they left unmapped after a failed write-back, or one the
+/// fault was raised for before its install, is mapped again from the file,
+/// under its lock, writable: it was dirty and stays so.
+fn map_present_again(shared: &Shared, page: usize) -> BeforeFetch {
     let Some(locked) = shared.states.try_lock(page) else {
         return BeforeFetch::Again;
     };
