@@ -188,6 +188,9 @@ pub(super) struct Lane {
     pub(super) active_at: usize,
     /// A fallback's result, set by its worker thread.
     pub(super) fallback: Option<Result<(), TransportError>>,
+    /// The connections this lane is counted on in its queue's `OnWire`
+    /// while it is active.
+    pub(super) on_wire: super::completion::Held,
 }
 
 // SAFETY: the raw pointers in `targets` point into the batch's pages (see
@@ -224,6 +227,7 @@ impl Lane {
             counted: 0,
             active_at: NOT_ACTIVE,
             fallback: None,
+            on_wire: super::completion::Held::new(),
         }
     }
 

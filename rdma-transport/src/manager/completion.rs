@@ -26,8 +26,11 @@ use crate::page::Page;
 use crate::sys::cvt;
 use crate::wire::Opcode;
 
+mod on_wire;
 mod stepper;
 
+pub(super) use on_wire::Held;
+use on_wire::OnWire;
 use stepper::{service, Mode, Shared, Stepper};
 
 /// The outcome of one submission.
@@ -121,9 +124,9 @@ impl Inner {
                 lanes: Vec::new(),
                 free: Vec::new(),
                 active: Vec::new(),
+                on_wire: OnWire::default(),
                 requests: 0,
                 waiting: VecDeque::new(),
-                seen: Vec::new(),
                 unflushed: false,
                 spare: Vec::new(),
                 done: VecDeque::new(),
@@ -354,10 +357,9 @@ impl CompletionQueue {
             let mut st = shared.stepper.lock();
             let st = &mut *st;
             for &t in &st.active {
-                let round = &mut st.lanes[t].round;
-                round.park_some(true, false);
-                round.tcp_connections(&mut conns);
+                st.lanes[t].round.park_some(true, false);
             }
+            st.on_wire.tcp_connections(&mut conns);
             st.active.iter().map(|&t| st.lanes[t].deadline).min()
         };
         shared.fd_sleeper.store(true, Ordering::SeqCst);
@@ -420,9 +422,7 @@ impl CompletionQueue {
     pub(crate) fn before_wait(&self, out: &mut Vec<Option<Arc<crate::tcp::TcpConnection>>>) {
         let mut st = self.shared.stepper.lock();
         self.shared.flush(&mut st);
-        for &t in &st.active {
-            st.lanes[t].round.tcp_connections(out);
-        }
+        st.on_wire.tcp_connections(out);
     }
 
     /// Submissions not yet delivered.
@@ -463,7 +463,9 @@ impl Drop for CompletionQueue {
         let active = std::mem::take(&mut st.active);
         for token in active {
             st.lanes[token].active_at = async_op::NOT_ACTIVE;
+            st.lanes[token].on_wire.clear();
             self.shared.inner.cancel_lane(&mut st.lanes[token]);
         }
+        st.on_wire.clear();
     }
 }

@@ -10,7 +10,7 @@
 
 use std::cell::Cell;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use smallvec::SmallVec;
 
@@ -109,49 +109,15 @@ impl Round {
         }
     }
 
-    /// Writes the requests queued on the round's TCP connections (see
-    /// `deferred`); `seen` as for `progress`.
-    pub(super) fn flush(&self, seen: &mut Vec<usize>, timeout: Duration) {
-        for c in self.tcp.groups[..self.group_count].iter().flatten() {
-            let key = std::sync::Arc::as_ptr(c) as usize;
-            if !seen.contains(&key) {
-                seen.push(key);
-                c.flush_deferred(timeout);
-            }
-        }
+    /// The round's TCP connections (one with several groups comes more
+    /// than once).
+    pub(super) fn tcp_conns(&self) -> impl Iterator<Item = &Arc<TcpConnection>> {
+        self.tcp.groups[..self.group_count].iter().flatten()
     }
 
-    /// Adds the round's TCP connections that `out` does not hold yet.
-    pub(super) fn tcp_connections(&self, out: &mut Vec<Option<std::sync::Arc<TcpConnection>>>) {
-        for c in self.tcp.groups[..self.group_count].iter().flatten() {
-            if !out.iter().flatten().any(|o| std::sync::Arc::ptr_eq(o, c)) {
-                out.push(Some(std::sync::Arc::clone(c)));
-            }
-        }
-    }
-
-    /// Reads what the round's connections have (without blocking), so a
-    /// thread that reaps completions needs no poller hand-off. `seen` lists
-    /// the connections already read in this pass (each is read once).
-    pub(super) fn progress(&self, seen: &mut Vec<usize>) {
-        for c in self.tcp.groups[..self.group_count].iter().flatten() {
-            let key = std::sync::Arc::as_ptr(c) as usize;
-            if seen.contains(&key) {
-                continue;
-            }
-            seen.push(key);
-            if let Some(mut rb) = c.recv.try_lock() {
-                let _ = c.progress(&mut rb);
-            }
-        }
-        for c in self.rdma.conns[..self.rdma.groups].iter().flatten() {
-            let key = std::sync::Arc::as_ptr(c) as usize;
-            if seen.contains(&key) {
-                continue;
-            }
-            seen.push(key);
-            c.progress();
-        }
+    /// The round's RDMA connections (as `tcp_conns`).
+    pub(super) fn rdma_conns(&self) -> impl Iterator<Item = &Arc<crate::rdma::RdmaConnection>> {
+        self.rdma.conns[..self.rdma.groups].iter().flatten()
     }
 }
 

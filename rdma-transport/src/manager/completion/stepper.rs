@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::SegQueue;
 use parking_lot::{Condvar, Mutex};
 
-use super::{Completion, CompletionCallback};
+use super::{Completion, CompletionCallback, OnWire};
 use crate::error::TransportError;
 use crate::manager::async_op::{Batch, Lane, Next, Phase, NOT_ACTIVE, SPARE_GPAS};
 use crate::manager::stats::Tally;
@@ -80,12 +80,12 @@ pub(super) struct Stepper {
     pub(super) free: Vec<usize>,
     /// Lanes in `Phase::Round`.
     pub(super) active: Vec<usize>,
+    /// Their connections, each once.
+    pub(super) on_wire: OnWire,
     /// Requests of the active lanes (at most `MAX_REQUESTS`).
     pub(super) requests: usize,
     /// Lanes with a submission that wait for room under `MAX_REQUESTS`.
     pub(super) waiting: VecDeque<usize>,
-    /// Scratch: connections read in this step.
-    pub(super) seen: Vec<usize>,
     /// A lane queued TCP requests on its connections since the last
     /// `flush` (the doorbell has something to ring).
     pub(super) unflushed: bool,
@@ -196,14 +196,9 @@ impl Shared {
         // The doorbell: what was submitted since the last reap goes out.
         self.flush(&mut st);
         // Read what the lanes' connections have, each connection once.
-        let mut seen = std::mem::take(&mut st.seen);
-        seen.clear();
         STEPPING.with(|s| s.set(Arc::as_ptr(self)));
-        for &token in &st.active {
-            st.lanes[token].round.progress(&mut seen);
-        }
+        st.on_wire.progress();
         STEPPING.with(|s| s.set(std::ptr::null()));
-        st.seen = seen;
         // The lanes this step's reads finished (the list is swapped with
         // the stepper's empty one: no allocation per step).
         let mut own = std::mem::take(&mut st.step_ready);
@@ -302,13 +297,7 @@ impl Shared {
         if !std::mem::take(&mut st.unflushed) {
             return;
         }
-        let timeout = self.inner.config.request_timeout();
-        let mut seen = std::mem::take(&mut st.seen);
-        seen.clear();
-        for &token in &st.active {
-            st.lanes[token].round.flush(&mut seen, timeout);
-        }
-        st.seen = seen;
+        st.on_wire.flush(self.inner.config.request_timeout());
     }
 
     /// Books a lane's next step.
@@ -324,6 +313,7 @@ impl Shared {
             st.lanes[token].active_at = NOT_ACTIVE;
             st.requests -= st.lanes[token].counted;
             st.lanes[token].counted = 0;
+            st.on_wire.leave(&mut st.lanes[token].on_wire);
         }
         match next {
             Next::Wait => {
@@ -331,6 +321,7 @@ impl Shared {
                 st.requests += counted;
                 st.lanes[token].counted = counted;
                 let lane = &mut st.lanes[token];
+                st.on_wire.join(&lane.round, &mut lane.on_wire);
                 // Its TCP requests wait in their connections' queues for
                 // the doorbell.
                 st.unflushed |= lane.round.queued_tcp();
