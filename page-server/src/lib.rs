@@ -24,6 +24,7 @@ mod metrics;
 mod metrics_http;
 mod outbound;
 mod page_sums;
+mod prefetch;
 mod range_contents;
 mod rdma;
 mod recovery;
