@@ -5,9 +5,9 @@
 //! address translation) in turn, while prefetches issued together overlap
 //! them. One prefetch per page, of its first cache line, gains as much as
 //! prefetching all 64 lines: depth-32 reads on one CPU went from 679-688
-//! to 725-738 thousand pages/s with either (docs/benchmarking.md, "The
-//! page-server prefetches a batch's pages"). A lone answer gains nothing
-//! and is left alone.
+//! to 725-738 thousand pages/s with either (docs/benchmarking.md, "One
+//! read of each connection per step; the page-server prefetches a batch's
+//! pages"). A lone answer gains nothing and is left alone.
 
 /// Prefetches the first cache line of each of `pages` (each the start of
 /// a page of the region), when there are at least two of them.
