@@ -126,8 +126,6 @@ struct Outbox {
     /// `copies_used` belong to answers not yet sent.
     copies: Vec<Box<[u8]>>,
     copies_used: usize,
-    /// Scratch: the region pages of the `writev` being made.
-    region_pages: Vec<*const u8>,
 }
 
 impl Outbox {
@@ -138,7 +136,6 @@ impl Outbox {
             iovecs: Vec::with_capacity(2 * MAX_PENDING_ANSWERS),
             copies: Vec::new(),
             copies_used: 0,
-            region_pages: Vec::with_capacity(MAX_PENDING_ANSWERS),
         }
     }
 
@@ -199,7 +196,7 @@ impl Outbox {
                         iov_base: page.cast(),
                         iov_len: PAGE_SIZE,
                     });
-                    self.region_pages.push(page.cast_const());
+                    crate::prefetch::first_line(page.cast_const());
                 }
                 Payload::Hello(bytes) => {
                     self.iovecs.push(libc::iovec {
@@ -215,8 +212,6 @@ impl Outbox {
                 }
             }
         }
-        crate::prefetch::pages(&self.region_pages);
-        self.region_pages.clear();
         let result = {
             let _lock = shared.map(Outbound::lock);
             writev_all(stream, &mut self.iovecs)

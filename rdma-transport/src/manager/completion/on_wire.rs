@@ -33,21 +33,31 @@ fn key<T>(c: &Arc<T>) -> usize {
     Arc::as_ptr(c) as usize
 }
 
-/// Counts `c` once more in `list` unless `held` has it already (and
-/// records it there); true when `list` has no entry for it yet.
-fn count<T>(list: &mut [(Arc<T>, usize)], c: &Arc<T>, held: &mut Held) -> bool {
+/// Counts `c` once more in `list` (a new entry at 1), unless `held` has
+/// it already; records it in `held`.
+fn count<T>(list: &mut Vec<(Arc<T>, usize)>, c: &Arc<T>, held: &mut Held) {
     let k = key(c);
     if held.contains(&k) {
-        return false;
+        return;
     }
     held.push(k);
     match list.iter_mut().find(|(o, _)| key(o) == k) {
-        Some((_, n)) => {
-            *n += 1;
-            false
-        }
-        None => true,
+        Some((_, n)) => *n += 1,
+        None => list.push((Arc::clone(c), 1)),
     }
+}
+
+/// Counts key `k` once less in `list`, letting its connection go at 0;
+/// false when `list` has no entry for it.
+fn uncount<T>(list: &mut Vec<(Arc<T>, usize)>, k: usize) -> bool {
+    let Some(i) = list.iter().position(|(o, _)| key(o) == k) else {
+        return false;
+    };
+    list[i].1 -= 1;
+    if list[i].1 == 0 {
+        list.swap_remove(i);
+    }
+    true
 }
 
 impl OnWire {
@@ -55,14 +65,10 @@ impl OnWire {
     /// records them in `held`.
     pub(super) fn join(&mut self, round: &Round, held: &mut Held) {
         for c in round.tcp_conns() {
-            if count(&mut self.tcp, c, held) {
-                self.tcp.push((Arc::clone(c), 1));
-            }
+            count(&mut self.tcp, c, held);
         }
         for c in round.rdma_conns() {
-            if count(&mut self.rdma, c, held) {
-                self.rdma.push((Arc::clone(c), 1));
-            }
+            count(&mut self.rdma, c, held);
         }
     }
 
@@ -70,16 +76,8 @@ impl OnWire {
     /// counts on any more is let go.
     pub(super) fn leave(&mut self, held: &mut Held) {
         for k in held.drain(..) {
-            if let Some(i) = self.tcp.iter().position(|(o, _)| key(o) == k) {
-                self.tcp[i].1 -= 1;
-                if self.tcp[i].1 == 0 {
-                    self.tcp.swap_remove(i);
-                }
-            } else if let Some(i) = self.rdma.iter().position(|(o, _)| key(o) == k) {
-                self.rdma[i].1 -= 1;
-                if self.rdma[i].1 == 0 {
-                    self.rdma.swap_remove(i);
-                }
+            if !uncount(&mut self.tcp, k) {
+                uncount(&mut self.rdma, k);
             }
         }
     }
