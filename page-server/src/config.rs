@@ -90,6 +90,13 @@ pub struct ServerConfig {
     /// replica (the copy sleeps between batches to stay under it); 0:
     /// unbounded. Default 512.
     pub recovery_rate_mib_s: u64,
+    /// A directory kept across restarts (`held_ranges.rs`): it records each
+    /// range this node's memory has held, so that a later process, whose
+    /// memory is empty, claims those ranges as missed and a coordinator
+    /// that lost its state too makes them `lost`, not `live` with zeros.
+    /// `None` (the default): nothing is kept, and a range whose holders
+    /// all restarted while the coordinator had no state comes back zeros.
+    pub state_dir: Option<std::path::PathBuf>,
 }
 
 impl ServerConfig {
@@ -124,6 +131,7 @@ impl ServerConfig {
             page_checksums: true,
             recovery_grace: Duration::from_millis(2500),
             recovery_rate_mib_s: 512,
+            state_dir: None,
         }
     }
 }

@@ -122,6 +122,13 @@ struct Args {
     /// replica (0: unbounded).
     #[arg(long, default_value_t = 512)]
     recovery_rate_mib_s: u64,
+    /// A directory kept across restarts (e.g. /var/lib/page-server/NODE):
+    /// it records each range this node has held, so that after a restart
+    /// those ranges are claimed as missed and, should the coordinator have
+    /// lost its state too, come back `lost` instead of `live` with zeros.
+    /// See docs/operations.md, "Coordinator state lost".
+    #[arg(long)]
+    state_dir: Option<std::path::PathBuf>,
 }
 
 /// `--memory` when neither it nor `--range` is given.
@@ -166,6 +173,7 @@ fn main() -> anyhow::Result<()> {
     config.huge_pages = args.huge_pages;
     config.recovery_grace = Duration::from_millis(args.recovery_grace_ms);
     config.recovery_rate_mib_s = args.recovery_rate_mib_s;
+    config.state_dir = args.state_dir;
     config.handshake_timeout = Duration::from_millis(args.handshake_timeout_ms);
     config.idle_timeout = Duration::from_millis(args.idle_timeout_ms);
     config.max_connections = usize::try_from(args.max_connections).context("--max-connections")?;

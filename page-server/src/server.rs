@@ -16,6 +16,7 @@ use crate::coherence_home::{CoherenceHome, CoherenceStats};
 use crate::config::ServerConfig;
 use crate::connection::Exported;
 use crate::handshake::ServerAuth;
+use crate::held_ranges::{HeldRange, HeldRanges};
 use crate::layout::Layout;
 use crate::limits::Timeouts;
 use crate::metrics::PageMetrics;
@@ -55,6 +56,9 @@ pub enum ServerError {
     /// another node's: 409).
     #[error("coordinator refused registration: {0}")]
     Registration(String),
+    /// The state directory cannot be used (`ServerConfig::state_dir`).
+    #[error("state directory: {0}")]
+    StateDir(#[from] crate::held_ranges::StateDirError),
     /// Registration did not finish in time.
     #[error("not registered with the coordinator after {0:?}")]
     RegistrationTimeout(Duration),
@@ -98,7 +102,8 @@ pub(crate) struct Shared {
 /// [`RunningServer::wait_registered`]).
 ///
 /// # Errors
-/// [`ServerError::Config`], [`ServerError::Memory`], [`ServerError::Listen`].
+/// [`ServerError::Config`], [`ServerError::StateDir`],
+/// [`ServerError::Memory`], [`ServerError::Listen`].
 pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
     if config.cluster_key.is_none() {
         tracing::warn!(node = %config.node_id, "no cluster key: insecure mode, any client that connects can read and write the exported memory");
@@ -114,6 +119,22 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         )));
     }
     check_limits(&config)?;
+    let held = config
+        .state_dir
+        .as_deref()
+        .map(|dir| HeldRanges::open(dir, &config.node_id))
+        .transpose()?;
+    let seen = RangesSeen::new(
+        layout
+            .ranges()
+            .iter()
+            .map(|r| HeldRange {
+                gpa_start: r.gpa_start,
+                length_bytes: r.length_bytes,
+            })
+            .collect(),
+        held,
+    );
     let region = MappedRegion::new(
         memory_bytes,
         MapOptions {
@@ -166,7 +187,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         )),
         spin_before_block: crate::spin::SpinSetting::new(config.spin_before_block),
         recovery: RecoveryCounters::default(),
-        seen: Arc::new(RangesSeen::new(layout.ranges().len())),
+        seen: Arc::new(seen),
     });
     let accept_shared = Arc::clone(&shared);
     let acceptor = std::thread::Builder::new()

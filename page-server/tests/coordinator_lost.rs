@@ -18,7 +18,7 @@ use common::*;
 use page_server::{RunningServer, ServerConfig};
 use rdma_transport::coordinator::api::{MapResponse, RangeContents, RangeRequest, ReplicaState};
 use rdma_transport::coordinator::CoordinatorClient;
-use rdma_transport::{Page, PAGE_SIZE};
+use rdma_transport::{Page, TransportError, PAGE_SIZE};
 
 const PAGES: u64 = (NODE_BYTES / PAGE_SIZE) as u64;
 const LIMIT: Duration = Duration::from_secs(30);
@@ -258,4 +258,115 @@ fn a_page_server_that_missed_writes_does_not_become_live_on_a_new_coordinator() 
     check_on(&admin, "b", 2);
     drop(b);
     drop(a);
+}
+
+/// The holders of two ranges are killed (SIGKILL) while the coordinator
+/// loses its state; both start again, empty. `a` runs with a state
+/// directory, which recorded that it held its range: it claims the range
+/// as missed, and the new coordinator makes it `lost` (clients get
+/// `DataLost`) instead of live with the zeros of a's new memory. `b` runs
+/// without one: its range comes back live, zeros (the case the state
+/// directory closes; docs/operations.md, "Coordinator state lost"). Once
+/// the operator re-initialises a's range it is served again, and still
+/// recorded.
+#[test]
+fn a_range_whose_holders_all_restarted_is_lost_not_zeros_with_a_state_dir() {
+    const B_GPA: u64 = NODE_BYTES as u64;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("a-state");
+    let state_arg = state.to_str().expect("utf-8 path");
+    let first = coordinator_on(
+        &dir.path().join("first.db"),
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let addr = first.addr();
+    let url = format!("http://{addr}");
+    let mut a = ChildServer::start_with(&url, "a", 0, &["--state-dir", state_arg]);
+    let mut b = ChildServer::start_with(&url, "b", B_GPA, &[]);
+    let admin = coordinator_client(&url);
+    assert!(
+        wait_until(LIMIT, || admin.map().is_ok_and(|m| m.entries.len() == 2)),
+        "the page-servers never registered"
+    );
+    let all: Vec<u64> = (0..2 * PAGES).map(|i| i * PAGE_SIZE as u64).collect();
+    let pages: Vec<Page> = (0..2 * PAGES).map(|i| page_indexed(i, 3)).collect();
+    let client = manager(&url);
+    client.write_pages(&all, &pages).expect("write both ranges");
+    let mut back = vec![[0u8; PAGE_SIZE]; all.len()];
+    client
+        .read_pages(&all, &mut back)
+        .expect("read both ranges");
+    assert!(
+        back == pages,
+        "a page read back differs from the one written"
+    );
+    drop(client);
+    let file = state.join("held-ranges.json");
+    let recorded = || {
+        std::fs::read_to_string(&file).is_ok_and(|text| {
+            text.contains("\"gpa_start\": 0") && text.contains(&format!("{NODE_BYTES}"))
+        })
+    };
+    assert!(
+        wait_until(LIMIT, recorded),
+        "a never recorded its range as held"
+    );
+
+    a.kill();
+    b.kill();
+    first.shutdown().unwrap();
+    let _second = coordinator_on(&dir.path().join("second.db"), addr);
+    let _a = ChildServer::start_with(&url, "a", 0, &["--state-dir", state_arg]);
+    let _b = ChildServer::start_with(&url, "b", B_GPA, &[]);
+    assert!(
+        wait_until(LIMIT, || admin.map().is_ok_and(|m| m.entries.len() == 2)),
+        "the restarted page-servers never claimed their ranges"
+    );
+    assert_eq!(
+        range_states(&admin, 0),
+        [("a".to_owned(), ReplicaState::Lost)],
+        "a's range, whose memory is gone, is not lost"
+    );
+    assert_eq!(
+        range_states(&admin, B_GPA),
+        [("b".to_owned(), ReplicaState::Live)]
+    );
+
+    let client = manager(&url);
+    let mut page = [0u8; PAGE_SIZE];
+    for i in 0..PAGES {
+        match client.read_page(i * PAGE_SIZE as u64, &mut page) {
+            Err(TransportError::DataLost { gpa, node }) => {
+                assert_eq!(gpa, i * PAGE_SIZE as u64);
+                assert_eq!(node, "a");
+            }
+            other => panic!(
+                "page {i} of a's lost range: {other:?} (contents {:?})",
+                &page[..8]
+            ),
+        }
+    }
+    // Without a state directory: b's new memory is served as the range.
+    client
+        .read_page(B_GPA, &mut page)
+        .expect("b's range is live");
+    assert!(page.iter().all(|&x| x == 0), "b's new memory is not zeros");
+
+    admin
+        .reinitialise_range(0)
+        .expect("re-initialise a's range");
+    assert!(
+        wait_until(LIMIT, || client.read_page(0, &mut page).is_ok()),
+        "a's range is not served after the operator re-initialised it"
+    );
+    assert!(
+        page.iter().all(|&x| x == 0),
+        "a re-initialised page is not zeros"
+    );
+    client
+        .write_page(0, &pages[1])
+        .expect("write a's range again");
+    client.read_page(0, &mut page).expect("read it back");
+    assert!(page == pages[1], "a's range does not keep what is written");
+    assert!(recorded(), "the state directory forgot a's range");
 }
