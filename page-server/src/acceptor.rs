@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use crate::connection::serve;
 use crate::limits::ConnGuard;
 use crate::server::Shared;
+use crate::stats::CloseReason;
 
 /// First pause after an `accept` that failed for want of a resource (file
 /// descriptors, memory); it doubles while failures go on, up to
@@ -59,6 +60,11 @@ pub(crate) fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
             }
         };
         let peer = stream.peer_addr().ok();
+        if let Err(err) = crate::dead_peer::watch(&stream, shared.dead_peer_timeout) {
+            if let Some(suppressed) = admission.accept_log.event() {
+                tracing::warn!(?peer, %err, suppressed, "cannot set keepalive on a connection: a dead client would keep it");
+            }
+        }
         // Recorded before its thread exists; the thread removes the record
         // (see `conns`), so an ended connection is never left recorded.
         let Some(recorded) = admission.admit(duplicate) else {
@@ -78,6 +84,10 @@ pub(crate) fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
                 );
                 match result {
                     Ok(()) => tracing::debug!(?peer, "client left"),
+                    Err(err) if err.raw_os_error() == Some(libc::ETIMEDOUT) => {
+                        conn_shared.admission.closed(CloseReason::DeadPeer);
+                        tracing::info!(?peer, %err, "client gone silent: connection closed");
+                    }
                     Err(err) => tracing::debug!(?peer, %err, "connection ended"),
                 }
                 // The record (and its duplicate socket) goes first, then the

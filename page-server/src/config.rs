@@ -65,6 +65,14 @@ pub struct ServerConfig {
     /// server closed while idle: its first request after such a close fails
     /// with `NodeDown` (see `tests/flood.rs`, the ignored test).
     pub idle_timeout: Duration,
+    /// A client connection whose peer shows no sign of life for this long
+    /// is closed by the kernel (`dead_peer.rs`: keepalive probes, and
+    /// `TCP_USER_TIMEOUT` on unacknowledged answers), freeing its place
+    /// under `max_connections`: a client host that crashed or was cut off
+    /// answers nothing, not even a reset. A live client's kernel answers
+    /// the probes however long it stays idle. Default 30 s; zero: the
+    /// kernel's defaults (an idle dead peer is kept forever).
+    pub dead_peer_timeout: Duration,
     /// How long a connection thread keeps polling its socket (yielding the
     /// CPU) after a request before it blocks. A streaming client then never
     /// waits for an idle CPU to wake up; 0 blocks at once (for hosts where
@@ -119,6 +127,7 @@ impl ServerConfig {
             max_pending_handshakes: 64,
             handshake_timeout: Duration::from_secs(2),
             idle_timeout: Duration::ZERO,
+            dead_peer_timeout: Duration::from_secs(30),
             spin_before_block: Duration::from_micros(50),
             rdma: RdmaOptions {
                 enabled: true,

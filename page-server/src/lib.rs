@@ -15,6 +15,7 @@ mod coherence_home;
 mod config;
 mod connection;
 mod conns;
+mod dead_peer;
 mod duration_histogram;
 mod handshake;
 mod held_ranges;

@@ -78,6 +78,12 @@ struct Args {
     /// request on a connection closed while idle).
     #[arg(long, default_value_t = 0)]
     idle_timeout_ms: u64,
+    /// Milliseconds a client's host may show no sign of life (keepalive
+    /// probes and answers unacknowledged) before its connection is closed
+    /// and its place freed (0: the kernel's defaults, an idle dead client
+    /// is kept forever). Live idle clients are never closed by it.
+    #[arg(long, default_value_t = 30_000)]
+    dead_peer_timeout_ms: u64,
     /// Handshaken connections served at once.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
     max_connections: u64,
@@ -176,6 +182,7 @@ fn main() -> anyhow::Result<()> {
     config.state_dir = args.state_dir;
     config.handshake_timeout = Duration::from_millis(args.handshake_timeout_ms);
     config.idle_timeout = Duration::from_millis(args.idle_timeout_ms);
+    config.dead_peer_timeout = Duration::from_millis(args.dead_peer_timeout_ms);
     config.max_connections = usize::try_from(args.max_connections).context("--max-connections")?;
     config.max_pending_handshakes =
         usize::try_from(args.max_pending_handshakes).context("--max-pending-handshakes")?;

@@ -90,6 +90,8 @@ pub(crate) struct Shared {
     pub(crate) stop: AtomicBool,
     pub(crate) admission: Arc<Admission>,
     pub(crate) spin_before_block: crate::spin::SpinSetting,
+    /// Each accepted connection's `dead_peer::watch` bound.
+    pub(crate) dead_peer_timeout: Duration,
     /// Replica recovery counters (the recovery thread counts).
     pub(crate) recovery: RecoveryCounters,
     /// Each range's replica state in the last map read (the recovery
@@ -186,6 +188,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             config.max_pending_handshakes,
         )),
         spin_before_block: crate::spin::SpinSetting::new(config.spin_before_block),
+        dead_peer_timeout: config.dead_peer_timeout,
         recovery: RecoveryCounters::default(),
         seen: Arc::new(seen),
     });

@@ -29,6 +29,10 @@ pub struct ServerStats {
     pub idle_timeouts: u64,
     /// Connections closed after a malformed header.
     pub protocol_errors: u64,
+    /// Connections whose peer stopped answering for `dead_peer_timeout`
+    /// (its host went away: keepalive probes or sent answers were never
+    /// acknowledged), closed by the kernel.
+    pub dead_peers: u64,
     /// `accept` calls that failed (e.g. out of file descriptors).
     pub accept_errors: u64,
     /// A replica recovery is running now (this node copies one of its
@@ -62,6 +66,7 @@ pub(crate) enum CloseReason {
     HandshakeTimeout,
     IdleTimeout,
     ProtocolError,
+    DeadPeer,
 }
 
 /// The live counters behind [`ServerStats`] (the gauges come from the
@@ -73,6 +78,7 @@ pub(crate) struct Counters {
     handshake_timeouts: AtomicU64,
     idle_timeouts: AtomicU64,
     protocol_errors: AtomicU64,
+    dead_peers: AtomicU64,
     accept_errors: AtomicU64,
 }
 
@@ -84,6 +90,7 @@ impl Counters {
             CloseReason::HandshakeTimeout => &self.handshake_timeouts,
             CloseReason::IdleTimeout => &self.idle_timeouts,
             CloseReason::ProtocolError => &self.protocol_errors,
+            CloseReason::DeadPeer => &self.dead_peers,
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -103,6 +110,7 @@ impl Counters {
             handshake_timeouts: get(&self.handshake_timeouts),
             idle_timeouts: get(&self.idle_timeouts),
             protocol_errors: get(&self.protocol_errors),
+            dead_peers: get(&self.dead_peers),
             accept_errors: get(&self.accept_errors),
             ..ServerStats::default()
         }

@@ -1,0 +1,115 @@
+//! Client hosts that vanish without a word (every packet sent to them
+//! dropped: no answer, no reset) must not keep their connections, and the
+//! places those hold under `max_connections`, forever; live clients that
+//! stay idle must keep theirs. The partitions are real: routes in a
+//! network namespace of the test's own.
+
+mod common;
+// The coordinator's partition tests' namespaces, shared rather than copied.
+#[allow(dead_code)]
+#[path = "../../coordinator/tests/common/netns.rs"]
+mod netns;
+
+use std::net::TcpStream;
+use std::time::Duration;
+
+use common::*;
+use page_server::{RunningServer, ServerConfig};
+use rdma_transport::wire::{Header, Opcode, Status};
+use rdma_transport::PAGE_SIZE;
+
+const LIMIT: Duration = Duration::from_secs(30);
+
+/// A page-server `node` at `gpa_base` allowing three connections, with
+/// `dead_peer_timeout`.
+fn server(url: &str, node: &str, gpa_base: u64, dead_peer_timeout: Duration) -> RunningServer {
+    let mut cfg = ServerConfig::new(node, NODE_BYTES);
+    cfg.gpa_base = gpa_base;
+    cfg.max_connections = 3;
+    cfg.dead_peer_timeout = dead_peer_timeout;
+    page_server_with(url, cfg)
+}
+
+/// A handshaken raw client of `server` (node `node`).
+fn client(server: &RunningServer, node: &str, id: u64) -> TcpStream {
+    let mut s = TcpStream::connect(server.addr()).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    raw::handshake(&mut s, id, node, None).expect("handshake");
+    s
+}
+
+/// Whether a new client of `server` is refused after its HELLO (the
+/// server is full).
+fn refused(server: &RunningServer, node: &str) -> bool {
+    let mut s = TcpStream::connect(server.addr()).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    raw::handshake(&mut s, 99, node, None).is_none()
+}
+
+/// WRITE then READ of the page at offset 0 over `s`: the page read must
+/// be the one written.
+fn write_and_read(s: &mut TcpStream, seed: u64) {
+    let page = page_indexed(0, seed);
+    raw::send(s, Opcode::Write, 7, &page);
+    let (h, _) = raw::read_framed(s);
+    assert_eq!((h.opcode, h.status), (Opcode::WriteResp, Status::Ok));
+    std::io::Write::write_all(
+        s,
+        &Header::request(Opcode::Read, 8, 0, PAGE_SIZE as u32).encode(),
+    )
+    .expect("send READ");
+    let (h, payload) = raw::read_framed(s);
+    assert_eq!((h.opcode, h.status), (Opcode::ReadResp, Status::Ok));
+    assert!(payload == page, "the page read back is not the one written");
+}
+
+/// Two clients of each server vanish; a third stays connected but idle.
+/// The server with a dead-peer timeout (2 s) closes the two vanished ones
+/// and serves a newcomer, and the idle live one is still served; the
+/// server without one (the kernel's defaults) still holds all three and
+/// refuses newcomers.
+#[test]
+#[ignore = "needs root (a network namespace); run by deploy/test-all.sh"]
+fn vanished_clients_are_closed_and_live_idle_ones_kept() {
+    let network = netns::PrivateNetwork::enter();
+    let (_db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let with = server(&url, "with", 0, Duration::from_secs(2));
+    let without = server(&url, "without", NODE_BYTES as u64, Duration::ZERO);
+
+    let mut partitions = Vec::new();
+    let mut live = Vec::new();
+    for (server, node) in [(&with, "with"), (&without, "without")] {
+        for id in 1..=2 {
+            let gone = client(server, node, id);
+            let port = gone.local_addr().unwrap().port();
+            partitions.push((gone, netns::LoopbackPartition::to_port(&network, port)));
+        }
+        let mut idle = client(server, node, 3);
+        write_and_read(&mut idle, 1);
+        live.push(idle);
+        assert!(refused(server, node), "{node} took a fourth connection");
+    }
+
+    assert!(
+        wait_until(LIMIT, || with.stats().dead_peers == 2),
+        "the vanished clients were not closed: {:?}",
+        with.stats()
+    );
+    let stats = with.stats();
+    assert_eq!(stats.handshaken_connections, 1, "{stats:?}");
+    write_and_read(&mut live[0], 2);
+    let mut newcomer = client(&with, "with", 4);
+    write_and_read(&mut newcomer, 3);
+
+    // The kernel's defaults: the vanished clients keep their places.
+    let stats = without.stats();
+    assert_eq!(stats.handshaken_connections, 3, "{stats:?}");
+    assert_eq!(stats.dead_peers, 0);
+    assert!(
+        refused(&without, "without"),
+        "without took a fourth connection"
+    );
+    write_and_read(&mut live[1], 4);
+    drop(partitions);
+}
