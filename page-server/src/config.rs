@@ -60,10 +60,11 @@ pub struct ServerConfig {
     /// that takes longer (however its bytes trickle in) is closed.
     pub handshake_timeout: Duration,
     /// A handshaken connection that sends no complete request for this long
-    /// is closed; zero (the default): never. Off by default because
-    /// `TransportManager` does not yet retry a request whose connection the
-    /// server closed while idle: its first request after such a close fails
-    /// with `NodeDown` (see `tests/flood.rs`, the ignored test).
+    /// is closed; zero (the default): never. `TransportManager` runs a
+    /// request whose connection the server closed once more on a new
+    /// connection, so its clients do not notice; clients that went away
+    /// are closed by `dead_peer_timeout` without it (docs/operations.md,
+    /// "Connection limits").
     pub idle_timeout: Duration,
     /// A client connection whose peer shows no sign of life for this long
     /// is closed by the kernel (`dead_peer.rs`: keepalive probes, and
