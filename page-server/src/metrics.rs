@@ -10,6 +10,11 @@
 //! | `page_server_read_sums_kept_total` | counter | (checksummed READ answers sent out of the region with the sum kept since the page was written: no copy; `page_sums.rs`) |
 //! | `page_server_checksum_failures_total` | counter | `carrier` (`write`, `coherence_frame`: refused because the checksum did not match, i.e. damaged on the way) |
 //! | `page_server_connections` | gauge | `state` (`handshaken`, `pending`) |
+//! | `page_server_connections_closed_total` | counter | `reason` (closed or refused by the server's limits, `ServerStats`: `evicted_pending`, `refused_full`, `handshake_timeout`, `idle_timeout`, `protocol_error`, `dead_peer`) |
+//! | `page_server_accept_errors_total` | counter | (`accept` calls that failed, e.g. out of descriptors) |
+//! | `page_server_replica_recoveries_total` | counter | `outcome` (`done`: the replica is live again; `failed`: failed or overtaken, retried a period later) |
+//! | `page_server_replica_recovered_pages_total` | counter | (pages copied in from a live replica) |
+//! | `page_server_replica_recovery_running` | gauge | (1 while a recovery copies a range here) |
 //! | `page_server_coherence_events_total` | counter | `event` (the coherence home's counters, `coherence::HomeStats`: `shared_grants`, `exclusive_grants`, `upgrades`, `invalidation_rounds`, `invalidations_sent`, `downgrades_sent`, `queued`, `retries`, `lost_answers`, `pages_lost`, `write_backs`, ..., `refused_frames`, `rdma_frames`: frames that came over RDMA message channels, and `bound_frames`: frames whose checksum covered their offset and body, from nodes that agreed to offset-bound sums) |
 //! | `page_server_coherence_pages` | gauge | (pages with a coherence directory entry) |
 //!
@@ -45,6 +50,16 @@ struct OpLabels {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabels {
     state: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -175,6 +190,11 @@ pub(crate) struct PageMetrics {
     kept_sums: Counter,
     checksum_failures: Family<CarrierLabels, Counter>,
     connections: Family<StateLabels, Gauge>,
+    closed: Family<ReasonLabels, Counter>,
+    accept_errors: Counter,
+    recoveries: Family<OutcomeLabels, Counter>,
+    recovered_pages: Counter,
+    recovery_running: Gauge,
     coherence_events: Family<EventLabels, Counter>,
     coherence_pages: Gauge,
 }
@@ -228,6 +248,36 @@ impl PageMetrics {
             "Client connections open now",
             connections.clone(),
         );
+        let closed = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "connections_closed",
+            "Connections closed or refused by the server's limits, by reason",
+            closed.clone(),
+        );
+        let accept_errors = Counter::default();
+        registry.register(
+            "accept_errors",
+            "accept calls that failed (e.g. out of file descriptors)",
+            accept_errors.clone(),
+        );
+        let recoveries = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "replica_recoveries",
+            "Replica recoveries that ended, by outcome (done: live again; failed: retried a period later)",
+            recoveries.clone(),
+        );
+        let recovered_pages = Counter::default();
+        registry.register(
+            "replica_recovered_pages",
+            "Pages copied in from a live replica by recoveries",
+            recovered_pages.clone(),
+        );
+        let recovery_running = Gauge::default();
+        registry.register(
+            "replica_recovery_running",
+            "1 while a replica recovery copies a range here",
+            recovery_running.clone(),
+        );
         let coherence_events = Family::<EventLabels, Counter>::default();
         let coherence_pages = Gauge::default();
         registry.register(
@@ -256,6 +306,11 @@ impl PageMetrics {
             checksum_failures,
             registry,
             connections,
+            closed,
+            accept_errors,
+            recoveries,
+            recovered_pages,
+            recovery_running,
             coherence_events,
             coherence_pages,
         }
@@ -300,8 +355,8 @@ impl PageMetrics {
             .sum()
     }
 
-    /// The OpenMetrics text, with the connection gauges from `stats` and the
-    /// coherence home's counters from `coherence`.
+    /// The OpenMetrics text, with the connection and recovery figures from
+    /// `stats` and the coherence home's counters from `coherence`.
     pub fn render(
         &self,
         stats: &ServerStats,
@@ -328,9 +383,10 @@ impl PageMetrics {
             ("rdma_frames", coherence.rdma_frames),
             ("bound_frames", coherence.bound_frames),
         ] {
-            // The home's counters only grow: the counter catches up.
-            let counter = self.coherence_events.get_or_create(&EventLabels { event });
-            counter.inc_by(now.saturating_sub(counter.get()));
+            catch_up(
+                &self.coherence_events.get_or_create(&EventLabels { event }),
+                now,
+            );
         }
         self.coherence_pages
             .set(i64::try_from(coherence.pages).unwrap_or(i64::MAX));
@@ -341,8 +397,36 @@ impl PageMetrics {
         };
         gauge("handshaken").set(i64::try_from(stats.handshaken_connections).unwrap_or(i64::MAX));
         gauge("pending").set(i64::try_from(stats.pending_handshakes).unwrap_or(i64::MAX));
+        for (reason, now) in [
+            ("evicted_pending", stats.evicted_pending),
+            ("refused_full", stats.refused_full),
+            ("handshake_timeout", stats.handshake_timeouts),
+            ("idle_timeout", stats.idle_timeouts),
+            ("protocol_error", stats.protocol_errors),
+            ("dead_peer", stats.dead_peers),
+        ] {
+            catch_up(&self.closed.get_or_create(&ReasonLabels { reason }), now);
+        }
+        catch_up(&self.accept_errors, stats.accept_errors);
+        for (outcome, now) in [
+            ("done", stats.recoveries),
+            ("failed", stats.recovery_failures),
+        ] {
+            catch_up(
+                &self.recoveries.get_or_create(&OutcomeLabels { outcome }),
+                now,
+            );
+        }
+        catch_up(&self.recovered_pages, stats.recovered_pages);
+        self.recovery_running.set(i64::from(stats.recovery_running));
         let mut text = String::new();
         encode(&mut text, &self.registry)?;
         Ok(text)
     }
+}
+
+/// Brings `counter` up to `now`, a count kept elsewhere that only grows
+/// (the home's, the server's stats).
+fn catch_up(counter: &Counter, now: u64) {
+    counter.inc_by(now.saturating_sub(counter.get()));
 }

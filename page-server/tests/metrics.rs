@@ -1,5 +1,6 @@
 //! `GET /metrics` of a page-server (`--metrics-listen`): pages served,
-//! bytes, durations and connections, after a manager's reads and writes.
+//! bytes, durations and connections, after a manager's reads and writes;
+//! connections closed by reason; the coherence home's counters.
 
 mod common;
 
@@ -48,6 +49,19 @@ fn metrics_count_pages_bytes_and_durations() {
         }
     }
 
+    // One connection that sends junk is closed as a protocol error.
+    let mut junk = TcpStream::connect(server.addr()).expect("connect");
+    junk.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    junk.write_all(&[0xAB; 64]).expect("send junk");
+    let mut rest = Vec::new();
+    let _ = junk.read_to_end(&mut rest);
+    assert!(
+        wait_until(Duration::from_secs(10), || server.stats().protocol_errors
+            == 1),
+        "{:?}",
+        server.stats()
+    );
+
     let answer = http(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
     let (head, body) = answer.split_once("\r\n\r\n").expect("head and body");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
@@ -64,6 +78,14 @@ fn metrics_count_pages_bytes_and_durations() {
         r#"page_server_connections{state="handshaken"} 1"#,
         r#"page_server_checksum_failures_total{carrier="write"} 0"#,
         r#"page_server_checksum_failures_total{carrier="coherence_frame"} 0"#,
+        r#"page_server_connections_closed_total{reason="protocol_error"} 1"#,
+        r#"page_server_connections_closed_total{reason="dead_peer"} 0"#,
+        r#"page_server_connections_closed_total{reason="refused_full"} 0"#,
+        r#"page_server_accept_errors_total 0"#,
+        r#"page_server_replica_recoveries_total{outcome="done"} 0"#,
+        r#"page_server_replica_recoveries_total{outcome="failed"} 0"#,
+        r#"page_server_replica_recovered_pages_total 0"#,
+        r#"page_server_replica_recovery_running 0"#,
     ] {
         assert!(has(line), "missing {line}:\n{body}");
     }
