@@ -141,11 +141,18 @@ impl HeldRanges {
         Ok(())
     }
 
+    /// The new file before it replaces the old one: named by this process,
+    /// so that two processes of one node never write into the same one.
+    fn temporary_path(&self) -> PathBuf {
+        self.path
+            .with_file_name(format!("{FILE_NAME}.{}.new", std::process::id()))
+    }
+
     /// Writes `body` to a new file, syncs it, renames it over the old one
     /// and syncs the directory: a crash leaves the old file or the new one.
     fn replace_file(&self, body: &FileBody) -> io::Result<()> {
         let json = serde_json::to_vec_pretty(body).map_err(io::Error::other)?;
-        let temporary = self.path.with_extension("json.new");
+        let temporary = self.temporary_path();
         let mut file = fs::File::create(&temporary)?;
         file.write_all(&json)?;
         file.sync_all()?;
@@ -195,7 +202,7 @@ mod tests {
         let body: FileBody = serde_json::from_str(&text).unwrap();
         assert_eq!(body.node_id, "n1");
         assert_eq!(body.ranges, [A, B]);
-        assert!(!state.join("held-ranges.json.new").exists());
+        assert!(!next.temporary_path().exists());
     }
 
     #[test]
@@ -233,11 +240,11 @@ mod tests {
         let state = dir.path().join("state");
         let held = HeldRanges::open(&state, "n1").unwrap();
         // The temporary file's name taken by a directory: the write fails.
-        fs::create_dir(state.join("held-ranges.json.new")).unwrap();
+        fs::create_dir(held.temporary_path()).unwrap();
         assert!(matches!(held.record(A), Err(StateDirError::Io { .. })));
         assert!(!held.contains(A));
         assert!(!state.join(FILE_NAME).exists());
-        fs::remove_dir(state.join("held-ranges.json.new")).unwrap();
+        fs::remove_dir(held.temporary_path()).unwrap();
         held.record(A).unwrap();
         assert!(HeldRanges::open(&state, "n1").unwrap().contains(A));
     }

@@ -74,8 +74,8 @@ struct Args {
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
     handshake_timeout_ms: u64,
     /// Milliseconds a handshaken connection may go without a complete
-    /// request before it is closed (0: never; clients do not yet retry a
-    /// request on a connection closed while idle).
+    /// request before it is closed (0: never; clients run a request whose
+    /// connection was closed once more on a new one).
     #[arg(long, default_value_t = 0)]
     idle_timeout_ms: u64,
     /// Milliseconds a client's host may show no sign of life (keepalive
