@@ -12,7 +12,7 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::coherent_copies::Node;
+use common::coherent_copies::{home_manager, Node};
 use common::raw::{self, read_framed};
 use common::*;
 use page_server::{RunningServer, ServerConfig};
@@ -20,11 +20,10 @@ use rdma_transport::auth::ClusterKey;
 use rdma_transport::coherent::{
     Access, CoherenceConfig, CoherenceHandler, Mode, Recall, RecallAnswer,
 };
-use rdma_transport::coordinator::api::{MapEntry, MapResponse, NodeInfo, RangeState};
 use rdma_transport::wire::{
     decode_to_node, encode_to_home, Header, Opcode, Status, ToNodeFrame, HEADER_LEN,
 };
-use rdma_transport::{ManagerConfig, Page, TransportError, TransportManager, PAGE_SIZE};
+use rdma_transport::{Page, TransportError, TransportManager, PAGE_SIZE};
 
 const HOME: &str = "home";
 const GPA_BASE: u64 = 0x10_0000;
@@ -34,41 +33,7 @@ fn node(server: &RunningServer, key: &ClusterKey, min_hold_us: u64) -> Node {
 }
 
 fn manager_for(server: &RunningServer, key: &ClusterKey) -> TransportManager {
-    let map = MapResponse {
-        version: 1,
-        generation: 0,
-        entries: vec![MapEntry {
-            gpa_start: GPA_BASE,
-            length_bytes: NODE_BYTES as u64,
-            node_id: HOME.into(),
-            remote_offset: 0,
-            rdma: None,
-            valid_epoch: 0,
-            state: RangeState::Live,
-            replicas: Vec::new(),
-        }],
-        nodes: vec![NodeInfo {
-            id: HOME.into(),
-            tcp_addr: server.addr().to_string(),
-            rdma: None,
-            alive: true,
-            last_seen_ms_ago: 0,
-            epoch: 0,
-        }],
-    };
-    TransportManager::from_map(
-        ManagerConfig {
-            transport: rdma_transport::TransportKind::Tcp,
-            request_timeout_ms: 2000,
-            connect_timeout_ms: 2000,
-            poller_cpus: Some(vec![]),
-            map_refresh_ms: 0,
-            cluster_key: Some(key.clone()),
-            ..ManagerConfig::default()
-        },
-        map,
-    )
-    .expect("manager over a fixed map")
+    home_manager(server, HOME, GPA_BASE, key)
 }
 
 fn home() -> (RunningServer, ClusterKey) {

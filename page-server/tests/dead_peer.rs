@@ -1,8 +1,9 @@
 //! Client hosts that vanish without a word (every packet sent to them
 //! dropped: no answer, no reset) must not keep their connections, and the
 //! places those hold under `max_connections`, forever; live clients that
-//! stay idle must keep theirs. The partitions are real: routes in a
-//! network namespace of the test's own.
+//! stay idle must keep theirs; a coherence node that vanishes owning a
+//! page is lost like one that died, not waited on. The partitions are
+//! real: routes in a network namespace of the test's own.
 
 mod common;
 // The coordinator's partition tests' namespaces, shared rather than copied.
@@ -13,10 +14,13 @@ mod netns;
 use std::net::TcpStream;
 use std::time::Duration;
 
+use common::coherent_copies::{home_manager, Node};
 use common::*;
 use page_server::{RunningServer, ServerConfig};
-use rdma_transport::wire::{Header, Opcode, Status};
-use rdma_transport::PAGE_SIZE;
+use rdma_transport::auth::ClusterKey;
+use rdma_transport::coherent::Access;
+use rdma_transport::wire::{decode_to_node, encode_to_home, Header, Opcode, Status, ToNodeFrame};
+use rdma_transport::{TransportError, PAGE_SIZE};
 
 const LIMIT: Duration = Duration::from_secs(30);
 
@@ -111,5 +115,89 @@ fn vanished_clients_are_closed_and_live_idle_ones_kept() {
         "without took a fourth connection"
     );
     write_and_read(&mut live[1], 4);
+    drop(partitions);
+}
+
+/// A coherence node (by hand) takes the first page of a home for writing,
+/// then its host vanishes. Another node asks for the page: the home calls
+/// it back from the owner, who never answers. The home with a dead-peer
+/// timeout (2 s) loses the owner, and with it the page, as for a node that
+/// died (`CoherentDataLost`: its writes are gone, and nobody gets the
+/// older version); the home without one (the kernel's defaults) keeps
+/// waiting on the owner, and every request for the page times out.
+#[test]
+#[ignore = "needs root (a network namespace); run by deploy/test-all.sh"]
+fn a_coherence_owner_that_vanished_is_lost_not_waited_on() {
+    const HOME: &str = "home";
+    const GPA_BASE: u64 = 0x10_0000;
+    let network = netns::PrivateNetwork::enter();
+    let key = ClusterKey::generate().expect("a key");
+    let home = |dead_peer_timeout| {
+        let mut cfg = ServerConfig::new(HOME, NODE_BYTES);
+        cfg.cluster_key = Some(key.clone());
+        cfg.dead_peer_timeout = dead_peer_timeout;
+        page_server::spawn(cfg).expect("page-server starts")
+    };
+    let with = home(Duration::from_secs(2));
+    let without = home(Duration::ZERO);
+
+    let mut partitions = Vec::new();
+    for server in [&with, &without] {
+        let mut owner = TcpStream::connect(server.addr()).expect("connect");
+        owner
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        raw::handshake(&mut owner, 5, HOME, Some(&key)).expect("handshake");
+        let write_req = coherence::ToHome::WriteReq {
+            req: 1,
+            upgrade: false,
+        };
+        std::io::Write::write_all(&mut owner, &encode_to_home(0, &write_req, None, false))
+            .expect("send WRITE_REQ");
+        let (h, payload) = raw::read_framed(&mut owner);
+        match decode_to_node(&h, &payload, false) {
+            Ok(ToNodeFrame::Msg(f)) => {
+                assert!(
+                    matches!(
+                        f.msg,
+                        coherence::ToNode::Grant {
+                            req: 1,
+                            mode: coherence::Mode::Exclusive,
+                            ..
+                        }
+                    ),
+                    "expected an exclusive grant, got {:?}",
+                    f.msg
+                );
+                assert_eq!(f.page, Some(&[0u8; PAGE_SIZE][..]), "the home's page");
+            }
+            other => panic!("expected a grant, got {other:?}"),
+        }
+        let port = owner.local_addr().unwrap().port();
+        partitions.push((owner, netns::LoopbackPartition::to_port(&network, port)));
+    }
+
+    let asker = Node::with_manager(home_manager(&with, HOME, GPA_BASE, &key), 0);
+    let mut tries = Vec::new();
+    let lost = wait_until(LIMIT, || {
+        let answer = asker.c().acquire(GPA_BASE, Access::Read);
+        let lost = matches!(answer, Err(TransportError::CoherentDataLost { .. }));
+        tries.push(format!("{answer:?}"));
+        lost
+    });
+    assert!(lost, "the page was never reported lost: {tries:?}");
+    assert_eq!(asker.copies.copy(GPA_BASE), None, "a copy of a lost page");
+    let stats = with.stats();
+    assert_eq!(stats.dead_peers, 1, "{stats:?}");
+    assert_eq!(with.coherence_stats().home.pages_lost, 1);
+
+    // The kernel's defaults: the owner is still a node, the page waits.
+    let asker = Node::with_manager(home_manager(&without, HOME, GPA_BASE, &key), 0);
+    match asker.c().acquire(GPA_BASE, Access::Read) {
+        Err(TransportError::Timeout { .. }) => {}
+        other => panic!("the page of a vanished owner, kernel defaults: {other:?}"),
+    }
+    assert_eq!(without.stats().dead_peers, 0);
+    assert_eq!(without.coherence_stats().home.pages_lost, 0);
     drop(partitions);
 }

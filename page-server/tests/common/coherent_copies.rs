@@ -6,11 +6,59 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use page_server::RunningServer;
 use parking_lot::Mutex;
+use rdma_transport::auth::ClusterKey;
 use rdma_transport::coherent::{
     Access, CoherenceConfig, CoherenceHandler, CoherentNode, Mode, Recall, RecallAnswer,
 };
-use rdma_transport::{Page, TransportError, TransportManager};
+use rdma_transport::coordinator::api::{MapEntry, MapResponse, NodeInfo, RangeState};
+use rdma_transport::{ManagerConfig, Page, TransportError, TransportManager};
+
+/// A manager of the one range at `gpa_base` that `server` (node `home`)
+/// exports, over TCP with `key`, on a fixed map (no coordinator).
+pub fn home_manager(
+    server: &RunningServer,
+    home: &str,
+    gpa_base: u64,
+    key: &ClusterKey,
+) -> TransportManager {
+    let map = MapResponse {
+        version: 1,
+        generation: 0,
+        entries: vec![MapEntry {
+            gpa_start: gpa_base,
+            length_bytes: super::NODE_BYTES as u64,
+            node_id: home.into(),
+            remote_offset: 0,
+            rdma: None,
+            valid_epoch: 0,
+            state: RangeState::Live,
+            replicas: Vec::new(),
+        }],
+        nodes: vec![NodeInfo {
+            id: home.into(),
+            tcp_addr: server.addr().to_string(),
+            rdma: None,
+            alive: true,
+            last_seen_ms_ago: 0,
+            epoch: 0,
+        }],
+    };
+    TransportManager::from_map(
+        ManagerConfig {
+            transport: rdma_transport::TransportKind::Tcp,
+            request_timeout_ms: 2000,
+            connect_timeout_ms: 2000,
+            poller_cpus: Some(vec![]),
+            map_refresh_ms: 0,
+            cluster_key: Some(key.clone()),
+            ..ManagerConfig::default()
+        },
+        map,
+    )
+    .expect("manager over a fixed map")
+}
 
 /// A node's local copies: what `GuestMemory` will keep in guest RAM.
 #[derive(Debug, Default)]
