@@ -29,6 +29,7 @@ mod page_sums;
 mod prefetch;
 mod range_contents;
 mod rdma;
+mod readiness;
 mod recovery;
 mod recovery_guard;
 mod registration;

@@ -1,6 +1,7 @@
-//! `GET /metrics` on its own listener (`--metrics-listen`): a minimal
-//! HTTP/1.1 answer per connection, one connection at a time, each bounded
-//! by a read and a write timeout so that a stuck scraper cannot hold it.
+//! `GET /metrics` and `GET /ready` (`readiness.rs`) on their own listener
+//! (`--metrics-listen`): a minimal HTTP/1.1 answer per connection, one
+//! connection at a time, each bounded by a read and a write timeout so that
+//! a stuck scraper cannot hold it.
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -9,6 +10,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::registration::RegisteredWatch;
 use crate::server::Shared;
 
 /// A request head larger than this is refused.
@@ -25,8 +27,13 @@ pub(crate) struct MetricsEndpoint {
 }
 
 impl MetricsEndpoint {
-    /// Binds `listen` and serves the metrics of `shared`.
-    pub fn start(listen: SocketAddr, shared: Arc<Shared>) -> io::Result<Self> {
+    /// Binds `listen` and serves the metrics of `shared`, and its readiness
+    /// (`registered`: the registration, `None` without a coordinator).
+    pub fn start(
+        listen: SocketAddr,
+        shared: Arc<Shared>,
+        registered: Option<RegisteredWatch>,
+    ) -> io::Result<Self> {
         let listener = TcpListener::bind(listen)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -40,7 +47,7 @@ impl MetricsEndpoint {
                     }
                     match stream {
                         Ok(stream) => {
-                            if let Err(error) = answer(stream, &shared) {
+                            if let Err(error) = answer(stream, &shared, registered.as_ref()) {
                                 tracing::debug!(%error, "metrics request failed");
                             }
                         }
@@ -83,7 +90,11 @@ impl Drop for MetricsEndpoint {
 }
 
 /// Reads one request head and answers it, then closes.
-fn answer(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
+fn answer(
+    mut stream: TcpStream,
+    shared: &Shared,
+    registered: Option<&RegisteredWatch>,
+) -> io::Result<()> {
     stream.set_read_timeout(Some(IO_TIMEOUT))?;
     stream.set_write_timeout(Some(IO_TIMEOUT))?;
     let mut head = Vec::with_capacity(512);
@@ -110,15 +121,28 @@ fn answer(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
         parts.next().unwrap_or_default(),
     );
     let path = target.split(|&b| b == b'?').next().unwrap_or_default();
-    if path != b"/metrics" {
-        return respond(&mut stream, "404 Not Found", "text/plain", "GET /metrics\n");
+    const ROUTES: &str = "GET /metrics\nGET /ready\n";
+    if path != b"/metrics" && path != b"/ready" {
+        return respond(&mut stream, "404 Not Found", "text/plain", ROUTES);
     }
     if method != b"GET" {
+        return respond(&mut stream, "405 Method Not Allowed", "text/plain", ROUTES);
+    }
+    if path == b"/ready" {
+        let report = crate::readiness::readiness(
+            registered.map(RegisteredWatch::is_registered),
+            shared.seen.each(),
+        );
+        let status = if report.ready {
+            "200 OK"
+        } else {
+            "503 Service Unavailable"
+        };
         return respond(
             &mut stream,
-            "405 Method Not Allowed",
-            "text/plain",
-            "GET /metrics\n",
+            status,
+            "text/plain; charset=utf-8",
+            &report.text,
         );
     }
     let mut stats = shared.admission.stats();

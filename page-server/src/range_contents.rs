@@ -78,6 +78,14 @@ impl RangesSeen {
         }
     }
 
+    /// Each range, in layout order, with what a claim of it says.
+    pub(crate) fn each(&self) -> impl Iterator<Item = (HeldRange, RangeContents)> + '_ {
+        self.ranges
+            .iter()
+            .enumerate()
+            .map(|(index, &range)| (range, self.contents(index)))
+    }
+
     /// What a claim of range `index` says.
     pub(crate) fn contents(&self, index: usize) -> RangeContents {
         match self.seen.get(index).map(|s| s.load(Ordering::Relaxed)) {

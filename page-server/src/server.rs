@@ -222,12 +222,17 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         .map(|r| Recovery::start(&config, &layout, Arc::clone(&shared), r.watch()));
     let metrics = match config.metrics_listen {
         None => None,
-        Some(listen) => Some(MetricsEndpoint::start(listen, Arc::clone(&shared)).map_err(
-            |source| ServerError::Listen {
+        Some(listen) => Some(
+            MetricsEndpoint::start(
+                listen,
+                Arc::clone(&shared),
+                registration.as_ref().map(Registration::watch),
+            )
+            .map_err(|source| ServerError::Listen {
                 addr: listen,
                 source,
-            },
-        )?),
+            })?,
+        ),
     };
     Ok(RunningServer {
         addr,

@@ -439,3 +439,64 @@ fn a_recovery_whose_source_is_out_of_reach_leaves_the_clients_connected() {
     }
     b.shutdown();
 }
+
+/// `GET path` on `addr`: the status code and the body.
+fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").expect("send");
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).expect("answer");
+    let (head, body) = answer.split_once("\r\n\r\n").expect("head and body");
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .expect("a status code");
+    (status, body.to_owned())
+}
+
+/// `GET /ready` of a new replica (in this process) says 503 while it is
+/// stale, here for as long as the live replica `a` is stopped (SIGSTOP:
+/// nothing to recover from), and 200 once `a` runs again and the new
+/// replica has copied the range: the gate an operator restarting the
+/// replicas one after the other waits for.
+#[test]
+fn ready_waits_for_the_recovery() {
+    let (coord, a, _db) = cluster_with_written_range();
+    let url = coord.url();
+    let admin = coordinator_client(&url);
+    a.pause();
+    let mut cfg = ServerConfig::new("b", NODE_BYTES);
+    cfg.heartbeat_interval = Duration::from_millis(200);
+    cfg.recovery_grace = Duration::from_millis(300);
+    cfg.metrics_listen = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+    let b = page_server_with(&url, cfg);
+    let metrics = b.metrics_addr().expect("metrics address");
+    assert!(
+        wait_until(RECOVERY_LIMIT, || b.stats().recovery_failures >= 1),
+        "b never tried to recover"
+    );
+    let (status, body) = http_get(metrics, "/ready");
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(
+        body,
+        "not ready\nregistered with the coordinator\n\
+         range 0x0 (1048576 bytes): not live (stale, recovering or lost)\n"
+    );
+
+    a.resume();
+    assert!(
+        wait_until(RECOVERY_LIMIT, || http_get(metrics, "/ready").0 == 200),
+        "b never became ready: {:?} (replica {:?})",
+        http_get(metrics, "/ready"),
+        replica(&admin, "b")
+    );
+    assert_eq!(
+        replica(&admin, "b").map(|r| r.state),
+        Some(ReplicaState::Live)
+    );
+    check_every_page(&admin, "b", |i| page_indexed(i, 1));
+    let (status, _) = http_get(metrics, "/nothing");
+    assert_eq!(status, 404);
+}

@@ -1,0 +1,101 @@
+//! `GET /ready` on the metrics listener: whether this node serves every
+//! range it exports. Ready once it is registered and its replica of each
+//! range was live in the last map it read; not ready while a replica is
+//! stale, recovering or lost (a restarted node before its recovery, a
+//! single replica whose memory is gone). An operator restarting the
+//! replicas of a range one after the other waits for the restarted one's
+//! `/ready` before stopping the next: otherwise the range can lose its
+//! last live replica. Without a coordinator there is nothing to wait for.
+
+use std::fmt::Write;
+
+use rdma_transport::coordinator::api::RangeContents;
+
+use crate::held_ranges::HeldRange;
+
+/// The answer: ready or not, and a line per fact behind it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Readiness {
+    pub(crate) ready: bool,
+    pub(crate) text: String,
+}
+
+/// What the node knows: `registered` (`None`: no coordinator), and each
+/// exported range with what the last map said of this node's replica.
+pub(crate) fn readiness(
+    registered: Option<bool>,
+    ranges: impl Iterator<Item = (HeldRange, RangeContents)>,
+) -> Readiness {
+    let mut text = String::new();
+    let Some(registered) = registered else {
+        return Readiness {
+            ready: true,
+            text: "ready: no coordinator\n".into(),
+        };
+    };
+    let mut ready = registered;
+    let mut lines = String::new();
+    for (range, contents) in ranges {
+        let state = match contents {
+            RangeContents::Held => "live",
+            RangeContents::Missed => "not live (stale, recovering or lost)",
+            RangeContents::Unknown => "not in a map read yet",
+        };
+        ready &= contents == RangeContents::Held;
+        let _ = writeln!(
+            lines,
+            "range {:#x} ({} bytes): {state}",
+            range.gpa_start, range.length_bytes
+        );
+    }
+    let _ = writeln!(text, "{}", if ready { "ready" } else { "not ready" });
+    let _ = writeln!(
+        text,
+        "{}",
+        if registered {
+            "registered with the coordinator"
+        } else {
+            "not registered with the coordinator yet"
+        }
+    );
+    text.push_str(&lines);
+    Readiness { ready, text }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn range(i: u64) -> HeldRange {
+        HeldRange {
+            gpa_start: i << 20,
+            length_bytes: 1 << 20,
+        }
+    }
+
+    #[test]
+    fn ready_only_when_registered_and_every_range_is_live() {
+        let live = [
+            (range(0), RangeContents::Held),
+            (range(1), RangeContents::Held),
+        ];
+        let all = readiness(Some(true), live.into_iter());
+        assert!(all.ready, "{}", all.text);
+        assert_eq!(
+            all.text,
+            "ready\nregistered with the coordinator\n\
+             range 0x0 (1048576 bytes): live\nrange 0x100000 (1048576 bytes): live\n"
+        );
+        for contents in [RangeContents::Missed, RangeContents::Unknown] {
+            let one_not = [(range(0), RangeContents::Held), (range(1), contents)];
+            let r = readiness(Some(true), one_not.into_iter());
+            assert!(!r.ready, "{}", r.text);
+            assert!(r.text.starts_with("not ready\n"), "{}", r.text);
+        }
+        let unregistered = readiness(Some(false), live.into_iter());
+        assert!(!unregistered.ready);
+        assert!(unregistered.text.contains("not registered"));
+        let alone = readiness(None, std::iter::empty());
+        assert!(alone.ready, "{}", alone.text);
+    }
+}
