@@ -13,7 +13,7 @@ use rdma_transport::coherent::{
     Access, CoherenceConfig, CoherenceHandler, CoherentNode, Mode, Recall, RecallAnswer,
 };
 use rdma_transport::coordinator::api::{MapEntry, MapResponse, NodeInfo, RangeState};
-use rdma_transport::{ManagerConfig, Page, TransportError, TransportManager};
+use rdma_transport::{Page, TransportError, TransportManager};
 
 /// A manager of the one range at `gpa_base` that `server` (node `home`)
 /// exports, over TCP with `key`, on a fixed map (no coordinator).
@@ -45,19 +45,7 @@ pub fn home_manager(
             epoch: 0,
         }],
     };
-    TransportManager::from_map(
-        ManagerConfig {
-            transport: rdma_transport::TransportKind::Tcp,
-            request_timeout_ms: 2000,
-            connect_timeout_ms: 2000,
-            poller_cpus: Some(vec![]),
-            map_refresh_ms: 0,
-            cluster_key: Some(key.clone()),
-            ..ManagerConfig::default()
-        },
-        map,
-    )
-    .expect("manager over a fixed map")
+    super::fixed_map_manager(map, Some(key))
 }
 
 /// A node's local copies: what `GuestMemory` will keep in guest RAM.

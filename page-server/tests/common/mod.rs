@@ -166,6 +166,15 @@ pub fn range_replica_manager(
         }],
         nodes: vec![info],
     };
+    fixed_map_manager(map, None)
+}
+
+/// A TCP manager that never refreshes `map` (2 s deadlines), proving `key`
+/// when given.
+pub fn fixed_map_manager(
+    map: rdma_transport::coordinator::api::MapResponse,
+    key: Option<&rdma_transport::auth::ClusterKey>,
+) -> TransportManager {
     TransportManager::from_map(
         ManagerConfig {
             transport: rdma_transport::TransportKind::Tcp,
@@ -173,6 +182,7 @@ pub fn range_replica_manager(
             connect_timeout_ms: 2000,
             poller_cpus: Some(vec![]),
             map_refresh_ms: 0,
+            cluster_key: key.cloned(),
             ..ManagerConfig::default()
         },
         map,
