@@ -26,7 +26,6 @@ pub(crate) fn readiness(
     registered: Option<bool>,
     ranges: impl Iterator<Item = (HeldRange, RangeContents)>,
 ) -> Readiness {
-    let mut text = String::new();
     let Some(registered) = registered else {
         return Readiness {
             ready: true,
@@ -48,17 +47,13 @@ pub(crate) fn readiness(
             range.gpa_start, range.length_bytes
         );
     }
-    let _ = writeln!(text, "{}", if ready { "ready" } else { "not ready" });
-    let _ = writeln!(
-        text,
-        "{}",
-        if registered {
-            "registered with the coordinator"
-        } else {
-            "not registered with the coordinator yet"
-        }
-    );
-    text.push_str(&lines);
+    let verdict = if ready { "ready" } else { "not ready" };
+    let registration = if registered {
+        "registered with the coordinator"
+    } else {
+        "not registered with the coordinator yet"
+    };
+    let text = format!("{verdict}\n{registration}\n{lines}");
     Readiness { ready, text }
 }
 

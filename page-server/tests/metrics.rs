@@ -12,18 +12,6 @@ use common::*;
 use page_server::ServerConfig;
 use rdma_transport::PAGE_SIZE;
 
-/// One HTTP request on a fresh connection; the whole answer.
-fn http(addr: SocketAddr, request: &str) -> String {
-    let mut stream = TcpStream::connect(addr).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .expect("timeout");
-    stream.write_all(request.as_bytes()).expect("send");
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer).expect("answer");
-    answer
-}
-
 #[test]
 fn metrics_count_pages_bytes_and_durations() {
     let db = tempfile::tempdir().unwrap();

@@ -442,11 +442,7 @@ fn a_recovery_whose_source_is_out_of_reach_leaves_the_clients_connected() {
 
 /// `GET path` on `addr`: the status code and the body.
 fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").expect("send");
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).expect("answer");
+    let answer = http(addr, &format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n"));
     let (head, body) = answer.split_once("\r\n\r\n").expect("head and body");
     let status = head
         .split(' ')

@@ -380,6 +380,19 @@ fn wait_for_file(path: &PathBuf, limit: Duration) -> String {
     }
 }
 
+/// One HTTP request on a fresh connection; the whole answer.
+pub fn http(addr: SocketAddr, request: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    stream.write_all(request.as_bytes()).expect("send");
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).expect("answer");
+    answer
+}
+
 /// Polls `cond` until it holds, for at most `limit`.
 pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;
