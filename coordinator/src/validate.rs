@@ -35,7 +35,8 @@ pub(crate) fn registration(registration: &NodeRegistration) -> Result<(), ApiErr
     Ok(())
 }
 
-/// `host:port` with a non-empty host and a non-zero port.
+/// `host:port`: a non-empty host of printable ASCII without spaces, and a
+/// port of decimal digits from 1 to 65535 (what the OpenAPI pattern says).
 fn tcp_addr(addr: &str) -> Result<(), ApiError> {
     let bad = |why: &str| {
         Err(ApiError::BadRequest(format!(
@@ -48,8 +49,11 @@ fn tcp_addr(addr: &str) -> Result<(), ApiError> {
     let Some((host, port)) = addr.rsplit_once(':') else {
         return bad("expected host:port");
     };
-    if host.is_empty() || host.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return bad("bad host");
+    if host.is_empty() || !host.bytes().all(|b| b.is_ascii_graphic()) {
+        return bad("the host must be printable ASCII without spaces");
+    }
+    if port.is_empty() || !port.bytes().all(|b| b.is_ascii_digit()) {
+        return bad("port must be 1 to 65535");
     }
     match port.parse::<u16>() {
         Ok(port) if port != 0 => Ok(()),
@@ -160,7 +164,7 @@ mod tests {
 
     #[test]
     fn tcp_addrs() {
-        for good in ["127.0.0.1:7000", "host.example:1", "[::1]:65535"] {
+        for good in ["127.0.0.1:7000", "host.example:1", "[::1]:65535", "h:0080"] {
             assert!(tcp_addr(good).is_ok(), "{good}");
         }
         for bad in [
@@ -171,6 +175,10 @@ mod tests {
             "host:65536",
             "host:x",
             "a b:80",
+            "h\u{e9}te:80",
+            "host:+80",
+            "host: 80",
+            "host:",
         ] {
             assert!(tcp_addr(bad).is_err(), "{bad}");
         }
