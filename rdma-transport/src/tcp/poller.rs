@@ -110,11 +110,19 @@ impl Drop for Pollers {
             handle.stop.store(true, Ordering::SeqCst);
             handle.wake();
         }
-        for (_, thread) in &mut self.threads {
+        for (handle, thread) in &mut self.threads {
             if let Some(t) = thread.take() {
                 if t.join().is_err() {
                     tracing::error!("a poller thread panicked");
                 }
+            }
+            // A connection handed over after its poller last looked (one
+            // dialed just before the manager was dropped) is still queued.
+            // It and the handle hold each other: without this, neither is
+            // ever freed and its socket stays open (found by
+            // fuzz/fuzz_targets/client_answers.rs).
+            while let Some(conn) = handle.incoming.pop() {
+                conn.mark_broken(CODE_CONN_LOST);
             }
         }
     }
@@ -197,5 +205,43 @@ fn run(handle: &PollerHandle, cpu: Option<usize>, mode: PollMode, idle_spin: Dur
     }
     for c in &conns {
         c.mark_broken(CODE_CONN_LOST);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{ErrorKind, Read};
+
+    use super::*;
+    use crate::tcp::wait_tests::bare_connection;
+
+    /// A connection handed to a poller that stopped before taking it (its
+    /// manager dropped right after dialing it) is freed with the pollers,
+    /// and its socket closed.
+    #[test]
+    fn a_connection_its_poller_never_took_is_freed_with_the_pollers() {
+        let mut pollers = Pollers::start(1, &[], PollMode::Event, Duration::ZERO).unwrap();
+        // The thread sees `stop` first, as in `Pollers::drop`.
+        let (handle, thread) = &mut pollers.threads[0];
+        handle.stop.store(true, Ordering::SeqCst);
+        handle.wake();
+        thread.take().expect("a thread").join().unwrap();
+        let (conn, mut server) = bare_connection(false);
+        pollers.add(&conn);
+        let weak = Arc::downgrade(&conn);
+        drop(conn);
+        drop(pollers);
+        assert!(
+            weak.upgrade().is_none(),
+            "the connection outlived its pollers"
+        );
+        server
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        match server.read(&mut [0u8; 1]) {
+            Ok(0) => {}
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
+            other => panic!("the connection's socket is still open: {other:?}"),
+        }
     }
 }
