@@ -93,6 +93,14 @@ cargo test -p coordinator --features etcd --test etcd_cluster
 cargo test -p coordinator --features etcd --test etcd_partition
 ok
 
+step "the coordinator's HTTP API against docs/coordinator-openapi.yaml (schemathesis: generated requests, every check)"
+ST_MAX_TIME="${ST_MAX_TIME:-120}" deploy/schemathesis/run.sh
+ok
+
+step "fuzz what arrives from the network: the wire decoders, a live page-server, a client's answers (cargo fuzz)"
+FUZZ_SECONDS="${FUZZ_SECONDS:-60}" deploy/fuzz.sh
+ok
+
 step "replicas across a real partition (a network namespace: needs root and iproute2, installed above)"
 # The link from a client to a replica goes down; the client's TCP keeps the
 # write the replica missed and retransmits it once the link is back, after
