@@ -3,6 +3,10 @@
 # everything that arrives from the network:
 #   wire_roundtrip       every wire decoder: no panic; what decodes encodes
 #                        back to the same value
+#   coherence_home       one page's coherence home fed any node messages
+#                        and losses, in or out of protocol: no panic,
+#                        versions never go back, nothing sent to a node
+#                        that never spoke or was lost
 #   page_server_session  a real page-server fed any bytes, raw or after a
 #                        good handshake: no panic or hang, well-framed
 #                        answers, no data to a client without the key, a
@@ -22,7 +26,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 seconds="${FUZZ_SECONDS:-60}"
 targets=("$@")
-((${#targets[@]})) || targets=(wire_roundtrip page_server_session client_answers)
+((${#targets[@]})) || targets=(wire_roundtrip coherence_home page_server_session client_answers)
 
 if ! cargo fuzz --version >/dev/null 2>&1; then
     cargo install --quiet --locked cargo-fuzz --version 0.13.2

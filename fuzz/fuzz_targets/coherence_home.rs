@@ -1,0 +1,75 @@
+//! One page's coherence home (the `coherence` crate's `HomePage`, what the
+//! page-server runs per page) fed any sequence of node messages and node
+//! losses, in or out of protocol (late, repeated, from nodes never asked,
+//! with made-up sequence numbers and versions): it never panics, its
+//! versions never go back, and every message it sends is addressed to a
+//! node that has spoken to it.
+//!
+//! Each step is 12 bytes: node (low 2 bits of byte 0), what (byte 1), and
+//! a value (bytes 2..10) and a request id (bytes 10..12).
+
+#![no_main]
+
+use coherence::{HomeAction, HomeConfig, HomePage, HomeStats, NodeId, NodeSet, ToHome};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|input: &[u8]| {
+    let mut home = HomePage::new(HomeConfig::new(
+        1 + usize::from(input.first().copied().unwrap_or(0) % 8),
+    ));
+    let mut stats = HomeStats::default();
+    let mut spoken = NodeSet::EMPTY;
+    let (mut version, mut stored) = (home.version(), home.stored_version());
+    for step in input.chunks_exact(12) {
+        let node = NodeId::new(step[0] & 3).expect("a node id below 64");
+        let value = u64::from_le_bytes(step[2..10].try_into().expect("8 bytes"));
+        // Small values reach the home's current sequence numbers and
+        // versions; any other value is as likely on the wire.
+        let value = if step[0] & 4 != 0 { value % 8 } else { value };
+        let req = u32::from(u16::from_le_bytes([step[10], step[11]]));
+        let optional = (step[0] & 8 != 0).then_some(value);
+        let msg = match step[1] % 7 {
+            0 => ToHome::ReadReq { req },
+            1 => ToHome::WriteReq {
+                req,
+                upgrade: step[0] & 16 != 0,
+            },
+            2 => ToHome::InvalidateAck {
+                seq: value,
+                written_back: optional,
+            },
+            3 => ToHome::DowngradeAck {
+                seq: value,
+                written_back: optional,
+                kept: step[0] & 16 != 0,
+            },
+            4 => ToHome::WriteBack { version: value },
+            _ => {
+                let _ = home.on_node_lost(node, &mut stats);
+                spoken = spoken.without(node);
+                if step[1] % 7 == 6 {
+                    let _ = home.clear_lost();
+                }
+                continue;
+            }
+        };
+        spoken = spoken.with(node);
+        let actions = home.on_message(node, msg, &mut stats);
+        for action in actions.iter() {
+            let to = match action {
+                HomeAction::Send { to, .. } => NodeSet::one(to),
+                HomeAction::SendAll { to, .. } => to,
+            };
+            assert!(
+                to.iter().all(|n| spoken.contains(n)),
+                "{action:?} goes to a node that never spoke or was lost"
+            );
+        }
+        assert!(home.version() >= version, "the version went back");
+        assert!(
+            home.stored_version() >= stored,
+            "the stored version went back"
+        );
+        (version, stored) = (home.version(), home.stored_version());
+    }
+});
