@@ -223,17 +223,24 @@ impl Outbox {
     }
 }
 
-/// Writes every iovec fully, in as few `writev` calls as the kernel allows.
-/// Raw iovecs keep Rust references off the exported region, which other
-/// connections may be writing at the same time.
+/// Writes every iovec fully, in as few `sendmsg` calls as the kernel
+/// allows. Raw iovecs keep Rust references off the exported region, which
+/// other connections may be writing at the same time. `MSG_NOSIGNAL` (which
+/// `writev` cannot take): a client that is gone is an error, not a
+/// `SIGPIPE` that ends a process embedding the server without ignoring it
+/// (the fuzz target `page_server_session` runs so, and was ended by one).
 pub(crate) fn writev_all(stream: &TcpStream, iovecs: &mut [libc::iovec]) -> io::Result<()> {
     let mut start = 0;
     while start < iovecs.len() {
-        let count = (iovecs.len() - start).min(1024) as libc::c_int;
+        // SAFETY: all-zero bytes are a valid `msghdr` (no name, no control data).
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iovecs[start..].as_mut_ptr();
+        msg.msg_iovlen = (iovecs.len() - start).min(1024) as _;
         // SAFETY: every iovec points at live memory: headers and HELLO
         // payloads owned by the outbox, pages inside the exported region, or
-        // frames the caller borrows for the call (`Outbound::send`).
-        let ret = unsafe { libc::writev(stream.as_raw_fd(), iovecs[start..].as_ptr(), count) };
+        // frames the caller borrows for the call (`Outbound::send`);
+        // `sendmsg` only reads them.
+        let ret = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
         if ret < 0 {
             let err = io::Error::last_os_error();
             match err.kind() {

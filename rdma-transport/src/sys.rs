@@ -1,4 +1,5 @@
-//! Turning libc's `-1`-and-errno convention into `io::Result`, written once.
+//! Turning libc's `-1`-and-errno convention into `io::Result`, written
+//! once, and the few socket calls std does not make for us.
 
 use std::io;
 
@@ -42,6 +43,28 @@ pub(crate) fn wait_readable(
         Err(err) if err.kind() == io::ErrorKind::Interrupted => Ok(false),
         Err(err) => Err(err),
     }
+}
+
+/// Sends what the socket takes of `bufs` (one `sendmsg`) with
+/// `MSG_NOSIGNAL`: a peer that has gone is an `EPIPE` error, never a
+/// `SIGPIPE`, which would end a host process that does not ignore it (a
+/// hypervisor in C embedding this library). `writev` has no such flag;
+/// std's `TcpStream::write` sets it, its `write_vectored` does not.
+pub(crate) fn send_vectored(
+    stream: &std::net::TcpStream,
+    bufs: &[std::io::IoSlice<'_>],
+) -> io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: all-zero bytes are a valid `msghdr` (no name, no control data).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // `IoSlice` is ABI-compatible with `iovec` on Unix; `sendmsg` only reads
+    // the iovecs and the buffers they point at.
+    msg.msg_iov = bufs.as_ptr().cast_mut().cast();
+    msg.msg_iovlen = bufs.len().min(libc::UIO_MAXIOV as usize) as _;
+    // SAFETY: `msg` is initialised, and its iovecs point at live buffers
+    // that `bufs` borrows for the call.
+    let ret = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    cvt(ret).map(|n| n as usize)
 }
 
 /// Gives a TCP connection up at once. Bytes its peer has not acknowledged

@@ -297,11 +297,13 @@ impl TcpConnection {
 }
 
 /// One `send` for one buffer (a lone request's header: no iovec for the
-/// kernel to import), else one `writev`.
+/// kernel to import), else one `sendmsg`; both with `MSG_NOSIGNAL` (std's
+/// `write` sets it), so a page-server that died is an error here, never a
+/// `SIGPIPE` in the host process.
 pub(super) fn write_some(mut stream: &TcpStream, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
     match bufs {
         [one] => stream.write(one),
-        _ => stream.write_vectored(bufs),
+        _ => crate::sys::send_vectored(stream, bufs),
     }
 }
 

@@ -10,6 +10,8 @@ mod inflight;
 mod poller;
 mod receive;
 #[cfg(test)]
+mod sigpipe_tests;
+#[cfg(test)]
 mod wait_tests;
 mod wire_order;
 
