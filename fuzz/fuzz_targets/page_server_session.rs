@@ -5,9 +5,12 @@
 //! is served after every input.
 //!
 //! The input's first byte picks the session: 0, raw bytes to the keyed
-//! server; 1, raw bytes to the open server; 2 and 3, the open server after
-//! a good handshake (3 with page checksums and offset-bound sums). The
-//! rest is what the client sends next.
+//! server; 1, raw bytes to the open server; 2 and 3, two connections to the
+//! open server after good handshakes (3 with page checksums and
+//! offset-bound sums), then operations (see [`Op`]) that the harness
+//! encodes with the library's own encoders, so that sums are right unless
+//! the input asks otherwise: reads, writes and coherence messages from two
+//! nodes, with raw bytes between them.
 
 #![no_main]
 
@@ -16,14 +19,15 @@ use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use coherence::ToHome;
 use libfuzzer_sys::fuzz_target;
 use page_server::{RunningServer, ServerConfig};
 use rdma_transport::auth::{ClusterKey, Role, Transcript};
 use rdma_transport::wire::{
-    AuthRequest, Challenge, Header, HelloRequest, Opcode, Status, HEADER_LEN, MAX_PAYLOAD_BYTES,
-    VERSION,
+    encode_to_home, page_checksum, write_checksum, AuthRequest, Challenge, Header, HelloRequest,
+    Opcode, Status, HEADER_LEN, MAX_PAYLOAD_BYTES, VERSION,
 };
-use rdma_transport::PAGE_SIZE;
+use rdma_transport::{Page, PAGE_SIZE};
 
 const MEMORY_BYTES: usize = 16 * PAGE_SIZE;
 
@@ -83,9 +87,13 @@ fn read_message(s: &mut TcpStream) -> Option<(Header, Vec<u8>)> {
     }
     let header = Header::decode(&head).expect("the server sends well-formed headers");
     let mut payload = vec![0u8; header.payload_len()];
-    s.read_exact(&mut payload)
-        .expect("the payload the header promises");
-    Some((header, payload))
+    match s.read_exact(&mut payload) {
+        Ok(()) => Some((header, payload)),
+        // A server that closes with bytes of ours unread resets the
+        // connection, and what it sent last may be lost with it.
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => None,
+        Err(e) => panic!("the stream ends inside the payload the header promises: {e}"),
+    }
 }
 
 /// HELLO, CHALLENGE, AUTH (proving `key` when given), HELLO_ACK.
@@ -133,6 +141,104 @@ fn served(addr: SocketAddr, key: Option<&ClusterKey>) {
     );
 }
 
+/// One operation of a structured session, 12 bytes: `what` (low 2 bits
+/// the kind, bit 2 the second connection, bit 3 a wrong sum), `page` (an
+/// index into the region, or past it), `fill` (the page's bytes), `kind`
+/// and `flags` for coherence messages, then a little-endian u56 value.
+struct Op<'a>(&'a [u8]);
+
+impl Op<'_> {
+    fn offset(&self) -> u64 {
+        u64::from(self.0[1]) * PAGE_SIZE as u64
+    }
+    fn value(&self) -> u64 {
+        let mut b = [0u8; 8];
+        b[..7].copy_from_slice(&self.0[5..12]);
+        u64::from_le_bytes(b) % 16
+    }
+    fn page(&self) -> Box<Page> {
+        Box::new([self.0[2]; PAGE_SIZE])
+    }
+    fn encode(&self, bound_sums: bool) -> Vec<u8> {
+        let wrong = u32::from(self.0[0] & 8 != 0);
+        match self.0[0] & 3 {
+            0 => Header::request(Opcode::Read, self.value(), self.offset(), PAGE_SIZE as u32)
+                .encode()
+                .to_vec(),
+            1 => {
+                let page = self.page();
+                let sum = write_checksum(page_checksum(&page[..]), self.offset(), bound_sums);
+                let mut msg =
+                    Header::request(Opcode::Write, self.value(), self.offset(), PAGE_SIZE as u32)
+                        .with_checksum(sum ^ wrong)
+                        .encode()
+                        .to_vec();
+                msg.extend_from_slice(&page[..]);
+                msg
+            }
+            2 => {
+                let (req, value) = (self.value() as u32, self.value());
+                let optional = (self.0[4] & 1 != 0).then_some(value);
+                let msg = match self.0[3] % 5 {
+                    0 => ToHome::ReadReq { req },
+                    1 => ToHome::WriteReq {
+                        req,
+                        upgrade: self.0[4] & 2 != 0,
+                    },
+                    2 => ToHome::InvalidateAck {
+                        seq: value,
+                        written_back: optional,
+                    },
+                    3 => ToHome::DowngradeAck {
+                        seq: value,
+                        written_back: optional,
+                        kept: self.0[4] & 2 != 0,
+                    },
+                    _ => ToHome::WriteBack { version: value },
+                };
+                let carries = matches!(
+                    msg,
+                    ToHome::WriteBack { .. }
+                        | ToHome::InvalidateAck {
+                            written_back: Some(_),
+                            ..
+                        }
+                        | ToHome::DowngradeAck {
+                            written_back: Some(_),
+                            ..
+                        }
+                );
+                let page = carries.then(|| self.page());
+                let mut frame = encode_to_home(self.offset(), &msg, page.as_deref(), bound_sums);
+                frame[28] ^= wrong as u8;
+                frame
+            }
+            _ => self.0[1..].to_vec(),
+        }
+    }
+}
+
+/// Sends `ops` on two handshaken connections, then reads both to their end.
+fn structured(addr: SocketAddr, checksums: bool, ops: &[u8]) {
+    let mut conns = [connect(addr), connect(addr)];
+    for s in &mut conns {
+        handshake(s, None, checksums);
+    }
+    for op in ops.chunks_exact(12).map(Op) {
+        let s = &mut conns[usize::from(op.0[0] & 4 != 0)];
+        // A closed connection is an answer too.
+        let _ = s.write_all(&op.encode(checksums));
+    }
+    for s in &mut conns {
+        let _ = s.shutdown(Shutdown::Write);
+    }
+    for s in &mut conns {
+        while let Some((_, payload)) = read_message(s) {
+            assert!(payload.len() <= MAX_PAYLOAD_BYTES as usize);
+        }
+    }
+}
+
 fuzz_target!(|input: &[u8]| {
     let Some((&mode, rest)) = input.split_first() else {
         return;
@@ -142,11 +248,13 @@ fuzz_target!(|input: &[u8]| {
         0 => (servers.keyed.addr(), Some(&servers.key)),
         _ => (servers.open.addr(), None),
     };
+    if mode % 4 >= 2 {
+        structured(addr, mode % 4 == 3, rest);
+        served(addr, None);
+        return;
+    }
     let keyed = key.is_some();
     let mut s = connect(addr);
-    if mode % 4 >= 2 {
-        handshake(&mut s, None, mode % 4 == 3);
-    }
     // The server may close before taking everything: that is an answer.
     let _ = s.write_all(rest);
     let _ = s.shutdown(Shutdown::Write);
