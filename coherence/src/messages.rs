@@ -155,6 +155,19 @@ pub enum ToHome {
     },
 }
 
+impl ToHome {
+    /// The version of the page this message reports written back (and
+    /// which travels with it on the wire), if any.
+    pub const fn written_back(&self) -> Option<Version> {
+        match *self {
+            ToHome::WriteBack { version } => Some(version),
+            ToHome::InvalidateAck { written_back, .. }
+            | ToHome::DowngradeAck { written_back, .. } => written_back,
+            ToHome::ReadReq { .. } | ToHome::WriteReq { .. } => None,
+        }
+    }
+}
+
 /// Home → node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum ToNode {

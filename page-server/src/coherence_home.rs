@@ -21,8 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use coherence::{
-    Directory, HomeAction, HomeActions, HomeConfig, HomePage, HomeStats, NodeId, ToHome, ToNode,
-    Version,
+    Directory, HomeAction, HomeActions, HomeConfig, HomePage, HomeStats, NodeId, ToNode,
 };
 use parking_lot::Mutex;
 use rdma_transport::wire::{decode_to_home, encode_refusal, encode_to_node, Header, Status};
@@ -270,7 +269,7 @@ pub(crate) fn on_frame(
     };
     let entry = home.entry(off);
     let mut page = entry.lock();
-    if let Some(version) = reported_write_back(&frame.msg) {
+    if let Some(version) = frame.msg.written_back() {
         let takes = version == page.version() && version != page.stored_version();
         if takes {
             let owner =
@@ -308,18 +307,6 @@ pub(crate) fn on_frame(
         page.on_message(node, frame.msg, &mut stats)
     };
     carry_out(ex, off, actions);
-}
-
-/// The version a message says is at the home (written back before it was
-/// sent), if any.
-fn reported_write_back(msg: &ToHome) -> Option<Version> {
-    match *msg {
-        ToHome::WriteBack { version } => Some(version),
-        ToHome::InvalidateAck { written_back, .. } | ToHome::DowngradeAck { written_back, .. } => {
-            written_back
-        }
-        ToHome::ReadReq { .. } | ToHome::WriteReq { .. } => None,
-    }
 }
 
 /// Sends what a transition of the page at `off` returned (its lock held).

@@ -615,18 +615,7 @@ mod tests {
     fn every_node_to_home_message_round_trips() {
         let page = page_of(0x5a);
         for msg in all_to_home() {
-            let carries = matches!(
-                msg,
-                ToHome::WriteBack { .. }
-                    | ToHome::InvalidateAck {
-                        written_back: Some(_),
-                        ..
-                    }
-                    | ToHome::DowngradeAck {
-                        written_back: Some(_),
-                        ..
-                    }
-            );
+            let carries = msg.written_back().is_some();
             let with = carries.then_some(&*page);
             let frame = encode_to_home(0x3000, &msg, with, false);
             let (header, payload) = parse(&frame);
