@@ -1,8 +1,8 @@
 //! A real page-server (in this process, on loopback) fed any bytes on a
 //! connection: it never panics or hangs, every message it sends has a
-//! well-formed header (docs/wire-protocol.md), a server with a cluster key never answers a
-//! READ or WRITE to a client that did not prove the key, and a good client
-//! is served after every input.
+//! well-formed header (docs/wire-protocol.md), a server with a cluster key
+//! never answers a READ or WRITE with OK to a client that did not prove the
+//! key, and a good client is served after every input.
 //!
 //! The input's first byte picks the session: 0, raw bytes to the keyed
 //! server; 1, raw bytes to the open server; 2 and 3, two connections to the
@@ -153,9 +153,12 @@ fn served(addr: SocketAddr, key: Option<&ClusterKey>) {
 }
 
 /// One operation of a structured session, 12 bytes: `what` (low 2 bits
-/// the kind, bit 2 the second connection, bit 3 a wrong sum), `page` (an
-/// index into the region, or past it), `fill` (the page's bytes), `kind`
-/// and `flags` for coherence messages, then a little-endian u56 value.
+/// the kind: 0 READ, 1 WRITE, 2 a coherence message, 3 the other 11 bytes
+/// raw; bit 2 the second connection; bit 3 a wrong sum), `page` (an index
+/// into the region, or past it), `fill` (the page's bytes), `kind` and
+/// `flags` of a coherence message, then a little-endian u56 whose value
+/// mod 16 is the request id, sequence number or version (small, so that
+/// it meets the home's).
 struct Op<'a>(&'a [u8]);
 
 impl Op<'_> {
