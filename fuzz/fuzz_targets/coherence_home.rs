@@ -10,8 +10,9 @@
 
 #![no_main]
 
-use coherence::{HomeAction, HomeConfig, HomePage, HomeStats, NodeId, NodeSet, ToHome};
+use coherence::{HomeAction, HomeConfig, HomePage, HomeStats, NodeId, NodeSet};
 use libfuzzer_sys::fuzz_target;
+use rdma_transport_fuzz::to_home;
 
 fuzz_target!(|input: &[u8]| {
     let mut home = HomePage::new(HomeConfig::new(
@@ -27,23 +28,8 @@ fuzz_target!(|input: &[u8]| {
         // versions; any other value is as likely on the wire.
         let value = if step[0] & 4 != 0 { value % 8 } else { value };
         let req = u32::from(u16::from_le_bytes([step[10], step[11]]));
-        let optional = (step[0] & 8 != 0).then_some(value);
         let msg = match step[1] % 7 {
-            0 => ToHome::ReadReq { req },
-            1 => ToHome::WriteReq {
-                req,
-                upgrade: step[0] & 16 != 0,
-            },
-            2 => ToHome::InvalidateAck {
-                seq: value,
-                written_back: optional,
-            },
-            3 => ToHome::DowngradeAck {
-                seq: value,
-                written_back: optional,
-                kept: step[0] & 16 != 0,
-            },
-            4 => ToHome::WriteBack { version: value },
+            kind @ 0..=4 => to_home(kind, req, value, step[0] & 8 != 0, step[0] & 16 != 0),
             _ => {
                 let _ = home.on_node_lost(node, &mut stats);
                 spoken = spoken.without(node);

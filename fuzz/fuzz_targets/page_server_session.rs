@@ -19,7 +19,6 @@ use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use coherence::ToHome;
 use libfuzzer_sys::fuzz_target;
 use page_server::{RunningServer, ServerConfig};
 use rdma_transport::auth::{ClusterKey, Role, Transcript};
@@ -28,6 +27,7 @@ use rdma_transport::wire::{
     Opcode, Status, HEADER_LEN, MAX_PAYLOAD_BYTES, VERSION,
 };
 use rdma_transport::{Page, PAGE_SIZE};
+use rdma_transport_fuzz::to_home;
 
 const MEMORY_BYTES: usize = 16 * PAGE_SIZE;
 
@@ -192,24 +192,13 @@ impl Op<'_> {
             }
             2 => {
                 let (req, value) = (self.value() as u32, self.value());
-                let optional = (self.0[4] & 1 != 0).then_some(value);
-                let msg = match self.0[3] % 5 {
-                    0 => ToHome::ReadReq { req },
-                    1 => ToHome::WriteReq {
-                        req,
-                        upgrade: self.0[4] & 2 != 0,
-                    },
-                    2 => ToHome::InvalidateAck {
-                        seq: value,
-                        written_back: optional,
-                    },
-                    3 => ToHome::DowngradeAck {
-                        seq: value,
-                        written_back: optional,
-                        kept: self.0[4] & 2 != 0,
-                    },
-                    _ => ToHome::WriteBack { version: value },
-                };
+                let msg = to_home(
+                    self.0[3],
+                    req,
+                    value,
+                    self.0[4] & 1 != 0,
+                    self.0[4] & 2 != 0,
+                );
                 let carries = msg.written_back().is_some();
                 let page = carries.then(|| self.page());
                 let mut frame = encode_to_home(self.offset(), &msg, page.as_deref(), bound_sums);
