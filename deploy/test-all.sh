@@ -97,7 +97,7 @@ step "the coordinator's HTTP API against docs/coordinator-openapi.yaml (schemath
 ST_MAX_TIME="${ST_MAX_TIME:-120}" deploy/schemathesis/run.sh
 ok
 
-step "fuzz what arrives from the network: the wire decoders, a live page-server, a client's answers (cargo fuzz)"
+step "fuzz what arrives from the network: the wire decoders, the coherence home, a live page-server, a client's answers (cargo fuzz)"
 FUZZ_SECONDS="${FUZZ_SECONDS:-60}" deploy/fuzz.sh
 ok
 
