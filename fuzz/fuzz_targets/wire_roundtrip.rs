@@ -40,6 +40,15 @@ fn round_trips<T: PartialEq + std::fmt::Debug>(
     );
 }
 
+/// An encoded frame's header, decoded, and its payload.
+fn split_frame(frame: &[u8]) -> (Header, &[u8]) {
+    let (head, payload) = frame.split_at(HEADER_LEN);
+    let header = Header::decode_prefix(head)
+        .expect("an encoded header")
+        .expect("32 bytes");
+    (header, payload)
+}
+
 fn coherence(bytes: &[u8]) {
     let Ok(Some(header)) = Header::decode_prefix(bytes) else {
         return;
@@ -51,20 +60,14 @@ fn coherence(bytes: &[u8]) {
         if let Ok(frame) = decode_to_home(&header, payload, bound_sums) {
             let page = page_of(frame.page);
             let again = encode_to_home(frame.offset, &frame.msg, page.as_deref(), bound_sums);
-            let (h, p) = again.split_at(HEADER_LEN);
-            let h = Header::decode_prefix(h)
-                .expect("an encoded header")
-                .expect("32 bytes");
+            let (h, p) = split_frame(&again);
             assert_eq!(decode_to_home(&h, p, bound_sums), Ok(frame));
         }
         match decode_to_node(&header, payload, bound_sums) {
             Ok(ToNodeFrame::Msg(frame)) => {
                 let page = page_of(frame.page);
                 let again = encode_to_node(frame.offset, &frame.msg, page.as_deref(), bound_sums);
-                let (h, p) = again.split_at(HEADER_LEN);
-                let h = Header::decode_prefix(h)
-                    .expect("an encoded header")
-                    .expect("32 bytes");
+                let (h, p) = split_frame(&again);
                 assert_eq!(
                     decode_to_node(&h, p, bound_sums),
                     Ok(ToNodeFrame::Msg(frame))
