@@ -67,6 +67,35 @@ pub(crate) fn send_vectored(
     cvt(ret).map(|n| n as usize)
 }
 
+/// Runs `f` with `SIGPIPE` blocked on the calling thread, then restores
+/// the thread's mask. Threads `f` starts inherit the blocked signal: for a
+/// client whose I/O threads write with `writev` (hyper's), a `SIGPIPE`
+/// raised on them stays pending there, never delivered, instead of ending a
+/// host process that keeps the default disposition (a hypervisor in C).
+pub(crate) fn with_sigpipe_blocked<R>(f: impl FnOnce() -> R) -> R {
+    // SAFETY: all-zero bytes are a valid `sigset_t` for `sigemptyset` to
+    // initialise.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; `old` is written by `pthread_sigmask` before use.
+    let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a live `sigset_t`; SIGPIPE is a valid signal.
+    unsafe {
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGPIPE);
+    }
+    // SAFETY: `set` is initialised and `old` is a live `sigset_t` to write.
+    let blocked = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old) } == 0;
+    if !blocked {
+        tracing::debug!("cannot block SIGPIPE for a client's threads");
+    }
+    let result = f();
+    if blocked {
+        // SAFETY: `old` holds the mask `pthread_sigmask` returned above.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+    }
+    result
+}
+
 /// Gives a TCP connection up at once. Bytes its peer has not acknowledged
 /// are discarded, with a reset: a socket merely shut down would keep
 /// sending and retransmitting them (for minutes, if the link is down), so

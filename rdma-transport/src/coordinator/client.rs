@@ -111,12 +111,17 @@ impl CoordinatorClient {
         // milliseconds per client) only for a coordinator spoken to over
         // https: a plain-http one (a redirect to https included) needs none.
         let tls = base_urls.iter().any(|u| u.starts_with("https:"));
-        let http = Client::builder()
+        // `build` starts the client's runtime thread, which does all its
+        // I/O and writes requests with `writev` (no `MSG_NOSIGNAL`): that
+        // thread, and those it starts, are born with SIGPIPE blocked, so a
+        // coordinator connection reset under a pooled request cannot end a
+        // host that keeps SIGPIPE's default (a hypervisor in C).
+        let builder = Client::builder()
             .timeout(timeout)
             .connect_timeout(timeout)
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .tls_built_in_native_certs(tls)
-            .build()
+            .tls_built_in_native_certs(tls);
+        let http = crate::sys::with_sigpipe_blocked(|| builder.build())
             .map_err(CoordinatorError::Client)?;
         Ok(Self {
             http,
@@ -525,6 +530,77 @@ fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, CoordinatorError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The ids of this process's threads named by reqwest's blocking client.
+    fn client_threads() -> Vec<libc::pid_t> {
+        let mut tids = Vec::new();
+        for entry in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+            let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+            // `comm` keeps 15 bytes of "reqwest-internal-sync-runtime".
+            if comm.trim_end() == "reqwest-interna" {
+                tids.extend(
+                    entry
+                        .file_name()
+                        .to_str()
+                        .and_then(|t| t.parse::<libc::pid_t>().ok()),
+                );
+            }
+        }
+        tids
+    }
+
+    /// Whether `signal` is pending on thread `tid` (its `SigPnd` line).
+    fn pending_on(tid: libc::pid_t, signal: libc::c_int) -> Option<bool> {
+        let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).ok()?;
+        let line = status.lines().find_map(|l| l.strip_prefix("SigPnd:"))?;
+        let mask = u64::from_str_radix(line.trim(), 16).ok()?;
+        Some(mask & (1 << (signal - 1)) != 0)
+    }
+
+    /// A C host keeps SIGPIPE's default, which ends the process; hyper
+    /// writes requests with `writev`, which raises it on a reset
+    /// connection. The client's runtime thread must hold such a signal
+    /// pending (blocked) instead of taking it. (Here SIGPIPE is ignored,
+    /// as in every Rust program: an ignored signal that is not blocked is
+    /// dropped at once, never pending.)
+    #[test]
+    fn the_clients_io_thread_holds_a_sigpipe_instead_of_taking_it() {
+        let before = client_threads();
+        let client = CoordinatorClient::new("http://127.0.0.1:9", None, Duration::from_secs(1))
+            .expect("client");
+        let ours: Vec<_> = client_threads()
+            .into_iter()
+            .filter(|t| !before.contains(t))
+            .collect();
+        assert!(!ours.is_empty(), "no reqwest runtime thread found");
+        // SAFETY: getpid has no preconditions.
+        let pid = unsafe { libc::getpid() };
+        let mut checked = 0;
+        for tid in ours {
+            // SAFETY: sends a signal to a thread of this process; SIGPIPE is
+            // ignored here, so it can only be held pending or dropped.
+            let ret = unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, libc::SIGPIPE) };
+            if ret != 0 {
+                continue; // Another test's client thread, gone meanwhile.
+            }
+            if let Some(pending) = pending_on(tid, libc::SIGPIPE) {
+                assert!(
+                    pending,
+                    "thread {tid} took a SIGPIPE: it would end a C host"
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 0, "no client thread could be signalled");
+        // The caller's own mask is as it was: SIGPIPE not blocked.
+        // SAFETY: all-zero bytes are a valid `sigset_t` to be written.
+        let mut current: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: a null new set only reads the mask into `current`.
+        unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, std::ptr::null(), &mut current) };
+        // SAFETY: `current` was initialised by `pthread_sigmask`.
+        assert_eq!(unsafe { libc::sigismember(&current, libc::SIGPIPE) }, 0);
+        drop(client);
+    }
 
     #[test]
     fn base_url_is_checked_and_trimmed() {
