@@ -60,7 +60,7 @@ pub(crate) fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
             }
         };
         let peer = stream.peer_addr().ok();
-        if let Err(err) = crate::dead_peer::watch(&stream, shared.dead_peer_timeout) {
+        if let Err(err) = rdma_transport::dead_peer::watch(&stream, shared.dead_peer_timeout) {
             if let Some(suppressed) = admission.accept_log.event() {
                 tracing::warn!(?peer, %err, suppressed, "cannot set keepalive on a connection: a dead client would keep it");
             }

@@ -15,7 +15,6 @@ mod coherence_home;
 mod config;
 mod connection;
 mod conns;
-mod dead_peer;
 mod duration_histogram;
 mod handshake;
 mod held_ranges;

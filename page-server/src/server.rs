@@ -159,6 +159,17 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             addr: config.listen,
             source,
         })?;
+    let node_default =
+        Duration::from_millis(rdma_transport::coherent::DEFAULT_DEAD_HOME_TIMEOUT_MS);
+    if !rdma_transport::dead_peer::leaves_before_home(node_default, config.dead_peer_timeout) {
+        tracing::warn!(
+            dead_peer_timeout_ms = config.dead_peer_timeout.as_millis() as u64,
+            node_default_ms = node_default.as_millis() as u64,
+            "dead-peer timeout below twice a coherence node's default dead-home timeout plus 2 s: \
+             a node cut off from this home may keep copies of pages the home has given to others \
+             (raise it, or lower the nodes' dead_home_timeout_ms)"
+        );
+    }
     let rdma_enabled = rdma.is_some();
     let shared = Arc::new(Shared {
         exported: Exported {

@@ -41,6 +41,7 @@ fn node_on(mgr: &TransportManager, threads: usize, memfd_backed: bool) -> Cohere
         CoherenceConfig {
             min_hold_us: 50,
             timeout_ms: 10_000,
+            ..CoherenceConfig::default()
         },
     )
     .expect("coherent region")
@@ -321,6 +322,7 @@ fn an_owner_keeps_a_page_for_its_hold_time() {
             CoherenceConfig {
                 min_hold_us,
                 timeout_ms: 10_000,
+                ..CoherenceConfig::default()
             },
         )
         .expect("coherent region")

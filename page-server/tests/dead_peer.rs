@@ -2,8 +2,10 @@
 //! dropped: no answer, no reset) must not keep their connections, and the
 //! places those hold under `max_connections`, forever; live clients that
 //! stay idle must keep theirs; a coherence node that vanishes owning a
-//! page is lost like one that died, not waited on. The partitions are
-//! real: routes in a network namespace of the test's own.
+//! page is lost like one that died, not waited on; a node cut off from
+//! its home drops its copies before the home gives the pages to others.
+//! The partitions are real: routes in a network namespace of the test's
+//! own.
 
 mod common;
 // The coordinator's partition tests' namespaces, shared rather than copied.
@@ -18,7 +20,7 @@ use common::coherent_copies::{home_manager, Node};
 use common::*;
 use page_server::{RunningServer, ServerConfig};
 use rdma_transport::auth::ClusterKey;
-use rdma_transport::coherent::Access;
+use rdma_transport::coherent::{Access, CoherenceConfig, Recall};
 use rdma_transport::wire::{decode_to_node, encode_to_home, Header, Opcode, Status, ToNodeFrame};
 use rdma_transport::{TransportError, PAGE_SIZE};
 
@@ -199,5 +201,111 @@ fn a_coherence_owner_that_vanished_is_lost_not_waited_on() {
     }
     assert_eq!(without.stats().dead_peers, 0);
     assert_eq!(without.coherence_stats().home.pages_lost, 0);
+    drop(partitions);
+}
+
+/// Local ports of the established TCP connections (of this thread's
+/// network namespace) to port `port` of 127.0.0.1.
+fn ports_connected_to(port: u16) -> Vec<u16> {
+    let table = std::fs::read_to_string("/proc/thread-self/net/tcp").expect("tcp table");
+    let remote = format!("0100007F:{port:04X}");
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let established = fields.get(3) == Some(&"01");
+            let (local, peer) = (fields.get(1)?, fields.get(2)?);
+            let local_port = u16::from_str_radix(local.rsplit(':').next()?, 16).ok()?;
+            (established && *peer == remote).then_some(local_port)
+        })
+        .collect()
+}
+
+/// Two nodes hold a shared copy of a page; then the network between each
+/// of them and the home is cut (every packet of their connections dropped,
+/// both ways: nothing comes through, not even a reset). The home loses both after
+/// its dead-peer timeout (8 s) and lets a third node change the page. The
+/// node with a dead-home timeout (1 s, well under half of the home's) has
+/// dropped its copy by then, and reads the new contents over a new
+/// connection; the node with the kernel's defaults (0) still holds the old
+/// page as valid: what its vCPUs would read while the page changed
+/// elsewhere.
+#[test]
+#[ignore = "needs root (a network namespace); run by deploy/test-all.sh"]
+fn a_node_cut_off_from_its_home_drops_its_copies_before_the_home_moves_on() {
+    const HOME: &str = "home";
+    const GPA_BASE: u64 = 0x10_0000;
+    let network = netns::PrivateNetwork::enter();
+    let key = ClusterKey::generate().expect("a key");
+    let mut cfg = ServerConfig::new(HOME, NODE_BYTES);
+    cfg.cluster_key = Some(key.clone());
+    cfg.dead_peer_timeout = Duration::from_secs(8);
+    let server = page_server::spawn(cfg).expect("page-server starts");
+    let home_port = server.addr().port();
+    let node = |dead_home_timeout_ms| {
+        let config = CoherenceConfig {
+            dead_home_timeout_ms,
+            ..CoherenceConfig::default()
+        };
+        Node::with_config(home_manager(&server, HOME, GPA_BASE, &key), config)
+    };
+
+    let writer = node(CoherenceConfig::default().dead_home_timeout_ms);
+    let old = page_indexed(0, 1);
+    writer.modify(GPA_BASE, |p| *p = old).expect("first write");
+    let watched = node(1_000);
+    let unwatched = node(0);
+    let mut partitions = Vec::new();
+    for reader in [&watched, &unwatched] {
+        let before = ports_connected_to(home_port);
+        assert!(
+            reader.read(GPA_BASE).expect("read") == old,
+            "not the page written"
+        );
+        let ports: Vec<u16> = ports_connected_to(home_port)
+            .into_iter()
+            .filter(|p| !before.contains(p))
+            .collect();
+        assert!(!ports.is_empty(), "no connection of the reader found");
+        for port in ports {
+            partitions.push(netns::LoopbackPartition::to_port(&network, port));
+            partitions.push(netns::LoopbackPartition::from_port(&network, port));
+        }
+    }
+
+    // The home closes both connections by its dead-peer bound. (Not
+    // counted in `dead_peers` here: the grants' acknowledgements were cut
+    // too, and a retransmission into the blackhole route ends the
+    // connection with that route's error rather than `ETIMEDOUT`.)
+    let connected = server.stats().handshaken_connections;
+    assert!(
+        wait_until(LIMIT, || server.stats().handshaken_connections
+            == connected - 2),
+        "the home never lost the cut-off nodes: {:?}",
+        server.stats()
+    );
+    assert_eq!(
+        watched.copies.copy(GPA_BASE).map(|(mode, _)| mode),
+        None,
+        "the node cut off for longer than its dead-home timeout kept its copy"
+    );
+    assert!(
+        watched
+            .copies
+            .take_recalls()
+            .contains(&(GPA_BASE, Recall::Invalidate { write_back: false })),
+        "the copy was not dropped by leaving the home"
+    );
+    let new = page_indexed(0, 2);
+    writer.modify(GPA_BASE, |p| *p = new).expect("second write");
+    assert!(
+        unwatched.copies.copy(GPA_BASE) == Some((coherence::Mode::Shared, old)),
+        "the node with the kernel's defaults should still hold the old page (the stale copy this prevents)"
+    );
+    assert!(
+        watched.read(GPA_BASE).expect("read after the cut") == new,
+        "the watched node did not read the page as changed"
+    );
     drop(partitions);
 }

@@ -188,6 +188,12 @@ typedef struct RtCoherenceConfig {
   uint64_t min_hold_us;
   // How long one attempt at a fault waits for the page's home.
   uint64_t timeout_ms;
+  // A home silent this long (host gone, network cut) is left and every
+  // copy of its pages dropped; 0: the kernel's defaults (never noticed
+  // while idle). Keep it below half of every page-server's
+  // `--dead-peer-timeout-ms` minus a second
+  // (`CoherenceConfig::dead_home_timeout_ms`).
+  uint64_t dead_home_timeout_ms;
 } RtCoherenceConfig;
 
 // A fault that could not be served, as passed to the callback.

@@ -4,6 +4,8 @@
 //! `RtGuestMemoryConfig` as `rt_guest_memory_create` (its dirty-tracking
 //! and read-ahead settings do not apply) and an `RtCoherenceConfig`.
 
+use std::mem::{offset_of, size_of};
+
 use rdma_transport::coherent::{Access, CoherenceConfig, NodeStats};
 use rdma_transport::guest_memory::{CoherentMemory, CoherentMemoryStats};
 
@@ -25,10 +27,25 @@ pub struct RtCoherenceConfig {
     pub min_hold_us: u64,
     /// How long one attempt at a fault waits for the page's home.
     pub timeout_ms: u64,
+    /// A home silent this long (host gone, network cut) is left and every
+    /// copy of its pages dropped; 0: the kernel's defaults (never noticed
+    /// while idle). Keep it below half of every page-server's
+    /// `--dead-peer-timeout-ms` minus a second
+    /// (`CoherenceConfig::dead_home_timeout_ms`).
+    pub dead_home_timeout_ms: u64,
 }
+
+/// `struct_size` of the first layout (up to `timeout_ms`), still accepted:
+/// `dead_home_timeout_ms` then takes its default.
+const FIRST_LAYOUT_BYTES: usize = 24;
+const _: () = assert!(
+    offset_of!(RtCoherenceConfig, dead_home_timeout_ms) == FIRST_LAYOUT_BYTES
+        && size_of::<RtCoherenceConfig>() == FIRST_LAYOUT_BYTES + 8
+);
 
 impl CConfig for RtCoherenceConfig {
     const NAME: &'static str = "RtCoherenceConfig";
+    const OLD_SIZES: &'static [usize] = &[FIRST_LAYOUT_BYTES];
 
     fn defaults() -> Self {
         let d = CoherenceConfig::default();
@@ -36,6 +53,7 @@ impl CConfig for RtCoherenceConfig {
             struct_size: struct_size::<Self>(),
             min_hold_us: d.min_hold_us,
             timeout_ms: d.timeout_ms,
+            dead_home_timeout_ms: d.dead_home_timeout_ms,
         }
     }
 }
@@ -137,6 +155,7 @@ pub unsafe extern "C" fn rt_coherent_memory_create(
         let coherence = CoherenceConfig {
             min_hold_us: coh.min_hold_us,
             timeout_ms: coh.timeout_ms,
+            dead_home_timeout_ms: coh.dead_home_timeout_ms,
         };
         match CoherentMemory::new(&manager.inner, config, coherence) {
             Ok(inner) => {

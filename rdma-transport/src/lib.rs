@@ -13,6 +13,7 @@ pub mod auth;
 pub mod coherent;
 mod config;
 pub mod coordinator;
+pub mod dead_peer;
 mod error;
 pub mod gpa_map;
 pub mod guest_memory;

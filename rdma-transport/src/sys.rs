@@ -78,11 +78,10 @@ pub(crate) fn with_sigpipe_blocked<R>(f: impl FnOnce() -> R) -> R {
     let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
     // SAFETY: as above; `old` is written by `pthread_sigmask` before use.
     let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is a live `sigset_t`; SIGPIPE is a valid signal.
-    unsafe {
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGPIPE);
-    }
+    // SAFETY: `set` is a live `sigset_t`.
+    unsafe { libc::sigemptyset(&mut set) };
+    // SAFETY: `set` is initialised; SIGPIPE is a valid signal.
+    unsafe { libc::sigaddset(&mut set, libc::SIGPIPE) };
     // SAFETY: `set` is initialised and `old` is a live `sigset_t` to write.
     let blocked = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old) } == 0;
     if !blocked {

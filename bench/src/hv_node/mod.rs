@@ -147,6 +147,7 @@ fn run(args: &Args) -> anyhow::Result<serde_json::Value> {
         CoherenceConfig {
             min_hold_us: args.hold_us,
             timeout_ms: 10_000,
+            ..CoherenceConfig::default()
         },
     )
     .context("mapping coherent guest memory")?;

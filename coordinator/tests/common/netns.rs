@@ -235,9 +235,10 @@ pub fn reachable(host: &Host) {
 }
 
 /// A partition on the test namespace's own loopback: every packet sent to
-/// TCP port `port` of 127.0.0.1 is dropped (a link to the process
-/// listening there gone down, as its clients see it; its own packets still
-/// leave), until [`LoopbackPartition::heal`] or drop.
+/// TCP port `port` of 127.0.0.1 ([`LoopbackPartition::to_port`]), or sent
+/// from it ([`LoopbackPartition::from_port`]), is dropped, until
+/// [`LoopbackPartition::heal`] or drop. Both for one connection's local
+/// port cut that connection both ways and nothing else.
 #[derive(Debug)]
 pub struct LoopbackPartition {
     rule: Vec<String>,
@@ -245,10 +246,21 @@ pub struct LoopbackPartition {
 }
 
 impl LoopbackPartition {
-    /// Drops what is sent to `port`. The loopback's addresses are looked up
-    /// in the `local` table by the highest-priority rule (0), which no rule
-    /// can precede: that lookup moves to priority 100 first, once.
-    pub fn to_port(_network: &PrivateNetwork, port: u16) -> Self {
+    /// Drops what is sent to `port` (a link to the process listening there
+    /// gone down, as its clients see it; its own packets still leave).
+    pub fn to_port(network: &PrivateNetwork, port: u16) -> Self {
+        Self::on_port(network, "dport", port)
+    }
+
+    /// Drops what is sent from `port` of 127.0.0.1.
+    pub fn from_port(network: &PrivateNetwork, port: u16) -> Self {
+        Self::on_port(network, "sport", port)
+    }
+
+    /// The loopback's addresses are looked up in the `local` table by the
+    /// highest-priority rule (0), which no rule can precede: that lookup
+    /// moves to priority 100 first, once.
+    fn on_port(_network: &PrivateNetwork, selector: &str, port: u16) -> Self {
         let rules = Command::new("ip").args(["rule", "show"]).output();
         let moved = rules.is_ok_and(|o| !String::from_utf8_lossy(&o.stdout).starts_with("0:"));
         if !moved {
@@ -260,7 +272,7 @@ impl LoopbackPartition {
             "127.0.0.1",
             "ipproto",
             "tcp",
-            "dport",
+            selector,
             &port.to_string(),
             "pref",
             "10",

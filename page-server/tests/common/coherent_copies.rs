@@ -108,14 +108,19 @@ pub struct Node {
 impl Node {
     /// A node on `manager`, whose map says where the homes are.
     pub fn with_manager(manager: TransportManager, min_hold_us: u64) -> Self {
+        let config = CoherenceConfig {
+            min_hold_us,
+            timeout_ms: 5_000,
+            ..CoherenceConfig::default()
+        };
+        Self::with_config(manager, config)
+    }
+
+    /// A node on `manager` with `config`.
+    pub fn with_config(manager: TransportManager, config: CoherenceConfig) -> Self {
         let copies = Arc::new(Copies::default());
-        let coherent = manager.coherent_node(
-            Arc::clone(&copies) as Arc<dyn CoherenceHandler>,
-            CoherenceConfig {
-                min_hold_us,
-                timeout_ms: 5_000,
-            },
-        );
+        let coherent =
+            manager.coherent_node(Arc::clone(&copies) as Arc<dyn CoherenceHandler>, config);
         Self {
             copies,
             coherent: Some(coherent),

@@ -69,6 +69,7 @@ int main(int argc, char **argv) {
   rt_coherence_config_default(&cc);
   EXPECT(cc.struct_size == sizeof(RtCoherenceConfig));
   EXPECT(cc.min_hold_us == 50 && cc.timeout_ms == 5000);
+  EXPECT(cc.dead_home_timeout_ms == 10000);
 
   /* Bad arguments first. */
   RtCoherentMemory *bad = NULL;
@@ -81,7 +82,10 @@ int main(int argc, char **argv) {
 
   RtCoherentMemory *a = NULL, *b = NULL;
   CHECK(rt_coherent_memory_create(m, &gc, &cc, &a));
-  CHECK(rt_coherent_memory_create(m, &gc, &cc, &b));
+  /* b with the first layout (before dead_home_timeout_ms): still accepted. */
+  RtCoherenceConfig first = cc;
+  first.struct_size = 24;
+  CHECK(rt_coherent_memory_create(m, &gc, &first, &b));
   EXPECT(rt_coherent_memory_size(a) == size);
   EXPECT(rt_coherent_memory_acquire(a, 3, 0) == RT_STATUS_UNALIGNED);
   EXPECT(rt_coherent_memory_acquire(a, size, 0) == RT_STATUS_UNKNOWN_GPA);

@@ -84,6 +84,14 @@ impl Link {
         stream
             .set_write_timeout(Some(Duration::from_millis(shared.config.timeout_ms.max(1))))
             .map_err(down)?;
+        // A home that went silent (its host gone, or the network cut) ends
+        // the connection: the reader then drops every copy of its pages,
+        // before the home (whose own bound is longer) gives them to others.
+        crate::dead_peer::watch(
+            &stream,
+            Duration::from_millis(shared.config.dead_home_timeout_ms),
+        )
+        .map_err(down)?;
         let (tx, rx) = mpsc::channel::<Vec<u8>>();
         let link = Arc::new(Self {
             node: node.to_owned(),

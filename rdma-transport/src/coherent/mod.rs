@@ -99,13 +99,31 @@ pub struct CoherenceConfig {
     pub min_hold_us: u64,
     /// How long an `acquire` waits for the home.
     pub timeout_ms: u64,
+    /// A home that shows no sign of life for this long (its host crashed,
+    /// or the network to it was cut: keepalive probes and sent frames
+    /// unanswered) is left: every copy of its pages is dropped, as when its
+    /// connection closes. 0 leaves the kernel's defaults (a silent home is
+    /// never noticed while nothing is sent to it).
+    ///
+    /// Must stay below half of every home's dead-peer timeout minus a
+    /// second (the page-server's `--dead-peer-timeout-ms`, 30 s by
+    /// default): the home, having lost this node, grants its pages to
+    /// other nodes, and this node's copies must be gone by then or its
+    /// vCPUs would read pages that others have changed
+    /// ([`crate::dead_peer`]; docs/coherence.md, "Failures").
+    pub dead_home_timeout_ms: u64,
 }
+
+/// [`CoherenceConfig::dead_home_timeout_ms`]'s default: below half of a
+/// page-server's default dead-peer timeout (30 s) minus a second.
+pub const DEFAULT_DEAD_HOME_TIMEOUT_MS: u64 = 10_000;
 
 impl Default for CoherenceConfig {
     fn default() -> Self {
         Self {
             min_hold_us: 50,
             timeout_ms: 5_000,
+            dead_home_timeout_ms: DEFAULT_DEAD_HOME_TIMEOUT_MS,
         }
     }
 }

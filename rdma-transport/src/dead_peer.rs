@@ -1,0 +1,145 @@
+//! Noticing a peer that went away without a word: its host crashed or
+//! lost power, or the network to it was cut. Nothing comes back from such
+//! a peer, not even a reset, so without help a connection to it is kept
+//! forever while idle (or for ~15 minutes of retransmissions when data was
+//! in flight).
+//!
+//! Both ends of a connection use it. A page-server bounds its clients'
+//! connections (`--dead-peer-timeout-ms`), which otherwise keep their
+//! threads, RDMA resources and places under `max_connections`, and loses
+//! a coherence node that vanished. A coherence node bounds its connection
+//! to each home (`CoherenceConfig::dead_home_timeout_ms`): a node cut off
+//! from a home must drop its copies of that home's pages before the home,
+//! having lost the node, grants them to another node (docs/coherence.md,
+//! "Failures").
+//!
+//! Two TCP options bound it to `within` of the last sign of life:
+//! keepalive probes on an idle connection, and `TCP_USER_TIMEOUT` on data
+//! sent but never acknowledged (which also ends the probing at `within`).
+//! A live peer's kernel answers the probes, so an idle VMM, however long
+//! it waits between faults, is never cut off, nor an idle home.
+
+use std::io;
+use std::net::TcpStream;
+use std::time::Duration;
+
+use socket2::{SockRef, TcpKeepalive};
+
+/// Keepalive probes sent before the connection is given up (when
+/// `TCP_USER_TIMEOUT` has not ended it first).
+const PROBES: u32 = 3;
+
+/// The kernel counts keepalive times in whole seconds.
+const MIN_STEP: Duration = Duration::from_secs(1);
+
+/// Ends `stream` once its peer has shown no sign of life for `within`
+/// (at least half of it: see [`probe_times`]); zero leaves the kernel's
+/// defaults (no keepalive).
+///
+/// # Errors
+/// The socket refused an option.
+pub fn watch(stream: &TcpStream, within: Duration) -> io::Result<()> {
+    if within.is_zero() {
+        return Ok(());
+    }
+    let (idle, interval) = probe_times(within);
+    let socket = SockRef::from(stream);
+    socket.set_tcp_keepalive(
+        &TcpKeepalive::new()
+            .with_time(idle)
+            .with_interval(interval)
+            .with_retries(PROBES),
+    )?;
+    socket.set_tcp_user_timeout(Some(within))
+}
+
+/// Whether a coherence node that leaves a silent home after `node_bound`
+/// has surely dropped its copies before a home that loses silent nodes
+/// after `home_bound` can give their pages to others (both [`watch`]
+/// bounds; zero: the kernel's defaults).
+///
+/// A side closes within a second (a probe interval) after `bound` has
+/// passed since the last thing it received; an idle side receives at least
+/// every half bound (its own probes' answers). Cut off at time T, the node
+/// has left by T + `node_bound` + 1 s, and the home loses the node no
+/// sooner than T + `home_bound` / 2. A node without a bound never leaves;
+/// a home without one loses an idle node never, and a node it sends to
+/// after ~15 minutes of retransmissions.
+pub fn leaves_before_home(node_bound: Duration, home_bound: Duration) -> bool {
+    if node_bound.is_zero() {
+        return false;
+    }
+    home_bound.is_zero() || node_bound + MIN_STEP < home_bound / 2
+}
+
+/// First probe after half of `within` idle, the others spread over the
+/// rest; each at least a second (the kernel's unit).
+fn probe_times(within: Duration) -> (Duration, Duration) {
+    let idle = (within / 2).max(MIN_STEP);
+    let interval = (within.saturating_sub(idle) / PROBES).max(MIN_STEP);
+    (idle, interval)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    #[test]
+    fn probes_fit_in_the_timeout_and_never_go_below_a_second() {
+        assert_eq!(
+            probe_times(Duration::from_secs(30)),
+            (Duration::from_secs(15), Duration::from_secs(5))
+        );
+        assert_eq!(
+            probe_times(Duration::from_millis(1500)),
+            (Duration::from_secs(1), Duration::from_secs(1))
+        );
+        assert_eq!(
+            probe_times(Duration::from_millis(1)),
+            (Duration::from_secs(1), Duration::from_secs(1))
+        );
+    }
+
+    #[test]
+    fn a_node_leaves_first_only_within_half_the_homes_bound_less_a_second() {
+        let s = Duration::from_secs;
+        // The defaults: 10 s against 30 s.
+        assert!(leaves_before_home(s(10), s(30)));
+        assert!(leaves_before_home(Duration::from_millis(13_999), s(30)));
+        assert!(!leaves_before_home(s(14), s(30)));
+        assert!(!leaves_before_home(s(10), s(2)));
+        // The kernel's defaults on the home: it never loses an idle node
+        // soon.
+        assert!(leaves_before_home(s(10), Duration::ZERO));
+        // A node without a bound never leaves a silent home.
+        assert!(!leaves_before_home(Duration::ZERO, s(30)));
+        assert!(!leaves_before_home(Duration::ZERO, Duration::ZERO));
+    }
+
+    #[test]
+    fn the_options_are_set_on_the_socket_and_zero_sets_none() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let stream = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        watch(&stream, Duration::ZERO).unwrap();
+        let socket = SockRef::from(&stream);
+        assert!(!socket.keepalive().unwrap());
+        assert_eq!(socket.tcp_user_timeout().unwrap(), None);
+
+        watch(&stream, Duration::from_secs(30)).unwrap();
+        assert!(socket.keepalive().unwrap());
+        assert_eq!(
+            socket.tcp_keepalive_time().unwrap(),
+            Duration::from_secs(15)
+        );
+        assert_eq!(
+            socket.tcp_keepalive_interval().unwrap(),
+            Duration::from_secs(5)
+        );
+        assert_eq!(socket.tcp_keepalive_retries().unwrap(), PROBES);
+        assert_eq!(
+            socket.tcp_user_timeout().unwrap(),
+            Some(Duration::from_secs(30))
+        );
+    }
+}
