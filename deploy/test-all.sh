@@ -107,7 +107,9 @@ step "replicas across a real partition (a network namespace: needs root and ipro
 # the replica began recovering: it must not outlive the recovery. And
 # guest-memory faults and write-back go on while the primary is cut off.
 # Clients whose host vanished (what is sent to them dropped) lose their
-# connections after the dead-peer timeout; live idle ones keep theirs.
+# connections after the dead-peer timeout; live idle ones keep theirs. A
+# coherence node cut off from its home drops its copies before the home
+# gives the pages to others.
 cargo test -p page-server --test recovery --test replication --test dead_peer -- --ignored
 ok
 
