@@ -84,7 +84,7 @@ pub(crate) fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
                 );
                 match result {
                     Ok(()) => tracing::debug!(?peer, "client left"),
-                    Err(err) if err.raw_os_error() == Some(libc::ETIMEDOUT) => {
+                    Err(err) if rdma_transport::dead_peer::gave_up_on_peer(&err) => {
                         conn_shared.admission.closed(CloseReason::DeadPeer);
                         tracing::info!(?peer, %err, "client gone silent: connection closed");
                     }

@@ -53,6 +53,18 @@ pub fn watch(stream: &TcpStream, within: Duration) -> io::Result<()> {
     socket.set_tcp_user_timeout(Some(within))
 }
 
+/// Whether `err`, from a connection [`watch`]ed, says the kernel gave the
+/// peer up: `ETIMEDOUT`, or the last ICMP error it got meanwhile
+/// (`EHOSTUNREACH`, `ENETUNREACH`: a router saying the host or its network
+/// is gone), which the kernel reports instead when it had one. On an
+/// established connection those are never reported before the bound.
+pub fn gave_up_on_peer(err: &io::Error) -> bool {
+    matches!(
+        err.raw_os_error(),
+        Some(libc::ETIMEDOUT | libc::EHOSTUNREACH | libc::ENETUNREACH)
+    )
+}
+
 /// Whether a coherence node that leaves a silent home after `node_bound`
 /// has surely dropped its copies before a home that loses silent nodes
 /// after `home_bound` can give their pages to others (both [`watch`]
@@ -99,6 +111,23 @@ mod tests {
             probe_times(Duration::from_millis(1)),
             (Duration::from_secs(1), Duration::from_secs(1))
         );
+    }
+
+    #[test]
+    fn silence_and_unreachable_hosts_are_given_up_peers_other_errors_not() {
+        for errno in [libc::ETIMEDOUT, libc::EHOSTUNREACH, libc::ENETUNREACH] {
+            assert!(
+                gave_up_on_peer(&io::Error::from_raw_os_error(errno)),
+                "{errno}"
+            );
+        }
+        for errno in [libc::ECONNRESET, libc::EPIPE, libc::EINVAL] {
+            assert!(
+                !gave_up_on_peer(&io::Error::from_raw_os_error(errno)),
+                "{errno}"
+            );
+        }
+        assert!(!gave_up_on_peer(&io::Error::other("not an OS error")));
     }
 
     #[test]

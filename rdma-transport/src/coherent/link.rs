@@ -350,11 +350,19 @@ fn read_loop(shared: &Shared, link: &Link, mut stream: TcpStream) {
         match stream.read(&mut buf[end..]) {
             Ok(0) => return,
             Ok(n) => end += n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) => {}
+            // The kernel gave the home up (`dead_home_timeout_ms`): leave
+            // it, dropping every copy of its pages, before the home loses
+            // this node and grants them to others.
+            Err(e) if crate::dead_peer::gave_up_on_peer(&e) => {
+                tracing::warn!(
+                    node = %link.node,
+                    err = %e,
+                    dead_home_timeout_ms = shared.config.dead_home_timeout_ms,
+                    "home silent too long; leaving it and dropping the copies of its pages"
+                );
+                return;
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => {
                 tracing::debug!(node = %link.node, err = %e, "coherence connection read failed");
