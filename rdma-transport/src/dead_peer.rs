@@ -33,8 +33,8 @@ const PROBES: u32 = 3;
 const MIN_STEP: Duration = Duration::from_secs(1);
 
 /// Ends `stream` once its peer has shown no sign of life for `within`
-/// (at least half of it: see [`probe_times`]); zero leaves the kernel's
-/// defaults (no keepalive).
+/// (the kernel notices at its next probe, at most a second later); zero
+/// leaves the kernel's defaults (no keepalive).
 ///
 /// # Errors
 /// The socket refused an option.
