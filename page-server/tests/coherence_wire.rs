@@ -12,7 +12,7 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::coherent_copies::{home_manager, Node};
+use common::coherent_copies::{home_manager, Copies, Node};
 use common::raw::{self, read_framed};
 use common::*;
 use page_server::{RunningServer, ServerConfig};
@@ -329,6 +329,98 @@ fn a_panicking_handler_fails_the_request_instead_of_hanging() {
     let other = node(&server, &key, 0);
     other.modify(GPA_BASE, filled(GPA_BASE, 1)).unwrap();
     assert_eq!(other.read(GPA_BASE).unwrap(), page_for(GPA_BASE, 1));
+}
+
+/// A node's copies whose recalls wait at a gate: a node that is still
+/// dropping its copies (a large guest takes a while).
+#[derive(Default)]
+struct Gated {
+    copies: Copies,
+    /// (a recall came, the gate is open)
+    state: parking_lot::Mutex<(bool, bool)>,
+    changed: parking_lot::Condvar,
+}
+
+impl Gated {
+    fn wait_for_a_recall(&self) -> bool {
+        let mut state = self.state.lock();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !state.0 {
+            if self.changed.wait_until(&mut state, deadline).timed_out() {
+                return state.0;
+            }
+        }
+        true
+    }
+
+    fn open(&self) {
+        self.state.lock().1 = true;
+        self.changed.notify_all();
+    }
+}
+
+impl CoherenceHandler for Gated {
+    fn install(&self, gpa: u64, mode: Mode, data: Option<&Page>) {
+        self.copies.install(gpa, mode, data);
+    }
+
+    fn recall(&self, gpa: u64, recall: Recall) -> RecallAnswer {
+        let mut state = self.state.lock();
+        state.0 = true;
+        self.changed.notify_all();
+        while !state.1 {
+            self.changed.wait(&mut state);
+        }
+        drop(state);
+        self.copies.recall(gpa, recall)
+    }
+}
+
+/// A node that leaves its home (here: it is dropped) drops its copies
+/// before the home learns that it left: until then another node's write
+/// waits for the leaving node's answer, and it is never granted while the
+/// leaving node's vCPUs could still read the old page.
+#[test]
+fn a_leaving_node_drops_its_copies_before_the_home_lets_another_write() {
+    let (server, key) = home();
+    let config = CoherenceConfig {
+        timeout_ms: 500,
+        ..CoherenceConfig::default()
+    };
+    let writer = Node::with_config(manager_for(&server, &key), config);
+    writer.modify(GPA_BASE, filled(GPA_BASE, 1)).unwrap();
+    let gated = Arc::new(Gated::default());
+    let manager = manager_for(&server, &key);
+    let leaving = manager.coherent_node(
+        Arc::clone(&gated) as Arc<dyn CoherenceHandler>,
+        CoherenceConfig::default(),
+    );
+    leaving.acquire(GPA_BASE, Access::Read).unwrap();
+    assert!(
+        gated.copies.copy(GPA_BASE) == Some((Mode::Shared, page_for(GPA_BASE, 1))),
+        "the leaving node's copy is not the page written"
+    );
+
+    let dropper = std::thread::spawn(move || drop(leaving));
+    assert!(
+        gated.wait_for_a_recall(),
+        "the leaving node never dropped its copy"
+    );
+    match writer.c().acquire(GPA_BASE, Access::Write) {
+        Err(TransportError::Timeout { .. }) => {}
+        Ok(()) => panic!("a write was granted while the leaving node still held its copy"),
+        Err(other) => panic!("expected a timeout while the node leaves, got {other:?}"),
+    }
+    assert!(
+        gated.copies.copy(GPA_BASE).is_some(),
+        "the gate let the copy go"
+    );
+
+    gated.open();
+    dropper.join().expect("the node closes");
+    assert_eq!(gated.copies.copy(GPA_BASE).map(|(mode, _)| mode), None);
+    writer.modify(GPA_BASE, filled(GPA_BASE, 2)).unwrap();
+    assert!(writer.read(GPA_BASE).unwrap() == page_for(GPA_BASE, 2));
 }
 
 /// A raw client (handshaken) that sends coherence frames by hand.

@@ -213,12 +213,17 @@ impl Link {
         }
     }
 
-    /// Breaks the connection at once (frames still queued are dropped);
-    /// the reader sees it and cleans up, the writer ends.
+    /// Gives the connection up at once (frames still queued are dropped,
+    /// nothing more is sent) and wakes the reader, which ends and drops
+    /// every copy of this home's pages ([`Self::lost`]). Only then is the
+    /// home told, by the end of the socket: it gives this node's pages to
+    /// other nodes as soon as it knows, so the copies must be gone first.
+    /// (A read-side shutdown sends nothing; the writer ends with the
+    /// queue, or at the full shutdown if a write blocks.)
     pub(crate) fn shut(&self) {
         self.dead.store(true, Ordering::SeqCst);
         self.outgoing.lock().take();
-        let _ = self.stream.shutdown(Shutdown::Both);
+        let _ = self.stream.shutdown(Shutdown::Read);
     }
 
     /// Closes the connection: the frames queued so far are written first
@@ -241,7 +246,8 @@ impl Link {
     }
 
     /// The connection is gone: every copy of this home's pages is dropped
-    /// (the home declares this node lost), and every waiter fails.
+    /// and every waiter fails; then the socket is closed, which tells the
+    /// home (if it does not know yet) that this node is lost.
     fn lost(self: &Arc<Self>, shared: &Shared, call_handler: bool) {
         // `dead` is set before the slots are listed: a slot made later
         // finds it set (`pages::acquire` checks it under the slot's lock).
@@ -250,6 +256,10 @@ impl Link {
         for slot in slots {
             pages::forget(shared, &slot, &self.node, call_handler);
         }
+        // Only now may the home learn that this node left, and give its
+        // pages to others: no vCPU here reads a copy any more. (Sooner,
+        // another node could change a page this one still read.)
+        let _ = self.stream.shutdown(Shutdown::Both);
         // Only now may a caller that finds no link here connect again: by
         // then every copy of the old connection is gone.
         {
