@@ -73,9 +73,7 @@ pub(crate) fn serve(
                 Err(e)
                     if matches!(
                         e.kind(),
-                        io::ErrorKind::WouldBlock
-                            | io::ErrorKind::TimedOut
-                            | io::ErrorKind::Interrupted
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
                     ) => {}
                 Err(e) => return Err(e),
             }

@@ -54,6 +54,12 @@ pub struct CoherenceStats {
 /// The coherence directory of one page-server.
 #[derive(Debug, Default)]
 pub(crate) struct CoherenceHome {
+    /// How long after losing a node to silence its pages stay its own
+    /// (`dead_peer::left_for_sure_within` the nodes' bound).
+    silence_wait: std::time::Duration,
+    /// Set when the server stops: no more waiting out silent nodes.
+    stopping: Mutex<bool>,
+    stopped: parking_lot::Condvar,
     pages: Mutex<HashMap<usize, Arc<Mutex<HomePage>>>>,
     nodes: Mutex<Vec<Slot>>,
     stats: Mutex<HomeStats>,
@@ -130,6 +136,36 @@ impl CohSession {
 }
 
 impl CoherenceHome {
+    /// A home that waits `silence_wait` after losing a node to silence
+    /// before it gives the node's pages to others.
+    pub(crate) fn new(silence_wait: std::time::Duration) -> Self {
+        Self {
+            silence_wait,
+            ..Self::default()
+        }
+    }
+
+    /// A node whose connection the kernel gave up (nothing came from it
+    /// for the dead-peer timeout) may be cut off rather than dead, and
+    /// keep reading its copies until its own bound on this home's silence
+    /// passes: its pages stay its own until then (or until the server
+    /// stops). Other nodes' requests for them wait meanwhile.
+    pub(crate) fn wait_out_silent_node(&self) {
+        let deadline = std::time::Instant::now() + self.silence_wait;
+        let mut stopping = self.stopping.lock();
+        while !*stopping {
+            if self.stopped.wait_until(&mut stopping, deadline).timed_out() {
+                return;
+            }
+        }
+    }
+
+    /// The server stops: waits of [`Self::wait_out_silent_node`] end.
+    pub(crate) fn stop_waiting(&self) {
+        *self.stopping.lock() = true;
+        self.stopped.notify_all();
+    }
+
     /// The home's counters now.
     pub(crate) fn snapshot(&self) -> CoherenceStats {
         CoherenceStats {

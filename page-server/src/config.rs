@@ -74,6 +74,15 @@ pub struct ServerConfig {
     /// the probes however long it stays idle. Default 30 s; zero: the
     /// kernel's defaults (an idle dead peer is kept forever).
     pub dead_peer_timeout: Duration,
+    /// How long a coherence node cut off from this home may keep its
+    /// copies of the home's pages: the nodes'
+    /// `CoherenceConfig::dead_home_timeout_ms` (10 s by default, as here).
+    /// A node lost to silence (`dead_peer_timeout`, or the kernel's own
+    /// timeouts) is declared lost, and its pages given to others,
+    /// `dead_peer::left_for_sure_within` this later: whichever way the
+    /// network was cut, the node has dropped its copies by then. Zero: at
+    /// once (nodes without a bound never drop them; no wait would help).
+    pub node_dead_home_timeout: Duration,
     /// How long a connection thread keeps polling its socket (yielding the
     /// CPU) after a request before it blocks. A streaming client then never
     /// waits for an idle CPU to wake up; 0 blocks at once (for hosts where
@@ -129,6 +138,9 @@ impl ServerConfig {
             handshake_timeout: Duration::from_secs(2),
             idle_timeout: Duration::ZERO,
             dead_peer_timeout: Duration::from_secs(30),
+            node_dead_home_timeout: Duration::from_millis(
+                rdma_transport::coherent::DEFAULT_DEAD_HOME_TIMEOUT_MS,
+            ),
             spin_before_block: Duration::from_micros(50),
             rdma: RdmaOptions {
                 enabled: true,

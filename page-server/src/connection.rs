@@ -286,7 +286,20 @@ pub(crate) fn serve(
     // Requests whose answers could not be sent were served all the same.
     exported.metrics.publish(&mut tally);
     // No message from this connection can follow: its node (if it took
-    // part in coherence) is lost.
+    // part in coherence) is lost. The home gives its pages to other nodes
+    // as soon as it is declared lost; a node gone silent may be cut off
+    // rather than dead, and read its copies until its own bound on this
+    // home's silence passes: only then.
+    if coh.is_node()
+        && result
+            .as_ref()
+            .is_err_and(rdma_transport::dead_peer::gave_up_on_peer)
+    {
+        tracing::info!(
+            "coherence node gone silent: its pages stay its own until it has surely left"
+        );
+        exported.coherence.wait_out_silent_node();
+    }
     coherence_home::disconnect(exported, &mut coh);
     result
 }
@@ -490,12 +503,9 @@ fn read_spinning(
         // receive timeout ends it.
         loop {
             match stream.read(buf) {
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
+                // The receive timeout (`EAGAIN`). Not `ETIMEDOUT`: that is
+                // the kernel giving the peer up (`dead_peer`).
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     let left = guard.check(Instant::now())?;
                     stream.set_read_timeout(blocking_read_timeout(left))?;
                 }

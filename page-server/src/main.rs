@@ -84,6 +84,12 @@ struct Args {
     /// is kept forever). Live idle clients are never closed by it.
     #[arg(long, default_value_t = 30_000)]
     dead_peer_timeout_ms: u64,
+    /// Milliseconds a coherence node cut off from this page-server may keep
+    /// copies of its pages (the nodes' dead_home_timeout_ms): a node lost
+    /// to silence is declared lost, and its pages given to other nodes,
+    /// that long plus a probe interval and 2 s later (0: at once).
+    #[arg(long, default_value_t = rdma_transport::coherent::DEFAULT_DEAD_HOME_TIMEOUT_MS)]
+    node_dead_home_timeout_ms: u64,
     /// Handshaken connections served at once.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
     max_connections: u64,
@@ -183,6 +189,7 @@ fn main() -> anyhow::Result<()> {
     config.handshake_timeout = Duration::from_millis(args.handshake_timeout_ms);
     config.idle_timeout = Duration::from_millis(args.idle_timeout_ms);
     config.dead_peer_timeout = Duration::from_millis(args.dead_peer_timeout_ms);
+    config.node_dead_home_timeout = Duration::from_millis(args.node_dead_home_timeout_ms);
     config.max_connections = usize::try_from(args.max_connections).context("--max-connections")?;
     config.max_pending_handshakes =
         usize::try_from(args.max_pending_handshakes).context("--max-pending-handshakes")?;

@@ -159,17 +159,6 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             addr: config.listen,
             source,
         })?;
-    let node_default =
-        Duration::from_millis(rdma_transport::coherent::DEFAULT_DEAD_HOME_TIMEOUT_MS);
-    if !rdma_transport::dead_peer::leaves_before_home(node_default, config.dead_peer_timeout) {
-        tracing::warn!(
-            dead_peer_timeout_ms = config.dead_peer_timeout.as_millis() as u64,
-            node_default_ms = node_default.as_millis() as u64,
-            "dead-peer timeout below twice a coherence node's default dead-home timeout plus 2 s: \
-             a node cut off from this home may keep copies of pages the home has given to others \
-             (raise it, or lower the nodes' dead_home_timeout_ms)"
-        );
-    }
     let rdma_enabled = rdma.is_some();
     let shared = Arc::new(Shared {
         exported: Exported {
@@ -183,7 +172,9 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             // RDMA writes the region without this side seeing it: no sums;
             // nor any on a server that offers no checksums.
             sums: PageSums::new(memory_bytes, !rdma_enabled && config.page_checksums),
-            coherence: CoherenceHome::default(),
+            coherence: CoherenceHome::new(rdma_transport::dead_peer::left_for_sure_within(
+                config.node_dead_home_timeout,
+            )),
             metrics: PageMetrics::new(),
             damage_log: rdma_transport::log_limit::LogLimit::new(
                 rdma_transport::log_limit::WARN_INTERVAL,
@@ -502,6 +493,7 @@ impl RunningServer {
         if let Some(h) = self.acceptor.take() {
             let _ = h.join();
         }
+        self.shared.exported.coherence.stop_waiting();
         for thread in self.shared.admission.conns.close_all() {
             let _ = thread.join();
         }

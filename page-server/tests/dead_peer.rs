@@ -222,90 +222,124 @@ fn ports_connected_to(port: u16) -> Vec<u16> {
         .collect()
 }
 
-/// Two nodes hold a shared copy of a page; then the network between each
-/// of them and the home is cut (every packet of their connections dropped,
-/// both ways: nothing comes through, not even a reset). The home loses both after
-/// its dead-peer timeout (8 s) and lets a third node change the page. The
-/// node with a dead-home timeout (1 s, well under half of the home's) has
-/// dropped its copy by then, and reads the new contents over a new
-/// connection; the node with the kernel's defaults (0) still holds the old
-/// page as valid: what its vCPUs would read while the page changed
-/// elsewhere.
+/// Three nodes hold a shared copy of a page, and the network between each
+/// of them and the home is cut: both ways for two of them (every packet of
+/// their connections dropped: nothing comes through, not even a reset);
+/// one way for the third, cut while the home held its request back (the
+/// owner keeps the page for its minimum hold time), so that its grant
+/// arrives but is never acknowledged: the home retransmits it, and the
+/// node hears from the home until the home gives up. The home loses all
+/// three after its dead-peer timeout (8 s) and lets the owner change the
+/// page. The nodes with a dead-home timeout (5 s, what the home expects of
+/// them) have dropped their copies by then: the ones cut both ways 5 s
+/// after the cut, the one cut one way 5 s after the last retransmission
+/// reached it (6.2 s after the grant: later than the home gives up),
+/// which is why the home declares a node lost to silence only once it has
+/// waited out the node's bound. They read the new contents
+/// over new connections. The node with the kernel's defaults (0) still
+/// holds the old page as valid: what its vCPUs would read while the page
+/// changed elsewhere.
 #[test]
 #[ignore = "needs root (a network namespace); run by deploy/test-all.sh"]
 fn a_node_cut_off_from_its_home_drops_its_copies_before_the_home_moves_on() {
     const HOME: &str = "home";
     const GPA_BASE: u64 = 0x10_0000;
+    const NODE_BOUND_MS: u64 = 5_000;
     let network = netns::PrivateNetwork::enter();
     let key = ClusterKey::generate().expect("a key");
     let mut cfg = ServerConfig::new(HOME, NODE_BYTES);
     cfg.cluster_key = Some(key.clone());
     cfg.dead_peer_timeout = Duration::from_secs(8);
+    cfg.node_dead_home_timeout = Duration::from_millis(NODE_BOUND_MS);
     let server = page_server::spawn(cfg).expect("page-server starts");
     let home_port = server.addr().port();
-    let node = |dead_home_timeout_ms| {
+    let node = |dead_home_timeout_ms, min_hold_us| {
         let config = CoherenceConfig {
             dead_home_timeout_ms,
+            min_hold_us,
             ..CoherenceConfig::default()
         };
         Node::with_config(home_manager(&server, HOME, GPA_BASE, &key), config)
     };
-
-    let writer = node(CoherenceConfig::default().dead_home_timeout_ms);
-    let old = page_indexed(0, 1);
-    writer.modify(GPA_BASE, |p| *p = old).expect("first write");
-    let watched = node(1_000);
-    let unwatched = node(0);
-    let mut partitions = Vec::new();
-    for reader in [&watched, &unwatched] {
-        let before = ports_connected_to(home_port);
-        assert!(
-            reader.read(GPA_BASE).expect("read") == old,
-            "not the page written"
-        );
+    // The ports of the connections to the home opened since `before`.
+    let new_ports = |before: &[u16]| -> Vec<u16> {
         let ports: Vec<u16> = ports_connected_to(home_port)
             .into_iter()
             .filter(|p| !before.contains(p))
             .collect();
         assert!(!ports.is_empty(), "no connection of the reader found");
-        for port in ports {
-            partitions.push(netns::LoopbackPartition::to_port(&network, port));
+        ports
+    };
+
+    // The owner keeps the page 2 s after its grant before it answers.
+    let owner = node(NODE_BOUND_MS, 2_000_000);
+    let old = page_indexed(0, 1);
+    owner.modify(GPA_BASE, |p| *p = old).expect("first write");
+    let cut_one_way = node(NODE_BOUND_MS, 0);
+    let mut partitions = Vec::new();
+    std::thread::scope(|scope| {
+        let before = ports_connected_to(home_port);
+        let downgrades = server.coherence_stats().home.downgrades_sent;
+        let reading = scope.spawn(|| cut_one_way.read(GPA_BASE));
+        assert!(
+            wait_until(LIMIT, || server.coherence_stats().home.downgrades_sent
+                > downgrades),
+            "the home never called the page back from its owner"
+        );
+        // The request is in; the grant comes once the owner answers.
+        for port in new_ports(&before) {
             partitions.push(netns::LoopbackPartition::from_port(&network, port));
+        }
+        let read = reading.join().expect("the reader").expect("read");
+        assert!(read == old, "not the page written");
+    });
+    let cut_both_ways = node(NODE_BOUND_MS, 0);
+    let unwatched = node(0, 0);
+    for reader in [&cut_both_ways, &unwatched] {
+        let before = ports_connected_to(home_port);
+        assert!(
+            reader.read(GPA_BASE).expect("read") == old,
+            "not the page written"
+        );
+        for port in new_ports(&before) {
+            partitions.push(netns::LoopbackPartition::from_port(&network, port));
+            partitions.push(netns::LoopbackPartition::to_port(&network, port));
         }
     }
 
-    // The home closes both connections by its dead-peer bound. (Not
-    // counted in `dead_peers` here: the grants' acknowledgements were cut
-    // too, and a retransmission into the blackhole route ends the
-    // connection with that route's error rather than `ETIMEDOUT`.)
+    // The home closes the three connections by its dead-peer bound, and
+    // declares each node lost once it has waited out the node's bound.
     let connected = server.stats().handshaken_connections;
     assert!(
         wait_until(LIMIT, || server.stats().handshaken_connections
-            == connected - 2),
+            == connected - 3),
         "the home never lost the cut-off nodes: {:?}",
         server.stats()
     );
-    assert_eq!(
-        watched.copies.copy(GPA_BASE).map(|(mode, _)| mode),
-        None,
-        "the node cut off for longer than its dead-home timeout kept its copy"
-    );
-    assert!(
-        watched
-            .copies
-            .take_recalls()
-            .contains(&(GPA_BASE, Recall::Invalidate { write_back: false })),
-        "the copy was not dropped by leaving the home"
-    );
+    for (name, node) in [("both ways", &cut_both_ways), ("one way", &cut_one_way)] {
+        assert_eq!(
+            node.copies.copy(GPA_BASE).map(|(mode, _)| mode),
+            None,
+            "the node cut off {name} kept its copy past the home's wait"
+        );
+        assert!(
+            node.copies
+                .take_recalls()
+                .contains(&(GPA_BASE, Recall::Invalidate { write_back: false })),
+            "the copy of the node cut off {name} was not dropped by leaving the home"
+        );
+    }
     let new = page_indexed(0, 2);
-    writer.modify(GPA_BASE, |p| *p = new).expect("second write");
+    owner.modify(GPA_BASE, |p| *p = new).expect("second write");
     assert!(
         unwatched.copies.copy(GPA_BASE) == Some((coherence::Mode::Shared, old)),
         "the node with the kernel's defaults should still hold the old page (the stale copy this prevents)"
     );
-    assert!(
-        watched.read(GPA_BASE).expect("read after the cut") == new,
-        "the watched node did not read the page as changed"
-    );
+    for node in [&cut_both_ways, &cut_one_way] {
+        assert!(
+            node.read(GPA_BASE).expect("read after the cut") == new,
+            "a node that left did not read the page as changed"
+        );
+    }
     drop(partitions);
 }

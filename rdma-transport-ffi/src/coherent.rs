@@ -29,9 +29,8 @@ pub struct RtCoherenceConfig {
     pub timeout_ms: u64,
     /// A home silent this long (host gone, network cut) is left and every
     /// copy of its pages dropped; 0: the kernel's defaults (never noticed
-    /// while idle). Keep it below half of every page-server's
-    /// `--dead-peer-timeout-ms` minus a second
-    /// (`CoherenceConfig::dead_home_timeout_ms`).
+    /// while idle). Keep it no longer than every page-server's
+    /// `--node-dead-home-timeout-ms` (`CoherenceConfig::dead_home_timeout_ms`).
     pub dead_home_timeout_ms: u64,
 }
 

@@ -10,7 +10,8 @@
 //! a coherence node that vanished. A coherence node bounds its connection
 //! to each home (`CoherenceConfig::dead_home_timeout_ms`): a node cut off
 //! from a home must drop its copies of that home's pages before the home,
-//! having lost the node, grants them to another node (docs/coherence.md,
+//! having lost the node, grants them to another node; the home waits
+//! [`left_for_sure_within`] that bound first (docs/coherence.md,
 //! "Failures").
 //!
 //! Two TCP options bound it to `within` of the last sign of life:
@@ -65,24 +66,26 @@ pub fn gave_up_on_peer(err: &io::Error) -> bool {
     )
 }
 
-/// Whether a coherence node that leaves a silent home after `node_bound`
-/// has surely dropped its copies before a home that loses silent nodes
-/// after `home_bound` can give their pages to others (both [`watch`]
-/// bounds; zero: the kernel's defaults).
-///
-/// A side closes within a second (a probe interval) after `bound` has
-/// passed since the last thing it received; an idle side receives at least
-/// every half bound (its own probes' answers). Cut off at time T, the node
-/// has left by T + `node_bound` + 1 s, and the home loses the node no
-/// sooner than T + `home_bound` / 2. A node without a bound never leaves;
-/// a home without one loses an idle node never, and a node it sends to
-/// after ~15 minutes of retransmissions.
-pub fn leaves_before_home(node_bound: Duration, home_bound: Duration) -> bool {
+/// Time a coherence node takes to drop its copies of a home's pages
+/// once that home has sent it nothing more, if its [`watch`] bound on the
+/// home is `node_bound`: the bound, the probe interval by which the
+/// kernel may notice late, and [`FORGET_MARGIN`] to drop the copies.
+/// A home that loses a node to silence waits this long after losing it
+/// (which is after the last thing it sent) before it gives the node's
+/// pages to others: whichever way the network was cut, the node has left
+/// by then. Zero for a node without a bound, which never leaves a silent
+/// home: no wait can help there.
+pub fn left_for_sure_within(node_bound: Duration) -> Duration {
     if node_bound.is_zero() {
-        return false;
+        return Duration::ZERO;
     }
-    home_bound.is_zero() || node_bound + MIN_STEP < home_bound / 2
+    let (_, interval) = probe_times(node_bound);
+    node_bound + interval + FORGET_MARGIN
 }
+
+/// What [`left_for_sure_within`] allows a node for dropping its copies
+/// after it noticed that its home went silent.
+pub const FORGET_MARGIN: Duration = Duration::from_secs(2);
 
 /// First probe after half of `within` idle, the others spread over the
 /// rest; each at least a second (the kernel's unit).
@@ -131,19 +134,16 @@ mod tests {
     }
 
     #[test]
-    fn a_node_leaves_first_only_within_half_the_homes_bound_less_a_second() {
+    fn a_node_has_left_within_its_bound_a_probe_interval_and_the_margin() {
         let s = Duration::from_secs;
-        // The defaults: 10 s against 30 s.
-        assert!(leaves_before_home(s(10), s(30)));
-        assert!(leaves_before_home(Duration::from_millis(13_999), s(30)));
-        assert!(!leaves_before_home(s(14), s(30)));
-        assert!(!leaves_before_home(s(10), s(2)));
-        // The kernel's defaults on the home: it never loses an idle node
-        // soon.
-        assert!(leaves_before_home(s(10), Duration::ZERO));
-        // A node without a bound never leaves a silent home.
-        assert!(!leaves_before_home(Duration::ZERO, s(30)));
-        assert!(!leaves_before_home(Duration::ZERO, Duration::ZERO));
+        // The interval as asked for (5 s / 3), above what the kernel
+        // makes of it (whole seconds): never less than it takes.
+        assert_eq!(
+            left_for_sure_within(s(10)),
+            s(10) + s(5) / 3 + FORGET_MARGIN
+        );
+        assert_eq!(left_for_sure_within(s(30)), s(30) + s(5) + FORGET_MARGIN);
+        assert_eq!(left_for_sure_within(Duration::ZERO), Duration::ZERO);
     }
 
     #[test]

@@ -105,17 +105,17 @@ pub struct CoherenceConfig {
     /// connection closes. 0 leaves the kernel's defaults (a silent home is
     /// never noticed while nothing is sent to it).
     ///
-    /// Must stay below half of every home's dead-peer timeout minus a
-    /// second (the page-server's `--dead-peer-timeout-ms`, 30 s by
-    /// default): the home, having lost this node, grants its pages to
-    /// other nodes, and this node's copies must be gone by then or its
-    /// vCPUs would read pages that others have changed
-    /// ([`crate::dead_peer`]; docs/coherence.md, "Failures").
+    /// Must not exceed what the homes expect of their nodes (the
+    /// page-server's `--node-dead-home-timeout-ms`, 10 s by default): a
+    /// home that lost this node to silence gives its pages to other nodes
+    /// [`crate::dead_peer::left_for_sure_within`] that bound later, and
+    /// this node's copies must be gone by then or its vCPUs would read
+    /// pages that others have changed (docs/coherence.md, "Failures").
     pub dead_home_timeout_ms: u64,
 }
 
-/// [`CoherenceConfig::dead_home_timeout_ms`]'s default: below half of a
-/// page-server's default dead-peer timeout (30 s) minus a second.
+/// [`CoherenceConfig::dead_home_timeout_ms`]'s default, and what a
+/// page-server expects of its nodes by default.
 pub const DEFAULT_DEAD_HOME_TIMEOUT_MS: u64 = 10_000;
 
 impl Default for CoherenceConfig {
