@@ -290,11 +290,13 @@ pub(crate) fn serve(
     // as soon as it is declared lost; a node gone silent may be cut off
     // rather than dead, and read its copies until its own bound on this
     // home's silence passes: only then.
-    if coh.is_node()
-        && result
-            .as_ref()
-            .is_err_and(rdma_transport::dead_peer::gave_up_on_peer)
-    {
+    // (The kernel's verdict goes to whichever call sees it first: this
+    // thread's read, or a coherence send from another thread.)
+    let silent = result
+        .as_ref()
+        .is_err_and(rdma_transport::dead_peer::gave_up_on_peer)
+        || coh.outbound().is_some_and(|o| o.gone_silent());
+    if coh.is_node() && silent {
         tracing::info!(
             "coherence node gone silent: its pages stay its own until it has surely left"
         );

@@ -25,6 +25,9 @@ pub(crate) struct Outbound {
     /// The connection agreed to offset-bound sums: coherence frames to it
     /// carry them (`wire::coherence_checksum`).
     bound_sums: bool,
+    /// A send found that the kernel gave the node up (`dead_peer`): the
+    /// connection's own thread may then see only the end of the stream.
+    gone_silent: std::sync::atomic::AtomicBool,
 }
 
 impl Outbound {
@@ -42,6 +45,7 @@ impl Outbound {
             lock: Mutex::new(()),
             channel: None,
             bound_sums,
+            gone_silent: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -100,6 +104,19 @@ impl Outbound {
             })
             .collect();
         let _guard = self.lock.lock();
-        crate::connection::writev_all(&self.stream, &mut iovecs)
+        let sent = crate::connection::writev_all(&self.stream, &mut iovecs);
+        if sent
+            .as_ref()
+            .is_err_and(rdma_transport::dead_peer::gave_up_on_peer)
+        {
+            self.gone_silent
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        sent
+    }
+
+    /// Whether a send found that the kernel gave the node up.
+    pub(crate) fn gone_silent(&self) -> bool {
+        self.gone_silent.load(std::sync::atomic::Ordering::SeqCst)
     }
 }

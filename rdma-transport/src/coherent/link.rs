@@ -86,7 +86,8 @@ impl Link {
             .map_err(down)?;
         // A home that went silent (its host gone, or the network cut) ends
         // the connection: the reader then drops every copy of its pages,
-        // before the home (whose own bound is longer) gives them to others.
+        // before the home, which waits out this bound after losing a node
+        // to silence (`--node-dead-home-timeout-ms`), gives them to others.
         crate::dead_peer::watch(
             &stream,
             Duration::from_millis(shared.config.dead_home_timeout_ms),
