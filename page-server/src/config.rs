@@ -67,7 +67,7 @@ pub struct ServerConfig {
     /// "Connection limits").
     pub idle_timeout: Duration,
     /// A client connection whose peer shows no sign of life for this long
-    /// is closed by the kernel (`dead_peer.rs`: keepalive probes, and
+    /// is closed by the kernel (`rdma_transport::dead_peer`: keepalive probes, and
     /// `TCP_USER_TIMEOUT` on unacknowledged answers), freeing its place
     /// under `max_connections`: a client host that crashed or was cut off
     /// answers nothing, not even a reset. A live client's kernel answers
