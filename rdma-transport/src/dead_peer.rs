@@ -34,7 +34,8 @@ const PROBES: u32 = 3;
 const MIN_STEP: Duration = Duration::from_secs(1);
 
 /// Ends `stream` once its peer has shown no sign of life for `within`
-/// (the kernel notices at its next probe, at most a second later); zero
+/// (the kernel notices at its next probe, at most a probe interval
+/// later: a sixth of `within`, at least a second); zero
 /// leaves the kernel's defaults (no keepalive).
 ///
 /// # Errors

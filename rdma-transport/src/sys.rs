@@ -73,15 +73,10 @@ pub(crate) fn send_vectored(
 /// raised on them stays pending there, never delivered, instead of ending a
 /// host process that keeps the default disposition (a hypervisor in C).
 pub(crate) fn with_sigpipe_blocked<R>(f: impl FnOnce() -> R) -> R {
-    // SAFETY: all-zero bytes are a valid `sigset_t` for `sigemptyset` to
-    // initialise.
-    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: as above; `old` is written by `pthread_sigmask` before use.
+    let set = sigpipe_set();
+    // SAFETY: all-zero bytes are a valid `sigset_t`; `old` is written by
+    // `pthread_sigmask` before use.
     let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is a live `sigset_t`.
-    unsafe { libc::sigemptyset(&mut set) };
-    // SAFETY: `set` is initialised; SIGPIPE is a valid signal.
-    unsafe { libc::sigaddset(&mut set, libc::SIGPIPE) };
     // SAFETY: `set` is initialised and `old` is a live `sigset_t` to write.
     let blocked = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old) } == 0;
     if !blocked {
@@ -93,6 +88,18 @@ pub(crate) fn with_sigpipe_blocked<R>(f: impl FnOnce() -> R) -> R {
         unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
     }
     result
+}
+
+/// The signal set holding SIGPIPE alone.
+pub(crate) fn sigpipe_set() -> libc::sigset_t {
+    // SAFETY: all-zero bytes are a valid `sigset_t` for `sigemptyset` to
+    // initialise.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a live `sigset_t`.
+    unsafe { libc::sigemptyset(&mut set) };
+    // SAFETY: `set` is initialised; SIGPIPE is a valid signal.
+    unsafe { libc::sigaddset(&mut set, libc::SIGPIPE) };
+    set
 }
 
 /// Gives a TCP connection up at once. Bytes its peer has not acknowledged

@@ -17,13 +17,7 @@ struct SigpipeWatch {
 
 impl SigpipeWatch {
     fn start() -> Self {
-        // SAFETY: all-zero bytes are a valid `sigset_t` for `sigemptyset`
-        // to initialise.
-        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-        // SAFETY: `set` is a live `sigset_t`.
-        unsafe { libc::sigemptyset(&mut set) };
-        // SAFETY: `set` is initialised; SIGPIPE is a valid signal.
-        unsafe { libc::sigaddset(&mut set, libc::SIGPIPE) };
+        let set = crate::sys::sigpipe_set();
         // SAFETY: `set` is initialised; a null old set is allowed.
         let ret = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
         assert_eq!(ret, 0, "pthread_sigmask");
