@@ -9,10 +9,25 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+# Disk: a CI run failed with "No space left on device" (2026-12-06, after
+# 407 s, building the etcd tests). Every test executable links the whole
+# workspace statically, ~60 of them: with full debug info they took 14 GB;
+# without it, a third of that (a panic still prints its file and line;
+# a backtrace names functions). A one-shot build gains nothing from
+# incremental state either (3 GB). Both stay overridable.
+export CARGO_PROFILE_DEV_DEBUG="${CARGO_PROFILE_DEV_DEBUG:-0}"
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+disk() {
+    local dir="${CARGO_TARGET_DIR:-target}"
+    [[ -d "$dir" ]] || dir=.
+    df -h --output=avail,target "$dir" 2>/dev/null | tail -1 | sed 's/^ */disk free: /' || true
+}
+
 passed=0
 step() { printf '\n==> %s\n' "$*"; }
 ok() { passed=$((passed + 1)); }
-trap 'echo; echo "test-all: FAILED at step $((passed + 1)) ($BASH_COMMAND)"; echo "checks: $passed passed, 1 failed"' ERR
+trap 'echo; echo "test-all: FAILED at step $((passed + 1)) ($BASH_COMMAND)"; disk; echo "checks: $passed passed, 1 failed"' ERR
+disk
 
 step "host packages (verbs headers and libclang for the bindings-freshness check only, rdma-core)"
 pkgs=(libibverbs-dev libclang-dev clang rdma-core ibverbs-providers pkg-config)
@@ -168,4 +183,6 @@ fi
 
 trap - ERR
 echo
+disk
+du -sh "${CARGO_TARGET_DIR:-target}" 2>/dev/null | sed 's/^/build output: /' || true
 echo "checks: $passed passed, 0 failed"
