@@ -36,6 +36,10 @@ pub(crate) fn serve(
     let mut idle_since: Option<Instant> = None;
     loop {
         ex.coherence.wait_while_held();
+        if crate::node_exit::is_closed_by_home(coh) {
+            // Nothing more from it is served (`node_exit`).
+            return Err(crate::node_exit::closed_by_home());
+        }
         let taken = take(stream, ex, channel, coh)?;
         if taken > 0 {
             armed = false;

@@ -145,13 +145,14 @@ impl CoherenceHome {
         }
     }
 
-    /// A node whose connection the kernel gave up (nothing came from it
-    /// for the dead-peer timeout) may be cut off rather than dead, and
-    /// keep reading its copies until its own bound on this home's silence
-    /// passes: its pages stay its own until then (or until the server
-    /// stops). Other nodes' requests for them wait meanwhile.
-    pub(crate) fn wait_out_silent_node(&self) {
-        let deadline = std::time::Instant::now() + self.silence_wait;
+    /// How long after losing a node to silence, or closing it, its pages
+    /// stay its own at most (`crate::node_exit`).
+    pub(crate) fn silence_wait(&self) -> std::time::Duration {
+        self.silence_wait
+    }
+
+    /// Waits until `deadline`, or until the server stops.
+    pub(crate) fn wait_until(&self, deadline: std::time::Instant) {
         let mut stopping = self.stopping.lock();
         while !*stopping {
             if self.stopped.wait_until(&mut stopping, deadline).timed_out() {
@@ -160,7 +161,12 @@ impl CoherenceHome {
         }
     }
 
-    /// The server stops: waits of [`Self::wait_out_silent_node`] end.
+    /// Whether the server stops.
+    pub(crate) fn is_stopping(&self) -> bool {
+        *self.stopping.lock()
+    }
+
+    /// The server stops: waits of [`Self::wait_until`] end.
     pub(crate) fn stop_waiting(&self) {
         *self.stopping.lock() = true;
         self.stopped.notify_all();
@@ -333,7 +339,7 @@ pub(crate) fn on_frame(
                     "write-back not accepted; closing the node's connection"
                 );
                 home.count_refused();
-                outbound.shut_down();
+                outbound.close_from_home();
                 return;
             }
         }
@@ -375,12 +381,22 @@ fn send(ex: &Exported, off: usize, to: NodeId, msg: &ToNode) {
     }
     let frame = encode_to_node(off as u64, msg, data.as_deref(), outbound.bound_sums());
     if let Err(err) = outbound.send(&[&frame]) {
+        if outbound.closed_by_home() {
+            // Already closed: the node is declared lost once it has
+            // dropped its copies, and its awaited acks count then.
+            tracing::debug!(
+                node = to.get(),
+                "coherence message to a node being closed not sent"
+            );
+            return;
+        }
         // Gone, or took no data for the stall timeout: part of the frame
         // may be out, and a callback that never arrives would be waited
         // for forever. Close the connection: its thread declares the node
-        // lost (an awaited ack then counts as received).
+        // lost (an awaited ack then counts as received) once the node has
+        // closed its side, or surely dropped its copies.
         tracing::warn!(node = to.get(), %err, "coherence message not sent; closing the node's connection");
-        outbound.shut_down();
+        outbound.close_from_home();
     }
 }
 

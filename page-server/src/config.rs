@@ -80,8 +80,11 @@ pub struct ServerConfig {
     /// A node lost to silence (`dead_peer_timeout`, or the kernel's own
     /// timeouts) is declared lost, and its pages given to others,
     /// `dead_peer::left_for_sure_within` this later: whichever way the
-    /// network was cut, the node has dropped its copies by then. Zero: at
-    /// once (nodes without a bound never drop them; no wait would help).
+    /// network was cut, the node has dropped its copies by then. A node
+    /// this server closes itself (a refused write-back, a stalled send) is
+    /// declared lost once it closed its side, or at most this long after.
+    /// Zero: at once (nodes without a bound never drop them; no wait would
+    /// help).
     pub node_dead_home_timeout: Duration,
     /// How long a connection thread keeps polling its socket (yielding the
     /// CPU) after a request before it blocks. A streaming client then never

@@ -286,22 +286,9 @@ pub(crate) fn serve(
     // Requests whose answers could not be sent were served all the same.
     exported.metrics.publish(&mut tally);
     // No message from this connection can follow: its node (if it took
-    // part in coherence) is lost. The home gives its pages to other nodes
-    // as soon as it is declared lost; a node gone silent may be cut off
-    // rather than dead, and read its copies until its own bound on this
-    // home's silence passes: only then.
-    // (The kernel's verdict goes to whichever call sees it first: this
-    // thread's read, or a coherence send from another thread.)
-    let silent = result
-        .as_ref()
-        .is_err_and(rdma_transport::dead_peer::gave_up_on_peer)
-        || coh.outbound().is_some_and(|o| o.gone_silent());
-    if coh.is_node() && silent {
-        tracing::info!(
-            "coherence node gone silent: its pages stay its own until it has surely left"
-        );
-        exported.coherence.wait_out_silent_node();
-    }
+    // part in coherence) is lost, and its pages go to other nodes, once it
+    // has surely dropped its copies.
+    crate::node_exit::wait_until_copies_dropped(stream, &exported.coherence, &coh, &result);
     coherence_home::disconnect(exported, &mut coh);
     result
 }
@@ -327,10 +314,10 @@ fn serve_messages(
         // The setting may change while the connection is served.
         let spin = spin_setting.get();
         if spinning != Some(!spin.is_zero()) {
-            set_read_mode(stream, spin, guard)?;
+            set_read_mode(stream, spin, guard, coh)?;
             spinning = Some(!spin.is_zero());
         }
-        let n = match read_spinning(stream, &mut buf[end..], spin, guard) {
+        let n = match read_spinning(stream, &mut buf[end..], spin, guard, coh) {
             Ok(0) => return Ok(()),
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -376,12 +363,19 @@ fn serve_messages(
             if header.opcode == Opcode::CohToHome && session.is_ready() {
                 coherence_home::on_frame(exported, &header, payload, stream, coh);
                 tally.restart();
-                if coh.is_node() {
+                if crate::node_exit::is_closed_by_home(coh) {
+                    // A write-back refused: nothing more from it is served.
+                    return Err(crate::node_exit::closed_by_home());
+                }
+                if coh.is_node() && !guard.is_coherence_node() {
                     // A node may hold pages for long without a message;
                     // closing its connection would declare it lost (and
                     // lose the pages it owns).
                     guard.exempt_from_idle_timeout();
                     guard.note_coherence_node();
+                    // Its reads now come back to see whether another
+                    // thread closed it (`wait_limit`).
+                    spinning = None;
                 }
             } else if let Err(refusal) =
                 handle(&header, payload, exported, &mut session, &mut outbox, tally)
@@ -480,12 +474,41 @@ fn send(
 /// Spinning needs a non-blocking socket; without it, plain blocking reads
 /// cost one system call each, and the receive timeout brings a read back
 /// to check `guard`'s limits.
-fn set_read_mode(stream: &TcpStream, spin: Duration, guard: &mut ConnGuard) -> io::Result<()> {
+fn set_read_mode(
+    stream: &TcpStream,
+    spin: Duration,
+    guard: &mut ConnGuard,
+    coh: &CohSession,
+) -> io::Result<()> {
     stream.set_nonblocking(!spin.is_zero())?;
     if spin.is_zero() {
-        stream.set_read_timeout(blocking_read_timeout(guard.check(Instant::now())?))?;
+        stream.set_read_timeout(blocking_read_timeout(wait_limit(
+            guard,
+            coh,
+            Instant::now(),
+        )?))?;
     }
     Ok(())
+}
+
+/// How long a read may wait for data: `guard`'s limits (`None`: none), or
+/// the reason the connection must end. A coherence node's connection,
+/// which another thread may close (`Outbound::close_from_home`), is
+/// looked at every `node_exit::CLOSED_CHECK_INTERVAL` at least.
+fn wait_limit(
+    guard: &mut ConnGuard,
+    coh: &CohSession,
+    now: Instant,
+) -> io::Result<Option<Duration>> {
+    let left = guard.check(now)?;
+    if coh.outbound().is_none() {
+        return Ok(left);
+    }
+    if crate::node_exit::is_closed_by_home(coh) {
+        return Err(crate::node_exit::closed_by_home());
+    }
+    let check = crate::node_exit::CLOSED_CHECK_INTERVAL;
+    Ok(Some(left.map_or(check, |l| l.min(check))))
 }
 
 /// Reads from the socket: with a `spin` (non-blocking socket), polls
@@ -499,6 +522,7 @@ fn read_spinning(
     buf: &mut [u8],
     spin: Duration,
     guard: &mut ConnGuard,
+    coh: &CohSession,
 ) -> io::Result<usize> {
     if spin.is_zero() {
         // The socket is blocking then (see `serve`): one call, unless its
@@ -508,7 +532,7 @@ fn read_spinning(
                 // The receive timeout (`EAGAIN`). Not `ETIMEDOUT`: that is
                 // the kernel giving the peer up (`dead_peer`).
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let left = guard.check(Instant::now())?;
+                    let left = wait_limit(guard, coh, Instant::now())?;
                     stream.set_read_timeout(blocking_read_timeout(left))?;
                 }
                 other => return other,
@@ -526,7 +550,7 @@ fn read_spinning(
             std::thread::yield_now();
             continue;
         }
-        let left = guard.check(now)?;
+        let left = wait_limit(guard, coh, now)?;
         wait_readable(stream, left)?;
     }
 }

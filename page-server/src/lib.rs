@@ -23,6 +23,7 @@ mod limits;
 mod listener;
 mod metrics;
 mod metrics_http;
+mod node_exit;
 mod outbound;
 mod page_sums;
 mod prefetch;

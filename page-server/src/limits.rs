@@ -168,6 +168,11 @@ impl ConnGuard {
         self.recorded.note_rdma(rdma)
     }
 
+    /// Whether the connection joined the coherence directory as a node.
+    pub(crate) fn is_coherence_node(&self) -> bool {
+        self.coherence_node
+    }
+
     /// The connection joined the coherence directory as a node: a replica
     /// recovery's fence leaves it open (see `Connections::fence`).
     pub(crate) fn note_coherence_node(&mut self) {

@@ -87,7 +87,8 @@ struct Args {
     /// Milliseconds a coherence node cut off from this page-server may keep
     /// copies of its pages (the nodes' dead_home_timeout_ms): a node lost
     /// to silence is declared lost, and its pages given to other nodes,
-    /// that long plus a probe interval and 2 s later (0: at once).
+    /// that long plus a probe interval and 2 s later (0: at once); one this
+    /// server closes itself, once it closed its side or after that wait.
     #[arg(long, default_value_t = rdma_transport::coherent::DEFAULT_DEAD_HOME_TIMEOUT_MS)]
     node_dead_home_timeout_ms: u64,
     /// Handshaken connections served at once.

@@ -9,6 +9,7 @@
 
 use std::io;
 use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard};
@@ -27,7 +28,9 @@ pub(crate) struct Outbound {
     bound_sums: bool,
     /// A send found that the kernel gave the node up (`dead_peer`): the
     /// connection's own thread may then see only the end of the stream.
-    gone_silent: std::sync::atomic::AtomicBool,
+    gone_silent: AtomicBool,
+    /// The home ended the connection ([`Self::close_from_home`]).
+    closed_by_home: AtomicBool,
 }
 
 impl Outbound {
@@ -45,7 +48,8 @@ impl Outbound {
             lock: Mutex::new(()),
             channel: None,
             bound_sums,
-            gone_silent: std::sync::atomic::AtomicBool::new(false),
+            gone_silent: AtomicBool::new(false),
+            closed_by_home: AtomicBool::new(false),
         })
     }
 
@@ -77,21 +81,38 @@ impl Outbound {
         self.lock.lock()
     }
 
-    /// Shuts the connection down: its thread sees the end of the stream and
-    /// ends (for coherence, the node is then lost).
-    pub(crate) fn shut_down(&self) {
+    /// The home ends the connection: nothing more is sent to the node, and
+    /// it is told by the end of the stream (a write-side shutdown), on
+    /// which it drops its copies and closes its side. Until it has, its
+    /// vCPUs may still read them: the connection's own thread stops
+    /// serving it, and waits for that close before the node is declared
+    /// lost (`node_exit`). Reading on is what lets it see the close.
+    pub(crate) fn close_from_home(&self) {
+        self.closed_by_home.store(true, Ordering::SeqCst);
         if let Some(channel) = &self.channel {
             channel.set_broken();
         }
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        let _ = self.stream.shutdown(std::net::Shutdown::Write);
+    }
+
+    /// Whether the home ended the connection.
+    pub(crate) fn closed_by_home(&self) -> bool {
+        self.closed_by_home.load(Ordering::SeqCst)
     }
 
     /// Writes `frames` (whole frames, back to back) under the send lock.
     ///
     /// # Errors
     /// The write failed: the connection is going away (its thread will see
-    /// it) or stopped taking data for the stall timeout.
+    /// it), stopped taking data for the stall timeout, or the home closed
+    /// it ([`Self::close_from_home`]).
     pub(crate) fn send(&self, frames: &[&[u8]]) -> io::Result<()> {
+        if self.closed_by_home() {
+            return Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "the home closed this node's connection",
+            ));
+        }
         if let Some(channel) = &self.channel {
             // Never blocks: what credits do not allow yet waits in order.
             return channel.send_parts(frames).map_err(io::Error::other);
@@ -109,14 +130,13 @@ impl Outbound {
             .as_ref()
             .is_err_and(rdma_transport::dead_peer::gave_up_on_peer)
         {
-            self.gone_silent
-                .store(true, std::sync::atomic::Ordering::SeqCst);
+            self.gone_silent.store(true, Ordering::SeqCst);
         }
         sent
     }
 
     /// Whether a send found that the kernel gave the node up.
     pub(crate) fn gone_silent(&self) -> bool {
-        self.gone_silent.load(std::sync::atomic::Ordering::SeqCst)
+        self.gone_silent.load(Ordering::SeqCst)
     }
 }

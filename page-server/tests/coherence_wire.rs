@@ -690,3 +690,146 @@ fn a_write_back_whose_offset_changed_on_the_way_is_refused_with_bound_sums() {
         }
     }
 }
+
+/// A raw node that holds a shared copy of the page at `copy_off` (its data
+/// checked), then makes the home close its connection: it takes the page
+/// at `bad_off` exclusive and claims a write-back of it without the page.
+/// Returns once it has read the end of the stream (the home told it), its
+/// socket still open: a node that is still dropping its copies.
+fn node_the_home_closes(
+    server: &RunningServer,
+    key: &ClusterKey,
+    copy_off: u64,
+    copy: &Page,
+    bad_off: u64,
+) -> TcpStream {
+    let mut s = raw_client(server, key);
+    let grant = |s: &mut TcpStream, req| {
+        let (h, payload) = read_framed(s);
+        match decode_to_node(&h, &payload, false) {
+            Ok(ToNodeFrame::Msg(f)) => match f.msg {
+                coherence::ToNode::Grant {
+                    req: r, version, ..
+                } if r == req => (version, f.page.map(<[u8]>::to_vec)),
+                other => panic!("expected the grant of request {req}, got {other:?}"),
+            },
+            other => panic!("expected a grant, got {other:?}"),
+        }
+    };
+    let read_req = coherence::ToHome::ReadReq { req: 1 };
+    s.write_all(&encode_to_home(copy_off, &read_req, None, false))
+        .unwrap();
+    let (_, data) = grant(&mut s, 1);
+    assert!(
+        data.as_deref() == Some(&copy[..]),
+        "the raw node's copy is not the page written"
+    );
+    let write_req = coherence::ToHome::WriteReq {
+        req: 2,
+        upgrade: false,
+    };
+    s.write_all(&encode_to_home(bad_off, &write_req, None, false))
+        .unwrap();
+    let (version, _) = grant(&mut s, 2);
+    let claim = coherence::ToHome::WriteBack { version };
+    s.write_all(&encode_to_home(bad_off, &claim, None, false))
+        .unwrap();
+    let mut byte = [0u8; 1];
+    assert_eq!(
+        std::io::Read::read(&mut s, &mut byte).expect("the end of the stream, not an error"),
+        0,
+        "the home did not close the node's connection"
+    );
+    s
+}
+
+/// The home ends a node's connection (here a write-back it cannot
+/// believe). The node learns it from the end of the stream, a round trip
+/// later at best, and its vCPUs read its copies until it has dropped
+/// them: the home gives its pages to others only once it has closed its
+/// side.
+#[test]
+fn a_node_the_home_closes_keeps_its_pages_until_it_closes_its_side() {
+    let (server, key) = home();
+    let gpa = GPA_BASE + 5 * PAGE_SIZE as u64;
+    let config = CoherenceConfig {
+        timeout_ms: 500,
+        ..CoherenceConfig::default()
+    };
+    let writer = Node::with_config(manager_for(&server, &key), config);
+    writer.modify(gpa, filled(gpa, 1)).unwrap();
+    let closed = node_the_home_closes(
+        &server,
+        &key,
+        gpa - GPA_BASE,
+        &page_for(gpa, 1),
+        6 * PAGE_SIZE as u64,
+    );
+    assert_eq!(server.coherence_stats().refused_frames, 1);
+
+    match writer.c().acquire(gpa, Access::Write) {
+        Err(TransportError::Timeout { .. }) => {}
+        Ok(()) => panic!("a write was granted while the closed node still held its copy"),
+        Err(other) => {
+            panic!("expected a timeout while the closed node holds its copy, got {other:?}")
+        }
+    }
+    // Its copies dropped, the node closes its side: the home moves on.
+    drop(closed);
+    writer.modify(gpa, filled(gpa, 2)).unwrap();
+    assert!(writer.read(gpa).unwrap() == page_for(gpa, 2));
+    let other = node(&server, &key, 0);
+    assert!(other.read(gpa).unwrap() == page_for(gpa, 2));
+}
+
+/// A node the home closed that never closes its side (its reader stuck,
+/// or its host cut off right then) does not hold its pages forever: the
+/// home moves on after the bound it allows nodes
+/// (`--node-dead-home-timeout-ms`, plus a probe interval and the margin
+/// for dropping copies), not before.
+#[test]
+fn a_node_the_home_closes_that_never_closes_its_side_is_let_go_after_the_bound() {
+    let key = ClusterKey::generate().expect("a key");
+    let mut cfg = ServerConfig::new(HOME, NODE_BYTES);
+    cfg.cluster_key = Some(key.clone());
+    cfg.node_dead_home_timeout = Duration::from_secs(1);
+    let wait = rdma_transport::dead_peer::left_for_sure_within(cfg.node_dead_home_timeout);
+    let server = page_server::spawn(cfg).expect("page-server starts");
+    let gpa = GPA_BASE + 7 * PAGE_SIZE as u64;
+    let config = CoherenceConfig {
+        timeout_ms: 500,
+        ..CoherenceConfig::default()
+    };
+    let writer = Node::with_config(manager_for(&server, &key), config);
+    writer.modify(gpa, filled(gpa, 3)).unwrap();
+    let _stuck = node_the_home_closes(
+        &server,
+        &key,
+        gpa - GPA_BASE,
+        &page_for(gpa, 3),
+        8 * PAGE_SIZE as u64,
+    );
+    let told = std::time::Instant::now();
+    // Each attempt waits 500 ms for its grant: bounded well past the wait.
+    let attempts = 4 * wait.as_millis() / 500;
+    let mut granted = false;
+    for _ in 0..attempts {
+        match writer.c().acquire(gpa, Access::Write) {
+            Ok(()) => {
+                granted = true;
+                break;
+            }
+            Err(TransportError::Timeout { .. }) => {}
+            Err(other) => panic!("expected a grant or a timeout, got {other:?}"),
+        }
+    }
+    let after = told.elapsed();
+    assert!(granted, "the write was never granted ({after:?})");
+    // The home's wait began before the node read the end of the stream.
+    assert!(
+        after + Duration::from_millis(500) >= wait,
+        "the write was granted {after:?} after the close, before the home's wait of {wait:?}"
+    );
+    writer.modify(gpa, filled(gpa, 4)).unwrap();
+    assert!(writer.read(gpa).unwrap() == page_for(gpa, 4));
+}
