@@ -66,12 +66,17 @@ cargo test --workspace
 ok
 
 step "guest memory on hugetlbfs (reserves 2 MiB huge pages, then runs the tests a plain cargo test ignores)"
-want_huge=16
+# 64 asked (128 MiB), 16 needed: every TransportManager's page pool takes
+# huge pages while there are free ones, so other processes' managers (a
+# test run beside this one) can leave too few (seen 2026-12-07: all 16
+# taken, the tests refused to start).
+want_huge=64
+need_huge=16
 if (($(cat /proc/sys/vm/nr_hugepages) < want_huge)); then
     echo "$want_huge" > /proc/sys/vm/nr_hugepages || { echo "cannot reserve huge pages (needs root)"; false; }
 fi
-if (($(cat /proc/sys/vm/nr_hugepages) < want_huge)); then
-    echo "the kernel reserved only $(cat /proc/sys/vm/nr_hugepages) of $want_huge huge pages (memory fragmented?)"
+if (($(awk '/^HugePages_Free/ {print $2}' /proc/meminfo) < need_huge)); then
+    echo "only $(awk '/^HugePages_Free/ {print $2}' /proc/meminfo) huge pages free of $(cat /proc/sys/vm/nr_hugepages) reserved, $need_huge needed (memory fragmented, or other processes hold them?)"
     false
 fi
 # One test at a time: together they need more huge pages than the 16

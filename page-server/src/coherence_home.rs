@@ -218,6 +218,22 @@ impl CoherenceHome {
         self.released.notify_all();
     }
 
+    /// Test hook: closes every node's connection from this thread, as a
+    /// coherence send that stalled on another thread does. Returns how
+    /// many.
+    #[cfg(feature = "test-hooks")]
+    pub(crate) fn close_nodes(&self) -> usize {
+        let nodes = self.nodes.lock();
+        let mut n = 0;
+        for slot in nodes.iter() {
+            if let Slot::Live(outbound) = slot {
+                outbound.close_from_home();
+                n += 1;
+            }
+        }
+        n
+    }
+
     /// Returns once the channels are not held (at once, but in tests).
     pub(crate) fn wait_while_held(&self) {
         if !self.held.load(Ordering::Acquire) {

@@ -323,17 +323,27 @@ impl RunningServer {
         self.addr
     }
 
-    /// Test hook: every client's QP goes to the error state while the
-    /// control connections stay open, as if the QPs died silently. Returns
-    /// the number of QPs broken.
-    #[doc(hidden)]
     /// Test hook: while `held`, coherence messages over RDMA are not taken
     /// (they wait in their channels), TCP ones are served as usual.
+    #[doc(hidden)]
     #[cfg(feature = "test-hooks")]
     pub fn hold_coherence_channels_for_test(&self, held: bool) {
         self.shared.exported.coherence.hold_channels(held);
     }
 
+    /// Test hook: the coherence home closes every node's connection from
+    /// the calling thread, as it does when a send to a node stalls on
+    /// another connection's thread. Returns how many.
+    #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
+    pub fn close_coherence_nodes_for_test(&self) -> usize {
+        self.shared.exported.coherence.close_nodes()
+    }
+
+    /// Test hook: every client's QP goes to the error state while the
+    /// control connections stay open, as if the QPs died silently. Returns
+    /// the number of QPs broken.
+    #[doc(hidden)]
     #[cfg(feature = "test-hooks")]
     pub fn break_rdma_qps_for_test(&self) -> usize {
         self.shared

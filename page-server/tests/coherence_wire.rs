@@ -833,3 +833,130 @@ fn a_node_the_home_closes_that_never_closes_its_side_is_let_go_after_the_bound()
     writer.modify(gpa, filled(gpa, 4)).unwrap();
     assert!(writer.read(gpa).unwrap() == page_for(gpa, 4));
 }
+
+/// The home closes a node's connection from another connection's thread
+/// (as when a send to the node stalls there). The node, told by the end of
+/// the stream, drops its copies, then closes its side; another node's
+/// write goes through only then.
+#[test]
+fn a_node_closed_from_another_thread_keeps_its_pages_until_it_dropped_its_copies() {
+    let (server, key) = home();
+    let gpa = GPA_BASE + 9 * PAGE_SIZE as u64;
+    let first = node(&server, &key, 0);
+    first.modify(gpa, filled(gpa, 1)).unwrap();
+    let gated = Arc::new(Gated::default());
+    let manager = manager_for(&server, &key);
+    let closed = manager.coherent_node(
+        Arc::clone(&gated) as Arc<dyn CoherenceHandler>,
+        CoherenceConfig::default(),
+    );
+    closed.acquire(gpa, Access::Read).unwrap();
+    assert!(
+        gated.copies.copy(gpa) == Some((Mode::Shared, page_for(gpa, 1))),
+        "the node's copy is not the page written"
+    );
+
+    assert_eq!(server.close_coherence_nodes_for_test(), 2);
+    assert!(
+        gated.wait_for_a_recall(),
+        "the closed node never dropped its copy"
+    );
+    // A node that joins after the close.
+    let config = CoherenceConfig {
+        timeout_ms: 500,
+        ..CoherenceConfig::default()
+    };
+    let writer = Node::with_config(manager_for(&server, &key), config);
+    let meanwhile = writer.c().acquire(gpa, Access::Write);
+    // Open before judging: a failed test must not leave the node's reader
+    // held at the gate (dropping the node waits for it).
+    gated.open();
+    match meanwhile {
+        Err(TransportError::Timeout { .. }) => {}
+        Ok(()) => panic!("a write was granted while the closed node still held its copy"),
+        Err(other) => {
+            panic!("expected a timeout while the closed node holds its copy, got {other:?}")
+        }
+    }
+    drop(closed);
+    assert_eq!(gated.copies.copy(gpa), None);
+    assert!(
+        writer.read(gpa).unwrap() == page_for(gpa, 1),
+        "the page written before the close"
+    );
+    writer.modify(gpa, filled(gpa, 2)).unwrap();
+    assert!(writer.read(gpa).unwrap() == page_for(gpa, 2));
+}
+
+/// The same, with a node that never closes its side: the connection's
+/// thread, waiting for the node's messages when another thread closed it,
+/// notices (within a second) and lets the node go after the bound; with
+/// the server spinning on its sockets and with blocking reads.
+#[test]
+fn a_node_closed_from_another_thread_that_never_closes_its_side_is_let_go_after_the_bound() {
+    for spin in [None, Some(Duration::ZERO)] {
+        let key = ClusterKey::generate().expect("a key");
+        let mut cfg = ServerConfig::new(HOME, NODE_BYTES);
+        cfg.cluster_key = Some(key.clone());
+        cfg.node_dead_home_timeout = Duration::from_secs(1);
+        let wait = rdma_transport::dead_peer::left_for_sure_within(cfg.node_dead_home_timeout);
+        let server = page_server::spawn(cfg).expect("page-server starts");
+        if let Some(spin) = spin {
+            server.set_spin_before_block(spin);
+        }
+        let gpa = GPA_BASE + 10 * PAGE_SIZE as u64;
+        let first = node(&server, &key, 0);
+        first.modify(gpa, filled(gpa, 5)).unwrap();
+        // A raw node with a shared copy, which reads nothing more and
+        // never closes.
+        let mut stuck = raw_client(&server, &key);
+        let read_req = coherence::ToHome::ReadReq { req: 1 };
+        stuck
+            .write_all(&encode_to_home(gpa - GPA_BASE, &read_req, None, false))
+            .unwrap();
+        let (h, payload) = read_framed(&mut stuck);
+        match decode_to_node(&h, &payload, false) {
+            Ok(ToNodeFrame::Msg(f)) => {
+                assert!(
+                    matches!(f.msg, coherence::ToNode::Grant { req: 1, .. }),
+                    "expected the grant, got {:?}",
+                    f.msg
+                );
+                assert!(f.page == Some(&page_for(gpa, 5)[..]), "the granted page");
+            }
+            other => panic!("expected a grant, got {other:?}"),
+        }
+        assert_eq!(server.close_coherence_nodes_for_test(), 2, "spin {spin:?}");
+        let closed_at = std::time::Instant::now();
+        let config = CoherenceConfig {
+            timeout_ms: 500,
+            ..CoherenceConfig::default()
+        };
+        let writer = Node::with_config(manager_for(&server, &key), config);
+        let attempts = 4 * wait.as_millis() / 500;
+        let mut granted = false;
+        for _ in 0..attempts {
+            match writer.c().acquire(gpa, Access::Write) {
+                Ok(()) => {
+                    granted = true;
+                    break;
+                }
+                Err(TransportError::Timeout { .. }) => {}
+                Err(other) => panic!("expected a grant or a timeout, got {other:?}"),
+            }
+        }
+        let after = closed_at.elapsed();
+        assert!(
+            granted,
+            "spin {spin:?}: the write was never granted ({after:?} after the close)"
+        );
+        assert!(
+            after >= wait,
+            "spin {spin:?}: the write was granted {after:?} after the close, before the home's wait of {wait:?}"
+        );
+        assert!(writer.read(gpa).unwrap() == page_for(gpa, 5));
+        writer.modify(gpa, filled(gpa, 6)).unwrap();
+        assert!(writer.read(gpa).unwrap() == page_for(gpa, 6));
+        drop(stuck);
+    }
+}
