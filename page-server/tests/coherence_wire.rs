@@ -406,17 +406,18 @@ fn a_leaving_node_drops_its_copies_before_the_home_lets_another_write() {
         gated.wait_for_a_recall(),
         "the leaving node never dropped its copy"
     );
-    match writer.c().acquire(GPA_BASE, Access::Write) {
+    let meanwhile = writer.c().acquire(GPA_BASE, Access::Write);
+    let held = gated.copies.copy(GPA_BASE).is_some();
+    // Open before judging: a failed test must not leave the node's reader
+    // held at the gate.
+    gated.open();
+    match meanwhile {
         Err(TransportError::Timeout { .. }) => {}
         Ok(()) => panic!("a write was granted while the leaving node still held its copy"),
         Err(other) => panic!("expected a timeout while the node leaves, got {other:?}"),
     }
-    assert!(
-        gated.copies.copy(GPA_BASE).is_some(),
-        "the gate let the copy go"
-    );
+    assert!(held, "the gate let the copy go");
 
-    gated.open();
     dropper.join().expect("the node closes");
     assert_eq!(gated.copies.copy(GPA_BASE).map(|(mode, _)| mode), None);
     writer.modify(GPA_BASE, filled(GPA_BASE, 2)).unwrap();
