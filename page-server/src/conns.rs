@@ -173,10 +173,21 @@ impl Inner {
     }
 
     /// Shuts down every connection whose RDMA use is `rdma` (their threads
-    /// then see the end of the stream and end); returns how many.
+    /// then see the end of the stream and end), but coherence nodes';
+    /// returns how many.
+    ///
+    /// Closing a node declares it lost: the pages it owns and has not
+    /// written back are lost for every node, and it may still read its
+    /// copies after the home gave them to others (it learns of the close a
+    /// round trip later). Neither is a price for a faster transport: a
+    /// node stays on the connection it has.
     fn shut_down_where(&mut self, rdma: RdmaUse) -> usize {
         let mut n = 0;
-        for entry in self.entries.iter_mut().filter(|e| e.rdma == rdma) {
+        for entry in self
+            .entries
+            .iter_mut()
+            .filter(|e| e.rdma == rdma && !e.coherence_node)
+        {
             let _ = entry.socket.shutdown(Shutdown::Both);
             n += 1;
         }
@@ -295,7 +306,8 @@ impl Connections {
 
     /// Ends the pause: RDMA is offered again, and the connections that were
     /// answered without it are shut down (their clients reconnect, with
-    /// RDMA). Returns those connections.
+    /// RDMA), but coherence nodes', which keep theirs. Returns those shut
+    /// down.
     pub(crate) fn resume_rdma(&self) -> usize {
         let mut inner = self.inner.lock();
         inner.rdma_paused = false;
@@ -481,7 +493,7 @@ mod tests {
     /// node's (unless it holds an RDMA session), counts them until their
     /// threads are gone, and pauses RDMA; when the recovery ends, the
     /// connections answered without RDMA are shut down so that their
-    /// clients come back with it.
+    /// clients come back with it, but coherence nodes.
     #[test]
     fn a_fence_closes_all_but_coherence_nodes_and_pauses_rdma() {
         let conns = Arc::new(Connections::default());
@@ -508,17 +520,28 @@ mod tests {
         drop((rdma, tcp, pending));
         assert_eq!(conns.fenced_open(), 0);
         // A handshake that raced the fence may not keep an RDMA session.
-        let (_c_late, s_late) = pair();
+        let (mut c_late, s_late) = pair();
         let late = conns.record(s_late, 8).unwrap().recorded;
         assert!(!late.note_rdma(RdmaUse::Session));
         assert!(late.note_rdma(RdmaUse::Withheld));
+        // Nor may a node that came during the pause: it goes on over TCP.
+        let (mut c_late_node, s_late_node) = pair();
+        let late_node = conns.record(s_late_node, 8).unwrap().recorded;
+        assert!(late_node.note_rdma(RdmaUse::Withheld));
+        late_node.note_coherence_node();
         assert_eq!(conns.fenced_open(), 0, "opened after the fence");
 
         assert_eq!(conns.resume_rdma(), 1, "the withheld connection");
+        assert_eof(&mut c_late);
         assert!(still_open(&mut c_node));
+        // Closing it would lose the pages it owns, for a faster transport.
+        assert!(
+            still_open(&mut c_late_node),
+            "a coherence node was closed to come back with RDMA"
+        );
         let (_c_new, s_new) = pair();
         let new = conns.record(s_new, 8).unwrap().recorded;
         assert!(new.note_rdma(RdmaUse::Session), "RDMA is offered again");
-        drop((node, late, new));
+        drop((node, late, late_node, new));
     }
 }
