@@ -18,7 +18,7 @@ use common::*;
 use page_server::{RunningServer, ServerConfig};
 use rdma_transport::auth::ClusterKey;
 use rdma_transport::coherent::{
-    Access, CoherenceConfig, CoherenceHandler, Mode, Recall, RecallAnswer,
+    Access, CoherenceConfig, CoherenceHandler, CoherentNode, Mode, Recall, RecallAnswer,
 };
 use rdma_transport::wire::{
     decode_to_node, encode_to_home, Header, Opcode, Status, ToNodeFrame, HEADER_LEN,
@@ -359,6 +359,27 @@ impl Gated {
     }
 }
 
+/// A node whose recalls wait at a gate, holding a shared copy of the page
+/// at `gpa`, which must be `page_for(gpa, seed)`.
+fn gated_reader(
+    server: &RunningServer,
+    key: &ClusterKey,
+    gpa: u64,
+    seed: u8,
+) -> (CoherentNode, Arc<Gated>) {
+    let gated = Arc::new(Gated::default());
+    let node = manager_for(server, key).coherent_node(
+        Arc::clone(&gated) as Arc<dyn CoherenceHandler>,
+        CoherenceConfig::default(),
+    );
+    node.acquire(gpa, Access::Read).unwrap();
+    assert!(
+        gated.copies.copy(gpa) == Some((Mode::Shared, page_for(gpa, seed))),
+        "the gated node's copy is not the page written"
+    );
+    (node, gated)
+}
+
 impl CoherenceHandler for Gated {
     fn install(&self, gpa: u64, mode: Mode, data: Option<&Page>) {
         self.copies.install(gpa, mode, data);
@@ -389,17 +410,7 @@ fn a_leaving_node_drops_its_copies_before_the_home_lets_another_write() {
     };
     let writer = Node::with_config(manager_for(&server, &key), config);
     writer.modify(GPA_BASE, filled(GPA_BASE, 1)).unwrap();
-    let gated = Arc::new(Gated::default());
-    let manager = manager_for(&server, &key);
-    let leaving = manager.coherent_node(
-        Arc::clone(&gated) as Arc<dyn CoherenceHandler>,
-        CoherenceConfig::default(),
-    );
-    leaving.acquire(GPA_BASE, Access::Read).unwrap();
-    assert!(
-        gated.copies.copy(GPA_BASE) == Some((Mode::Shared, page_for(GPA_BASE, 1))),
-        "the leaving node's copy is not the page written"
-    );
+    let (leaving, gated) = gated_reader(&server, &key, GPA_BASE, 1);
 
     let dropper = std::thread::spawn(move || drop(leaving));
     assert!(
@@ -692,18 +703,60 @@ fn a_write_back_whose_offset_changed_on_the_way_is_refused_with_bound_sums() {
     }
 }
 
-/// A raw node that holds a shared copy of the page at `copy_off` (its data
-/// checked), then makes the home close its connection: it takes the page
-/// at `bad_off` exclusive and claims a write-back of it without the page.
-/// Returns once it has read the end of the stream (the home told it), its
-/// socket still open: a node that is still dropping its copies.
-fn node_the_home_closes(
+/// A node whose requests give up after 500 ms.
+fn impatient_node(server: &RunningServer, key: &ClusterKey) -> Node {
+    let config = CoherenceConfig {
+        timeout_ms: 500,
+        ..CoherenceConfig::default()
+    };
+    Node::with_config(manager_for(server, key), config)
+}
+
+/// A home that expects its nodes to drop their copies 1 s into its
+/// silence, and how long it then waits for a node it lost or closed.
+fn home_waiting_briefly() -> (RunningServer, ClusterKey, Duration) {
+    let key = ClusterKey::generate().expect("a key");
+    let mut cfg = ServerConfig::new(HOME, NODE_BYTES);
+    cfg.cluster_key = Some(key.clone());
+    cfg.node_dead_home_timeout = Duration::from_secs(1);
+    let wait = rdma_transport::dead_peer::left_for_sure_within(cfg.node_dead_home_timeout);
+    (
+        page_server::spawn(cfg).expect("page-server starts"),
+        key,
+        wait,
+    )
+}
+
+/// `writer` asks to write the page at `gpa` again and again (each try
+/// waits 500 ms for its grant) for up to `within`: whether it was granted.
+fn write_granted_within(writer: &Node, gpa: u64, within: Duration) -> bool {
+    for _ in 0..within.as_millis().div_ceil(500) {
+        match writer.c().acquire(gpa, Access::Write) {
+            Ok(()) => return true,
+            Err(TransportError::Timeout { .. }) => {}
+            Err(other) => panic!("expected a grant or a timeout, got {other:?}"),
+        }
+    }
+    false
+}
+
+/// An impatient node that wrote `page_for(gpa, seed)` at `gpa`, and a raw
+/// node that holds a shared copy of it (its data checked), then makes the
+/// home close its connection: it takes the next page exclusive and claims
+/// a write-back of it without the page. Returns once the raw node has read
+/// the end of the stream (the home told it), its socket still open: a
+/// node that is still dropping its copies.
+fn writer_and_a_node_the_home_closes(
     server: &RunningServer,
     key: &ClusterKey,
-    copy_off: u64,
-    copy: &Page,
-    bad_off: u64,
-) -> TcpStream {
+    gpa: u64,
+    seed: u8,
+) -> (Node, TcpStream) {
+    let writer = impatient_node(server, key);
+    writer.modify(gpa, filled(gpa, seed)).unwrap();
+    let copy_off = gpa - GPA_BASE;
+    let copy = page_for(gpa, seed);
+    let bad_off = copy_off + PAGE_SIZE as u64;
     let mut s = raw_client(server, key);
     let grant = |s: &mut TcpStream, req| {
         let (h, payload) = read_framed(s);
@@ -741,7 +794,7 @@ fn node_the_home_closes(
         0,
         "the home did not close the node's connection"
     );
-    s
+    (writer, s)
 }
 
 /// The home ends a node's connection (here a write-back it cannot
@@ -753,19 +806,7 @@ fn node_the_home_closes(
 fn a_node_the_home_closes_keeps_its_pages_until_it_closes_its_side() {
     let (server, key) = home();
     let gpa = GPA_BASE + 5 * PAGE_SIZE as u64;
-    let config = CoherenceConfig {
-        timeout_ms: 500,
-        ..CoherenceConfig::default()
-    };
-    let writer = Node::with_config(manager_for(&server, &key), config);
-    writer.modify(gpa, filled(gpa, 1)).unwrap();
-    let closed = node_the_home_closes(
-        &server,
-        &key,
-        gpa - GPA_BASE,
-        &page_for(gpa, 1),
-        6 * PAGE_SIZE as u64,
-    );
+    let (writer, closed) = writer_and_a_node_the_home_closes(&server, &key, gpa, 1);
     assert_eq!(server.coherence_stats().refused_frames, 1);
 
     match writer.c().acquire(gpa, Access::Write) {
@@ -790,40 +831,11 @@ fn a_node_the_home_closes_keeps_its_pages_until_it_closes_its_side() {
 /// for dropping copies), not before.
 #[test]
 fn a_node_the_home_closes_that_never_closes_its_side_is_let_go_after_the_bound() {
-    let key = ClusterKey::generate().expect("a key");
-    let mut cfg = ServerConfig::new(HOME, NODE_BYTES);
-    cfg.cluster_key = Some(key.clone());
-    cfg.node_dead_home_timeout = Duration::from_secs(1);
-    let wait = rdma_transport::dead_peer::left_for_sure_within(cfg.node_dead_home_timeout);
-    let server = page_server::spawn(cfg).expect("page-server starts");
+    let (server, key, wait) = home_waiting_briefly();
     let gpa = GPA_BASE + 7 * PAGE_SIZE as u64;
-    let config = CoherenceConfig {
-        timeout_ms: 500,
-        ..CoherenceConfig::default()
-    };
-    let writer = Node::with_config(manager_for(&server, &key), config);
-    writer.modify(gpa, filled(gpa, 3)).unwrap();
-    let _stuck = node_the_home_closes(
-        &server,
-        &key,
-        gpa - GPA_BASE,
-        &page_for(gpa, 3),
-        8 * PAGE_SIZE as u64,
-    );
+    let (writer, _stuck) = writer_and_a_node_the_home_closes(&server, &key, gpa, 3);
     let told = std::time::Instant::now();
-    // Each attempt waits 500 ms for its grant: bounded well past the wait.
-    let attempts = 4 * wait.as_millis() / 500;
-    let mut granted = false;
-    for _ in 0..attempts {
-        match writer.c().acquire(gpa, Access::Write) {
-            Ok(()) => {
-                granted = true;
-                break;
-            }
-            Err(TransportError::Timeout { .. }) => {}
-            Err(other) => panic!("expected a grant or a timeout, got {other:?}"),
-        }
-    }
+    let granted = write_granted_within(&writer, gpa, 4 * wait);
     let after = told.elapsed();
     assert!(granted, "the write was never granted ({after:?})");
     // The home's wait began before the node read the end of the stream.
@@ -845,17 +857,7 @@ fn a_node_closed_from_another_thread_keeps_its_pages_until_it_dropped_its_copies
     let gpa = GPA_BASE + 9 * PAGE_SIZE as u64;
     let first = node(&server, &key, 0);
     first.modify(gpa, filled(gpa, 1)).unwrap();
-    let gated = Arc::new(Gated::default());
-    let manager = manager_for(&server, &key);
-    let closed = manager.coherent_node(
-        Arc::clone(&gated) as Arc<dyn CoherenceHandler>,
-        CoherenceConfig::default(),
-    );
-    closed.acquire(gpa, Access::Read).unwrap();
-    assert!(
-        gated.copies.copy(gpa) == Some((Mode::Shared, page_for(gpa, 1))),
-        "the node's copy is not the page written"
-    );
+    let (closed, gated) = gated_reader(&server, &key, gpa, 1);
 
     assert_eq!(server.close_coherence_nodes_for_test(), 2);
     assert!(
@@ -863,11 +865,7 @@ fn a_node_closed_from_another_thread_keeps_its_pages_until_it_dropped_its_copies
         "the closed node never dropped its copy"
     );
     // A node that joins after the close.
-    let config = CoherenceConfig {
-        timeout_ms: 500,
-        ..CoherenceConfig::default()
-    };
-    let writer = Node::with_config(manager_for(&server, &key), config);
+    let writer = impatient_node(&server, &key);
     let meanwhile = writer.c().acquire(gpa, Access::Write);
     // Open before judging: a failed test must not leave the node's reader
     // held at the gate (dropping the node waits for it).
@@ -896,12 +894,7 @@ fn a_node_closed_from_another_thread_keeps_its_pages_until_it_dropped_its_copies
 #[test]
 fn a_node_closed_from_another_thread_that_never_closes_its_side_is_let_go_after_the_bound() {
     for spin in [None, Some(Duration::ZERO)] {
-        let key = ClusterKey::generate().expect("a key");
-        let mut cfg = ServerConfig::new(HOME, NODE_BYTES);
-        cfg.cluster_key = Some(key.clone());
-        cfg.node_dead_home_timeout = Duration::from_secs(1);
-        let wait = rdma_transport::dead_peer::left_for_sure_within(cfg.node_dead_home_timeout);
-        let server = page_server::spawn(cfg).expect("page-server starts");
+        let (server, key, wait) = home_waiting_briefly();
         if let Some(spin) = spin {
             server.set_spin_before_block(spin);
         }
@@ -929,23 +922,8 @@ fn a_node_closed_from_another_thread_that_never_closes_its_side_is_let_go_after_
         }
         assert_eq!(server.close_coherence_nodes_for_test(), 2, "spin {spin:?}");
         let closed_at = std::time::Instant::now();
-        let config = CoherenceConfig {
-            timeout_ms: 500,
-            ..CoherenceConfig::default()
-        };
-        let writer = Node::with_config(manager_for(&server, &key), config);
-        let attempts = 4 * wait.as_millis() / 500;
-        let mut granted = false;
-        for _ in 0..attempts {
-            match writer.c().acquire(gpa, Access::Write) {
-                Ok(()) => {
-                    granted = true;
-                    break;
-                }
-                Err(TransportError::Timeout { .. }) => {}
-                Err(other) => panic!("expected a grant or a timeout, got {other:?}"),
-            }
-        }
+        let writer = impatient_node(&server, &key);
+        let granted = write_granted_within(&writer, gpa, 4 * wait);
         let after = closed_at.elapsed();
         assert!(
             granted,
