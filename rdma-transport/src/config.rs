@@ -93,7 +93,11 @@ pub struct ManagerConfig {
     pub cluster_key: Option<ClusterKey>,
     /// Data path choice.
     pub transport: TransportKind,
-    /// Size of the page pool in bytes (a multiple of 4096).
+    /// Size of the page pool in bytes (a multiple of 4096). The pool is
+    /// mapped on 2 MiB huge pages while the host has free reserved ones
+    /// (`/proc/sys/vm/nr_hugepages`), on normal pages otherwise: a VMM
+    /// that needs reserved huge pages for guest memory reserves enough for
+    /// the pools of every manager on the host too.
     pub pool_size_bytes: usize,
     /// Number of poller threads.
     pub poller_threads: usize,
