@@ -9,6 +9,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 nodes=${1:-2}
 memory=${2:-256MiB}
 cargo build --release --quiet -p coordinator -p page-server
+bin="${CARGO_TARGET_DIR:-target}/release"
 dir=$(mktemp -d)
 pids=()
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$dir"; }
@@ -17,17 +18,17 @@ trap cleanup EXIT INT TERM
 # from which the coordinator credentials are derived.
 (umask 077 && openssl rand -hex 32 >"$dir/cluster.key" 2>/dev/null) ||
     (umask 077 && head -c 32 /dev/urandom | od -An -vtx1 | tr -d ' \n' >"$dir/cluster.key")
-target/release/coordinator --listen 127.0.0.1:0 --db "$dir/coordinator.db" --ready-file "$dir/coord.addr" \
+"$bin"/coordinator --listen 127.0.0.1:0 --db "$dir/coordinator.db" --ready-file "$dir/coord.addr" \
     --cluster-key-file "$dir/cluster.key" &
 pids+=($!)
 for _ in $(seq 100); do [[ -s "$dir/coord.addr" ]] && break; sleep 0.1; done
 url="http://$(cat "$dir/coord.addr")"
 bytes=$(numfmt --from=iec-i --suffix=B "$memory" 2>/dev/null | tr -d B || echo 268435456)
 for i in $(seq 0 $((nodes - 1))); do
-    target/release/page-server --node-id "node-$i" --listen 127.0.0.1:0 --memory "$memory" \
+    "$bin"/page-server --node-id "node-$i" --listen 127.0.0.1:0 --memory "$memory" \
         --gpa-base $((i * bytes)) --coordinator "$url" --cluster-key-file "$dir/cluster.key" &
     pids+=($!)
 done
-echo "coordinator: $url  (try: target/release/bench --coordinator $url --cluster-key-file $dir/cluster.key)"
-echo "admin credential: target/release/coordinator credential --admin --cluster-key-file $dir/cluster.key"
+echo "coordinator: $url  (try: $bin/bench --coordinator $url --cluster-key-file $dir/cluster.key)"
+echo "admin credential: $bin/coordinator credential --admin --cluster-key-file $dir/cluster.key"
 wait

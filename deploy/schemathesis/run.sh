@@ -45,6 +45,7 @@ fi
 echo "schemathesis $version on $("$venv/bin/python" --version)"
 
 cargo build --quiet -p coordinator
+coordinator="${CARGO_TARGET_DIR:-target}/debug/coordinator"
 work=$(mktemp -d)
 coordinator_pid=
 # shellcheck disable=SC2317 # called by the EXIT trap
@@ -55,7 +56,7 @@ cleanup() {
 trap cleanup EXIT
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/key"
 chmod 600 "$work/key"
-target/debug/coordinator --listen 127.0.0.1:0 --db "$work/coordinator.db" \
+"$coordinator" --listen 127.0.0.1:0 --db "$work/coordinator.db" \
     --cluster-key-file "$work/key" --ready-file "$work/addr" 2> "$work/coordinator.log" &
 coordinator_pid=$!
 for _ in $(seq 100); do
@@ -64,7 +65,7 @@ for _ in $(seq 100); do
     sleep 0.1
 done
 url="http://$(cat "$work/addr")"
-admin=$(target/debug/coordinator credential --cluster-key-file "$work/key" --admin)
+admin=$("$coordinator" credential --cluster-key-file "$work/key" --admin)
 
 status=0
 "$venv/bin/st" --no-color --config-file deploy/schemathesis/schemathesis.toml run \
