@@ -132,6 +132,10 @@ fn handshake(s: &mut TcpStream, key: Option<&ClusterKey>, checksums: bool) {
         proof,
         checksums,
         bound_sums: checksums,
+        // A coherence node's bound on the home's silence, within the home's
+        // limit, so that coherence messages are served; short, so that a
+        // node the home closes is let go soon (`node_exit`).
+        node_bound_ms: std::num::NonZeroU32::new(1_000),
         ..AuthRequest::default()
     };
     send(s, Opcode::Auth, &auth.encode());

@@ -31,7 +31,7 @@ pub(crate) fn serve(
     coh: &mut CohSession,
     spin: Duration,
 ) -> io::Result<()> {
-    *coh = CohSession::over_channel(stream, Arc::clone(channel), coh.bound_sums())?;
+    *coh = coh.over_channel(stream, Arc::clone(channel))?;
     let mut armed = false;
     let mut idle_since: Option<Instant> = None;
     loop {

@@ -39,9 +39,10 @@ pub struct CoherenceStats {
     pub home: HomeStats,
     /// Pages with a directory entry (asked for coherently at least once).
     pub pages: usize,
-    /// Coherence frames refused (malformed, out of range, too many nodes) or
-    /// not applied (a write-back claimed without its data, or by a
-    /// non-owner: the sender's connection is closed).
+    /// Coherence frames refused (malformed, out of range, too many nodes,
+    /// from a client without an acceptable node bound) or not applied (a
+    /// write-back claimed without its data, or by a non-owner: the
+    /// sender's connection is closed).
     pub refused_frames: u64,
     /// Coherence frames that came over RDMA message channels.
     pub rdma_frames: u64,
@@ -54,9 +55,9 @@ pub struct CoherenceStats {
 /// The coherence directory of one page-server.
 #[derive(Debug, Default)]
 pub(crate) struct CoherenceHome {
-    /// How long after losing a node to silence its pages stay its own
-    /// (`dead_peer::left_for_sure_within` the nodes' bound).
-    silence_wait: std::time::Duration,
+    /// The longest bound on this home's silence a node may declare
+    /// (`ServerConfig::node_dead_home_timeout`).
+    node_bound_limit: std::time::Duration,
     /// Set when the server stops: no more waiting out silent nodes.
     stopping: Mutex<bool>,
     stopped: parking_lot::Condvar,
@@ -94,6 +95,9 @@ pub(crate) struct CohSession {
     /// The connection agreed to offset-bound sums (set once handshaken):
     /// its coherence frames carry them both ways.
     bound_sums: bool,
+    /// The bound on the home's silence its AUTH declared: within it of
+    /// the home's last message, the node has dropped its copies.
+    node_bound: Option<std::time::Duration>,
 }
 
 impl CohSession {
@@ -109,46 +113,54 @@ impl CohSession {
     }
 
     /// A coherence connection over RDMA: callbacks and grants go through
-    /// its message channel.
+    /// its message channel. Keeps what the handshake agreed (`self`'s).
     pub(crate) fn over_channel(
+        &self,
         stream: &TcpStream,
         channel: Arc<rdma_transport::rdma::MessageChannel>,
-        bound_sums: bool,
     ) -> std::io::Result<Self> {
         Ok(Self {
             outbound: Some(Arc::new(Outbound::over_channel(
-                stream, channel, bound_sums,
+                stream,
+                channel,
+                self.bound_sums,
             )?)),
             node: None,
-            bound_sums,
+            ..*self
         })
     }
 
-    /// Whether the connection agreed to offset-bound sums.
-    pub(crate) fn bound_sums(&self) -> bool {
-        self.bound_sums
+    /// What the connection's handshake agreed: offset-bound sums (or not),
+    /// and the bound on the home's silence the client declared.
+    pub(crate) fn handshaken(&mut self, bound_sums: bool, node_bound: Option<std::time::Duration>) {
+        self.bound_sums = bound_sums;
+        self.node_bound = node_bound;
     }
 
-    /// The connection's handshake agreed to offset-bound sums (or not).
-    pub(crate) fn set_bound_sums(&mut self, bound_sums: bool) {
-        self.bound_sums = bound_sums;
+    /// How long after the home's last message to this node, lost to
+    /// silence or closed by the home, its pages stay its own at most
+    /// (`crate::node_exit`): by then it has dropped its copies.
+    pub(crate) fn silence_wait(&self) -> std::time::Duration {
+        self.node_bound.map_or(
+            std::time::Duration::ZERO,
+            rdma_transport::dead_peer::left_for_sure_within,
+        )
     }
 }
 
 impl CoherenceHome {
-    /// A home that waits `silence_wait` after losing a node to silence
-    /// before it gives the node's pages to others.
-    pub(crate) fn new(silence_wait: std::time::Duration) -> Self {
+    /// A home whose nodes must drop their copies within `node_bound_limit`
+    /// of its silence.
+    pub(crate) fn new(node_bound_limit: std::time::Duration) -> Self {
         Self {
-            silence_wait,
+            node_bound_limit,
             ..Self::default()
         }
     }
 
-    /// How long after losing a node to silence, or closing it, its pages
-    /// stay its own at most (`crate::node_exit`).
-    pub(crate) fn silence_wait(&self) -> std::time::Duration {
-        self.silence_wait
+    /// The longest bound on this home's silence a node may declare.
+    pub(crate) fn node_bound_limit(&self) -> std::time::Duration {
+        self.node_bound_limit
     }
 
     /// Waits until `deadline`, or until the server stops.
@@ -310,6 +322,19 @@ pub(crate) fn on_frame(
     };
     let node = match session.node {
         Some(n) => n,
+        // Only a node known to drop its copies within the wait for a silent
+        // node may hold any (docs/coherence.md, "Failures").
+        None if !session
+            .node_bound
+            .is_some_and(|b| b <= home.node_bound_limit) =>
+        {
+            tracing::debug!(
+                node_bound_ms = session.node_bound.map(|b| b.as_millis() as u64),
+                limit_ms = home.node_bound_limit.as_millis() as u64,
+                "coherence request refused: no bound on the home's silence declared, or a longer one"
+            );
+            return refuse(Status::NodeBound);
+        }
         None => match home.register(&outbound) {
             Some(n) => {
                 tracing::debug!(node = n.get(), "coherence node joined");

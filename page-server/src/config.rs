@@ -74,17 +74,18 @@ pub struct ServerConfig {
     /// the probes however long it stays idle. Default 30 s; zero: the
     /// kernel's defaults (an idle dead peer is kept forever).
     pub dead_peer_timeout: Duration,
-    /// How long a coherence node cut off from this home may keep its
-    /// copies of the home's pages: the nodes'
-    /// `CoherenceConfig::dead_home_timeout_ms` (10 s by default, as here).
+    /// The longest a coherence node cut off from this home may keep its
+    /// copies of the home's pages. Each node declares its own bound when it
+    /// connects (`CoherenceConfig::dead_home_timeout_ms`, 10 s by default,
+    /// as here); one that declares none, or a longer one, is not made a
+    /// node (its coherence messages are refused with `Status::NodeBound`).
     /// A node lost to silence (`dead_peer_timeout`, or the kernel's own
     /// timeouts) is declared lost, and its pages given to others,
-    /// `dead_peer::left_for_sure_within` this later: whichever way the
-    /// network was cut, the node has dropped its copies by then. A node
-    /// this server closes itself (a refused write-back, a stalled send) is
-    /// declared lost once it closed its side, or at most this long after.
-    /// Zero: at once (nodes without a bound never drop them; no wait would
-    /// help).
+    /// `dead_peer::left_for_sure_within` its bound later: whichever way
+    /// the network was cut, the node has dropped its copies by then. A
+    /// node this server closes itself (a refused write-back, a stalled
+    /// send) is declared lost once it closed its side, or at most that
+    /// long after. At least 1 ms (`spawn` refuses less).
     pub node_dead_home_timeout: Duration,
     /// How long a connection thread keeps polling its socket (yielding the
     /// CPU) after a request before it blocks. A streaming client then never

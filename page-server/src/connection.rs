@@ -390,7 +390,7 @@ fn serve_messages(
             requests += 1;
             guard.count_request();
             if session.is_ready() && !guard.is_handshaken() {
-                coh.set_bound_sums(session.bound_sums);
+                coh.handshaken(session.bound_sums, session.node_bound);
                 if !guard.handshake_done() {
                     // Closed before its HELLO_ACK is sent: see `ConnGuard`.
                     return Err(io::Error::new(
@@ -658,7 +658,10 @@ fn handle(
                 exported.epoch,
                 exported.region.len_bytes() as u64,
                 handshake::RdmaOffer::of(exported.rdma.as_ref(), exported.guard.is_active()),
-                exported.page_checksums,
+                handshake::Terms {
+                    checksums: exported.page_checksums,
+                    node_bound_limit: exported.coherence.node_bound_limit(),
+                },
                 session,
             )?;
             handshake_answer(ack, outbox);

@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -104,6 +105,9 @@ pub(crate) struct Session {
     /// The client asked for RDMA and was answered without it: a replica
     /// recovery was running (see `Connections::fence`).
     pub(crate) rdma_withheld: bool,
+    /// The bound on this server's silence the client declared as a
+    /// coherence node (`AuthRequest::node_bound_ms`).
+    pub(crate) node_bound: Option<Duration>,
 }
 
 impl Session {
@@ -189,16 +193,29 @@ impl<'a> RdmaOffer<'a> {
     }
 }
 
+/// What a server agrees to besides RDMA.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Terms {
+    /// Page checksums, to a client that asks.
+    pub(crate) checksums: bool,
+    /// The longest bound on its silence a coherence node may have (what
+    /// the home waits for a node lost to silence,
+    /// `ServerConfig::node_dead_home_timeout`), told to a client that
+    /// declares one.
+    pub(crate) node_bound_limit: Duration,
+}
+
 /// AUTH: checks the client's proof, sets up the client's QP if it asked
 /// for RDMA and it is offered (see [`RdmaOffer`]), agrees to page checksums if it asked
-/// and `offer_checksums`, and answers with a HELLO_ACK payload.
+/// and `terms` offer them, records the node bound it declared, and answers
+/// with a HELLO_ACK payload (which then gives the longest bound accepted).
 pub(crate) fn on_auth(
     payload: &[u8],
     auth: &ServerAuth,
     epoch: u64,
     region_size_bytes: u64,
     rdma: RdmaOffer<'_>,
-    offer_checksums: bool,
+    terms: Terms,
     session: &mut Session,
 ) -> Result<Vec<u8>, Refusal> {
     let Stage::Challenged {
@@ -235,7 +252,20 @@ pub(crate) fn on_auth(
         }
     }
     session.stage = Stage::Ready;
-    session.checksums = request.checksums && offer_checksums;
+    session.checksums = request.checksums && terms.checksums;
+    session.node_bound = request
+        .node_bound_ms
+        .map(|ms| Duration::from_millis(ms.get().into()));
+    let limit_ms = u32::try_from(terms.node_bound_limit.as_millis()).unwrap_or(u32::MAX);
+    if let Some(bound) = request.node_bound_ms.filter(|b| b.get() > limit_ms) {
+        tracing::warn!(
+            client_id,
+            node_bound_ms = bound.get(),
+            limit_ms,
+            "a client declared a bound on this server's silence longer than it waits for a \
+             silent node (--node-dead-home-timeout-ms): it will not be a coherence node"
+        );
+    }
     session.bound_sums = session.checksums && request.bound_sums;
     let mut coherence = None;
     let rdma = match (&request.rdma, rdma) {
@@ -292,6 +322,10 @@ pub(crate) fn on_auth(
         checksums: session.checksums,
         bound_sums: session.bound_sums,
         coherence,
+        // At least 1 ms (`server::check_limits`).
+        node_bound_limit_ms: request
+            .node_bound_ms
+            .map(|_| NonZeroU32::new(limit_ms).unwrap_or(NonZeroU32::MIN)),
     }
     .encode())
 }

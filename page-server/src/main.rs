@@ -84,12 +84,13 @@ struct Args {
     /// is kept forever). Live idle clients are never closed by it.
     #[arg(long, default_value_t = 30_000)]
     dead_peer_timeout_ms: u64,
-    /// Milliseconds a coherence node cut off from this page-server may keep
-    /// copies of its pages (the nodes' dead_home_timeout_ms): a node lost
-    /// to silence is declared lost, and its pages given to other nodes,
-    /// that long plus a probe interval and 2 s later (0: at once); one this
-    /// server closes itself, once it closed its side or after that wait.
-    #[arg(long, default_value_t = rdma_transport::coherent::DEFAULT_DEAD_HOME_TIMEOUT_MS)]
+    /// The longest a coherence node cut off from this page-server may keep
+    /// copies of its pages, in milliseconds: nodes declare theirs (their
+    /// dead_home_timeout_ms) and a longer one is refused. A node lost to
+    /// silence is declared lost, and its pages given to other nodes, its
+    /// own bound plus a probe interval and 2 s later; one this server
+    /// closes itself, once it closed its side or after that wait.
+    #[arg(long, default_value_t = rdma_transport::coherent::DEFAULT_DEAD_HOME_TIMEOUT_MS, value_parser = clap::value_parser!(u64).range(1..))]
     node_dead_home_timeout_ms: u64,
     /// Handshaken connections served at once.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]

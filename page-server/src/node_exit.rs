@@ -59,7 +59,7 @@ pub(crate) fn wait_until_copies_dropped(
         tracing::info!(
             "coherence node gone silent: its pages stay its own until it has surely left"
         );
-        home.wait_until(Instant::now() + home.silence_wait());
+        home.wait_until(Instant::now() + coh.silence_wait());
         return;
     }
     let closed_by_node = match result {
@@ -82,9 +82,9 @@ pub(crate) fn wait_until_copies_dropped(
 
 /// The home ended the connection: tells the node (the end of the stream),
 /// then discards what it still sends until it closes its side, the kernel
-/// gives it up, `home.silence_wait()` passes or the server stops.
+/// gives it up, `coh.silence_wait()` passes or the server stops.
 fn await_close(stream: &TcpStream, home: &CoherenceHome, coh: &CohSession) {
-    let wait = home.silence_wait();
+    let wait = coh.silence_wait();
     let deadline = Instant::now() + wait;
     // (A node always has one.) Marks it closed too, so that no thread
     // sends to it any more.

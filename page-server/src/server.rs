@@ -172,9 +172,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             // RDMA writes the region without this side seeing it: no sums;
             // nor any on a server that offers no checksums.
             sums: PageSums::new(memory_bytes, !rdma_enabled && config.page_checksums),
-            coherence: CoherenceHome::new(rdma_transport::dead_peer::left_for_sure_within(
-                config.node_dead_home_timeout,
-            )),
+            coherence: CoherenceHome::new(config.node_dead_home_timeout),
             metrics: PageMetrics::new(),
             damage_log: rdma_transport::log_limit::LogLimit::new(
                 rdma_transport::log_limit::WARN_INTERVAL,
@@ -266,6 +264,13 @@ fn check_limits(config: &ServerConfig) -> Result<(), ServerError> {
     if config.handshake_timeout.is_zero() {
         return Err(ServerError::Config(
             "the handshake timeout must be positive".into(),
+        ));
+    }
+    if config.node_dead_home_timeout < Duration::from_millis(1) {
+        return Err(ServerError::Config(
+            "the nodes' bound on this server's silence (node_dead_home_timeout) must be at \
+             least 1 ms: a node without one keeps its copies of pages the home gives to others"
+                .into(),
         ));
     }
     if config.max_connections == 0 || config.max_pending_handshakes == 0 {

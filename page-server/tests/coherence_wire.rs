@@ -712,18 +712,15 @@ fn impatient_node(server: &RunningServer, key: &ClusterKey) -> Node {
     Node::with_config(manager_for(server, key), config)
 }
 
-/// A home that expects its nodes to drop their copies 1 s into its
-/// silence, and how long it then waits for a node it lost or closed.
-fn home_waiting_briefly() -> (RunningServer, ClusterKey, Duration) {
-    let key = ClusterKey::generate().expect("a key");
-    let mut cfg = ServerConfig::new(HOME, NODE_BYTES);
-    cfg.cluster_key = Some(key.clone());
-    cfg.node_dead_home_timeout = Duration::from_secs(1);
-    let wait = rdma_transport::dead_peer::left_for_sure_within(cfg.node_dead_home_timeout);
+/// How long a home waits for a node it lost or closed: for a raw node,
+/// which declared that it drops its copies 1 s into the home's silence
+/// (`raw::RAW_NODE_BOUND_MS`), and for a node that declared the longest
+/// bound the home accepts (`--node-dead-home-timeout-ms`, 10 s).
+fn waits_for_raw_and_slowest_nodes() -> (Duration, Duration) {
+    let wait = |ms: u64| rdma_transport::dead_peer::left_for_sure_within(Duration::from_millis(ms));
     (
-        page_server::spawn(cfg).expect("page-server starts"),
-        key,
-        wait,
+        wait(raw::RAW_NODE_BOUND_MS.into()),
+        wait(ServerConfig::new(HOME, NODE_BYTES).node_dead_home_timeout.as_millis() as u64),
     )
 }
 
@@ -826,12 +823,13 @@ fn a_node_the_home_closes_keeps_its_pages_until_it_closes_its_side() {
 
 /// A node the home closed that never closes its side (its reader stuck,
 /// or its host cut off right then) does not hold its pages forever: the
-/// home moves on after the bound it allows nodes
-/// (`--node-dead-home-timeout-ms`, plus a probe interval and the margin
-/// for dropping copies), not before.
+/// home moves on after the bound that node declared (plus a probe
+/// interval and the margin for dropping copies), not before, and not
+/// after the longest bound the home accepts either.
 #[test]
-fn a_node_the_home_closes_that_never_closes_its_side_is_let_go_after_the_bound() {
-    let (server, key, wait) = home_waiting_briefly();
+fn a_node_the_home_closes_that_never_closes_its_side_is_let_go_after_its_bound() {
+    let (server, key) = home();
+    let (wait, slowest) = waits_for_raw_and_slowest_nodes();
     let gpa = GPA_BASE + 7 * PAGE_SIZE as u64;
     let (writer, _stuck) = writer_and_a_node_the_home_closes(&server, &key, gpa, 3);
     let told = std::time::Instant::now();
@@ -841,7 +839,12 @@ fn a_node_the_home_closes_that_never_closes_its_side_is_let_go_after_the_bound()
     // The home's wait began before the node read the end of the stream.
     assert!(
         after + Duration::from_millis(500) >= wait,
-        "the write was granted {after:?} after the close, before the home's wait of {wait:?}"
+        "the write was granted {after:?} after the close, before the node's wait of {wait:?}"
+    );
+    assert!(
+        after < slowest,
+        "the home waited {after:?}, as long as for the slowest node it accepts ({slowest:?}), \
+         not the {wait:?} this node's declared bound needs"
     );
     writer.modify(gpa, filled(gpa, 4)).unwrap();
     assert!(writer.read(gpa).unwrap() == page_for(gpa, 4));
@@ -889,12 +892,13 @@ fn a_node_closed_from_another_thread_keeps_its_pages_until_it_dropped_its_copies
 
 /// The same, with a node that never closes its side: the connection's
 /// thread, waiting for the node's messages when another thread closed it,
-/// notices (within a second) and lets the node go after the bound; with
+/// notices (within a second) and lets the node go after its bound; with
 /// the server spinning on its sockets and with blocking reads.
 #[test]
-fn a_node_closed_from_another_thread_that_never_closes_its_side_is_let_go_after_the_bound() {
+fn a_node_closed_from_another_thread_that_never_closes_its_side_is_let_go_after_its_bound() {
+    let (wait, slowest) = waits_for_raw_and_slowest_nodes();
     for spin in [None, Some(Duration::ZERO)] {
-        let (server, key, wait) = home_waiting_briefly();
+        let (server, key) = home();
         if let Some(spin) = spin {
             server.set_spin_before_block(spin);
         }
@@ -931,7 +935,11 @@ fn a_node_closed_from_another_thread_that_never_closes_its_side_is_let_go_after_
         );
         assert!(
             after >= wait,
-            "spin {spin:?}: the write was granted {after:?} after the close, before the home's wait of {wait:?}"
+            "spin {spin:?}: the write was granted {after:?} after the close, before the node's wait of {wait:?}"
+        );
+        assert!(
+            after < slowest,
+            "spin {spin:?}: the home waited {after:?}, not the node's own {wait:?}"
         );
         assert!(writer.read(gpa).unwrap() == page_for(gpa, 5));
         writer.modify(gpa, filled(gpa, 6)).unwrap();

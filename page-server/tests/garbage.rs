@@ -200,6 +200,7 @@ fn a_refused_hello_keeps_the_framing() {
                 checksums: false,
                 bound_sums: false,
                 coherence: false,
+                node_bound_ms: None,
             }
             .encode(),
         );

@@ -130,6 +130,7 @@ fn serve_hello(stream: &mut TcpStream, checksums: bool, bound_sums: bool) {
         page_size: PAGE_SIZE as u32,
         rdma: None,
         coherence: None,
+        node_bound_limit_ms: None,
         checksums,
         // `false`: a page-server from before offset-bound sums, whose
         // WRITEs carry the page's own sum.

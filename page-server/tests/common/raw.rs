@@ -3,11 +3,24 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::num::NonZeroU32;
 
 use rdma_transport::auth::{ClusterKey, Role, Transcript};
 use rdma_transport::wire::{
     AuthRequest, Challenge, Header, HelloAck, HelloRequest, Opcode, Status, HEADER_LEN, VERSION,
 };
+
+/// The bound on a home's silence these hand-made clients declare as
+/// coherence nodes (`AuthRequest::node_bound_ms`): what a node must drop
+/// its copies within. A home waits `left_for_sure_within` it (4 s) before
+/// it gives the pages of such a node, lost to silence or closed by the
+/// home, to others.
+pub const RAW_NODE_BOUND_MS: u32 = 1_000;
+
+/// [`RAW_NODE_BOUND_MS`] as declared.
+pub fn raw_node_bound() -> Option<NonZeroU32> {
+    NonZeroU32::new(RAW_NODE_BOUND_MS)
+}
 
 /// Sends one message with `payload`.
 pub fn send(s: &mut TcpStream, opcode: Opcode, request_id: u64, payload: &[u8]) {
@@ -102,6 +115,23 @@ pub fn handshake_offering(
         // As a client from before offset-bound WRITE sums.
         bound_sums: false,
         coherence,
+        node_bound_ms: raw_node_bound(),
+    };
+    handshake_with(s, client_id, node_id, key, request)
+}
+
+/// As [`handshake`], declaring `node_bound_ms` as the client's bound on the
+/// server's silence (`None`: none, as a plain data client).
+pub fn handshake_declaring(
+    s: &mut TcpStream,
+    client_id: u64,
+    node_id: &str,
+    key: Option<&ClusterKey>,
+    node_bound_ms: Option<NonZeroU32>,
+) -> Option<HelloAck> {
+    let request = AuthRequest {
+        node_bound_ms,
+        ..AuthRequest::default()
     };
     handshake_with(s, client_id, node_id, key, request)
 }
@@ -117,6 +147,7 @@ pub fn handshake_bound_sums(
     let request = AuthRequest {
         checksums: true,
         bound_sums: true,
+        node_bound_ms: raw_node_bound(),
         ..AuthRequest::default()
     };
     handshake_with(s, client_id, node_id, key, request)

@@ -74,6 +74,7 @@ impl Link {
             stream,
             channel,
             bound_sums,
+            node_bound_limit_ms: _,
         } = dialed;
         let down = |e: io::Error| TransportError::NodeDown {
             node: node.to_owned(),

@@ -32,6 +32,7 @@ mod pages;
 
 use std::collections::HashMap;
 use std::net::TcpStream;
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -102,15 +103,19 @@ pub struct CoherenceConfig {
     /// A home that shows no sign of life for this long (its host crashed,
     /// or the network to it was cut: keepalive probes and sent frames
     /// unanswered) is left: every copy of its pages is dropped, as when its
-    /// connection closes. 0 leaves the kernel's defaults (a silent home is
-    /// never noticed while nothing is sent to it).
+    /// connection closes. Must be positive: a node without a bound would
+    /// keep its copies for as long as a home stayed silent, and no home
+    /// accepts one (its first access to a home's page fails with
+    /// [`TransportError::Config`]).
     ///
-    /// Must not exceed what the homes expect of their nodes (the
-    /// page-server's `--node-dead-home-timeout-ms`, 10 s by default): a
-    /// home that lost this node to silence gives its pages to other nodes
-    /// [`crate::dead_peer::left_for_sure_within`] that bound later, and
-    /// this node's copies must be gone by then or its vCPUs would read
-    /// pages that others have changed (docs/coherence.md, "Failures").
+    /// The node declares it to each home when it connects, and a home that
+    /// lost this node to silence gives its pages to other nodes
+    /// [`crate::dead_peer::left_for_sure_within`] that bound later (this
+    /// node's copies are gone by then). A home accepts no bound longer
+    /// than its `--node-dead-home-timeout-ms` (10 s by default): with a
+    /// longer one, the first access to that home's pages fails with
+    /// [`TransportError::Config`], naming both (docs/coherence.md,
+    /// "Failures").
     pub dead_home_timeout_ms: u64,
 }
 
@@ -140,8 +145,9 @@ pub(crate) struct HomeRef {
 pub(crate) trait Resolve: Send + Sync + std::fmt::Debug {
     /// The home of the page at `gpa`.
     fn home_of(&self, gpa: u64) -> Result<HomeRef, TransportError>;
-    /// A handshaken, blocking connection to `home`.
-    fn dial(&self, home: &HomeRef) -> Result<Dialed, TransportError>;
+    /// A handshaken, blocking connection to `home`, declaring this node's
+    /// bound on the home's silence (`CoherenceConfig::dead_home_timeout_ms`).
+    fn dial(&self, home: &HomeRef, node_bound_ms: NonZeroU32) -> Result<Dialed, TransportError>;
 }
 
 /// A connection to a home: the socket, and the RDMA message channel set
@@ -154,6 +160,9 @@ pub(crate) struct Dialed {
     /// The home agreed to offset-bound sums: every frame's checksum covers
     /// its offset, body and page (`wire::coherence_checksum`).
     pub(crate) bound_sums: bool,
+    /// The longest bound on its silence the home accepts from a node (its
+    /// `--node-dead-home-timeout-ms`); `None` from a home that does not say.
+    pub(crate) node_bound_limit_ms: Option<NonZeroU32>,
 }
 
 /// This process as a node of a coherent VM. Made by
@@ -280,16 +289,57 @@ impl CoherentNode {
         if let Some(link) = links.get(&home.node).filter(|l| !l.is_dead()) {
             return Ok((Arc::clone(link), home.offset));
         }
+        let node_bound_ms = self.node_bound_ms()?;
         // Dialled under the lock: one connection per home, and a home that
         // is down costs the callers of this node one timeout each at most.
-        let dialed = self.shared.resolve.dial(&home)?;
+        let dialed = self.shared.resolve.dial(&home, node_bound_ms)?;
+        check_node_bound(&home.node, node_bound_ms, dialed.node_bound_limit_ms)?;
         let link = Link::start(&self.shared, &home.node, dialed)?;
         links.insert(home.node.clone(), Arc::clone(&link));
         Ok((link, home.offset))
     }
 }
 
+/// Whether a home that accepts bounds up to `limit_ms` (`None`: it does
+/// not say) waits long enough for this node, whose bound is `node_bound_ms`,
+/// to drop its copies when the home goes silent.
+fn check_node_bound(
+    home: &str,
+    node_bound_ms: NonZeroU32,
+    limit_ms: Option<NonZeroU32>,
+) -> Result<(), TransportError> {
+    match limit_ms {
+        Some(limit) if node_bound_ms <= limit => Ok(()),
+        Some(limit) => Err(TransportError::Config(format!(
+            "home {home} waits for a silent node as if it dropped its copies within {limit} ms \
+             (its --node-dead-home-timeout-ms), but this node's dead_home_timeout_ms is \
+             {node_bound_ms}: its vCPUs could read pages the home had given to others. Use a \
+             bound of at most {limit} ms, or raise the home's"
+        ))),
+        None => Err(TransportError::Config(format!(
+            "home {home} does not say how long it waits for a silent node (a page-server from \
+             before nodes declared their bound): it cannot be a coherence home for this node"
+        ))),
+    }
+}
+
 impl CoherentNode {
+    /// This node's bound on a home's silence, as declared to homes.
+    fn node_bound_ms(&self) -> Result<NonZeroU32, TransportError> {
+        let ms = self.shared.config.dead_home_timeout_ms;
+        u32::try_from(ms)
+            .ok()
+            .and_then(NonZeroU32::new)
+            .ok_or_else(|| {
+                TransportError::Config(format!(
+                    "a coherent node needs a dead_home_timeout_ms from 1 to {} ms, not {ms}: \
+                     without a bound it would keep its copies of a silent home's pages for as \
+                     long as the home stays silent, while the home gives them to other nodes",
+                    u32::MAX
+                ))
+            })
+    }
+
     /// Closes every connection to the homes, as dropping the node does: to
     /// them, this node died (pages it owned and had not written back are
     /// lost). Waiting `acquire`s fail with `NodeDown`, and so does every

@@ -1,6 +1,7 @@
 //! The manager's side of coherent pages: where a page's home is, and a
 //! handshaken connection to it (`crate::coherent`).
 
+use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use super::{Inner, TransportManager};
@@ -53,7 +54,7 @@ impl Resolve for Resolver {
         })
     }
 
-    fn dial(&self, home: &HomeRef) -> Result<Dialed, TransportError> {
+    fn dial(&self, home: &HomeRef, node_bound_ms: NonZeroU32) -> Result<Dialed, TransportError> {
         let inner = &self.0;
         let failed = |err: ConnectError| match err {
             ConnectError::AuthFailed { addr, detail } => TransportError::AuthFailed {
@@ -95,6 +96,7 @@ impl Resolve for Resolver {
             // before checksums), frames keep page-only sums.
             checksums: inner.config.page_checksums,
             coherence: offer.is_some(),
+            node_bound_ms: Some(node_bound_ms),
             landed_pages: None,
         };
         let mut stream = dial(&home.addr, inner.config.connect_timeout()).map_err(failed)?;
@@ -114,6 +116,7 @@ impl Resolve for Resolver {
             stream,
             channel,
             bound_sums: ack.bound_sums,
+            node_bound_limit_ms: ack.node_bound_limit_ms,
         })
     }
 }

@@ -264,6 +264,7 @@ impl Inner {
             key: self.config.cluster_key.as_ref(),
             checksums: self.config.page_checksums,
             coherence: false,
+            node_bound_ms: None,
             landed_pages: Some(&self.tcp_landed_pages),
         }
     }

@@ -292,6 +292,7 @@ fn a_submit_on_a_connection_that_broke_first_fails_at_once() {
         key: None,
         checksums: false,
         coherence: false,
+        node_bound_ms: None,
         landed_pages: None,
     };
     let conn =

@@ -54,6 +54,9 @@ pub(crate) struct ClientAuth<'a> {
     /// Ask for a coherence channel (with an RDMA endpoint whose address and
     /// key are the client's message ring: `crate::rdma::MessageChannel`).
     pub(crate) coherence: bool,
+    /// As a coherence node: its bound on the server's silence, declared in
+    /// AUTH (`AuthRequest::node_bound_ms`); `None` for data connections.
+    pub(crate) node_bound_ms: Option<std::num::NonZeroU32>,
     /// Counts the pages this connection's answers put straight into their
     /// destination (shared by every connection of a manager; `None`: a
     /// counter of the connection's own).
@@ -401,6 +404,7 @@ pub(crate) fn handshake(
         // theirs (docs/wire-protocol.md).
         bound_sums: auth.checksums,
         coherence: auth.coherence,
+        node_bound_ms: auth.node_bound_ms,
     };
     send(stream, Opcode::Auth, &request.encode()).map_err(io_err)?;
     let payload = match receive(stream, Opcode::HelloAck, addr) {

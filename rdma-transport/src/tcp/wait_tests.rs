@@ -28,6 +28,7 @@ pub(super) fn bare_connection(checksums: bool) -> (Arc<TcpConnection>, TcpStream
         page_size: PAGE_SIZE as u32,
         rdma: None,
         coherence: None,
+        node_bound_limit_ms: None,
         checksums,
         bound_sums: checksums,
     };
@@ -37,6 +38,7 @@ pub(super) fn bare_connection(checksums: bool) -> (Arc<TcpConnection>, TcpStream
         key: None,
         checksums,
         coherence: false,
+        node_bound_ms: None,
         landed_pages: None,
     };
     let conn = Arc::new(TcpConnection::from_handshaken(&auth, "test", client, ack).unwrap());

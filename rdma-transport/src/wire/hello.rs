@@ -4,6 +4,8 @@
 //! the queue-pair endpoint exchange (QPN, PSN, GID/LID, MTU, READ depths)
 //! and the exported region's address and rkey.
 
+use std::num::NonZeroU32;
+
 use crate::auth::{Nonce, Proof, PROOF_LEN};
 
 /// Flag bit: an [`RdmaHello`] section follows the fixed part.
@@ -27,6 +29,14 @@ const FLAG_AUTH_COHERENCE: u32 = 8;
 /// Flag bit (HELLO_ACK, with [`FLAG_RDMA`]): the server's message ring
 /// follows the RDMA section.
 const FLAG_ACK_COHERENCE: u32 = 4;
+/// Flag bit (AUTH): the client declares its bound on this server's silence
+/// as a coherence node, in the word after the flags.
+const FLAG_AUTH_NODE_BOUND: u32 = 32;
+/// Flag bit (HELLO_ACK, answering [`FLAG_AUTH_NODE_BOUND`]): the longest
+/// such bound the server accepts follows the fixed part.
+const FLAG_ACK_NODE_BOUND: u32 = 16;
+/// Bytes of a HELLO_ACK's node-bound section.
+const NODE_BOUND_LEN: usize = 4;
 /// Bytes of a [`MessageRing`] section.
 const RING_LEN: usize = 16;
 const ACK_FIXED_LEN: usize = 24;
@@ -195,8 +205,9 @@ impl Challenge {
 
 /// AUTH payload: fixed 40 bytes (flags u32: bit 0 RDMA section follows,
 /// bit 1 no key, bit 2 checksums asked, bit 3 coherence channel, bit 4
-/// offset-bound WRITE checksums asked (only with bit 2); reserved u32;
-/// client proof [32],
+/// offset-bound WRITE checksums asked (only with bit 2), bit 5 a node bound
+/// declared; node bound u32 (milliseconds, not 0, with bit 5; else
+/// reserved); client proof [32],
 /// zero without a key), then the optional RDMA section (the client's QP
 /// endpoint).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -217,6 +228,12 @@ pub struct AuthRequest {
     /// The connection is a coherence channel (only with `rdma`, whose
     /// `region_addr` and `rkey` are then the client's message ring).
     pub coherence: bool,
+    /// The client, as a coherence node, drops its copies of this server's
+    /// pages within this many milliseconds of the server's silence
+    /// (`CoherenceConfig::dead_home_timeout_ms`). A server lets only a
+    /// client that declared a bound no longer than it waits for a silent
+    /// node be a coherence node.
+    pub node_bound_ms: Option<NonZeroU32>,
 }
 
 impl AuthRequest {
@@ -236,8 +253,11 @@ impl AuthRequest {
         if self.coherence && self.rdma.is_some() {
             flags |= FLAG_AUTH_COHERENCE;
         }
+        if self.node_bound_ms.is_some() {
+            flags |= FLAG_AUTH_NODE_BOUND;
+        }
         out.extend_from_slice(&flags.to_le_bytes());
-        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&self.node_bound_ms.map_or(0, NonZeroU32::get).to_le_bytes());
         out.extend_from_slice(&self.proof.unwrap_or([0u8; PROOF_LEN]));
         if let Some(r) = &self.rdma {
             r.encode_into(&mut out);
@@ -253,10 +273,18 @@ impl AuthRequest {
             | FLAG_NO_KEY
             | FLAG_AUTH_CHECKSUMS
             | FLAG_AUTH_COHERENCE
-            | FLAG_AUTH_BOUND_SUMS;
+            | FLAG_AUTH_BOUND_SUMS
+            | FLAG_AUTH_NODE_BOUND;
         if flags & !known != 0 {
             return None;
         }
+        // The word is reserved without the flag (clients before it sent 0,
+        // and it is not checked); with it, a bound of 0 is malformed.
+        let node_bound_ms = if flags & FLAG_AUTH_NODE_BOUND != 0 {
+            Some(NonZeroU32::new(u32_at(fixed, 4))?)
+        } else {
+            None
+        };
         let checksums = flags & FLAG_AUTH_CHECKSUMS != 0;
         let bound_sums = flags & FLAG_AUTH_BOUND_SUMS != 0;
         if bound_sums && !checksums {
@@ -278,6 +306,7 @@ impl AuthRequest {
             checksums,
             bound_sums,
             coherence,
+            node_bound_ms,
         })
     }
 }
@@ -285,7 +314,9 @@ impl AuthRequest {
 /// HELLO_ACK payload: fixed 24 bytes (region size u64, server epoch u64,
 /// page size u32, flags u32: bit 0 RDMA section follows, bit 1 checksums
 /// agreed, bit 2 message ring follows, bit 3 offset-bound WRITE checksums
-/// agreed (only with bit 1)), then the optional RDMA section.
+/// agreed (only with bit 1), bit 4 node-bound limit follows), then the
+/// optional node-bound limit (u32 milliseconds, not 0), the optional RDMA
+/// section and the optional message ring, in that order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct HelloAck {
     /// Size of the exported region in bytes.
@@ -306,6 +337,10 @@ pub struct HelloAck {
     /// The server's message ring, when the client asked for a coherence
     /// channel and got RDMA (only with `rdma`).
     pub coherence: Option<MessageRing>,
+    /// Answering an AUTH that declared a node bound: the longest bound the
+    /// server accepts from a coherence node (what it waits for a node that
+    /// went silent, `--node-dead-home-timeout-ms`).
+    pub node_bound_limit_ms: Option<NonZeroU32>,
 }
 
 impl HelloAck {
@@ -326,7 +361,13 @@ impl HelloAck {
         if ring.is_some() {
             flags |= FLAG_ACK_COHERENCE;
         }
+        if self.node_bound_limit_ms.is_some() {
+            flags |= FLAG_ACK_NODE_BOUND;
+        }
         out.extend_from_slice(&flags.to_le_bytes());
+        if let Some(limit) = self.node_bound_limit_ms {
+            out.extend_from_slice(&limit.get().to_le_bytes());
+        }
         if let Some(r) = &self.rdma {
             r.encode_into(&mut out);
         }
@@ -343,6 +384,12 @@ impl HelloAck {
         let fixed = b.get(..ACK_FIXED_LEN)?;
         let flags = u32_at(fixed, 20);
         let mut rest = &b[ACK_FIXED_LEN..];
+        let mut node_bound_limit_ms = None;
+        if flags & FLAG_ACK_NODE_BOUND != 0 {
+            let section = rest.get(..NODE_BOUND_LEN)?;
+            node_bound_limit_ms = Some(NonZeroU32::new(u32_at(section, 0))?);
+            rest = &rest[NODE_BOUND_LEN..];
+        }
         let mut coherence = None;
         if flags & FLAG_ACK_COHERENCE != 0 {
             if flags & FLAG_RDMA == 0 || rest.len() < RING_LEN {
@@ -369,6 +416,7 @@ impl HelloAck {
             checksums: flags & FLAG_ACK_CHECKSUMS != 0,
             bound_sums: flags & FLAG_ACK_CHECKSUMS != 0 && flags & FLAG_ACK_BOUND_SUMS != 0,
             coherence,
+            node_bound_limit_ms,
         })
     }
 }
@@ -430,6 +478,7 @@ mod tests {
                     checksums,
                     bound_sums: checksums,
                     coherence: r.is_some() && checksums,
+                    node_bound_ms: None,
                 };
                 assert_eq!(AuthRequest::decode(&a.encode()), Some(a));
                 let a = AuthRequest {
@@ -450,6 +499,7 @@ mod tests {
                     checksums,
                     bound_sums: checksums,
                     coherence: None,
+                    node_bound_limit_ms: None,
                 };
                 assert_eq!(HelloAck::decode(&a.encode()), Some(a));
                 let plain = HelloAck {
@@ -497,6 +547,7 @@ mod tests {
             checksums: true,
             bound_sums: true,
             coherence: true,
+            node_bound_ms: None,
         }
         .encode();
         for cut in 0..hello.len() {
@@ -519,6 +570,7 @@ mod tests {
             checksums: false,
             bound_sums: false,
             coherence: false,
+            node_bound_ms: None,
         }
         .encode();
         lying[0] |= FLAG_RDMA as u8;
@@ -535,6 +587,7 @@ mod tests {
             checksums: true,
             bound_sums: false,
             coherence: None,
+            node_bound_limit_ms: None,
         }
         .encode();
         assert_eq!(HelloAck::decode(&ack[..ACK_FIXED_LEN - 1]), None);
@@ -543,14 +596,69 @@ mod tests {
         ring_only[20] |= FLAG_ACK_COHERENCE as u8;
         ring_only.extend_from_slice(&[0u8; RING_LEN]);
         assert_eq!(HelloAck::decode(&ring_only), None);
-        // An AUTH flag bit beyond the offset-bound sums bit is still
-        // refused, and that bit without checksums.
+        // An AUTH flag bit beyond the node-bound bit is still refused, and
+        // the offset-bound sums bit without checksums.
         let mut unknown = AuthRequest::default().encode();
-        unknown[0] |= 32;
+        unknown[0] |= 64;
         assert_eq!(AuthRequest::decode(&unknown), None);
         let mut bound_alone = AuthRequest::default().encode();
         bound_alone[0] |= FLAG_AUTH_BOUND_SUMS as u8;
         assert_eq!(AuthRequest::decode(&bound_alone), None);
+    }
+
+    #[test]
+    fn a_node_bound_and_its_limit_sit_at_their_bits_and_round_trip() {
+        let ms = |v| NonZeroU32::new(v);
+        let plain = AuthRequest::default().encode();
+        for rdma in [None, Some(rdma())] {
+            let a = AuthRequest {
+                rdma,
+                coherence: rdma.is_some(),
+                node_bound_ms: ms(10_000),
+                ..AuthRequest::default()
+            };
+            let bytes = a.encode();
+            assert_eq!(u32_at(&bytes, 0) & 32, 32, "AUTH bit 5");
+            assert_eq!(u32_at(&bytes, 4), 10_000, "the bound after the flags");
+            assert_eq!(AuthRequest::decode(&bytes), Some(a));
+        }
+        // Declared with a bound of 0: malformed. Not declared: the word is
+        // not read (as from clients before the flag).
+        let mut zero = plain.clone();
+        zero[0] |= FLAG_AUTH_NODE_BOUND as u8;
+        assert_eq!(AuthRequest::decode(&zero), None);
+        let mut old = plain.clone();
+        old[4] = 7;
+        assert_eq!(
+            AuthRequest::decode(&old).map(|a| a.node_bound_ms),
+            Some(None)
+        );
+        for rdma in [None, Some(rdma())] {
+            let ack = HelloAck {
+                region_size_bytes: 1 << 20,
+                epoch: 3,
+                page_size: 4096,
+                rdma,
+                checksums: true,
+                bound_sums: true,
+                coherence: rdma.map(|_| MessageRing {
+                    addr: 0x7f00_1000,
+                    rkey: 9,
+                    slots: 64,
+                }),
+                node_bound_limit_ms: ms(u32::MAX),
+            };
+            let bytes = ack.encode();
+            assert_eq!(u32_at(&bytes, 20) & 16, 16, "HELLO_ACK bit 4");
+            assert_eq!(u32_at(&bytes, ACK_FIXED_LEN), u32::MAX, "the limit first");
+            assert_eq!(HelloAck::decode(&bytes), Some(ack));
+            for cut in ACK_FIXED_LEN..bytes.len() {
+                assert_eq!(HelloAck::decode(&bytes[..cut]), None, "cut at {cut}");
+            }
+            let mut zero = bytes.clone();
+            zero[ACK_FIXED_LEN..ACK_FIXED_LEN + NODE_BOUND_LEN].fill(0);
+            assert_eq!(HelloAck::decode(&zero), None, "a limit of 0");
+        }
     }
 
     #[test]
@@ -572,6 +680,7 @@ mod tests {
             checksums,
             bound_sums: false,
             coherence: None,
+            node_bound_limit_ms: None,
         };
         let (off, on) = (ack(false).encode(), ack(true).encode());
         assert_eq!(u32_at(&off, 20), 0);
@@ -608,6 +717,7 @@ mod tests {
             checksums: false,
             bound_sums: false,
             coherence: false,
+            node_bound_ms: None,
         }
         .encode();
         let section = &bytes[AUTH_FIXED_LEN..];
@@ -632,6 +742,7 @@ mod tests {
                 checksums: false,
                 bound_sums: false,
                 coherence: false,
+                node_bound_ms: None,
             }
             .encode();
             bytes[AUTH_FIXED_LEN + at] = 0;
@@ -644,6 +755,7 @@ mod tests {
                 checksums: false,
                 bound_sums: false,
                 coherence: None,
+                node_bound_limit_ms: None,
             }
             .encode();
             ack[ACK_FIXED_LEN + at] = 0;

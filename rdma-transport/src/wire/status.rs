@@ -26,6 +26,11 @@ pub enum Status {
     /// connection that negotiated checksums); nothing was written. The
     /// connection stays open.
     BadChecksum = 9,
+    /// A coherence message from a connection whose AUTH declared no node
+    /// bound, or one longer than the home accepts
+    /// (`AuthRequest::node_bound_ms`): it is not made a node. The
+    /// connection stays open.
+    NodeBound = 10,
 }
 
 impl Status {
@@ -42,6 +47,7 @@ impl Status {
             7 => Self::NoHello,
             8 => Self::Internal,
             9 => Self::BadChecksum,
+            10 => Self::NodeBound,
             _ => return None,
         })
     }
@@ -59,6 +65,9 @@ impl Status {
             Self::NoHello => "request before HELLO",
             Self::Internal => "internal server error",
             Self::BadChecksum => "page checksum mismatch",
+            Self::NodeBound => {
+                "no bound on the home's silence declared, or one longer than the home waits"
+            }
         }
     }
 }
