@@ -416,7 +416,11 @@ fn serve_messages(
                 }
                 if let Some(channel) = session.qp.as_ref().and_then(|q| q.channel()).cloned() {
                     // A coherence connection over RDMA: its frames come
-                    // through the channel from now on.
+                    // through the channel from now on. Its QP cannot write
+                    // the region (`RdmaExport::accept_channel`), so a
+                    // replica recovery's fence leaves it open, as a TCP
+                    // node's: closing it would declare the node lost.
+                    guard.note_coherence_node();
                     exported.metrics.publish(tally);
                     outbox.flush(stream, None)?;
                     return crate::coherence_channel::serve(

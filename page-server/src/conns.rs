@@ -271,9 +271,12 @@ impl Connections {
 
     /// Fences off the connections a replica recovery must not hear from
     /// again (see `recovery.rs`): shuts down every connection but the
-    /// coherence nodes' (and those too when they hold an RDMA session),
-    /// and pauses RDMA: no new session may start until
-    /// [`Connections::resume_rdma`]. Returns the connections shut down;
+    /// coherence nodes', and pauses RDMA: no new session may start until
+    /// [`Connections::resume_rdma`]. A node's write-backs go through the
+    /// write guard, whether they come over its socket or its RDMA message
+    /// channel (whose QP may only read the region and write its own ring),
+    /// and closing it would declare it lost: its copies dropped a round
+    /// trip after the home gave its pages away, and the pages it owns lost. Returns the connections shut down;
     /// [`Connections::fenced_open`] tells when their threads are gone.
     ///
     /// A client's TCP may deliver, long after the client gave a request
@@ -284,11 +287,7 @@ impl Connections {
         let mut inner = self.inner.lock();
         inner.rdma_paused = true;
         let mut n = 0;
-        for entry in inner
-            .entries
-            .iter_mut()
-            .filter(|e| !e.coherence_node || e.rdma == RdmaUse::Session)
-        {
+        for entry in inner.entries.iter_mut().filter(|e| !e.coherence_node) {
             let _ = entry.socket.shutdown(Shutdown::Both);
             entry.fenced = true;
             n += 1;
@@ -490,7 +489,7 @@ mod tests {
     }
 
     /// A recovery's fence shuts down every connection but a coherence
-    /// node's (unless it holds an RDMA session), counts them until their
+    /// node's (over TCP or an RDMA channel), counts them until their
     /// threads are gone, and pauses RDMA; when the recovery ends, the
     /// connections answered without RDMA are shut down so that their
     /// clients come back with it, but coherence nodes.
@@ -500,21 +499,29 @@ mod tests {
         let (mut c_rdma, s_rdma) = pair();
         let (mut c_tcp, s_tcp) = pair();
         let (mut c_node, s_node) = pair();
+        let (mut c_channel, s_channel) = pair();
         let (mut c_pending, s_pending) = pair();
         let rdma = conns.record(s_rdma, 8).unwrap().recorded;
         let tcp = conns.record(s_tcp, 8).unwrap().recorded;
         let node = conns.record(s_node, 8).unwrap().recorded;
+        let channel = conns.record(s_channel, 8).unwrap().recorded;
         let pending = conns.record(s_pending, 8).unwrap().recorded;
         assert!(rdma.note_rdma(RdmaUse::Session));
         assert!(tcp.note_rdma(RdmaUse::None));
         assert!(node.note_rdma(RdmaUse::None));
         node.note_coherence_node();
+        assert!(channel.note_rdma(RdmaUse::Session));
+        channel.note_coherence_node();
 
         assert_eq!(conns.fence(), 3);
         for closed in [&mut c_rdma, &mut c_tcp, &mut c_pending] {
             assert_eof(closed);
         }
         assert!(still_open(&mut c_node), "a coherence node was closed");
+        assert!(
+            still_open(&mut c_channel),
+            "a coherence node over an RDMA channel was closed"
+        );
         // Shut down, but their threads (and the QP) not gone yet: counted.
         assert_eq!(conns.fenced_open(), 3);
         drop((rdma, tcp, pending));
@@ -542,6 +549,7 @@ mod tests {
         let (_c_new, s_new) = pair();
         let new = conns.record(s_new, 8).unwrap().recorded;
         assert!(new.note_rdma(RdmaUse::Session), "RDMA is offered again");
-        drop((node, late, late_node, new));
+        assert!(still_open(&mut c_channel));
+        drop((node, channel, late, late_node, new));
     }
 }

@@ -225,6 +225,17 @@ fn bad_settings_and_addresses_are_refused() {
         CoherentMemory::new(&mgr, no_threads, coherence),
         Err(GuestMemoryError::Config(_))
     ));
+    // No bound on a home's silence: no home would accept the node.
+    let unbound = CoherenceConfig {
+        dead_home_timeout_ms: 0,
+        ..coherence
+    };
+    match CoherentMemory::new(&mgr, GuestMemoryConfig::new(0, PAGES * PAGE_SIZE), unbound) {
+        Err(GuestMemoryError::Config(why)) => {
+            assert!(why.contains("dead_home_timeout_ms"), "{why}")
+        }
+        other => panic!("expected a configuration error, got {:?}", other.err()),
+    }
     let mem = node(&mgr, 1);
     assert!(matches!(
         mem.acquire(12, Access::Read),

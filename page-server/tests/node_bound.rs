@@ -63,7 +63,10 @@ fn a_node_whose_bound_is_longer_than_the_home_waits_is_refused_and_told_why() {
     assert_eq!(slow.copies.copy(gpa), None, "the refused node holds a copy");
     let stats = server.coherence_stats();
     assert_eq!(
-        (stats.pages, stats.home.shared_grants + stats.home.exclusive_grants),
+        (
+            stats.pages,
+            stats.home.shared_grants + stats.home.exclusive_grants
+        ),
         (0, 0),
         "the home served the refused node"
     );
@@ -132,7 +135,11 @@ fn coherence_requests_from_clients_without_an_acceptable_bound_are_refused() {
         )
         .expect("handshake");
         let told = ack.node_bound_limit_ms.map(NonZeroU32::get);
-        assert_eq!(told, bound_ms.map(|_| LIMIT_MS), "the limit in the HELLO_ACK");
+        assert_eq!(
+            told,
+            bound_ms.map(|_| LIMIT_MS),
+            "the limit in the HELLO_ACK"
+        );
         s
     };
 
@@ -155,7 +162,10 @@ fn coherence_requests_from_clients_without_an_acceptable_bound_are_refused() {
     let mut within = client(83, Some(LIMIT_MS));
     match ask(&mut within) {
         Ok((coherence::ToNode::Grant { req: 1, .. }, page)) => {
-            assert!(page.as_deref() == Some(&page_for(gpa, 7)[..]), "the granted page");
+            assert!(
+                page.as_deref() == Some(&page_for(gpa, 7)[..]),
+                "the granted page"
+            );
         }
         other => panic!("expected the grant, got {:?}", other.map(|(msg, _)| msg)),
     }

@@ -496,3 +496,21 @@ fn ready_waits_for_the_recovery() {
     let (status, _) = http_get(metrics, "/nothing");
     assert_eq!(status, 404);
 }
+
+/// Coherence nodes whose home recovers a replica of another of its ranges
+/// keep their connections (the fence spares them), the page one of them
+/// owns and the copies both hold (`common::coherent_recovery`).
+#[test]
+fn coherence_nodes_keep_their_pages_through_a_recovery_on_their_home() {
+    let (_db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let seen = common::coherent_recovery::a_node_keeps_its_pages_through_a_recovery_on_its_home(
+        &url,
+        |cfg| cfg,
+        || manager(&url),
+    );
+    assert_eq!(seen.recoveries, 2);
+    for connections in &seen.connections_after {
+        assert_eq!(connections, &[("b".to_owned(), None)], "over TCP");
+    }
+}

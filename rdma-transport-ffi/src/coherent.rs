@@ -28,9 +28,10 @@ pub struct RtCoherenceConfig {
     /// How long one attempt at a fault waits for the page's home.
     pub timeout_ms: u64,
     /// A home silent this long (host gone, network cut) is left and every
-    /// copy of its pages dropped; 0: the kernel's defaults (never noticed
-    /// while idle). Keep it no longer than every page-server's
-    /// `--node-dead-home-timeout-ms` (`CoherenceConfig::dead_home_timeout_ms`).
+    /// copy of its pages dropped. Declared to each home, which refuses a
+    /// node whose bound is 0 or longer than its `--node-dead-home-timeout-ms`
+    /// (`CoherenceConfig::dead_home_timeout_ms`): the first access to its
+    /// pages then fails with RT_ERR_CONFIG.
     pub dead_home_timeout_ms: u64,
 }
 

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod coherent_copies;
+pub mod coherent_recovery;
 pub mod fake_coordinator;
 pub mod raw;
 pub mod shared_cluster;

@@ -410,3 +410,49 @@ fn rdma_coherence_with_a_home_without_rdma_uses_tcp() {
     let stats = home.coherence_stats();
     assert_eq!((stats.rdma_frames, stats.refused_frames), (0, 0));
 }
+
+/// Nodes connected to their home by RDMA message channels keep them
+/// through a replica recovery of another of the home's ranges: a
+/// channel's QP cannot write the home's region, and its write-backs go
+/// through the recovery's write guard, so the fence spares it as it spares
+/// a node over TCP. Until 2026-12-07 it closed such nodes: the page one
+/// owned was lost (`common::coherent_recovery`).
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_coherence_nodes_keep_their_channels_through_a_recovery_on_their_home() {
+    let test = "rdma_coherence_nodes_keep_their_channels_through_a_recovery_on_their_home";
+    require_device(test);
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator(&db);
+    let url = coord.url();
+    let seen = common::coherent_recovery::a_node_keeps_its_pages_through_a_recovery_on_its_home(
+        &url,
+        |mut cfg| {
+            cfg.rdma.enabled = true;
+            cfg.rdma.device = device_name();
+            cfg
+        },
+        || {
+            TransportManager::connect(config(&url, TransportKind::Auto, PollMode::Busy))
+                .expect("manager connects")
+        },
+    );
+    assert_eq!(seen.recoveries, 2);
+    for connections in &seen.connections_after {
+        match connections.as_slice() {
+            [(home, Some(channel))] if home == "b" => {
+                assert!(channel.sent >= 1 && channel.received >= 1, "{channel:?}");
+            }
+            other => panic!("the RDMA channel to b expected after the recovery: {other:?}"),
+        }
+    }
+    assert!(
+        seen.rdma_frames >= 6,
+        "{} frames over RDMA",
+        seen.rdma_frames
+    );
+    say(&format!(
+        "{test}: both nodes kept their channels through b's recovery; {} frames over RDMA",
+        seen.rdma_frames
+    ));
+}

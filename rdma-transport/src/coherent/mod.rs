@@ -119,6 +119,25 @@ pub struct CoherenceConfig {
     pub dead_home_timeout_ms: u64,
 }
 
+impl CoherenceConfig {
+    /// `dead_home_timeout_ms` as declared to homes; why not, when it is 0
+    /// or does not fit the wire's 32 bits.
+    pub(crate) fn declared_bound_ms(&self) -> Result<NonZeroU32, String> {
+        let ms = self.dead_home_timeout_ms;
+        u32::try_from(ms)
+            .ok()
+            .and_then(NonZeroU32::new)
+            .ok_or_else(|| {
+                format!(
+                "a coherent node needs a dead_home_timeout_ms from 1 to {} ms, not {ms}: without \
+                 a bound it would keep its copies of a silent home's pages for as long as the \
+                 home stays silent, while the home gives them to other nodes",
+                u32::MAX
+            )
+            })
+    }
+}
+
 /// [`CoherenceConfig::dead_home_timeout_ms`]'s default, and what a
 /// page-server expects of its nodes by default.
 pub const DEFAULT_DEAD_HOME_TIMEOUT_MS: u64 = 10_000;
@@ -326,18 +345,10 @@ fn check_node_bound(
 impl CoherentNode {
     /// This node's bound on a home's silence, as declared to homes.
     fn node_bound_ms(&self) -> Result<NonZeroU32, TransportError> {
-        let ms = self.shared.config.dead_home_timeout_ms;
-        u32::try_from(ms)
-            .ok()
-            .and_then(NonZeroU32::new)
-            .ok_or_else(|| {
-                TransportError::Config(format!(
-                    "a coherent node needs a dead_home_timeout_ms from 1 to {} ms, not {ms}: \
-                     without a bound it would keep its copies of a silent home's pages for as \
-                     long as the home stays silent, while the home gives them to other nodes",
-                    u32::MAX
-                ))
-            })
+        self.shared
+            .config
+            .declared_bound_ms()
+            .map_err(TransportError::Config)
     }
 
     /// Closes every connection to the homes, as dropping the node does: to

@@ -99,7 +99,8 @@ impl CoherentMemory {
     ///
     /// # Errors
     /// [`GuestMemoryError::Config`] for a bad size, alignment or thread
-    /// count; [`GuestMemoryError::Unsupported`] for hugetlbfs (coherence
+    /// count, or a `coherence.dead_home_timeout_ms` of 0 (no home accepts
+    /// a node without a bound); [`GuestMemoryError::Unsupported`] for hugetlbfs (coherence
     /// works in 4 KiB pages), or a kernel without userfaultfd write
     /// protection (or, for a shared file, `UFFDIO_CONTINUE` with write
     /// protection, Linux >= 6.4); the errors of [`super::GuestMemory::new`]
@@ -114,6 +115,9 @@ impl CoherentMemory {
                 "handler_threads must be between 1 and 64".into(),
             ));
         }
+        coherence
+            .declared_bound_ms()
+            .map_err(GuestMemoryError::Config)?;
         let region = GuestRegion::new(config.gpa_base, config.size_bytes, &config.backing)?;
         if region.memory() == Memory::Hugetlbfs {
             return Err(GuestMemoryError::Unsupported(
