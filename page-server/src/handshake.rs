@@ -32,7 +32,33 @@ pub(crate) struct ServerAuth {
     /// refuse it).
     pub(crate) key: Option<ClusterKey>,
     failures: AtomicU64,
-    last_logged: Mutex<HashMap<Option<IpAddr>, Instant>>,
+    failures_logged: PeerLogLimit,
+    /// Clients told that their node bound is too long.
+    bounds_logged: PeerLogLimit,
+}
+
+/// When each peer was last logged about, to log each at most once per
+/// [`LOG_INTERVAL`] (a client that retries cannot flood the log).
+#[derive(Debug, Default)]
+struct PeerLogLimit(Mutex<HashMap<Option<IpAddr>, Instant>>);
+
+impl PeerLogLimit {
+    /// Whether to log about `peer` now (and if so, notes that it was).
+    fn allows(&self, peer: Option<IpAddr>) -> bool {
+        let mut logged = self.0.lock();
+        let now = Instant::now();
+        if logged
+            .get(&peer)
+            .is_some_and(|t| now.duration_since(*t) < LOG_INTERVAL)
+        {
+            return false;
+        }
+        if logged.len() >= MAX_LOGGED_PEERS {
+            logged.clear();
+        }
+        logged.insert(peer, now);
+        true
+    }
 }
 
 impl ServerAuth {
@@ -41,7 +67,8 @@ impl ServerAuth {
             node_id,
             key,
             failures: AtomicU64::new(0),
-            last_logged: Mutex::new(HashMap::new()),
+            failures_logged: PeerLogLimit::default(),
+            bounds_logged: PeerLogLimit::default(),
         }
     }
 
@@ -52,18 +79,9 @@ impl ServerAuth {
 
     fn refuse(&self, peer: Option<IpAddr>, client_id: u64, why: &str) {
         let total = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut logged = self.last_logged.lock();
-        let now = Instant::now();
-        if logged
-            .get(&peer)
-            .is_some_and(|t| now.duration_since(*t) < LOG_INTERVAL)
-        {
+        if !self.failures_logged.allows(peer) {
             return;
         }
-        if logged.len() >= MAX_LOGGED_PEERS {
-            logged.clear();
-        }
-        logged.insert(peer, now);
         tracing::warn!(
             ?peer,
             client_id,
@@ -257,8 +275,12 @@ pub(crate) fn on_auth(
         .node_bound_ms
         .map(|ms| Duration::from_millis(ms.get().into()));
     let limit_ms = u32::try_from(terms.node_bound_limit.as_millis()).unwrap_or(u32::MAX);
-    if let Some(bound) = request.node_bound_ms.filter(|b| b.get() > limit_ms) {
+    if let Some(bound) = request
+        .node_bound_ms
+        .filter(|b| b.get() > limit_ms && auth.bounds_logged.allows(session.peer))
+    {
         tracing::warn!(
+            peer = ?session.peer,
             client_id,
             node_bound_ms = bound.get(),
             limit_ms,
