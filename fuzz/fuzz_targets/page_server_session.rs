@@ -10,7 +10,9 @@
 //! offset-bound sums), then operations (see [`Op`]) that the harness
 //! encodes with the library's own encoders, so that sums are right unless
 //! the input asks otherwise: reads, writes and coherence messages from two
-//! nodes, with raw bytes between them.
+//! nodes, with raw bytes between them. (The byte's two low bits pick; with
+//! bit 2 set, the second connection declares no node bound, so that its
+//! coherence messages are refused.)
 
 #![no_main]
 
@@ -107,8 +109,9 @@ fn read_message(s: &mut TcpStream) -> Option<(Header, Vec<u8>)> {
     }
 }
 
-/// HELLO, CHALLENGE, AUTH (proving `key` when given), HELLO_ACK.
-fn handshake(s: &mut TcpStream, key: Option<&ClusterKey>, checksums: bool) {
+/// HELLO, CHALLENGE, AUTH (proving `key` when given; declaring a node
+/// bound with `node`), HELLO_ACK.
+fn handshake(s: &mut TcpStream, key: Option<&ClusterKey>, checksums: bool, node: bool) {
     let hello = HelloRequest {
         client_id: 7,
         nonce: [7; 32],
@@ -134,8 +137,9 @@ fn handshake(s: &mut TcpStream, key: Option<&ClusterKey>, checksums: bool) {
         bound_sums: checksums,
         // A coherence node's bound on the home's silence, within the home's
         // limit, so that coherence messages are served; short, so that a
-        // node the home closes is let go soon (`node_exit`).
-        node_bound_ms: std::num::NonZeroU32::new(1_000),
+        // node the home closes is let go soon (`node_exit`). Without one,
+        // they are refused (NODE_BOUND).
+        node_bound_ms: std::num::NonZeroU32::new(1_000).filter(|_| node),
         ..AuthRequest::default()
     };
     send(s, Opcode::Auth, &auth.encode());
@@ -146,7 +150,7 @@ fn handshake(s: &mut TcpStream, key: Option<&ClusterKey>, checksums: bool) {
 /// A good client reads page 0 and gets a whole page.
 fn served(addr: SocketAddr, key: Option<&ClusterKey>) {
     let mut s = connect(addr);
-    handshake(&mut s, key, false);
+    handshake(&mut s, key, false, false);
     s.write_all(&Header::request(Opcode::Read, 9, 0, PAGE_SIZE as u32).encode())
         .expect("send");
     let (h, page) = read_message(&mut s).expect("an answer");
@@ -215,10 +219,10 @@ impl Op<'_> {
 }
 
 /// Sends `ops` on two handshaken connections, then reads both to their end.
-fn structured(addr: SocketAddr, checksums: bool, ops: &[u8]) {
+fn structured(addr: SocketAddr, checksums: bool, second_is_node: bool, ops: &[u8]) {
     let mut conns = [connect(addr), connect(addr)];
-    for s in &mut conns {
-        handshake(s, None, checksums);
+    for (s, node) in conns.iter_mut().zip([true, second_is_node]) {
+        handshake(s, None, checksums, node);
     }
     for op in ops.chunks_exact(12).map(Op) {
         let s = &mut conns[usize::from(op.0[0] & 4 != 0)];
@@ -245,7 +249,7 @@ fuzz_target!(|input: &[u8]| {
         _ => (servers.open.addr(), None),
     };
     if mode % 4 >= 2 {
-        structured(addr, mode % 4 == 3, rest);
+        structured(addr, mode % 4 == 3, mode & 4 == 0, rest);
         served(addr, None);
         return;
     }
