@@ -216,9 +216,8 @@ impl<'a> RdmaOffer<'a> {
 pub(crate) struct Terms {
     /// Page checksums, to a client that asks.
     pub(crate) checksums: bool,
-    /// The longest bound on its silence a coherence node may have (what
-    /// the home waits for a node lost to silence,
-    /// `ServerConfig::node_dead_home_timeout`), told to a client that
+    /// The longest bound on its silence a coherence node may have
+    /// (`ServerConfig::node_dead_home_timeout`), told to a client that
     /// declares one.
     pub(crate) node_bound_limit: Duration,
 }
