@@ -411,10 +411,19 @@ pub(crate) fn handshake(
         Ok(p) => p,
         // The server hangs up on a proof it does not accept.
         Err(ConnectError::Io { source, .. }) if source.kind() == io::ErrorKind::UnexpectedEof => {
+            // (Or it predates an AUTH option sent here, offset-bound sums
+            // or a node bound, and refuses the unknown flag the same way.)
             return Err(refused(match auth.key {
-                Some(_) => "it closed the connection after our proof (a different cluster key?)",
-                None => "it closed the connection: it needs a cluster key and this client has none",
-            }))
+                Some(_) => {
+                    "it closed the connection after our proof (a different cluster key? or a \
+                     page-server older than this client, which refuses its AUTH options)"
+                }
+                None => {
+                    "it closed the connection: it needs a cluster key and this client has none \
+                     (or it is a page-server older than this client, which refuses its AUTH \
+                     options)"
+                }
+            }));
         }
         Err(e) => return Err(e),
     };
