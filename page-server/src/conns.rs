@@ -272,12 +272,14 @@ impl Connections {
     /// Fences off the connections a replica recovery must not hear from
     /// again (see `recovery.rs`): shuts down every connection but the
     /// coherence nodes', and pauses RDMA: no new session may start until
-    /// [`Connections::resume_rdma`]. A node's write-backs go through the
-    /// write guard, whether they come over its socket or its RDMA message
-    /// channel (whose QP may only read the region and write its own ring),
-    /// and closing it would declare it lost: its copies dropped a round
-    /// trip after the home gave its pages away, and the pages it owns lost. Returns the connections shut down;
+    /// [`Connections::resume_rdma`]. Returns the connections shut down;
     /// [`Connections::fenced_open`] tells when their threads are gone.
+    ///
+    /// A node's write-backs go through the write guard, whether they come
+    /// over its socket or its RDMA message channel (whose QP may only read
+    /// the region and write its own ring); and closing it would declare it
+    /// lost: its copies dropped a round trip after the home gave its pages
+    /// away, and the pages it owns lost.
     ///
     /// A client's TCP may deliver, long after the client gave a request
     /// up, bytes it sent before a link went down; on a shut-down socket
