@@ -154,7 +154,7 @@ pub fn handshake_bound_sums(
 }
 
 /// The handshake sending `request` as the AUTH, with the proof of `key`.
-fn handshake_with(
+pub fn handshake_with(
     s: &mut TcpStream,
     client_id: u64,
     node_id: &str,

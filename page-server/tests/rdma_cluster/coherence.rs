@@ -240,6 +240,15 @@ struct RawNode {
 
 impl RawNode {
     fn connect(home: &RunningServer, client_id: u64) -> Self {
+        Self::declaring(home, client_id, raw::raw_node_bound())
+    }
+
+    /// As [`RawNode::connect`], declaring `node_bound_ms` in its AUTH.
+    fn declaring(
+        home: &RunningServer,
+        client_id: u64,
+        node_bound_ms: Option<std::num::NonZeroU32>,
+    ) -> Self {
         let verbs = Verbs::load().expect("libibverbs");
         let ctx = Context::open(&verbs, device_name().as_deref()).expect("device");
         let port = PortInfo::query(&ctx, 1, None).expect("port");
@@ -251,9 +260,13 @@ impl RawNode {
             rkey: ring.rkey,
             ..channel.hello()
         };
-        let ack =
-            raw::handshake_offering(&mut stream, client_id, "a", None, false, Some(offer), true)
-                .expect("handshaken");
+        let auth = rdma_transport::wire::AuthRequest {
+            rdma: Some(offer),
+            coherence: true,
+            node_bound_ms,
+            ..rdma_transport::wire::AuthRequest::default()
+        };
+        let ack = raw::handshake_with(&mut stream, client_id, "a", None, auth).expect("handshaken");
         let remote = ack.rdma.expect("the home answers with RDMA");
         let ring = ack.coherence.expect("and with its ring");
         channel
@@ -347,9 +360,29 @@ fn rdma_coherence_forged_channel_messages_close_only_their_node() {
         *node.channel.read_page(gpa, deadline).unwrap(),
         page_for(gpa, 0x77)
     );
-    let closed_before = home.coherence_stats().refused_frames;
     // It leaves (it holds a shared copy, which the home then forgets).
     drop(node);
+
+    // One that declared no bound on the home's silence is refused on its
+    // channel, twice, and is no node: the honest node writes at once.
+    let unbound = RawNode::declaring(&home, 42, None);
+    for _ in 0..2 {
+        unbound
+            .channel
+            .send(&encode_to_home(gpa, &read_req, None, false))
+            .unwrap();
+        assert_eq!(
+            to_node(&unbound.next()),
+            ToNodeFrame::Refused {
+                offset: gpa,
+                status: Status::NodeBound
+            }
+        );
+    }
+    honest.modify(gpa, filled(gpa, 0x78)).unwrap();
+    assert_eq!(honest.read(gpa).unwrap(), page_for(gpa, 0x78));
+    drop(unbound);
+    let closed_before = home.coherence_stats().refused_frames;
 
     // What the library never sends: a frame of the other direction, bytes
     // that are no frame, a frame with bytes after it. Each closes its
@@ -381,7 +414,9 @@ fn rdma_coherence_forged_channel_messages_close_only_their_node() {
         assert_eq!(honest.read(gpa).unwrap(), page_for(gpa, i as u8), "{what}");
     }
     assert_eq!(home.coherence_stats().refused_frames, closed_before);
-    say(&format!("{test}: 3 forged messages, 3 connections closed"));
+    say(&format!(
+        "{test}: an unbound node refused twice; 3 forged messages, 3 connections closed"
+    ));
 }
 
 #[test]
