@@ -230,9 +230,9 @@ pub struct AuthRequest {
     pub coherence: bool,
     /// The client, as a coherence node, drops its copies of this server's
     /// pages within this many milliseconds of the server's silence
-    /// (`CoherenceConfig::dead_home_timeout_ms`). A server lets only a
-    /// client that declared a bound no longer than it waits for a silent
-    /// node be a coherence node.
+    /// (`CoherenceConfig::dead_home_timeout_ms`). A server makes only a
+    /// client that declared a bound no longer than its limit
+    /// ([`HelloAck::node_bound_limit_ms`]) a coherence node.
     pub node_bound_ms: Option<NonZeroU32>,
 }
 
@@ -338,8 +338,8 @@ pub struct HelloAck {
     /// channel and got RDMA (only with `rdma`).
     pub coherence: Option<MessageRing>,
     /// Answering an AUTH that declared a node bound: the longest bound the
-    /// server accepts from a coherence node (what it waits for a node that
-    /// went silent, `--node-dead-home-timeout-ms`).
+    /// server accepts from a coherence node (its
+    /// `--node-dead-home-timeout-ms`).
     pub node_bound_limit_ms: Option<NonZeroU32>,
 }
 
