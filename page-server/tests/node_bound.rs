@@ -19,7 +19,7 @@ use common::*;
 use page_server::{RunningServer, ServerConfig};
 use rdma_transport::auth::ClusterKey;
 use rdma_transport::coherent::CoherenceConfig;
-use rdma_transport::wire::{decode_to_node, encode_to_home, Status, ToNodeFrame};
+use rdma_transport::wire::{decode_to_node, encode_to_home, AuthRequest, Status, ToNodeFrame};
 use rdma_transport::{TransportError, PAGE_SIZE};
 
 const HOME: &str = "home";
@@ -126,14 +126,12 @@ fn coherence_requests_from_clients_without_an_acceptable_bound_are_refused() {
     let client = |client_id, bound_ms: Option<u32>| {
         let mut s = TcpStream::connect(server.addr()).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let ack = raw::handshake_declaring(
-            &mut s,
-            client_id,
-            HOME,
-            Some(&key),
-            bound_ms.and_then(NonZeroU32::new),
-        )
-        .expect("handshake");
+        let auth = AuthRequest {
+            node_bound_ms: bound_ms.and_then(NonZeroU32::new),
+            ..AuthRequest::default()
+        };
+        let ack =
+            raw::handshake_with(&mut s, client_id, HOME, Some(&key), auth).expect("handshake");
         let told = ack.node_bound_limit_ms.map(NonZeroU32::get);
         assert_eq!(
             told,

@@ -120,22 +120,6 @@ pub fn handshake_offering(
     handshake_with(s, client_id, node_id, key, request)
 }
 
-/// As [`handshake`], declaring `node_bound_ms` as the client's bound on the
-/// server's silence (`None`: none, as a plain data client).
-pub fn handshake_declaring(
-    s: &mut TcpStream,
-    client_id: u64,
-    node_id: &str,
-    key: Option<&ClusterKey>,
-    node_bound_ms: Option<NonZeroU32>,
-) -> Option<HelloAck> {
-    let request = AuthRequest {
-        node_bound_ms,
-        ..AuthRequest::default()
-    };
-    handshake_with(s, client_id, node_id, key, request)
-}
-
 /// As [`handshake_asking`] with checksums, also asking for offset-bound
 /// WRITE checksums (`rdma_transport::wire::offset_bound_checksum`).
 pub fn handshake_bound_sums(
