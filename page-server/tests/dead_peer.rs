@@ -342,3 +342,45 @@ fn a_node_cut_off_from_its_home_drops_its_copies_before_the_home_moves_on() {
     }
     drop(partitions);
 }
+
+/// A bound under a second: the kernel's keepalive counts whole seconds, so
+/// a node watching its home with 200 ms gives the home up only after 2 s
+/// of silence (a probe after 1 s, the verdict one interval later). The
+/// home's wait for a node that declared that bound
+/// (`dead_peer::left_for_sure_within`) still leaves it the whole margin to
+/// drop its copies; until 2026-12-07 it was 1.2 s plus the margin, and
+/// the node had 1.2 s left, not 2.
+#[test]
+#[ignore = "needs root (a network namespace); run by deploy/test-all.sh"]
+fn a_sub_second_bound_is_given_up_after_two_seconds_within_the_homes_wait() {
+    use rdma_transport::dead_peer::{gave_up_on_peer, left_for_sure_within, watch, FORGET_MARGIN};
+    let network = netns::PrivateNetwork::enter();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut node_side = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (_home_side, _) = listener.accept().unwrap();
+    let bound = Duration::from_millis(200);
+    watch(&node_side, bound).unwrap();
+    let port = node_side.local_addr().unwrap().port();
+    let _cut = [
+        netns::LoopbackPartition::from_port(&network, port),
+        netns::LoopbackPartition::to_port(&network, port),
+    ];
+    let cut_at = std::time::Instant::now();
+    node_side.set_read_timeout(Some(LIMIT)).unwrap();
+    let err = std::io::Read::read(&mut node_side, &mut [0u8; 1])
+        .expect_err("the kernel gives the silent home up");
+    let after = cut_at.elapsed();
+    assert!(gave_up_on_peer(&err), "{err}");
+    assert!(
+        after >= Duration::from_millis(1500),
+        "given up after {after:?}: before the kernel's second keepalive tick"
+    );
+    let waited = left_for_sure_within(bound);
+    // (Slack for a loaded host waking this thread late; the wait that
+    // this catches was 0.8 s short.)
+    assert!(
+        after + FORGET_MARGIN <= waited + Duration::from_millis(500),
+        "given up after {after:?}: the home's wait of {waited:?} leaves the node less than \
+         {FORGET_MARGIN:?} to drop its copies"
+    );
+}

@@ -35,7 +35,8 @@ const MIN_STEP: Duration = Duration::from_secs(1);
 
 /// Ends `stream` once its peer has shown no sign of life for `within`
 /// (the kernel notices at its next probe, at most a probe interval
-/// later: a sixth of `within`, at least a second); zero
+/// later: a sixth of `within`, at least a second; under a second, after
+/// two: it counts whole seconds); zero
 /// leaves the kernel's defaults (no keepalive).
 ///
 /// # Errors
@@ -76,12 +77,18 @@ pub fn gave_up_on_peer(err: &io::Error) -> bool {
 /// pages to others: whichever way the network was cut, the node has left
 /// by then. Zero for a node without a bound, which never leaves a silent
 /// home: no wait can help there.
+///
+/// The kernel gives a silent peer up at the first keepalive tick past the
+/// bound with a probe out: the first probe goes at the idle time, so the
+/// verdict comes one interval after it at the earliest, even for a bound
+/// shorter than the idle time (at least a second): hence the larger of
+/// the two.
 pub fn left_for_sure_within(node_bound: Duration) -> Duration {
     if node_bound.is_zero() {
         return Duration::ZERO;
     }
-    let (_, interval) = probe_times(node_bound);
-    node_bound + interval + FORGET_MARGIN
+    let (idle, interval) = probe_times(node_bound);
+    node_bound.max(idle) + interval + FORGET_MARGIN
 }
 
 /// What [`left_for_sure_within`] allows a node for dropping its copies
@@ -144,6 +151,13 @@ mod tests {
             s(10) + s(5) / 3 + FORGET_MARGIN
         );
         assert_eq!(left_for_sure_within(s(30)), s(30) + s(5) + FORGET_MARGIN);
+        assert_eq!(left_for_sure_within(s(1)), s(1) + s(1) + FORGET_MARGIN);
+        // Under a second the kernel still probes after a second of silence
+        // and gives up a second later: the node leaves after 2 s, not 1 ms.
+        assert_eq!(
+            left_for_sure_within(Duration::from_millis(1)),
+            s(1) + s(1) + FORGET_MARGIN
+        );
         assert_eq!(left_for_sure_within(Duration::ZERO), Duration::ZERO);
     }
 
