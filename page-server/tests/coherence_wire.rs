@@ -720,11 +720,7 @@ fn waits_for_raw_and_slowest_nodes() -> (Duration, Duration) {
     let wait = |ms: u64| rdma_transport::dead_peer::left_for_sure_within(Duration::from_millis(ms));
     (
         wait(raw::RAW_NODE_BOUND_MS.into()),
-        wait(
-            ServerConfig::new(HOME, NODE_BYTES)
-                .node_dead_home_timeout
-                .as_millis() as u64,
-        ),
+        wait(rdma_transport::coherent::DEFAULT_DEAD_HOME_TIMEOUT_MS),
     )
 }
 

@@ -308,7 +308,11 @@ impl CoherentNode {
         if let Some(link) = links.get(&home.node).filter(|l| !l.is_dead()) {
             return Ok((Arc::clone(link), home.offset));
         }
-        let node_bound_ms = self.node_bound_ms()?;
+        let node_bound_ms = self
+            .shared
+            .config
+            .declared_bound_ms()
+            .map_err(TransportError::Config)?;
         // Dialled under the lock: one connection per home, and a home that
         // is down costs the callers of this node one timeout each at most.
         let dialed = self.shared.resolve.dial(&home, node_bound_ms)?;
@@ -343,14 +347,6 @@ fn check_node_bound(
 }
 
 impl CoherentNode {
-    /// This node's bound on a home's silence, as declared to homes.
-    fn node_bound_ms(&self) -> Result<NonZeroU32, TransportError> {
-        self.shared
-            .config
-            .declared_bound_ms()
-            .map_err(TransportError::Config)
-    }
-
     /// Closes every connection to the homes, as dropping the node does: to
     /// them, this node died (pages it owned and had not written back are
     /// lost). Waiting `acquire`s fail with `NodeDown`, and so does every
