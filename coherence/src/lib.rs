@@ -55,4 +55,7 @@ mod tests;
 pub use home::{Directory, HomeAction, HomeActions, HomeConfig, HomePage, HomeStats};
 pub use list::List;
 pub use messages::{Access, Mode, NodeId, NodeSet, ReqId, Seq, ToHome, ToNode, Version};
-pub use node::{Fault, LocalCopy, NodeAction, NodeActions, NodeConfig, NodePage, NodeStats};
+pub use node::{
+    Fault, LocalCopy, NodeAction, NodeActions, NodeConfig, NodePage, NodeStats, RETRY_FIRST_US,
+    RETRY_MAX_US,
+};

@@ -13,6 +13,17 @@ use crate::messages::{Access, Mode, ReqId, Seq, ToHome, ToNode, Version};
 /// The most actions one node transition returns.
 pub const NODE_ACTIONS_MAX: usize = 8;
 
+/// How long a node waits before it sends a request again that the home
+/// answered with [`ToNode::Retry`] (its queue for the page was full): this
+/// long after the first Retry, twice as long after each further one for
+/// the same request, at most [`RETRY_MAX_US`]. Without it, a node resent
+/// at once, a round trip after round trip for as long as the page stayed
+/// busy.
+pub const RETRY_FIRST_US: u64 = 16;
+
+/// The longest wait before a request is sent again (see [`RETRY_FIRST_US`]).
+pub const RETRY_MAX_US: u64 = 1024;
+
 /// What a node transition asks its caller to do, in order. Each must be
 /// done before the next (a write-back completes before the message saying
 /// so is sent), and all of them before the next event of this page is fed in.
@@ -78,6 +89,11 @@ pub struct NodeConfig {
     min_hold_us: u64,
     #[cfg(test)]
     pub(crate) mutation: Option<NodeMutation>,
+    /// The model checker's: every back-off is this long, not counted (the
+    /// doubling is only timing, checked by unit tests; counting it would
+    /// multiply the model's states).
+    #[cfg(test)]
+    pub(crate) fixed_retry_wait_us: Option<u64>,
 }
 
 impl NodeConfig {
@@ -88,6 +104,8 @@ impl NodeConfig {
             min_hold_us,
             #[cfg(test)]
             mutation: None,
+            #[cfg(test)]
+            fixed_retry_wait_us: None,
         }
     }
 
@@ -126,7 +144,8 @@ pub struct NodeStats {
     /// Grants dropped because a later callback overtook them; the request
     /// was sent again.
     pub stale_grants: u64,
-    /// Requests sent again because the home's queue was full.
+    /// Requests sent again because the home's queue was full (each after a
+    /// back-off, [`RETRY_FIRST_US`]).
     pub retries: u64,
     /// Requests answered with Lost.
     pub lost: u64,
@@ -149,6 +168,30 @@ struct Outstanding {
     /// A write fault came while a read was outstanding: ask for ownership
     /// once the read is granted.
     then_write: bool,
+    /// Retry answers to this request so far.
+    retries: u32,
+    /// The home answered Retry: send the request again then (not before).
+    resend_at_us: Option<u64>,
+}
+
+impl Outstanding {
+    fn new(req: ReqId, access: Access, then_write: bool) -> Outstanding {
+        Outstanding {
+            req,
+            access,
+            then_write,
+            retries: 0,
+            resend_at_us: None,
+        }
+    }
+}
+
+/// The wait before the `retries`-th resend of one request (1 for the first).
+fn retry_backoff_us(retries: u32) -> u64 {
+    let doublings = retries.saturating_sub(1).min(u64::BITS - 1);
+    RETRY_FIRST_US
+        .saturating_mul(1 << doublings)
+        .min(RETRY_MAX_US)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -224,12 +267,27 @@ impl NodePage {
         self.deferred.is_some()
     }
 
+    /// Whether a request the home answered with Retry waits for its back-off
+    /// before it is sent again.
+    pub fn waits_to_resend(&self) -> bool {
+        self.resend_at_us().is_some()
+    }
+
+    fn resend_at_us(&self) -> Option<u64> {
+        self.pending.and_then(|p| p.resend_at_us)
+    }
+
     /// When [`NodePage::on_timer`] should be called, if a callback waits for
-    /// the hold time.
+    /// the hold time or a request for its back-off (the earlier of the two).
     pub fn timer_due_us(&self) -> Option<u64> {
-        self.deferred
+        let hold = self
+            .deferred
             .filter(|cb| !self.awaits_grant(cb))
-            .map(|_| self.hold_until_us)
+            .map(|_| self.hold_until_us);
+        match (hold, self.resend_at_us()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// A fault (or an access check) for `access`.
@@ -253,11 +311,7 @@ impl NodePage {
             stats.upgrades += 1;
         }
         let req = self.next_req();
-        self.pending = Some(Outstanding {
-            req,
-            access,
-            then_write: false,
-        });
+        self.pending = Some(Outstanding::new(req, access, false));
         Fault::Wait {
             send: Some(self.request_msg(req, access)),
         }
@@ -286,10 +340,25 @@ impl NodePage {
                     out.stats.stale_answers += 1;
                 }
             }
-            ToNode::Retry { req } => match self.pending {
-                Some(p) if p.req == req => {
-                    out.stats.retries += 1;
-                    out.push(NodeAction::Send(self.request_msg(req, p.access)));
+            ToNode::Retry { req } => match &mut self.pending {
+                // Sent again after a back-off, from `on_timer`. A Retry
+                // while one waits is a repeat.
+                Some(p) if p.req == req && p.resend_at_us.is_none() => {
+                    // Counted up to the longest wait only: a page's state
+                    // takes few values (and the model stays finite).
+                    if retry_backoff_us(p.retries) < RETRY_MAX_US {
+                        p.retries += 1;
+                    }
+                    let wait_us = retry_backoff_us(p.retries);
+                    #[cfg(test)]
+                    let wait_us = match self.config.fixed_retry_wait_us {
+                        Some(fixed) => {
+                            p.retries = 0;
+                            fixed
+                        }
+                        None => wait_us,
+                    };
+                    p.resend_at_us = Some(now_us.saturating_add(wait_us));
                 }
                 _ => out.stats.stale_answers += 1,
             },
@@ -314,12 +383,21 @@ impl NodePage {
     }
 
     /// The clock passed [`NodePage::timer_due_us`]: answer the callback that
-    /// waited for the hold time.
+    /// waited for the hold time, send again the request that waited for
+    /// its back-off.
     pub fn on_timer(&mut self, now_us: u64, stats: &mut NodeStats) -> NodeActions {
         let mut out = Out {
             actions: NodeActions::new(),
             stats,
         };
+        if let Some(p) = &mut self.pending {
+            if p.resend_at_us.is_some_and(|at| now_us >= at) {
+                p.resend_at_us = None;
+                let (req, access) = (p.req, p.access);
+                out.stats.retries += 1;
+                out.push(NodeAction::Send(self.request_msg(req, access)));
+            }
+        }
         if let Some(cb) = self.deferred {
             if !self.awaits_grant(&cb) && now_us >= self.hold_until_us {
                 self.deferred = None;
@@ -407,7 +485,7 @@ impl NodePage {
             // as a holder. Ask again.
             out.stats.stale_grants += 1;
             let req = self.next_req();
-            self.pending = Some(Outstanding { req, ..pending });
+            self.pending = Some(Outstanding::new(req, pending.access, pending.then_write));
             out.push(NodeAction::Send(self.request_msg(req, pending.access)));
             self.resume_deferred(now_us, out);
             return;
@@ -424,11 +502,7 @@ impl NodePage {
                     out.stats.requests += 1;
                     out.stats.upgrades += 1;
                     let req = self.next_req();
-                    self.pending = Some(Outstanding {
-                        req,
-                        access: Access::Write,
-                        then_write: false,
-                    });
+                    self.pending = Some(Outstanding::new(req, Access::Write, false));
                     out.push(NodeAction::Send(self.request_msg(req, Access::Write)));
                 }
             }
@@ -534,6 +608,17 @@ impl NodePage {
                 kept: self.copy != LocalCopy::None,
             },
         }));
+    }
+
+    /// Moves this page's clock back by `now_us`, so that `now_us` becomes
+    /// 0: only differences of times matter, and the model checker keeps
+    /// each node's clock at 0 (its states stay finite).
+    #[cfg(test)]
+    pub(crate) fn rebase_clock(&mut self, now_us: u64) {
+        self.hold_until_us = self.hold_until_us.saturating_sub(now_us);
+        if let Some(p) = &mut self.pending {
+            p.resend_at_us = p.resend_at_us.map(|at| at.saturating_sub(now_us));
+        }
     }
 
     #[cfg(test)]

@@ -377,3 +377,70 @@ fn an_owner_keeps_a_page_for_its_hold_time() {
     // Every write of both is in the page: a's 1, its +2s, then b's +1.
     assert_eq!(word(&b).load(Ordering::Acquire), 1 + 2 * writes + 1);
 }
+
+/// More nodes ask for one busy page than its home queues (8): the home
+/// turns the rest away (`Retry`), and each of them asks again after a
+/// back-off that doubles up to about a millisecond, not a round trip
+/// after round trip for as long as the page stays busy. Every write
+/// still lands.
+#[test]
+fn nodes_turned_away_by_a_full_queue_ask_again_after_a_back_off() {
+    const HOLD: std::time::Duration = std::time::Duration::from_millis(400);
+    const TAKERS: usize = 11;
+    let (_db, coord) = loopback_coordinator();
+    let home = page_server(&coord.url(), "home", 0);
+    let mgr = manager(&coord.url());
+    let holding = |min_hold_us| {
+        CoherentMemory::new(
+            &mgr,
+            GuestMemoryConfig {
+                handler_cpus: Some(vec![]),
+                ..GuestMemoryConfig::new(0, PAGES * PAGE_SIZE)
+            },
+            CoherenceConfig {
+                min_hold_us,
+                timeout_ms: 30_000,
+                ..CoherenceConfig::default()
+            },
+        )
+        .expect("coherent region")
+    };
+    let owner = holding(HOLD.as_micros() as u64);
+    let takers: Vec<CoherentMemory> = (0..TAKERS).map(|_| holding(0)).collect();
+    let word = |mem: &CoherentMemory| {
+        // SAFETY: an aligned u64 inside the live region, only accessed
+        // atomically by this test.
+        unsafe { &*mem.as_ptr().cast::<AtomicU64>() }
+    };
+    // The owner holds the page for HOLD: the first taker's request waits
+    // at the home for it, 8 more are queued, the others are turned away
+    // until the queue has room.
+    let granted = std::time::Instant::now();
+    word(&owner).store(1, Ordering::Release);
+    std::thread::scope(|s| {
+        for taker in &takers {
+            s.spawn(|| word(taker).fetch_add(1, Ordering::AcqRel));
+        }
+    });
+    let elapsed_ms = granted.elapsed().as_millis() as u64;
+    assert!(elapsed_ms >= HOLD.as_millis() as u64 / 2);
+    assert_eq!(word(&owner).load(Ordering::Acquire), 1 + TAKERS as u64);
+    let resent: Vec<u64> = takers.iter().map(|t| t.stats().protocol.retries).collect();
+    let turned_away = home.coherence_stats().home.retries;
+    assert!(turned_away > 0, "the home's queue never filled: {resent:?}");
+    assert_eq!(
+        resent.iter().sum::<u64>(),
+        turned_away,
+        "each Retry is answered by one request sent again"
+    );
+    // 16, 32, ..., 1024 µs, then one a millisecond at most.
+    let most = 8 + elapsed_ms;
+    for (i, n) in resent.iter().enumerate() {
+        assert!(
+            *n <= most,
+            "taker {i} asked again {n} times in {elapsed_ms} ms (at most {most} with the back-off): {resent:?}"
+        );
+    }
+    let errors: u64 = takers.iter().map(|t| t.stats().fault_errors).sum();
+    assert_eq!(errors + owner.stats().fault_errors, 0);
+}

@@ -8,8 +8,9 @@
 //! duplicated, unless `duplicate_to_nodes`: then a home → node message may
 //! arrive again). A node may be lost (up to `max_losses`): its in-flight
 //! messages vanish and the home is told. Time only matters for the owner's
-//! hold time: a node whose callback waits for it may let its clock jump to
-//! the deadline at any moment. Data moves as the implementation moves it: a
+//! hold time and a turned-away request's back-off: a node with a timer may
+//! let its clock jump to it at any moment, and that moment is its 0 again
+//! (only differences of times matter, so the states stay finite). Data moves as the implementation moves it: a
 //! write-back writes the home's storage before its message is sent, a fetch
 //! reads the storage when the grant is processed.
 
@@ -42,7 +43,6 @@ pub(crate) struct Node {
     pub(crate) value: u8,
     /// How the copy is mapped, as the actions left it.
     pub(crate) mapped: LocalCopy,
-    pub(crate) clock_us: u64,
     pub(crate) ops_left: u8,
     pub(crate) reads_waiting: u8,
     pub(crate) writes_waiting: u8,
@@ -74,7 +74,7 @@ pub(crate) enum Action {
     Read(u8),
     Write(u8),
     Evict(u8),
-    /// The node's clock reaches its hold deadline.
+    /// The node's clock reaches its next timer (hold time, back-off).
     Tick(u8),
     Deliver(Envelope),
     /// Deliver a home → node message again (`duplicate_to_nodes`).
@@ -137,7 +137,7 @@ impl Coherence {
                     actions.push(Action::Evict(n));
                 }
             }
-            if node.page.has_deferred_callback() {
+            if node.page.has_deferred_callback() || node.page.waits_to_resend() {
                 actions.push(Action::Tick(n));
             }
         }
@@ -286,8 +286,8 @@ impl Coherence {
 
     fn deliver_to_node(&self, state: &mut State, to: u8, msg: ToNode, stats: &mut NodeStats) {
         let n = usize::from(to);
-        let clock_us = state.nodes[n].clock_us;
-        let actions = state.nodes[n].page.on_message(msg, clock_us, stats);
+        // Each node's clock stays at 0 (see `Action::Tick`).
+        let actions = state.nodes[n].page.on_message(msg, 0, stats);
         self.apply_node(state, n, actions);
     }
 
@@ -320,12 +320,12 @@ impl Model for Coherence {
         home_config.mutation = self.home_mutation;
         let mut node_config = NodeConfig::new(self.min_hold_us);
         node_config.mutation = self.node_mutation;
+        node_config.fixed_retry_wait_us = Some(1);
         let node = Node {
             page: NodePage::new(node_config),
             alive: true,
             value: 0,
             mapped: LocalCopy::None,
-            clock_us: 0,
             ops_left: self.ops_per_node,
             reads_waiting: 0,
             writes_waiting: 0,
@@ -381,8 +381,11 @@ impl Model for Coherence {
             Action::Tick(n) => {
                 let n = usize::from(n);
                 let node = &mut state.nodes[n];
-                node.clock_us = node.page.timer_due_us().unwrap_or(node.clock_us);
-                let actions = node.page.on_timer(node.clock_us, &mut node_stats);
+                // Time passes until the timer is due; only differences of
+                // times matter, so that moment becomes the node's 0 again.
+                let now_us = node.page.timer_due_us().unwrap_or(0);
+                let actions = node.page.on_timer(now_us, &mut node_stats);
+                node.page.rebase_clock(now_us);
                 self.apply_node(&mut state, n, actions);
             }
             Action::Deliver(envelope) => {
@@ -420,7 +423,6 @@ impl Model for Coherence {
                     alive: false,
                     value: 0,
                     mapped: LocalCopy::None,
-                    clock_us: 0,
                     ops_left: 0,
                     reads_waiting: 0,
                     writes_waiting: 0,

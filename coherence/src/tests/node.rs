@@ -1,5 +1,7 @@
 use crate::messages::{Access, Mode, ToHome, ToNode};
-use crate::node::{Fault, LocalCopy, NodeAction, NodeConfig, NodePage, NodeStats};
+use crate::node::{
+    Fault, LocalCopy, NodeAction, NodeConfig, NodePage, NodeStats, RETRY_FIRST_US, RETRY_MAX_US,
+};
 
 fn grant(req: u32, seq: u64, mode: Mode, version: u64, data_version: u64) -> ToNode {
     ToNode::Grant {
@@ -229,8 +231,11 @@ fn lost_and_retry_answer_the_outstanding_request_only() {
     let mut stats = NodeStats::default();
     let mut page = NodePage::new(NodeConfig::new(0));
     page.on_fault(Access::Read, &mut stats);
+    assert!(page
+        .on_message(ToNode::Retry { req: 1 }, 0, &mut stats)
+        .is_empty());
     assert_eq!(
-        actions(page.on_message(ToNode::Retry { req: 1 }, 0, &mut stats)),
+        actions(page.on_timer(RETRY_FIRST_US, &mut stats)),
         vec![NodeAction::Send(ToHome::ReadReq { req: 1 })]
     );
     assert!(page
@@ -245,6 +250,54 @@ fn lost_and_retry_answer_the_outstanding_request_only() {
         .on_message(grant(1, 1, Mode::Shared, 0, 0), 0, &mut stats)
         .is_empty());
     assert_eq!((stats.retries, stats.lost, stats.stale_answers), (1, 1, 2));
+}
+
+/// A request the home's full queue turned away is sent again after a
+/// back-off that doubles with each Retry, up to a cap: not at once, round
+/// trip after round trip, for as long as the page is busy.
+#[test]
+fn a_retried_request_is_sent_again_after_a_growing_back_off() {
+    let mut stats = NodeStats::default();
+    let mut page = NodePage::new(NodeConfig::new(0));
+    page.on_fault(Access::Write, &mut stats);
+    let mut now = 1_000;
+    let mut waits = Vec::new();
+    for _ in 0..9 {
+        assert!(page
+            .on_message(ToNode::Retry { req: 1 }, now, &mut stats)
+            .is_empty());
+        assert!(page.waits_to_resend());
+        // A repeat of that Retry changes nothing.
+        assert!(page
+            .on_message(ToNode::Retry { req: 1 }, now, &mut stats)
+            .is_empty());
+        let due = page.timer_due_us().expect("a timer for the resend");
+        assert!(page.on_timer(due - 1, &mut stats).is_empty());
+        assert_eq!(
+            actions(page.on_timer(due, &mut stats)),
+            vec![NodeAction::Send(ToHome::WriteReq {
+                req: 1,
+                upgrade: false
+            })]
+        );
+        assert!(!page.waits_to_resend());
+        assert_eq!(page.timer_due_us(), None);
+        waits.push(due - now);
+        now = due + 5;
+    }
+    assert_eq!(
+        waits,
+        [16, 32, 64, 128, 256, 512, 1024, 1024, 1024],
+        "first {RETRY_FIRST_US} µs, doubling up to {RETRY_MAX_US} µs"
+    );
+    assert_eq!((stats.retries, stats.stale_answers), (9, 9));
+    // The grant ends it; a new request starts from the first wait again.
+    page.on_message(grant(1, 1, Mode::Exclusive, 1, 0), now, &mut stats);
+    assert_eq!(page.outstanding(), None);
+    page.evict(&mut stats);
+    page.on_fault(Access::Read, &mut stats);
+    page.on_message(ToNode::Retry { req: 2 }, now, &mut stats);
+    assert_eq!(page.timer_due_us(), Some(now + RETRY_FIRST_US));
 }
 
 #[test]
