@@ -47,6 +47,31 @@ fn node_on(mgr: &TransportManager, threads: usize, memfd_backed: bool) -> Cohere
     .expect("coherent region")
 }
 
+/// A node on anonymous memory whose owned pages are kept `min_hold_us`
+/// after their grant.
+fn holding(mgr: &TransportManager, min_hold_us: u64) -> CoherentMemory {
+    CoherentMemory::new(
+        mgr,
+        GuestMemoryConfig {
+            handler_cpus: Some(vec![]),
+            ..GuestMemoryConfig::new(0, PAGES * PAGE_SIZE)
+        },
+        CoherenceConfig {
+            min_hold_us,
+            timeout_ms: 10_000,
+            ..CoherenceConfig::default()
+        },
+    )
+    .expect("coherent region")
+}
+
+/// The first word of `mem`'s guest RAM.
+fn word(mem: &CoherentMemory) -> &AtomicU64 {
+    // SAFETY: an aligned u64 inside the live region, only accessed
+    // atomically by these tests.
+    unsafe { &*mem.as_ptr().cast::<AtomicU64>() }
+}
+
 fn read_page(mem: &CoherentMemory, page: usize) -> Vec<u8> {
     let mut buf = vec![0u8; PAGE_SIZE];
     mem.read((page * PAGE_SIZE) as u64, &mut buf).unwrap();
@@ -323,27 +348,7 @@ fn an_owner_keeps_a_page_for_its_hold_time() {
     let (_db, coord) = loopback_coordinator();
     let _home = page_server(&coord.url(), "home", 0);
     let mgr = manager(&coord.url());
-    let holding = |min_hold_us| {
-        CoherentMemory::new(
-            &mgr,
-            GuestMemoryConfig {
-                handler_cpus: Some(vec![]),
-                ..GuestMemoryConfig::new(0, PAGES * PAGE_SIZE)
-            },
-            CoherenceConfig {
-                min_hold_us,
-                timeout_ms: 10_000,
-                ..CoherenceConfig::default()
-            },
-        )
-        .expect("coherent region")
-    };
-    let (a, b) = (holding(HOLD.as_micros() as u64), holding(0));
-    let word = |mem: &CoherentMemory| {
-        // SAFETY: an aligned u64 inside the live region, only accessed
-        // atomically by this test.
-        unsafe { &*mem.as_ptr().cast::<AtomicU64>() }
-    };
+    let (a, b) = (holding(&mgr, HOLD.as_micros() as u64), holding(&mgr, 0));
     let granted = std::time::Instant::now();
     word(&a).store(1, Ordering::Release);
     let mut writes = 0u64;
@@ -390,28 +395,8 @@ fn nodes_turned_away_by_a_full_queue_ask_again_after_a_back_off() {
     let (_db, coord) = loopback_coordinator();
     let home = page_server(&coord.url(), "home", 0);
     let mgr = manager(&coord.url());
-    let holding = |min_hold_us| {
-        CoherentMemory::new(
-            &mgr,
-            GuestMemoryConfig {
-                handler_cpus: Some(vec![]),
-                ..GuestMemoryConfig::new(0, PAGES * PAGE_SIZE)
-            },
-            CoherenceConfig {
-                min_hold_us,
-                timeout_ms: 30_000,
-                ..CoherenceConfig::default()
-            },
-        )
-        .expect("coherent region")
-    };
-    let owner = holding(HOLD.as_micros() as u64);
-    let takers: Vec<CoherentMemory> = (0..TAKERS).map(|_| holding(0)).collect();
-    let word = |mem: &CoherentMemory| {
-        // SAFETY: an aligned u64 inside the live region, only accessed
-        // atomically by this test.
-        unsafe { &*mem.as_ptr().cast::<AtomicU64>() }
-    };
+    let owner = holding(&mgr, HOLD.as_micros() as u64);
+    let takers: Vec<CoherentMemory> = (0..TAKERS).map(|_| holding(&mgr, 0)).collect();
     // The owner holds the page for HOLD: the first taker's request waits
     // at the home for it, 8 more are queued, the others are turned away
     // until the queue has room.
@@ -443,4 +428,44 @@ fn nodes_turned_away_by_a_full_queue_ask_again_after_a_back_off() {
     }
     let errors: u64 = takers.iter().map(|t| t.stats().fault_errors).sum();
     assert_eq!(errors + owner.stats().fault_errors, 0);
+}
+
+/// Twelve nodes pass a token around in one page: each waits (reading its
+/// copy) for its turn, then writes, which takes every other node's copy
+/// away, and the eleven read it again at once: more requests than the
+/// home queues (8), so some are turned away again and again and wait out
+/// their back-off while the others are served. None of them is starved
+/// into a fault timeout, and the token goes round every time.
+#[test]
+fn twelve_nodes_passing_a_token_in_one_page_all_get_their_turns() {
+    const NODES: u64 = 12;
+    const ROUNDS: u64 = 15;
+    let (_db, coord) = loopback_coordinator();
+    let home = page_server(&coord.url(), "home", 0);
+    let mgr = manager(&coord.url());
+    let nodes: Vec<CoherentMemory> = (0..NODES).map(|_| holding(&mgr, 50)).collect();
+    std::thread::scope(|s| {
+        for (i, mem) in (0..NODES).zip(&nodes) {
+            s.spawn(move || {
+                for round in 0..ROUNDS {
+                    let turn = round * NODES + i;
+                    while word(mem).load(Ordering::Acquire) != turn {
+                        std::thread::yield_now();
+                    }
+                    word(mem).store(turn + 1, Ordering::Release);
+                }
+            });
+        }
+    });
+    assert_eq!(word(&nodes[0]).load(Ordering::Acquire), NODES * ROUNDS);
+    let stats: Vec<_> = nodes.iter().map(CoherentMemory::stats).collect();
+    let errors: u64 = stats.iter().map(|s| s.fault_errors).sum();
+    assert_eq!(
+        errors, 0,
+        "a node timed out waiting for the page: {stats:?}"
+    );
+    let resent: u64 = stats.iter().map(|s| s.protocol.retries).sum();
+    let home = home.coherence_stats().home;
+    assert!(home.retries > 0, "the queue never overflowed: {home:?}");
+    assert_eq!(resent, home.retries);
 }
