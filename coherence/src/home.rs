@@ -166,6 +166,10 @@ pub struct HomePage {
     dir: Directory,
     txn: Option<Txn>,
     queue: List<Pending, QUEUE_MAX>,
+    /// Nodes turned away (Retry) whose request has not got in since: each
+    /// has a place in the queue kept for it, so that a node waiting out its
+    /// back-off does not lose every freed place to nodes that ask first.
+    turned_away: NodeSet,
     /// The last sequence number used by a grant or a callback round.
     seq: Seq,
     /// The version of the newest exclusive grant (0: never granted).
@@ -183,6 +187,7 @@ impl HomePage {
             dir: Directory::Invalid,
             txn: None,
             queue: List::new(),
+            turned_away: NodeSet::EMPTY,
             seq: 0,
             version: 0,
             stored_version: 0,
@@ -214,6 +219,12 @@ impl HomePage {
     /// How many requests wait behind the transaction in progress.
     pub fn queued(&self) -> usize {
         self.queue.len()
+    }
+
+    /// Nodes turned away whose request has not got in since (each has a
+    /// place in the queue kept for it).
+    pub fn turned_away(&self) -> NodeSet {
+        self.turned_away
     }
 
     /// The last sequence number used by a grant or a callback round.
@@ -281,6 +292,7 @@ impl HomePage {
             stats,
         };
         self.queue.retain(|p| p.from != node);
+        self.turned_away = self.turned_away.without(node);
         match self.dir {
             Directory::Modified { owner, .. } if owner == node => {
                 if self.stored_version != self.version && !self.forget_lost_owner() {
@@ -311,6 +323,7 @@ impl HomePage {
         let pending = Pending { from, req, access };
         let Some(txn) = self.txn else {
             // No transaction in progress, so nothing is queued either.
+            self.turned_away = self.turned_away.without(from);
             self.start(pending, out);
             return;
         };
@@ -322,12 +335,23 @@ impl HomePage {
                 out.stats.duplicate_requests += 1;
             }
             *queued = pending;
-        } else if self.queue.len() < self.config.queue_limit() && self.queue.push(pending) {
+        } else if self.has_place_for(from) && self.queue.push(pending) {
+            self.turned_away = self.turned_away.without(from);
             out.stats.queued += 1;
         } else {
+            self.turned_away = self.turned_away.with(from);
             out.stats.retries += 1;
             out.send(from, ToNode::Retry { req });
         }
+    }
+
+    /// Whether the queue takes a request from `from`: a place is kept for
+    /// each node turned away (up to the queue's length), which only it
+    /// may take.
+    fn has_place_for(&self, from: NodeId) -> bool {
+        let free = self.config.queue_limit().saturating_sub(self.queue.len());
+        let kept = self.turned_away.without(from).len() as usize;
+        free > 0 && (self.turned_away.contains(from) || free > kept)
     }
 
     /// Serves `p`: answers at once, or starts a callback round.

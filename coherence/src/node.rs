@@ -169,7 +169,7 @@ struct Outstanding {
     /// once the read is granted.
     then_write: bool,
     /// Retry answers to this request so far.
-    retries: u32,
+    retries: u8,
     /// The home answered Retry: send the request again then (not before).
     resend_at_us: Option<u64>,
 }
@@ -187,8 +187,8 @@ impl Outstanding {
 }
 
 /// The wait before the `retries`-th resend of one request (1 for the first).
-fn retry_backoff_us(retries: u32) -> u64 {
-    let doublings = retries.saturating_sub(1).min(u64::BITS - 1);
+fn retry_backoff_us(retries: u8) -> u64 {
+    let doublings = u32::from(retries.saturating_sub(1)).min(u64::BITS - 1);
     RETRY_FIRST_US
         .saturating_mul(1 << doublings)
         .min(RETRY_MAX_US)

@@ -355,3 +355,56 @@ fn a_directory_entry_stays_small() {
     );
     assert!(size <= 256, "{size}");
 }
+
+/// A node turned away keeps a place in the queue: once one frees, a node
+/// that asks first is turned away too, and the place waits for the node
+/// that waited its back-off out. Losing that node frees its place.
+#[test]
+fn a_node_turned_away_gets_the_next_free_place_before_a_newcomer() {
+    let mut stats = HomeStats::default();
+    let mut home = HomePage::new(HomeConfig::new(1));
+    let inv_ack = |seq| ToHome::InvalidateAck {
+        seq,
+        written_back: None,
+    };
+    home.on_message(id(1), write(1, false), &mut stats); // 1 owns, seq 1
+    home.on_message(id(2), write(1, false), &mut stats); // invalidates 1
+    home.on_message(id(3), write(1, false), &mut stats); // queued
+    let out = home.on_message(id(4), write(5, false), &mut stats);
+    assert_eq!(
+        sent(out),
+        vec![(NodeSet::one(id(4)), ToNode::Retry { req: 5 })]
+    );
+    assert_eq!(home.turned_away(), NodeSet::one(id(4)));
+    // 1's ack: 2 is granted, 3's round starts, the queue has a free place.
+    home.on_message(id(1), inv_ack(2), &mut stats);
+    assert_eq!((home.queued(), home.awaiting()), (0, NodeSet::one(id(2))));
+    // It is kept for 4: a newcomer is turned away.
+    let out = home.on_message(id(5), write(1, false), &mut stats);
+    assert_eq!(
+        sent(out),
+        vec![(NodeSet::one(id(5)), ToNode::Retry { req: 1 })]
+    );
+    assert_eq!(home.turned_away(), NodeSet::one(id(4)).with(id(5)));
+    // 4 asks again and gets in.
+    assert!(home
+        .on_message(id(4), write(5, false), &mut stats)
+        .is_empty());
+    assert_eq!(home.queued(), 1);
+    assert_eq!(home.turned_away(), NodeSet::one(id(5)));
+    assert_eq!((stats.retries, stats.queued), (2, 2));
+
+    // Lost while turned away: its place goes to whoever asks.
+    let mut home = HomePage::new(HomeConfig::new(1));
+    home.on_message(id(1), write(1, false), &mut stats);
+    home.on_message(id(2), write(1, false), &mut stats);
+    home.on_message(id(3), write(1, false), &mut stats);
+    home.on_message(id(4), write(5, false), &mut stats);
+    home.on_message(id(1), inv_ack(2), &mut stats);
+    home.on_node_lost(id(4), &mut stats);
+    assert_eq!(home.turned_away(), NodeSet::EMPTY);
+    assert!(home
+        .on_message(id(5), write(1, false), &mut stats)
+        .is_empty());
+    assert_eq!(home.queued(), 1);
+}
