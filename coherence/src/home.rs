@@ -102,6 +102,8 @@ pub(crate) enum HomeMutation {
     ForgetLostOwner,
     /// An ack from a lost node is not counted as received.
     WaitForLostNodes,
+    /// A node lost while turned away keeps its place in the queue.
+    KeepLostNodesPlace,
 }
 
 /// Counters of one home (a page-server), shared by all its pages. Not part
@@ -292,7 +294,9 @@ impl HomePage {
             stats,
         };
         self.queue.retain(|p| p.from != node);
-        self.turned_away = self.turned_away.without(node);
+        if !self.keep_lost_nodes_place() {
+            self.turned_away = self.turned_away.without(node);
+        }
         match self.dir {
             Directory::Modified { owner, .. } if owner == node => {
                 if self.stored_version != self.version && !self.forget_lost_owner() {
@@ -585,6 +589,14 @@ impl HomePage {
     }
     #[cfg(not(test))]
     fn wait_for_lost_nodes(&self) -> bool {
+        false
+    }
+    #[cfg(test)]
+    fn keep_lost_nodes_place(&self) -> bool {
+        self.config.mutation == Some(HomeMutation::KeepLostNodesPlace)
+    }
+    #[cfg(not(test))]
+    fn keep_lost_nodes_place(&self) -> bool {
         false
     }
 }

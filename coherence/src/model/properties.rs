@@ -15,6 +15,10 @@ pub(crate) fn all() -> Vec<Property<Coherence>> {
         Property::always("the directory covers every copy", directory_covers_copies),
         Property::always("no deadlock", no_deadlock),
         Property::always("no lost acknowledgement", no_lost_ack),
+        Property::always(
+            "a kept place is for a node that will ask",
+            kept_places_are_wanted,
+        ),
         Property::always("bounded work per operation", |m: &Coherence, s: &State| {
             s.home.seq() <= 6 * u64::from(m.nodes) * u64::from(m.ops_per_node) + 4
         }),
@@ -112,6 +116,18 @@ fn no_deadlock(model: &Coherence, s: &State) -> bool {
                     && n.writes_waiting == 0
                     && !n.page.has_deferred_callback()
             }))
+}
+
+/// Every node the home keeps a queue place for (it turned it away) is
+/// alive and still wants the page, so it will ask again and take the
+/// place: a place kept for nobody would turn every other node away for
+/// ever (a Retry loop, which "no deadlock" does not see).
+fn kept_places_are_wanted(_: &Coherence, s: &State) -> bool {
+    s.home.turned_away().iter().all(|node| {
+        s.nodes
+            .get(usize::from(node.get()))
+            .is_some_and(|n| n.alive && n.page.outstanding().is_some())
+    })
 }
 
 /// Every ack the home waits for can still come: the node is alive and the

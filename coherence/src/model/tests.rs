@@ -175,6 +175,18 @@ fn the_checker_finds_a_home_waiting_for_a_lost_node() {
 }
 
 #[test]
+fn the_checker_finds_a_place_kept_for_a_lost_node() {
+    let mut model = Coherence::new(3, 2);
+    model.queue_limit = 1;
+    model.home_mutation = Some(HomeMutation::KeepLostNodesPlace);
+    assert_finds_bug(
+        "place kept for a lost node",
+        model,
+        &["a kept place is for a node that will ask"],
+    );
+}
+
+#[test]
 fn the_checker_finds_a_stale_grant_used() {
     let mut model = Coherence::new(2, 2);
     model.node_mutation = Some(NodeMutation::IgnoreFence);
