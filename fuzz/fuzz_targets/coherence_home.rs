@@ -3,7 +3,7 @@
 //! losses, in or out of protocol (late, repeated, from nodes never asked,
 //! with made-up sequence numbers and versions): it never panics, its
 //! versions never go back, and every message it sends is addressed to a
-//! node that has spoken to it.
+//! node that has spoken to it, and so is every queue place it keeps.
 //!
 //! Each step is 12 bytes: node (low 2 bits of byte 0), what (byte 1), and
 //! a value (bytes 2..10) and a request id (bytes 10..12).
@@ -55,6 +55,10 @@ fuzz_target!(|input: &[u8]| {
         assert!(
             home.stored_version() >= stored,
             "the stored version went back"
+        );
+        assert!(
+            home.turned_away().iter().all(|n| spoken.contains(n)),
+            "a queue place kept for a node that never spoke or was lost"
         );
         (version, stored) = (home.version(), home.stored_version());
     }
