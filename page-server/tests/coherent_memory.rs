@@ -72,6 +72,17 @@ fn word(mem: &CoherentMemory) -> &AtomicU64 {
     unsafe { &*mem.as_ptr().cast::<AtomicU64>() }
 }
 
+/// Page 0 as `mem` reads it: `count` in its first word, the zeros the home
+/// started with in the rest.
+fn assert_whole_page(mem: &CoherentMemory, count: u64) {
+    let mut expected = vec![0u8; PAGE_SIZE];
+    expected[..8].copy_from_slice(&count.to_ne_bytes());
+    assert!(
+        read_page(mem, 0) == expected,
+        "page 0 is not {count} and zeros"
+    );
+}
+
 fn read_page(mem: &CoherentMemory, page: usize) -> Vec<u8> {
     let mut buf = vec![0u8; PAGE_SIZE];
     mem.read((page * PAGE_SIZE) as u64, &mut buf).unwrap();
@@ -410,6 +421,7 @@ fn nodes_turned_away_by_a_full_queue_ask_again_after_a_back_off() {
     let elapsed_ms = granted.elapsed().as_millis() as u64;
     assert!(elapsed_ms >= HOLD.as_millis() as u64 / 2);
     assert_eq!(word(&owner).load(Ordering::Acquire), 1 + TAKERS as u64);
+    assert_whole_page(&takers[0], 1 + TAKERS as u64);
     let resent: Vec<u64> = takers.iter().map(|t| t.stats().protocol.retries).collect();
     let turned_away = home.coherence_stats().home.retries;
     assert!(turned_away > 0, "the home's queue never filled: {resent:?}");
@@ -458,6 +470,7 @@ fn twelve_nodes_passing_a_token_in_one_page_all_get_their_turns() {
         }
     });
     assert_eq!(word(&nodes[0]).load(Ordering::Acquire), NODES * ROUNDS);
+    assert_whole_page(&nodes[5], NODES * ROUNDS);
     let stats: Vec<_> = nodes.iter().map(CoherentMemory::stats).collect();
     let errors: u64 = stats.iter().map(|s| s.fault_errors).sum();
     assert_eq!(

@@ -10,9 +10,10 @@
 //! messages vanish and the home is told. Time only matters for the owner's
 //! hold time and a turned-away request's back-off: a node with a timer may
 //! let its clock jump to it at any moment, and that moment is its 0 again
-//! (only differences of times matter, so the states stay finite). Data moves as the implementation moves it: a
-//! write-back writes the home's storage before its message is sent, a fetch
-//! reads the storage when the grant is processed.
+//! (only differences of times matter, so the states stay finite). Data
+//! moves as the implementation moves it: a write-back writes the home's
+//! storage before its message is sent, a fetch reads the storage when the
+//! grant is processed.
 
 mod properties;
 #[cfg(test)]
