@@ -284,10 +284,7 @@ impl NodePage {
             .deferred
             .filter(|cb| !self.awaits_grant(cb))
             .map(|_| self.hold_until_us);
-        match (hold, self.resend_at_us()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        hold.into_iter().chain(self.resend_at_us()).min()
     }
 
     /// A fault (or an access check) for `access`.
