@@ -24,9 +24,33 @@ disk() {
 }
 
 passed=0
-step() { printf '\n==> %s\n' "$*"; }
-ok() { passed=$((passed + 1)); }
-trap 'echo; echo "test-all: FAILED at step $((passed + 1)) ($BASH_COMMAND)"; disk; echo "checks: $passed passed, 1 failed"' ERR
+step_started=$SECONDS
+step() { printf '\n==> %s\n' "$*"; step_started=$SECONDS; }
+ok() { passed=$((passed + 1)); echo "(step took $((SECONDS - step_started)) s)"; }
+
+# A test that hangs must fail its step, not run on until CI's own limit
+# with nothing said (a hang was possible: a healing bug on 5.13-5.18 would
+# have hung its test, not failed it). `limit MINUTES command...` stops the
+# command and everything it started (timeout signals its process group:
+# cargo, the test executables, the page-servers and etcds they spawned).
+# Each limit is several times what the step takes on this machine kind.
+# libtest itself names any test running over 60 s in the log.
+limit() {
+    local minutes=$1 rc=0
+    shift
+    timeout --kill-after=30 "${minutes}m" "$@" || rc=$?
+    if ((rc == 124 || rc == 137)); then
+        echo "test-all: still running after $minutes min, stopped: $*"
+        echo "test-all: a hung test shows above as 'has been running for over 60 seconds'"
+    fi
+    if ((rc != 0)); then
+        limited="$*"
+    fi
+    return "$rc"
+}
+# `limited`: the command `limit` (below) ran, when that failed.
+limited=
+trap 'echo; echo "test-all: FAILED at step $((passed + 1)) (${limited:-$BASH_COMMAND})"; disk; echo "checks: $passed passed, 1 failed"' ERR
 disk
 
 step "host packages (verbs headers and libclang for the bindings-freshness check only, rdma-core)"
@@ -62,7 +86,7 @@ cargo clippy --workspace --all-targets --quiet -- -D warnings
 ok
 
 step "cargo test --workspace (host)"
-cargo test --workspace
+limit 40 cargo test --workspace
 ok
 
 step "guest memory on hugetlbfs (reserves 2 MiB huge pages, then runs the tests a plain cargo test ignores)"
@@ -82,9 +106,9 @@ fi
 # One test at a time: together they need more than the 16 free huge pages
 # required (seen on a fresh machine on 2026-11-26: ENOMEM from mmap with
 # 16, all passing one at a time or with 64).
-cargo test -p page-server --test guest_memory_hugetlbfs -- --ignored --test-threads=1
-cargo test -p page-server --test guest_memory_shared_before_6_4 -- --ignored --test-threads=1
-cargo test -p page-server --test guest_memory_shared_without_wp -- --ignored --test-threads=1
+limit 10 cargo test -p page-server --test guest_memory_hugetlbfs -- --ignored --test-threads=1
+limit 10 cargo test -p page-server --test guest_memory_shared_before_6_4 -- --ignored --test-threads=1
+limit 10 cargo test -p page-server --test guest_memory_shared_without_wp -- --ignored --test-threads=1
 ok
 
 step "coordinator on etcd: etcd-server and protoc (the etcd feature's build needs it), clippy, the API suites against a real etcd"
@@ -99,18 +123,18 @@ fi
 # Debian may start an etcd service on 2379 when it installs the package; the
 # tests start their own on free ports and do not use it.
 cargo clippy -p coordinator --all-targets --features etcd --quiet -- -D warnings
-COORDINATOR_TEST_STORE=etcd cargo test -p coordinator --features etcd --lib \
+COORDINATOR_TEST_STORE=etcd limit 15 cargo test -p coordinator --features etcd --lib \
     --test http_api --test replicas --test auth --test limits --test client
 # Three-member etcd clusters, two coordinator processes, kill -9 of the etcd
 # leader and of a coordinator under load, a dead follower left out of the
 # coordinator's balance and put back, overlapping claims racing.
-cargo test -p coordinator --features etcd --test etcd_cluster
+limit 15 cargo test -p coordinator --features etcd --test etcd_cluster
 # The same with each etcd member in a network namespace of its own: a
 # follower, then the leader, cut off from its peers (every packet dropped)
 # while the coordinators still reach it; a follower the coordinators cannot
 # reach; the member a coordinator's watch is on cut off under a long poll;
 # a coordinator cut off from etcd. Needs root, as this whole script.
-cargo test -p coordinator --features etcd --test etcd_partition
+limit 15 cargo test -p coordinator --features etcd --test etcd_partition
 ok
 
 step "the coordinator's HTTP API against docs/coordinator-openapi.yaml (schemathesis: generated requests, every check)"
@@ -130,27 +154,27 @@ step "replicas across a real partition (a network namespace: needs root and ipro
 # connections after the dead-peer timeout; live idle ones keep theirs. A
 # coherence node cut off from its home drops its copies before the home
 # gives the pages to others.
-cargo test -p page-server --test recovery --test replication --test dead_peer -- --ignored
+limit 15 cargo test -p page-server --test recovery --test replication --test dead_peer -- --ignored
 ok
 
 step "bench: local cluster, TCP, every page checked"
-cargo run --release --quiet -p bench -- --ops 20000 --depth 8 --json target/bench-smoke.json
+limit 15 cargo run --release --quiet -p bench -- --ops 20000 --depth 8 --json target/bench-smoke.json
 ok
 
 step "bench --baseline --latency-rounds: ours against the bare ping-pong over one and two servers, every page checked"
-cargo run --release --quiet -p bench -- --op read --depth 1 --ops 3000 --baseline --latency-rounds 2 --json target/bench-baseline-smoke.json
+limit 15 cargo run --release --quiet -p bench -- --op read --depth 1 --ops 3000 --baseline --latency-rounds 2 --json target/bench-baseline-smoke.json
 ok
 
 step "bench --baseline --throughput-rounds: 32 pages in flight on the asynchronous API against the bare pipelined client, every page checked"
-cargo run --release --quiet -p bench -- --op read --nodes 1 --depth 32 --api async --ops 5000 --baseline --throughput-rounds 2 --json target/bench-throughput-smoke.json
+limit 15 cargo run --release --quiet -p bench -- --op read --nodes 1 --depth 32 --api async --ops 5000 --baseline --throughput-rounds 2 --json target/bench-throughput-smoke.json
 ok
 
 step "bench --op fault: guest memory faulted in over the local cluster, every page checked"
-cargo run --release --quiet -p bench -- --op fault --ops 5000 --json target/bench-fault-smoke.json
+limit 15 cargo run --release --quiet -p bench -- --op fault --ops 5000 --json target/bench-fault-smoke.json
 ok
 
 step "bench --op coherence: 4 node processes sharing coherent guest RAM, every value checked"
-cargo run --release --quiet -p bench -- --op coherence --hv 4 --ops 300 --json target/bench-coherence-smoke.json
+limit 15 cargo run --release --quiet -p bench -- --op coherence --hv 4 --ops 300 --json target/bench-coherence-smoke.json
 ok
 
 if [[ "${SKIP_VM:-0}" != 1 ]]; then
