@@ -1166,3 +1166,73 @@ fn a_replicated_pair_read_and_written_through_random_kills_and_stops_never_reads
         eprintln!("{name}, the stale replica alone: {first_error:?}");
     }
 }
+
+/// A replica that missed a write while the coordinator could not be told
+/// (the write failed: it could not be marked stale) may still apply that
+/// write late, after later ones: the link to it comes back and delivers
+/// what the client's TCP sent on a connection the client has since given
+/// up (it ended, or its sends blocked past the deadline) for a new one.
+/// So the client's next write to the range marks it stale first. Until
+/// 2026-12-07 that next write was taken by both replicas, the late one
+/// then overwrote it on b, and b stayed live with the older page: the next
+/// failover would have served it.
+#[test]
+fn a_replica_that_missed_a_write_the_coordinator_was_not_told_of_is_marked_stale_before_the_next() {
+    const P: u64 = 5;
+    let (db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let coord_addr = coord.addr();
+    let admin = coordinator_client(&url);
+    // Clients reach b through the link (its heartbeats go to the
+    // coordinator directly).
+    let link = StallingLink::start();
+    let a = ChildServer::start_with(&url, "a", 0, &GRACE);
+    let b = ChildServer::start_with(
+        &url,
+        "b",
+        0,
+        &[GRACE[0], GRACE[1], "--advertise", &link.addr()],
+    );
+    link.set_target(&b.addr);
+    wait_all_live(&admin, 2);
+    let mgr = replica_manager(&url, 20_000);
+    fill(&mgr, PAGES);
+
+    // The link to b goes down and the coordinator too: a write of page P
+    // is taken by a only, and fails (nobody to mark b stale).
+    link.hold_open();
+    coord.shutdown().expect("coordinator stops");
+    let missed = mgr
+        .write_page(gpa(P), &content(P, 2))
+        .expect_err("a write b missed, with nobody to mark it stale, succeeded");
+    eprintln!("the write b missed: {missed}");
+    assert!(link.holds_something(), "the write never reached the link");
+
+    // The client's connection to b ends; the coordinator is back; the
+    // client writes P again, over a new connection to b.
+    link.end_held_clients();
+    let _coord = coordinator_on(&db.path().join("c.db"), coord_addr);
+    mgr.write_page(gpa(P), &content(P, 3))
+        .expect("the write once the coordinator is back");
+    assert_ne!(
+        state_of(&admin, "b"),
+        Some(ReplicaState::Live),
+        "b missed a write, and took a later one as a live replica"
+    );
+
+    // The old connection's write arrives now.
+    link.release();
+    assert!(
+        wait_until(Duration::from_secs(10), || link.server_reacted()),
+        "b never answered what the link delivered late"
+    );
+    wait_all_live(&admin, 2);
+    let mut expected: Expected = vec![Slot::Written(1); PAGES as usize];
+    expected[P as usize] = Slot::Written(3);
+    let map = admin.map().expect("map");
+    for node in ["a", "b"] {
+        let only = common::replica_manager(&map, node);
+        verify_pages(&only, &expected, 0..PAGES, &format!("{node} alone: "));
+    }
+    drop((a, b));
+}

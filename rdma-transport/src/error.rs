@@ -76,7 +76,9 @@ pub enum TransportError {
     /// A write reached a live replica of its range, but another replica
     /// missed it and could not be marked stale (the coordinator was not
     /// reachable, or refused): that replica may serve the older page, so
-    /// the write is not reported done. Writing the page again is safe.
+    /// the write is not reported done. Writing the page again is safe; the
+    /// next write to the range marks that replica stale first, and fails
+    /// the same way until the coordinator takes the mark.
     #[error("replica {node} of the range at {gpa:#x} missed a write and could not be marked stale: {reason}")]
     ReplicaMissedWrite {
         /// First address of the range.

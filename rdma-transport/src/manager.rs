@@ -95,6 +95,8 @@ struct Inner {
     /// Pages TCP answers put straight into their destination, on every
     /// connection (`ZeroCopyStats::tcp_direct_pages`).
     tcp_landed_pages: Arc<std::sync::atomic::AtomicU64>,
+    /// Replicas to mark stale before the next write to their range counts.
+    owed_stale: replicas::OwedStale,
 }
 
 #[derive(Debug, Default)]
@@ -177,6 +179,7 @@ impl TransportManager {
             latency: latency::RecentLatency::default(),
             counters: stats::Counters::default(),
             tcp_landed_pages: Arc::default(),
+            owed_stale: replicas::OwedStale::default(),
         });
         if let Some(rdma) = &inner.rdma {
             let weak = Arc::downgrade(&inner);

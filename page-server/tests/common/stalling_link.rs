@@ -32,6 +32,9 @@ struct Shared {
 struct State {
     target: Option<SocketAddr>,
     held: bool,
+    /// Connections numbered below it are held (`hold_open`); later ones
+    /// pass.
+    held_below: Option<u64>,
     /// Set by the first release after a hold.
     released: bool,
     /// Chunks the page-server sent after a release (its answers to what
@@ -103,10 +106,32 @@ impl StallingLink {
         state.released = false;
     }
 
+    /// As [`StallingLink::hold`], for the connections open now only: new
+    /// ones pass.
+    pub fn hold_open(&self) {
+        let mut state = self.shared.state.lock();
+        state.held_below = Some(state.conns.len() as u64);
+        state.released = false;
+    }
+
+    /// Ends the client side of every connection held now, keeping what it
+    /// sent for the page-server: the client sees its connection end (and
+    /// opens a new one), the page-server gets the old one's bytes at the
+    /// release, after whatever came on the new one meanwhile.
+    pub fn end_held_clients(&self) {
+        let state = self.shared.state.lock();
+        for (id, client, _) in &state.conns {
+            if state.holds(*id) {
+                let _ = client.shutdown(Shutdown::Both);
+            }
+        }
+    }
+
     /// Delivers what was kept, and everything after it.
     pub fn release(&self) {
         let mut state = self.shared.state.lock();
         state.held = false;
+        state.held_below = None;
         state.released = true;
         self.shared.changed.notify_all();
     }
@@ -124,13 +149,14 @@ impl StallingLink {
         }
         state.severed.extend(stalled);
         state.held = false;
+        state.held_below = None;
         self.shared.changed.notify_all();
     }
 
     /// Whether the link keeps something from the page-server now.
     pub fn holds_something(&self) -> bool {
         let state = self.shared.state.lock();
-        state.held && !state.stalled.is_empty()
+        (state.held || state.held_below.is_some()) && !state.stalled.is_empty()
     }
 
     /// Whether the page-server answered something delivered after the
@@ -139,6 +165,13 @@ impl StallingLink {
     pub fn server_reacted(&self) -> bool {
         let state = self.shared.state.lock();
         state.answers_after_release > 0 || state.closed_by_server > 0
+    }
+}
+
+impl State {
+    /// Whether connection `id` is held.
+    fn holds(&self, id: u64) -> bool {
+        self.held || self.held_below.is_some_and(|below| id < below)
     }
 }
 
@@ -155,10 +188,10 @@ impl Shared {
                     state.closed_by_server += 1;
                 }
                 // The end of a stream is held back like its bytes.
-                if state.held && !state.stalled.contains(&id) {
+                if state.holds(id) && !state.stalled.contains(&id) {
                     state.stalled.push(id);
                 }
-                while state.held {
+                while state.holds(id) {
                     self.changed.wait(&mut state);
                 }
                 if state.severed.contains(&id) {

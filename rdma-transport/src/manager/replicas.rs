@@ -2,8 +2,10 @@
 //! next, how long a read waits before it goes to another one (the hedging
 //! delay), and what becomes of a write that some replicas missed.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use super::map_state::MapState;
 use super::request::{Outcome, Target};
@@ -18,6 +20,52 @@ const MIN_HEDGE_DELAY: Duration = Duration::from_millis(1);
 
 /// The automatic hedging delay is this many times the recent p99.
 const HEDGE_P99_FACTOR: u32 = 4;
+
+/// Replicas that missed a write of this manager's while the coordinator
+/// could not be told (their write failed): range start and node id. Such a
+/// replica may still apply that write late: a stopped page-server finds it
+/// in its socket, a link that comes back delivers it, on a connection this
+/// manager may have given up for a new one. A later write of the same page
+/// on the new connection could then be overwritten by the older one, with
+/// the replica still live. So no later write to its range counts as done
+/// until it is marked stale (then it recovers, and its recovery ends every
+/// connection opened before it).
+#[derive(Debug, Default)]
+pub(super) struct OwedStale {
+    /// Whether `list` is not empty (the write path's one check).
+    any: AtomicBool,
+    list: Mutex<Vec<(u64, String)>>,
+}
+
+impl OwedStale {
+    fn owe(&self, range_start: u64, node: String) {
+        let mut list = self.list.lock();
+        if !list.iter().any(|(r, n)| *r == range_start && *n == node) {
+            list.push((range_start, node));
+        }
+        self.any.store(true, Ordering::Release);
+    }
+
+    fn settled(&self, range_start: u64, node: &str) {
+        let mut list = self.list.lock();
+        list.retain(|(r, n)| !(*r == range_start && n == node));
+        self.any.store(!list.is_empty(), Ordering::Release);
+    }
+
+    /// Whether a replica is owed a stale mark.
+    pub(super) fn any(&self) -> bool {
+        self.any.load(Ordering::Acquire)
+    }
+
+    fn of_range(&self, range_start: u64) -> Vec<String> {
+        self.list
+            .lock()
+            .iter()
+            .filter(|(r, _)| *r == range_start)
+            .map(|(_, n)| n.clone())
+            .collect()
+    }
+}
 
 impl Inner {
     /// The replica a read of `gpa` (whose primary is `primary`) goes to
@@ -146,6 +194,8 @@ impl Inner {
         let mut first_error = None;
         for &(range_start, node_index) in &stale[..stale_count] {
             if let Err(e) = self.mark_stale(state, range_start, node_index, deadline) {
+                self.owed_stale
+                    .owe(range_start, self.node_name(state, node_index));
                 first_error.get_or_insert(e);
             }
         }
@@ -157,6 +207,44 @@ impl Inner {
             }));
         }
         first_error.map_or(Ok(()), Err)
+    }
+
+    /// Before a write to `targets` (resolved on `state`): marks stale every
+    /// replica of their ranges that is owed it ([`OwedStale`]). Returns
+    /// whether one was (the map in use changed: resolve again), or the
+    /// error of one the coordinator still did not take: the write must not
+    /// count as done, and is not sent.
+    pub(super) fn settle_owed_stale(
+        &self,
+        state: &MapState,
+        targets: &[Target],
+        deadline: Instant,
+    ) -> Result<bool, TransportError> {
+        let mut changed = false;
+        let mut done: smallvec::SmallVec<[u64; 4]> = smallvec::SmallVec::new();
+        for t in targets {
+            let range_start = t.loc.range_start;
+            if done.contains(&range_start) {
+                continue;
+            }
+            done.push(range_start);
+            for node in self.owed_stale.of_range(range_start) {
+                // Marked again even when this map shows it stale or
+                // recovering: that may predate the write it missed. Gone
+                // from the range, it holds nothing of it any more.
+                let replica = state
+                    .nodes
+                    .iter()
+                    .position(|n| n.id == node)
+                    .filter(|&i| state.map.replicas(t.gpa).any(|l| l.node_index == i));
+                if let Some(i) = replica {
+                    self.mark_stale(state, range_start, i, deadline)?;
+                    changed = true;
+                }
+                self.owed_stale.settled(range_start, &node);
+            }
+        }
+        Ok(changed)
     }
 
     /// Marks `node_index`'s replica of the range at `range_start` stale at

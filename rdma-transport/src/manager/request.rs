@@ -181,6 +181,14 @@ impl Inner {
             // after it.
             Err((at, e)) => return (at + 1, Err(e)),
         };
+        if write && self.owed_stale.any() {
+            match self.settle_owed_stale(&state, &targets, deadline) {
+                Err(e) => return (end, Err(e)),
+                // The map in use has it stale now: resolve again on it.
+                Ok(true) => return self.run_window(opcode, gpas, pages, from, frame, deadline),
+                Ok(false) => {}
+            }
+        }
         let result = if write {
             self.write_replicas(&state, &mut targets, frame.is_none(), deadline)
         } else {
