@@ -10,9 +10,12 @@
 //! ranges on three nodes, two replicas each in rotation, a node's death,
 //! restart and recovery of both its ranges, then the death of another node
 //! lose nothing either. And a pair under load through eight kills and
-//! stops of replicas and of the coordinator, in a random order (seeded,
-//! replayable), reads no wrong page; once the live replica dies with the
-//! other stale, nothing is read at all.
+//! stops of replicas and of the coordinator, and links down that deliver
+//! late, in a random order (seeded, replayable), reads no wrong page; once
+//! the live replica dies with the other stale, nothing is read at all. A
+//! replica that missed a write the coordinator could not be told of is
+//! marked stale before the next write counts, or a write it got late would
+//! overwrite a newer one.
 
 mod common;
 // The coordinator's partition tests' namespaces, shared rather than copied.
@@ -985,12 +988,25 @@ enum Fault {
     /// fail rather than succeed on the other alone. Then the replica is
     /// resumed and the coordinator started again at its address.
     CoordinatorDown { ops: u64, and_stop: bool },
+    /// The link from the clients to b goes down (b lives on) while the
+    /// load runs `ops` more operations, with the coordinator down too when
+    /// `coordinator_down`; with `end_clients`, the clients' connections
+    /// through it end meanwhile (they open new ones), the coordinator
+    /// back. Then it comes back and delivers what it kept late (`late`) or
+    /// drops it.
+    LinkDown {
+        ops: u64,
+        coordinator_down: bool,
+        end_clients: bool,
+        late: bool,
+    },
 }
 
 /// A replicated pair under a read/write load, through faults in a random
 /// order: each replica in turn killed and restarted, or stopped (SIGSTOP)
 /// and resumed, sometimes while the other is still recovering or being
-/// copied from. The seed is printed; `CHAOS_SEED=N` replays it.
+/// copied from; the coordinator stopped and started again; the link to b
+/// down ([`Fault`]). The seed is printed; `CHAOS_SEED=N` replays it.
 ///
 /// Every read that succeeds must return the page's last acknowledged
 /// write (a wrong page is worse than an error: while both replicas are
@@ -1024,7 +1040,14 @@ fn a_replicated_pair_read_and_written_through_random_kills_and_stops_never_reads
     let coord_addr = coord.addr();
     let mut coord = Some(coord);
     let admin = coordinator_client(&url);
-    let (a, b) = replicated_pair(&url, &admin);
+    // Clients reach b through a link that can go down (b's heartbeats go
+    // to the coordinator directly).
+    let link = StallingLink::start();
+    let b_args = [GRACE[0], GRACE[1], "--advertise", &link.addr()];
+    let a = ChildServer::start_with(&url, "a", 0, &GRACE);
+    let b = ChildServer::start_with(&url, "b", 0, &b_args);
+    link.set_target(&b.addr);
+    wait_all_live(&admin, 2);
     let mut servers = [a, b];
     let mgr = replica_manager(&url, 20_000);
     let (load, handle) = Load::start(Arc::clone(&mgr), fill(&mgr, PAGES));
@@ -1038,6 +1061,13 @@ fn a_replicated_pair_read_and_written_through_random_kills_and_stops_never_reads
             .iter()
             .all(|(_, s)| *s == ReplicaState::Live);
         let fault = if rng.gen_bool(0.2) {
+            Fault::LinkDown {
+                ops: rng.gen_range(2..8),
+                coordinator_down: rng.gen_bool(0.5),
+                end_clients: rng.gen_bool(0.5),
+                late: rng.gen_bool(0.5),
+            }
+        } else if rng.gen_bool(0.2) {
             Fault::CoordinatorDown {
                 ops: rng.gen_range(50..1500),
                 and_stop: rng.gen_bool(0.5),
@@ -1056,6 +1086,11 @@ fn a_replicated_pair_read_and_written_through_random_kills_and_stops_never_reads
                 },
             }
         };
+        let name = if matches!(fault, Fault::LinkDown { .. }) {
+            "b"
+        } else {
+            name
+        };
         done.push(format!("{fault:?} {name}"));
         eprintln!(
             "fault {}: {fault:?} {name} after {} operations, replicas {:?}",
@@ -1067,7 +1102,41 @@ fn a_replicated_pair_read_and_written_through_random_kills_and_stops_never_reads
             Fault::Kill => {
                 servers[victim].kill();
                 load.wait_ops(rng.gen_range(200..2000));
-                servers[victim] = ChildServer::start_with(&url, name, 0, &GRACE);
+                servers[victim] = if victim == 0 {
+                    ChildServer::start_with(&url, name, 0, &GRACE)
+                } else {
+                    let b = ChildServer::start_with(&url, name, 0, &b_args);
+                    link.set_target(&b.addr);
+                    b
+                };
+            }
+            Fault::LinkDown {
+                ops,
+                coordinator_down,
+                end_clients,
+                late,
+            } => {
+                // b is the one behind the link. Its reads are hedged to
+                // a, its writes time out (1 s each): a few operations.
+                link.hold_open();
+                if coordinator_down {
+                    if let Some(running) = coord.take() {
+                        running.shutdown().expect("coordinator stops");
+                    }
+                }
+                load.wait_ops(ops);
+                if coord.is_none() {
+                    coord = Some(coordinator_on(&db.path().join("c.db"), coord_addr));
+                }
+                if end_clients {
+                    link.end_held_clients();
+                    load.wait_ops(ops);
+                }
+                if late {
+                    link.release();
+                } else {
+                    link.sever();
+                }
             }
             Fault::Stop { ops } => {
                 servers[victim].pause();
