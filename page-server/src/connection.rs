@@ -29,6 +29,10 @@ use rdma_transport::log_limit::LogLimit;
 const RECV_BUF_BYTES: usize = 256 * 1024;
 /// Answers gathered before they are flushed (each takes two iovecs at most).
 const MAX_PENDING_ANSWERS: usize = 256;
+/// How long a client's new data connection waits for its older ones to
+/// end (`Recorded::supersede_older`); shut down, they end as soon as their
+/// threads run.
+const SUPERSEDE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The memory a page-server exports, and the epoch it announces.
 ///
@@ -397,6 +401,29 @@ fn serve_messages(
                         io::ErrorKind::ConnectionRefused,
                         "connection limit reached",
                     ));
+                }
+                // A data connection (a coherence node declares a bound):
+                // the client's older ones end first, before its HELLO_ACK.
+                if let (Some(client_id), None) = (session.client_id, session.node_bound) {
+                    match guard.supersede_older(client_id, SUPERSEDE_TIMEOUT) {
+                        Ok(0) => {}
+                        Ok(ended) => tracing::debug!(
+                            client_id,
+                            ended,
+                            "a client's new connection: its older ones ended first"
+                        ),
+                        Err(running) => {
+                            tracing::warn!(
+                                client_id,
+                                running,
+                                "a client's older connections did not end in time; closing its new one"
+                            );
+                            return Err(io::Error::new(
+                                io::ErrorKind::TimedOut,
+                                "the client's older connections still run",
+                            ));
+                        }
+                    }
                 }
                 let rdma = match (&session.qp, session.rdma_withheld) {
                     (Some(_), _) => RdmaUse::Session,

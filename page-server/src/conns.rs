@@ -11,12 +11,14 @@ use std::net::{Shutdown, TcpStream};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 /// The recorded connections.
 #[derive(Debug, Default)]
 pub(crate) struct Connections {
     inner: Mutex<Inner>,
+    /// Notified whenever a record goes (its connection's thread ended).
+    gone: Condvar,
 }
 
 #[derive(Debug, Default)]
@@ -47,6 +49,10 @@ struct Entry {
     coherence_node: bool,
     /// Shut down by [`Connections::fence`]; its thread may not have ended.
     fenced: bool,
+    /// The client's id, once handshaken as a data connection (not a
+    /// coherence node's): a newer data connection of the same client
+    /// supersedes it ([`Recorded::supersede_older`]).
+    client_id: Option<u64>,
 }
 
 /// Whether a connection's client moves pages by RDMA.
@@ -151,6 +157,62 @@ impl Recorded {
     }
 }
 
+impl Recorded {
+    /// This connection, handshaken as a data connection of client
+    /// `client_id`, supersedes that client's older data connections: shuts
+    /// them down and waits until their threads have ended (at most
+    /// `within`), so that nothing they still read is applied after what
+    /// this one brings. Returns how many there were, or `Err` with how
+    /// many still run after `within` (this connection must then not be
+    /// served).
+    ///
+    /// A client gives a connection up when it ends or its requests stop
+    /// being answered; writes it sent there may still arrive: a stopped
+    /// process finds them in its socket, a link that comes back delivers
+    /// what the client's TCP retransmits. Had it written the same page
+    /// again on its new connection, the older write would land last.
+    /// Shut down, the old socket applies what this process already read
+    /// from it, before its thread ends, and refuses the rest.
+    /// Coherence nodes' connections are not data connections: neither
+    /// side of this.
+    pub(crate) fn supersede_older(
+        &self,
+        client_id: u64,
+        within: std::time::Duration,
+    ) -> Result<usize, usize> {
+        let mut inner = self.conns.inner.lock();
+        let mut older = Vec::new();
+        for entry in inner.entries.iter_mut() {
+            if entry.id == self.id {
+                entry.client_id = Some(client_id);
+            } else if entry.client_id == Some(client_id) && !entry.coherence_node {
+                let _ = entry.socket.shutdown(Shutdown::Both);
+                entry.client_id = None;
+                older.push(entry.id);
+            }
+        }
+        let deadline = std::time::Instant::now() + within;
+        let running = |inner: &Inner| {
+            inner
+                .entries
+                .iter()
+                .filter(|e| older.contains(&e.id))
+                .count()
+        };
+        while running(&inner) > 0 {
+            if self.conns.gone.wait_until(&mut inner, deadline).timed_out() {
+                let left = running(&inner);
+                return if left == 0 {
+                    Ok(older.len())
+                } else {
+                    Err(left)
+                };
+            }
+        }
+        Ok(older.len())
+    }
+}
+
 impl Drop for Recorded {
     fn drop(&mut self) {
         let mut inner = self.conns.inner.lock();
@@ -160,6 +222,7 @@ impl Drop for Recorded {
             let entry = inner.entries.swap_remove(at);
             inner.uncount(entry.state);
         }
+        self.conns.gone.notify_all();
     }
 }
 
@@ -237,6 +300,7 @@ impl Connections {
             rdma: RdmaUse::None,
             coherence_node: false,
             fenced: false,
+            client_id: None,
         });
         inner.pending += 1;
         Some(Admitted {
@@ -474,6 +538,76 @@ mod tests {
         drop(r1);
         assert_eq!(r2.promote(1), Promotion::Promoted);
         assert_eq!(conns.counts(), (0, 1));
+    }
+
+    /// A thread serving `server` as a connection does: it reads until the
+    /// end of the stream, then its record goes.
+    fn serving(mut server: TcpStream, recorded: Recorded) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 16];
+            while server.read(&mut buf).is_ok_and(|n| n > 0) {}
+            drop(recorded);
+        })
+    }
+
+    /// A client's new data connection shuts down that client's older data
+    /// connections and returns once their threads have ended; another
+    /// client's connection and a coherence node's of the same client stay.
+    #[test]
+    fn a_clients_new_data_connection_ends_its_older_ones_first() {
+        let conns = Arc::new(Connections::default());
+        let (mut old_client, old_server) = pair();
+        let (mut other_client, other_server) = pair();
+        let (mut node_client, node_server) = pair();
+        let (_new_client, new_server) = pair();
+        let old = conns
+            .record(old_server.try_clone().unwrap(), 8)
+            .unwrap()
+            .recorded;
+        let other = conns
+            .record(other_server.try_clone().unwrap(), 8)
+            .unwrap()
+            .recorded;
+        let node = conns
+            .record(node_server.try_clone().unwrap(), 8)
+            .unwrap()
+            .recorded;
+        let new = conns.record(new_server, 8).unwrap().recorded;
+        assert_eq!(old.supersede_older(7, Duration::from_secs(5)), Ok(0));
+        assert_eq!(other.supersede_older(8, Duration::from_secs(5)), Ok(0));
+        node.note_coherence_node();
+        let old_thread = serving(old_server, old);
+        let _other_thread = serving(other_server, other);
+
+        assert_eq!(new.supersede_older(7, Duration::from_secs(5)), Ok(1));
+        // Its thread has ended: its record is gone.
+        assert_eq!(conns.len(), 3);
+        old_thread.join().unwrap();
+        assert_eof(&mut old_client);
+        assert!(
+            still_open(&mut other_client),
+            "another client's connection was ended"
+        );
+        assert!(
+            still_open(&mut node_client),
+            "a coherence node's connection was ended"
+        );
+        drop(node_server);
+    }
+
+    /// An older connection whose thread does not end in time: the new one
+    /// is told how many still run (it is then not served).
+    #[test]
+    fn a_new_connection_is_refused_while_an_older_one_of_its_client_runs_on() {
+        let conns = Arc::new(Connections::default());
+        let (_old_client, old_server) = pair();
+        let (_new_client, new_server) = pair();
+        let old = conns.record(old_server, 8).unwrap().recorded;
+        let new = conns.record(new_server, 8).unwrap().recorded;
+        assert_eq!(old.supersede_older(7, Duration::from_secs(5)), Ok(0));
+        // Nothing serves the old one: its record stays.
+        assert_eq!(new.supersede_older(7, Duration::from_millis(50)), Err(1));
+        drop(old);
     }
 
     /// Whether the client end of a pair is still open (no end of stream,

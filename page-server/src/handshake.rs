@@ -126,6 +126,8 @@ pub(crate) struct Session {
     /// The bound on this server's silence the client declared as a
     /// coherence node (`AuthRequest::node_bound_ms`).
     pub(crate) node_bound: Option<Duration>,
+    /// The id the client said HELLO with, once authenticated.
+    pub(crate) client_id: Option<u64>,
 }
 
 impl Session {
@@ -269,6 +271,7 @@ pub(crate) fn on_auth(
         }
     }
     session.stage = Stage::Ready;
+    session.client_id = Some(client_id);
     session.checksums = request.checksums && terms.checksums;
     session.node_bound = request
         .node_bound_ms

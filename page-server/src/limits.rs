@@ -168,6 +168,11 @@ impl ConnGuard {
         self.recorded.note_rdma(rdma)
     }
 
+    /// See [`Recorded::supersede_older`].
+    pub(crate) fn supersede_older(&self, client_id: u64, within: Duration) -> Result<usize, usize> {
+        self.recorded.supersede_older(client_id, within)
+    }
+
     /// Whether the connection joined the coherence directory as a node.
     pub(crate) fn is_coherence_node(&self) -> bool {
         self.coherence_node

@@ -1237,17 +1237,20 @@ fn a_replicated_pair_read_and_written_through_random_kills_and_stops_never_reads
 }
 
 /// A replica that missed a write while the coordinator could not be told
-/// (the write failed: it could not be marked stale) may still apply that
-/// write late, after later ones: the link to it comes back and delivers
-/// what the client's TCP sent on a connection the client has since given
-/// up (it ended, or its sends blocked past the deadline) for a new one.
-/// So the client's next write to the range marks it stale first. Until
-/// 2026-12-07 that next write was taken by both replicas, the late one
-/// then overwrote it on b, and b stayed live with the older page: the next
-/// failover would have served it.
+/// (the write failed: it could not be marked stale) is marked stale by the
+/// client's next write to the range, before that write counts. Otherwise
+/// it stayed live without the pages of the failed write, which the other
+/// replica has: reads of them went back in time at the next failover.
+/// And the failed write, delivered late by a link that comes back on the
+/// connection the client has since replaced, must not land after a newer
+/// one: the page-server ended that connection when the client's new one
+/// arrived (`page-server/tests/late_writes.rs`). Until 2026-12-07 neither
+/// was done: b stayed live, and the late write overwrote the newer one on
+/// it.
 #[test]
 fn a_replica_that_missed_a_write_the_coordinator_was_not_told_of_is_marked_stale_before_the_next() {
     const P: u64 = 5;
+    const Q: u64 = 9;
     let (db, coord) = loopback_coordinator();
     let url = coord.url();
     let coord_addr = coord.addr();
@@ -1267,12 +1270,12 @@ fn a_replica_that_missed_a_write_the_coordinator_was_not_told_of_is_marked_stale
     let mgr = replica_manager(&url, 20_000);
     fill(&mgr, PAGES);
 
-    // The link to b goes down and the coordinator too: a write of page P
-    // is taken by a only, and fails (nobody to mark b stale).
+    // The link to b goes down and the coordinator too: a write of pages P
+    // and Q is taken by a only, and fails (nobody to mark b stale).
     link.hold_open();
     coord.shutdown().expect("coordinator stops");
     let missed = mgr
-        .write_page(gpa(P), &content(P, 2))
+        .write_pages(&[gpa(P), gpa(Q)], &[content(P, 2), content(Q, 2)])
         .expect_err("a write b missed, with nobody to mark it stale, succeeded");
     eprintln!("the write b missed: {missed}");
     assert!(link.holds_something(), "the write never reached the link");
@@ -1298,10 +1301,19 @@ fn a_replica_that_missed_a_write_the_coordinator_was_not_told_of_is_marked_stale
     wait_all_live(&admin, 2);
     let mut expected: Expected = vec![Slot::Written(1); PAGES as usize];
     expected[P as usize] = Slot::Written(3);
+    expected[Q as usize] = Slot::Unknown;
     let map = admin.map().expect("map");
-    for node in ["a", "b"] {
-        let only = common::replica_manager(&map, node);
-        verify_pages(&only, &expected, 0..PAGES, &format!("{node} alone: "));
+    let alone = ["a", "b"].map(|node| common::replica_manager(&map, node));
+    for (node, only) in ["a", "b"].iter().zip(&alone) {
+        verify_pages(only, &expected, 0..PAGES, &format!("{node} alone: "));
     }
+    let (mut on_a, mut on_b) = ([0u8; PAGE_SIZE], [0u8; PAGE_SIZE]);
+    alone[0].read_page(gpa(Q), &mut on_a).expect("read a");
+    alone[1].read_page(gpa(Q), &mut on_b).expect("read b");
+    assert!(
+        on_a == on_b,
+        "page Q, whose write failed, differs between the replicas (a has the failed write: {})",
+        on_a == content(Q, 2)
+    );
     drop((a, b));
 }
