@@ -155,9 +155,7 @@ impl Recorded {
             }
         }
     }
-}
 
-impl Recorded {
     /// This connection, handshaken as a data connection of client
     /// `client_id`, supersedes that client's older data connections: shuts
     /// them down and waits until their threads have ended (at most

@@ -23,13 +23,13 @@ const HEDGE_P99_FACTOR: u32 = 4;
 
 /// Replicas that missed a write of this manager's while the coordinator
 /// could not be told (their write failed): range start and node id. Such a
-/// replica may still apply that write late: a stopped page-server finds it
-/// in its socket, a link that comes back delivers it, on a connection this
-/// manager may have given up for a new one. A later write of the same page
-/// on the new connection could then be overwritten by the older one, with
-/// the replica still live. So no later write to its range counts as done
-/// until it is marked stale (then it recovers, and its recovery ends every
-/// connection opened before it).
+/// replica lacks pages another replica of its range has taken, yet stays
+/// live: reads of those pages would go back in time at the next failover.
+/// So no later write to its range counts as done until it is marked stale
+/// (it then recovers from a live replica). (That the write it missed may
+/// still reach it late, on a connection this manager has since replaced,
+/// is the page-server's to refuse: a client's new connection ends its
+/// older ones, docs/wire-protocol.md.)
 #[derive(Debug, Default)]
 pub(super) struct OwedStale {
     /// Whether `list` is not empty (the write path's one check).
