@@ -1317,3 +1317,43 @@ fn a_replica_that_missed_a_write_the_coordinator_was_not_told_of_is_marked_stale
     );
     drop((a, b));
 }
+
+/// What a manager owes a replica that missed a write (see above) is
+/// dropped, not failed on forever, once that replica is its range's only
+/// live one: the coordinator refuses to mark it stale, and no live replica
+/// has pages it lacks (the others recover from it).
+#[test]
+fn an_owed_stale_mark_is_dropped_once_the_replica_is_its_ranges_only_live_one() {
+    const P: u64 = 5;
+    let (db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let coord_addr = coord.addr();
+    let admin = coordinator_client(&url);
+    let (a, b) = replicated_pair(&url, &admin);
+    let mgr = replica_manager(&url, 20_000);
+    fill(&mgr, PAGES);
+
+    b.pause();
+    coord.shutdown().expect("coordinator stops");
+    mgr.write_page(gpa(P), &content(P, 2))
+        .expect_err("a write b missed, with nobody to mark it stale, succeeded");
+    b.resume();
+    let _coord = coordinator_on(&db.path().join("c.db"), coord_addr);
+    // a is marked stale meanwhile (as another client's write it missed
+    // would): b is the range's only live replica.
+    admin
+        .mark_replica_stale(0, "a", Duration::from_secs(2))
+        .expect("a marked stale");
+    mgr.write_page(gpa(P), &content(P, 3))
+        .expect("a write once b is its range's only live replica");
+
+    wait_all_live(&admin, 2);
+    let mut expected: Expected = vec![Slot::Written(1); PAGES as usize];
+    expected[P as usize] = Slot::Written(3);
+    let map = admin.map().expect("map");
+    for node in ["a", "b"] {
+        let only = common::replica_manager(&map, node);
+        verify_pages(&only, &expected, 0..PAGES, &format!("{node} alone: "));
+    }
+    drop((a, b));
+}

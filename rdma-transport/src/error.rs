@@ -78,7 +78,8 @@ pub enum TransportError {
     /// reachable, or refused): that replica may serve the older page, so
     /// the write is not reported done. Writing the page again is safe; the
     /// next write to the range marks that replica stale first, and fails
-    /// the same way until the coordinator takes the mark.
+    /// the same way until the coordinator takes the mark (or answers that
+    /// it is the range's only live replica by then).
     #[error("replica {node} of the range at {gpa:#x} missed a write and could not be marked stale: {reason}")]
     ReplicaMissedWrite {
         /// First address of the range.

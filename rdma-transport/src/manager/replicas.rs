@@ -11,6 +11,7 @@ use super::map_state::MapState;
 use super::request::{Outcome, Target};
 use super::{Inner, RETRY_INTERVAL};
 use crate::coordinator::api::ReplicaState;
+use crate::coordinator::CoordinatorError;
 use crate::error::TransportError;
 use crate::gpa_map::{other_generation, Location};
 
@@ -20,6 +21,13 @@ const MIN_HEDGE_DELAY: Duration = Duration::from_millis(1);
 
 /// The automatic hedging delay is this many times the recent p99.
 const HEDGE_P99_FACTOR: u32 = 4;
+
+/// What the coordinator made of a request to mark a replica stale.
+enum Marked {
+    Stale,
+    /// Refused: it is its range's only live replica.
+    LastLive(TransportError),
+}
 
 /// Replicas that missed a write of this manager's while the coordinator
 /// could not be told (their write failed): range start and node id. Such a
@@ -238,8 +246,17 @@ impl Inner {
                     .position(|n| n.id == node)
                     .filter(|&i| state.map.replicas(t.gpa).any(|l| l.node_index == i));
                 if let Some(i) = replica {
-                    self.mark_stale(state, range_start, i, deadline)?;
-                    changed = true;
+                    match self.try_mark_stale(state, range_start, i, deadline)? {
+                        Marked::Stale => changed = true,
+                        // No other replica is live: none has pages it
+                        // lacks (they recover from it). Nothing is owed.
+                        Marked::LastLive(_) => tracing::info!(
+                            range_start,
+                            %node,
+                            "a replica that missed a write is its range's only live one now: \
+                             not marked stale"
+                        ),
+                    }
                 }
                 self.owed_stale.settled(range_start, &node);
             }
@@ -256,6 +273,21 @@ impl Inner {
         node_index: usize,
         deadline: Instant,
     ) -> Result<(), TransportError> {
+        match self.try_mark_stale(state, range_start, node_index, deadline)? {
+            Marked::Stale => Ok(()),
+            Marked::LastLive(e) => Err(e),
+        }
+    }
+
+    /// As [`Inner::mark_stale`], telling the coordinator's refusal to mark
+    /// the range's last live replica apart from other failures.
+    fn try_mark_stale(
+        &self,
+        state: &MapState,
+        range_start: u64,
+        node_index: usize,
+        deadline: Instant,
+    ) -> Result<Marked, TransportError> {
         let node = self.node_name(state, node_index);
         tracing::warn!(range_start, %node, "a replica missed a write: marking it stale");
         let missed = |reason: String| TransportError::ReplicaMissedWrite {
@@ -269,9 +301,14 @@ impl Inner {
         let remaining = deadline
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(100));
-        let change = client
-            .mark_replica_stale(range_start, &node, remaining)
-            .map_err(|e| missed(e.to_string()))?;
+        let change = match client.mark_replica_stale(range_start, &node, remaining) {
+            Ok(change) => change,
+            // The only answer with this status (docs/coordinator.md).
+            Err(e @ CoordinatorError::Http { status: 409, .. }) => {
+                return Ok(Marked::LastLive(missed(e.to_string())))
+            }
+            Err(e) => return Err(missed(e.to_string())),
+        };
         // The coordinator's map at `change.version` has it stale: until a
         // refresh brings that (or newer), the map in use says so too. A map
         // in use of another generation (the coordinator lost its state
@@ -302,6 +339,6 @@ impl Inner {
                 break;
             }
         }
-        Ok(())
+        Ok(Marked::Stale)
     }
 }
