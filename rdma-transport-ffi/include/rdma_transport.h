@@ -378,10 +378,10 @@ typedef struct RtGuestMemoryStats {
 // only read during `rt_manager_connect`.
 typedef struct RtManagerConfig {
   // `sizeof(RtManagerConfig)`, set by `rt_manager_config_default`: lets
-  // the struct grow (see docs/embedding.md). The size of the first
-  // layout (64, up to `cluster_key_file`) is accepted too, with defaults
-  // for the fields after it; other sizes are refused with
-  // `RT_STATUS_STRUCT_SIZE`.
+  // the struct grow (see docs/embedding.md). The sizes of the earlier
+  // layouts (64, up to `cluster_key_file`; 168, up to `cluster_key_len`)
+  // are accepted too, with defaults for the fields after them; other
+  // sizes are refused with `RT_STATUS_STRUCT_SIZE`.
   uint32_t struct_size;
   // Poller threads (at least 1).
   uint32_t poller_threads;
@@ -449,6 +449,11 @@ typedef struct RtManagerConfig {
   const uint8_t *cluster_key;
   // Bytes at `cluster_key`.
   size_t cluster_key_len;
+  // This client's identity on its connections; 0 (default): a random
+  // one. Give one that survives a restart of the VMM (e.g. derived from
+  // the VM's UUID), never the same to two managers alive at once: see
+  // docs/embedding.md.
+  uint64_t client_id;
 } RtManagerConfig;
 
 // The completion callback (`RT_REAP_MODE_CALLBACK`): called on the

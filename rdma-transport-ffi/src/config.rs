@@ -48,10 +48,10 @@ pub const RT_RDMA_GID_INDEX_AUTO: i32 = -1;
 #[derive(Debug, Clone, Copy)]
 pub struct RtManagerConfig {
     /// `sizeof(RtManagerConfig)`, set by `rt_manager_config_default`: lets
-    /// the struct grow (see docs/embedding.md). The size of the first
-    /// layout (64, up to `cluster_key_file`) is accepted too, with defaults
-    /// for the fields after it; other sizes are refused with
-    /// `RT_STATUS_STRUCT_SIZE`.
+    /// the struct grow (see docs/embedding.md). The sizes of the earlier
+    /// layouts (64, up to `cluster_key_file`; 168, up to `cluster_key_len`)
+    /// are accepted too, with defaults for the fields after them; other
+    /// sizes are refused with `RT_STATUS_STRUCT_SIZE`.
     pub struct_size: u32,
     /// Poller threads (at least 1).
     pub poller_threads: u32,
@@ -119,15 +119,23 @@ pub struct RtManagerConfig {
     pub cluster_key: *const u8,
     /// Bytes at `cluster_key`.
     pub cluster_key_len: usize,
+    /// This client's identity on its connections; 0 (default): a random
+    /// one. Give one that survives a restart of the VMM (e.g. derived from
+    /// the VM's UUID), never the same to two managers alive at once: see
+    /// docs/embedding.md.
+    pub client_id: u64,
 }
 
 /// `struct_size` of the first layout (up to `cluster_key_file`).
 const FIRST_LAYOUT_BYTES: usize = 64;
 const _: () = assert!(offset_of!(RtManagerConfig, transport) == FIRST_LAYOUT_BYTES);
+/// `struct_size` of the second layout (up to `cluster_key_len`).
+const SECOND_LAYOUT_BYTES: usize = 168;
+const _: () = assert!(offset_of!(RtManagerConfig, client_id) == SECOND_LAYOUT_BYTES);
 
 impl CConfig for RtManagerConfig {
     const NAME: &'static str = "RtManagerConfig";
-    const OLD_SIZES: &'static [usize] = &[FIRST_LAYOUT_BYTES];
+    const OLD_SIZES: &'static [usize] = &[FIRST_LAYOUT_BYTES, SECOND_LAYOUT_BYTES];
 
     fn defaults() -> Self {
         let d = ManagerConfig::default();
@@ -165,6 +173,7 @@ impl CConfig for RtManagerConfig {
             coordinator_token: std::ptr::null(),
             cluster_key: std::ptr::null(),
             cluster_key_len: 0,
+            client_id: 0,
         }
     }
 }
@@ -329,6 +338,7 @@ pub(crate) unsafe fn rust_config(c: &RtManagerConfig) -> Result<ManagerConfig, R
         rdma_retry_count: small(c.rdma_retry_count, 0..=7, "rdma_retry_count")?,
         page_checksums,
         read_hedge_delay_us: c.read_hedge_delay_us,
+        client_id: (c.client_id != 0).then_some(c.client_id),
     })
 }
 
@@ -366,6 +376,7 @@ mod tests {
             coordinator_token: c"tok".as_ptr(),
             cluster_key: key.as_ptr(),
             cluster_key_len: key.len(),
+            client_id: 0x5eed,
             ..RtManagerConfig::defaults()
         };
         // SAFETY: every pointer of `c` is live and valid as documented.
@@ -397,6 +408,7 @@ mod tests {
         );
         assert!(!r.page_checksums);
         assert_eq!(r.read_hedge_delay_us, 555);
+        assert_eq!(r.client_id, Some(0x5eed));
     }
 
     #[test]

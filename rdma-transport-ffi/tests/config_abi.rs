@@ -175,7 +175,7 @@ fn guest_config_of_the_third_layout_still_works() {
         create(&old),
         (RtStatus::InvalidArgument, "manager is NULL".to_owned())
     );
-    // One byte short of it is no layout at all.
+    // A size between the layouts is none of them.at all.
     let (status, _) = create(&RtGuestMemoryConfig {
         struct_size: (third - 1) as u32,
         ..guest_defaults()
@@ -444,6 +444,34 @@ fn manager_config_of_the_first_layout_still_works() {
     let (status, message) = unsafe { connect_fails(ptr) };
     assert_eq!(status, RtStatus::InvalidArgument);
     assert!(message.contains("not 4294967295"), "{message}");
+}
+
+/// The second layout of `RtManagerConfig` (168 bytes, up to
+/// `cluster_key_len`, before `client_id`) is accepted: a program built
+/// against that header reaches the coordinator, with a random client id.
+#[test]
+fn manager_config_of_the_second_layout_still_works() {
+    const SECOND: usize = 168;
+    assert_eq!(
+        std::mem::offset_of!(RtManagerConfig, client_id),
+        SECOND,
+        "client_id is the first field after the second layout"
+    );
+    let c = RtManagerConfig {
+        struct_size: SECOND as u32,
+        ..manager_defaults()
+    };
+    // SAFETY: a whole config (a prefix of it is read), a live URL.
+    let (status, message) = unsafe { connect_fails(&c) };
+    assert_eq!(status, RtStatus::Coordinator, "{message}");
+    // A size between the layouts is none of them.
+    let c = RtManagerConfig {
+        struct_size: SECOND as u32 - 8,
+        ..manager_defaults()
+    };
+    // SAFETY: as above.
+    let (status, message) = unsafe { connect_fails(&c) };
+    assert_eq!(status, RtStatus::StructSize, "{message}");
 }
 
 /// Every bad value of the fields past the first layout is refused with

@@ -150,6 +150,18 @@ pub struct ManagerConfig {
     /// (default): four times the recent p99 of such reads, at least 1 ms.
     /// Never more than half of `request_timeout_ms`.
     pub read_hedge_delay_us: u64,
+    /// This client's identity on every connection (HELLO's client id).
+    /// `None` (default): a random one per manager. A page-server ends a
+    /// client's older data connections when it opens a new one, so that a
+    /// write the client gave up on cannot land after a newer one
+    /// (docs/wire-protocol.md). Give a value that stays the same across
+    /// restarts of the VMM process (e.g. derived from the VM's UUID) and
+    /// the same holds across a restart: the new process's connections end
+    /// the dead one's, and what it sent and was not yet applied is
+    /// refused. Two managers alive at once must never share one (each
+    /// would end the other's connections): at a live migration, the
+    /// source's manager is dropped before the destination's is created.
+    pub client_id: Option<u64>,
 }
 
 impl Default for ManagerConfig {
@@ -175,6 +187,7 @@ impl Default for ManagerConfig {
             rdma_retry_count: crate::rdma::QP_RETRY_CNT,
             page_checksums: true,
             read_hedge_delay_us: 0,
+            client_id: None,
         }
     }
 }

@@ -162,7 +162,7 @@ impl TransportManager {
         )
         .map_err(|e| TransportError::Config(format!("cannot start poller threads: {e}")))?;
         let rdma = RdmaSide::open(&config, &pool, &cpus)?;
-        let client_id = crate::ids::random_u64();
+        let client_id = config.client_id.unwrap_or_else(crate::ids::random_u64);
         let inner = Arc::new(Inner {
             state: ArcSwap::from_pointee(MapState::default()),
             view: ArcSwap::default(),
