@@ -4,7 +4,9 @@
 
 use std::net::TcpStream;
 use std::sync::Arc;
+use std::time::Instant;
 
+use crate::client_id_clashes::{ClientIdClashes, CLASH_REPLACEMENTS, CLASH_WINDOW};
 use crate::conns::{Connections, Recorded};
 use crate::limits::Timeouts;
 use crate::stats::{CloseReason, Counters, ServerStats};
@@ -24,6 +26,8 @@ pub(crate) struct Admission {
     evict_log: LogLimit,
     pub(crate) full_log: LogLimit,
     pub(crate) accept_log: LogLimit,
+    clashes: ClientIdClashes,
+    clash_log: LogLimit,
 }
 
 impl Admission {
@@ -37,6 +41,8 @@ impl Admission {
             evict_log: LogLimit::new(WARN_INTERVAL),
             full_log: LogLimit::new(WARN_INTERVAL),
             accept_log: LogLimit::new(WARN_INTERVAL),
+            clashes: ClientIdClashes::default(),
+            clash_log: LogLimit::new(WARN_INTERVAL),
         }
     }
 
@@ -60,6 +66,29 @@ impl Admission {
 
     pub(crate) fn closed(&self, reason: CloseReason) {
         self.counters.closed(reason);
+    }
+
+    /// A new data connection of `client_id` ended `ended` (> 0) older
+    /// ones: counted, and a clash of two clients on that id is reported.
+    pub(crate) fn superseded(&self, client_id: u64, ended: usize) {
+        for _ in 0..ended {
+            self.counters.closed(CloseReason::Superseded);
+        }
+        if !self.clashes.replaced(client_id, Instant::now()) {
+            return;
+        }
+        self.counters.client_id_clashed();
+        if let Some(suppressed) = self.clash_log.event() {
+            tracing::warn!(
+                client_id,
+                replacements = CLASH_REPLACEMENTS,
+                within_s = CLASH_WINDOW.as_secs(),
+                suppressed,
+                "a client id's connections keep ending each other: two live clients use it \
+                 (each fails the other's requests); give each live manager its own \
+                 ManagerConfig::client_id"
+            );
+        }
     }
 
     pub(crate) fn accept_failed(&self) {

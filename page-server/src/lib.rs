@@ -9,6 +9,7 @@
 
 mod acceptor;
 mod admission;
+mod client_id_clashes;
 mod client_keys;
 mod coherence_channel;
 mod coherence_home;

@@ -169,8 +169,15 @@ impl ConnGuard {
     }
 
     /// See [`Recorded::supersede_older`].
+    /// Older connections ended are counted (and a clash of two clients
+    /// on one id reported: `Admission::superseded`).
     pub(crate) fn supersede_older(&self, client_id: u64, within: Duration) -> Result<usize, usize> {
-        self.recorded.supersede_older(client_id, within)
+        let outcome = self.recorded.supersede_older(client_id, within);
+        let ended = outcome.unwrap_or_default();
+        if ended > 0 {
+            self.admission.superseded(client_id, ended);
+        }
+        outcome
     }
 
     /// Whether the connection joined the coherence directory as a node.

@@ -10,7 +10,8 @@
 //! | `page_server_read_sums_kept_total` | counter | (checksummed READ answers sent out of the region with the sum kept since the page was written: no copy; `page_sums.rs`) |
 //! | `page_server_checksum_failures_total` | counter | `carrier` (`write`, `coherence_frame`: refused because the checksum did not match, i.e. damaged on the way) |
 //! | `page_server_connections` | gauge | `state` (`handshaken`, `pending`) |
-//! | `page_server_connections_closed_total` | counter | `reason` (closed or refused by the server's limits, `ServerStats`: `evicted_pending`, `refused_full`, `handshake_timeout`, `idle_timeout`, `protocol_error`, `dead_peer`) |
+//! | `page_server_connections_closed_total` | counter | `reason` (closed or refused by the server's limits, `ServerStats`: `evicted_pending`, `refused_full`, `handshake_timeout`, `idle_timeout`, `protocol_error`, `dead_peer`, `superseded`: ended by a newer connection of its client) |
+//! | `page_server_client_id_clashes_total` | counter | (times two live clients were seen sharing one client id: their connections ended each other 20 times within 10 s) |
 //! | `page_server_accept_errors_total` | counter | (`accept` calls that failed, e.g. out of descriptors) |
 //! | `page_server_replica_recoveries_total` | counter | `outcome` (`done`: the replica is live again; `failed`: failed or overtaken, retried a period later) |
 //! | `page_server_replica_recovered_pages_total` | counter | (pages copied in from a live replica) |
@@ -192,6 +193,7 @@ pub(crate) struct PageMetrics {
     connections: Family<StateLabels, Gauge>,
     closed: Family<ReasonLabels, Counter>,
     accept_errors: Counter,
+    client_id_clashes: Counter,
     recoveries: Family<OutcomeLabels, Counter>,
     recovered_pages: Counter,
     recovery_running: Gauge,
@@ -251,7 +253,7 @@ impl PageMetrics {
         let closed = Family::<ReasonLabels, Counter>::default();
         registry.register(
             "connections_closed",
-            "Connections closed or refused by the server's limits, by reason",
+            "Connections closed or refused by the server's limits, or ended by a newer connection of their client, by reason",
             closed.clone(),
         );
         let accept_errors = Counter::default();
@@ -259,6 +261,12 @@ impl PageMetrics {
             "accept_errors",
             "accept calls that failed (e.g. out of file descriptors)",
             accept_errors.clone(),
+        );
+        let client_id_clashes = Counter::default();
+        registry.register(
+            "client_id_clashes",
+            "Times two live clients were seen sharing one client id (their connections ended each other 20 times within 10 s)",
+            client_id_clashes.clone(),
         );
         let recoveries = Family::<OutcomeLabels, Counter>::default();
         registry.register(
@@ -308,6 +316,7 @@ impl PageMetrics {
             connections,
             closed,
             accept_errors,
+            client_id_clashes,
             recoveries,
             recovered_pages,
             recovery_running,
@@ -404,10 +413,12 @@ impl PageMetrics {
             ("idle_timeout", stats.idle_timeouts),
             ("protocol_error", stats.protocol_errors),
             ("dead_peer", stats.dead_peers),
+            ("superseded", stats.superseded_connections),
         ] {
             catch_up(&self.closed.get_or_create(&ReasonLabels { reason }), now);
         }
         catch_up(&self.accept_errors, stats.accept_errors);
+        catch_up(&self.client_id_clashes, stats.client_id_clashes);
         for (outcome, now) in [
             ("done", stats.recoveries),
             ("failed", stats.recovery_failures),

@@ -56,6 +56,12 @@ pub struct ServerStats {
     /// match: damaged on the way (metric
     /// `page_server_checksum_failures_total{carrier}`).
     pub checksum_failures: u64,
+    /// Data connections ended because their client opened a newer one
+    /// (same client id; see docs/wire-protocol.md, "Handshake").
+    pub superseded_connections: u64,
+    /// Times a client id's connections ended each other at least 20 times
+    /// within 10 s: two live clients share that id (logged at WARN).
+    pub client_id_clashes: u64,
 }
 
 /// Why the server refused or closed a connection.
@@ -67,6 +73,7 @@ pub(crate) enum CloseReason {
     IdleTimeout,
     ProtocolError,
     DeadPeer,
+    Superseded,
 }
 
 /// The live counters behind [`ServerStats`] (the gauges come from the
@@ -80,6 +87,8 @@ pub(crate) struct Counters {
     protocol_errors: AtomicU64,
     dead_peers: AtomicU64,
     accept_errors: AtomicU64,
+    superseded: AtomicU64,
+    client_id_clashes: AtomicU64,
 }
 
 impl Counters {
@@ -91,8 +100,13 @@ impl Counters {
             CloseReason::IdleTimeout => &self.idle_timeouts,
             CloseReason::ProtocolError => &self.protocol_errors,
             CloseReason::DeadPeer => &self.dead_peers,
+            CloseReason::Superseded => &self.superseded,
         };
         counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn client_id_clashed(&self) {
+        self.client_id_clashes.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn accept_failed(&self) {
@@ -112,6 +126,8 @@ impl Counters {
             protocol_errors: get(&self.protocol_errors),
             dead_peers: get(&self.dead_peers),
             accept_errors: get(&self.accept_errors),
+            superseded_connections: get(&self.superseded),
+            client_id_clashes: get(&self.client_id_clashes),
             ..ServerStats::default()
         }
     }
