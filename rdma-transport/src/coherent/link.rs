@@ -42,6 +42,8 @@ const RECV_BUF_BYTES: usize = 64 * 1024;
 #[derive(Debug)]
 pub(crate) struct Link {
     pub(crate) node: String,
+    /// The home process's epoch (see `Resolve::confirm_epoch`).
+    pub(crate) epoch: u64,
     stream: TcpStream,
     /// Over RDMA: the frames go through this channel, and `stream` only
     /// tells that the home is gone (no writer thread then).
@@ -75,6 +77,7 @@ impl Link {
             channel,
             bound_sums,
             node_bound_limit_ms: _,
+            epoch,
         } = dialed;
         let down = |e: io::Error| TransportError::NodeDown {
             node: node.to_owned(),
@@ -97,6 +100,7 @@ impl Link {
         let (tx, rx) = mpsc::channel::<Vec<u8>>();
         let link = Arc::new(Self {
             node: node.to_owned(),
+            epoch,
             stream,
             channel,
             bound_sums,

@@ -158,6 +158,9 @@ pub(crate) struct HomeRef {
     pub(crate) node: String,
     pub(crate) addr: String,
     pub(crate) offset: u64,
+    /// The home's epoch whose memory holds the page's range (0: not
+    /// checked; see `manager/epoch.rs`).
+    pub(crate) valid_epoch: u64,
 }
 
 /// What a [`CoherentNode`] needs from its [`crate::TransportManager`].
@@ -167,6 +170,19 @@ pub(crate) trait Resolve: Send + Sync + std::fmt::Debug {
     /// A handshaken, blocking connection to `home`, declaring this node's
     /// bound on the home's silence (`CoherenceConfig::dead_home_timeout_ms`).
     fn dial(&self, home: &HomeRef, node_bound_ms: NonZeroU32) -> Result<Dialed, TransportError>;
+    /// Whether the home's process in `server_epoch` (its connection's)
+    /// holds the range of `gpa`: by `home.valid_epoch`, else by the map
+    /// refreshed once. A home restarted since the range was last written
+    /// has an empty memory, not the guest's pages.
+    ///
+    /// # Errors
+    /// [`TransportError::DataLost`] when it does not.
+    fn confirm_epoch(
+        &self,
+        gpa: u64,
+        home: &HomeRef,
+        server_epoch: u64,
+    ) -> Result<(), TransportError>;
 }
 
 /// A connection to a home: the socket, and the RDMA message channel set
@@ -182,6 +198,8 @@ pub(crate) struct Dialed {
     /// The longest bound on its silence the home accepts from a node (its
     /// `--node-dead-home-timeout-ms`); `None` from a home that does not say.
     pub(crate) node_bound_limit_ms: Option<NonZeroU32>,
+    /// The home process's epoch (its HELLO_ACK's).
+    pub(crate) epoch: u64,
 }
 
 /// This process as a node of a coherent VM. Made by
@@ -306,7 +324,10 @@ impl CoherentNode {
             });
         }
         if let Some(link) = links.get(&home.node).filter(|l| !l.is_dead()) {
-            return Ok((Arc::clone(link), home.offset));
+            let link = Arc::clone(link);
+            drop(links);
+            self.shared.resolve.confirm_epoch(gpa, &home, link.epoch)?;
+            return Ok((link, home.offset));
         }
         let node_bound_ms = self
             .shared
@@ -319,6 +340,8 @@ impl CoherentNode {
         check_node_bound(&home.node, node_bound_ms, dialed.node_bound_limit_ms)?;
         let link = Link::start(&self.shared, &home.node, dialed)?;
         links.insert(home.node.clone(), Arc::clone(&link));
+        drop(links);
+        self.shared.resolve.confirm_epoch(gpa, &home, link.epoch)?;
         Ok((link, home.offset))
     }
 }

@@ -3,6 +3,7 @@
 
 use std::num::NonZeroU32;
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::{Inner, TransportManager};
 use crate::coherent::{CoherenceConfig, CoherenceHandler, CoherentNode, Dialed, HomeRef, Resolve};
@@ -51,6 +52,39 @@ impl Resolve for Resolver {
             node: node.id.clone(),
             addr: node.addr.clone(),
             offset: loc.remote_offset,
+            valid_epoch: loc.valid_epoch,
+        })
+    }
+
+    fn confirm_epoch(
+        &self,
+        gpa: u64,
+        home: &HomeRef,
+        server_epoch: u64,
+    ) -> Result<(), TransportError> {
+        if super::epoch::serves(home.valid_epoch, server_epoch) {
+            return Ok(());
+        }
+        // An operator may have re-initialised the range since this map.
+        self.0
+            .refresh_on_miss(Instant::now() + self.0.config.request_timeout());
+        let now = self.home_of(gpa)?;
+        if now.node == home.node
+            && now.offset == home.offset
+            && super::epoch::serves(now.valid_epoch, server_epoch)
+        {
+            return Ok(());
+        }
+        tracing::debug!(
+            gpa,
+            node = %home.node,
+            server_epoch,
+            valid_epoch = now.valid_epoch,
+            "coherent page's range was lost with its home's restart; not served"
+        );
+        Err(TransportError::DataLost {
+            gpa,
+            node: home.node.clone(),
         })
     }
 
@@ -117,6 +151,7 @@ impl Resolve for Resolver {
             channel,
             bound_sums: ack.bound_sums,
             node_bound_limit_ms: ack.node_bound_limit_ms,
+            epoch: ack.epoch,
         })
     }
 }
