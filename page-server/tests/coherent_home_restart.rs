@@ -42,7 +42,6 @@ fn node(mgr: &TransportManager, reports: &Reports) -> CoherentMemory {
             min_hold_us: 50,
             timeout_ms: 3000,
             dead_home_timeout_ms: 1000,
-            ..CoherenceConfig::default()
         },
     )
     .expect("coherent region")
