@@ -5,8 +5,10 @@
 //! guest memory, and pass messages through rings; each node checks what it
 //! sees, and a last `hv-node check` reads everything back. One test kills a
 //! node (SIGKILL) while it owns a page: the others finish, and the page is
-//! reported lost, never stale. The nodes synchronise through guest memory
-//! only (barriers); nothing here sleeps.
+//! reported lost, never stale. Another stops a node (SIGSTOP) again and
+//! again mid-run: no update is lost. The nodes synchronise through guest
+//! memory only (barriers); the only sleeps here are how long a stopped node
+//! stays stopped, and runs between stops.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -182,4 +184,63 @@ fn a_killed_node_loses_only_the_page_it_owned() {
         touch.status,
         String::from_utf8_lossy(&touch.stdout)
     );
+}
+
+/// Three nodes run the workload while node 1 is stopped (SIGSTOP) and
+/// continued again and again: its pages (owned, or shared copies the
+/// others must invalidate) are out of reach while it is stopped, and its
+/// vCPUs and handlers resume mid-operation. The others wait for it (the
+/// fault deadline is set beyond any stop), nobody's update is lost: every
+/// count adds up, every node and the final check verify.
+#[test]
+fn a_node_stopped_again_and_again_mid_run_loses_no_update() {
+    let cluster = Cluster::start();
+    let (nodes, vcpus, iters) = (3usize, 2usize, 3200u64);
+    let extra = [
+        "--vcpus".to_owned(),
+        vcpus.to_string(),
+        "--iters".to_owned(),
+        iters.to_string(),
+        "--fault-timeout-ms".to_owned(),
+        "60000".to_owned(),
+    ];
+    let mut children: Vec<Child> = (0..nodes)
+        .map(|n| cluster.node("run", n, nodes, &extra))
+        .collect();
+    let pid = i32::try_from(children[1].id()).expect("pid");
+    let signal = |sig| {
+        // SAFETY: kill(2) on our own child, not yet reaped (it is only
+        // waited for below, after the last signal).
+        unsafe { libc::kill(pid, sig) }
+    };
+    // Fault injection, not synchronisation: each stop lasts 300 ms, with
+    // 300 ms of running between stops, for as long as node 1 runs (20
+    // stops at most).
+    let mut stops_while_running = 0;
+    for _ in 0..20 {
+        if children[1].try_wait().expect("try_wait").is_some() {
+            break;
+        }
+        assert_eq!(signal(libc::SIGSTOP), 0, "SIGSTOP node 1");
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert_eq!(signal(libc::SIGCONT), 0, "SIGCONT node 1");
+        stops_while_running += 1;
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+    assert!(
+        stops_while_running >= 3,
+        "node 1 finished after {stops_while_running} stops: the workload is too short to test stops"
+    );
+    for (n, child) in children.drain(..).enumerate() {
+        let report = verified(child, &format!("node {n}"));
+        assert_eq!(
+            report["counter_total"],
+            nodes as u64 * vcpus as u64 * iters,
+            "node {n}: {report}"
+        );
+        assert_eq!(report["stats"]["fault_errors"], 0, "node {n}: {report}");
+    }
+    let check = verified(cluster.node("check", 0, nodes, &extra), "check");
+    assert_eq!(check["counter_total"], nodes as u64 * vcpus as u64 * iters);
+    eprintln!("node 1 was stopped {stops_while_running} times mid-run");
 }

@@ -88,6 +88,10 @@ struct Args {
     /// Fault handler threads.
     #[arg(long, default_value_t = 2)]
     handler_threads: usize,
+    /// How long a fault may wait for its page before it fails (the vCPU
+    /// then gets SIGBUS): `GuestMemoryConfig::fault_timeout_ms`.
+    #[arg(long, default_value_t = GuestMemoryConfig::new(0, 0).fault_timeout_ms)]
+    fault_timeout_ms: u64,
     /// Longest a wait at a barrier or in the ring may take (s) before the
     /// node gives up with an error.
     #[arg(long, default_value_t = 120)]
@@ -142,6 +146,7 @@ fn run(args: &Args) -> anyhow::Result<serde_json::Value> {
         GuestMemoryConfig {
             handler_threads: args.handler_threads,
             handler_cpus: Some(vec![]),
+            fault_timeout_ms: args.fault_timeout_ms,
             ..GuestMemoryConfig::new(0, args.memory)
         },
         CoherenceConfig {
