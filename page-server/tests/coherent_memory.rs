@@ -237,6 +237,35 @@ fn a_page_evicted_right_after_its_fault_goes_back() {
     }
 }
 
+/// A node whose map is older than the range (its manager read the map
+/// before the home claimed it, and refreshes it in the background no
+/// more): its first access refreshes the map and is served, as a read of
+/// the data path would be. Until 2026-12-07 the coherent path failed such
+/// a fault at once with `UnknownGpa` (a vCPU's SIGBUS by default).
+#[test]
+fn a_node_whose_map_predates_the_range_refreshes_it_rather_than_failing() {
+    let (_db, coord) = loopback_coordinator();
+    let mgr = TransportManager::connect(rdma_transport::ManagerConfig {
+        coordinator_url: coord.url(),
+        map_refresh_ms: 0,
+        poller_cpus: Some(vec![]),
+        ..rdma_transport::ManagerConfig::default()
+    })
+    .expect("manager connects");
+    assert!(
+        mgr.map().lookup(0).is_none(),
+        "the map already has the range"
+    );
+    let _home = page_server(&coord.url(), "home", 0);
+    let mem = node(&mgr, 1);
+    mem.acquire(0, Access::Read)
+        .expect("the first access to a range claimed after the map was read");
+    assert!(
+        read_page(&mem, 0) == vec![0u8; PAGE_SIZE],
+        "a new range reads as zeros"
+    );
+}
+
 /// Bad settings and addresses get clear errors, and nothing is mapped.
 #[test]
 fn bad_settings_and_addresses_are_refused() {

@@ -31,6 +31,13 @@ struct Resolver(Arc<Inner>);
 
 impl Resolve for Resolver {
     fn home_of(&self, gpa: u64) -> Result<HomeRef, TransportError> {
+        if self.0.state.load().map.lookup(gpa).is_none() {
+            // A map older than the range (a page-server that claimed it
+            // since): refreshed once, as the data path does, rather than
+            // failing the fault.
+            self.0
+                .refresh_on_miss(Instant::now() + self.0.config.request_timeout());
+        }
         let state = self.0.state.load();
         let loc = state
             .map
