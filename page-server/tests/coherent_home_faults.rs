@@ -1,18 +1,23 @@
-//! A coherence home that restarts: the new process's memory is empty, and
-//! the range's contents were the old process's (its epoch's). Nodes must
-//! not be handed those zeros as the guest's pages, whether they held a
-//! copy before the restart or come new: their faults fail with `DataLost`
-//! until an operator re-initialises the range, as reads and writes of the
-//! data path do (`epoch.rs`).
+//! A coherence home that fails under its nodes, a real page-server
+//! process: stopped (SIGSTOP) again and again while nodes work, its nodes
+//! wait and lose nothing; restarted, the new process's memory is empty and
+//! the range's contents were the old process's (its epoch's), and nodes
+//! must not be handed those zeros as the guest's pages, whether they held
+//! a copy before the restart or come new: their faults fail with
+//! `DataLost` until an operator re-initialises the range, as reads and
+//! writes of the data path do (`epoch.rs`).
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
 use rdma_transport::coherent::CoherenceConfig;
-use rdma_transport::guest_memory::{CoherentMemory, FaultAction, GuestMemoryConfig};
+use rdma_transport::guest_memory::{
+    CoherentMemory, FaultAction, GuestBacking, GuestMemoryConfig, SharedFile,
+};
 use rdma_transport::{TransportError, TransportManager, PAGE_SIZE};
 
 const PAGES: usize = 16;
@@ -47,6 +52,25 @@ fn node(mgr: &TransportManager, reports: &Reports) -> CoherentMemory {
     .expect("coherent region")
 }
 
+/// Waits until page-server "home" is registered in an epoch other than
+/// `old_epoch` (0: none before) and the map has its range (the ready file
+/// only says it listens); returns that epoch.
+fn home_registered(url: &str, old_epoch: u64) -> u64 {
+    let coordinator = coordinator_client(url);
+    let mut epoch = 0;
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            epoch = coordinator.node(&"home".to_owned()).map_or(0, |n| n.epoch);
+            ![0, old_epoch].contains(&epoch)
+                && coordinator
+                    .map()
+                    .is_ok_and(|m| m.entries.iter().any(|e| e.gpa_start == 0))
+        }),
+        "the home never registered (in a new epoch) with its range"
+    );
+    epoch
+}
+
 fn data_lost_reported(reports: &Reports) -> bool {
     reports.lock().unwrap().iter().any(|(lost, _)| *lost)
 }
@@ -62,14 +86,8 @@ fn data_lost_reported(reports: &Reports) -> bool {
 fn a_restarted_home_never_hands_out_its_empty_memory_as_the_guests_pages() {
     let (_db, coord) = loopback_coordinator();
     let url = coord.url();
-    let coordinator = coordinator_client(&url);
-    let epoch = || coordinator.node(&"home".to_owned()).map_or(0, |n| n.epoch);
     let mut home = ChildServer::start_with(&url, "home", 0, HOME_FLAGS);
-    assert!(
-        wait_until(Duration::from_secs(20), || epoch() != 0),
-        "the home never registered"
-    );
-    let old_epoch = epoch();
+    let old_epoch = home_registered(&url, 0);
     let (mgr_a, mgr_b) = (manager(&url), manager(&url));
     let (reports_a, reports_b) = (Reports::default(), Reports::default());
     let (a, b) = (node(&mgr_a, &reports_a), node(&mgr_b, &reports_b));
@@ -81,11 +99,7 @@ fn a_restarted_home_never_hands_out_its_empty_memory_as_the_guests_pages() {
 
     home.kill();
     let _home = ChildServer::start_with(&url, "home", 0, HOME_FLAGS);
-    assert!(
-        wait_until(Duration::from_secs(20), || ![0, old_epoch]
-            .contains(&epoch())),
-        "the restarted home never registered its new epoch"
-    );
+    home_registered(&url, old_epoch);
     let mgr_c = manager(&url);
     let reports_c = Reports::default();
     let c = node(&mgr_c, &reports_c);
@@ -124,7 +138,7 @@ fn a_restarted_home_never_hands_out_its_empty_memory_as_the_guests_pages() {
             reports_b.lock().unwrap(),
             reports_c.lock().unwrap()
         );
-        coordinator
+        coordinator_client(&url)
             .reinitialise_range(0)
             .expect("re-initialise the range");
         for (name, reader) in ["b", "c"].into_iter().zip(readers) {
@@ -136,4 +150,121 @@ fn a_restarted_home_never_hands_out_its_empty_memory_as_the_guests_pages() {
         }
     });
     assert!(reports_a.lock().unwrap().is_empty());
+}
+
+/// Two nodes (one on a memfd, one on anonymous memory), two vCPU threads
+/// each, add to eight counters on four pages with compare-and-swap while
+/// their home is stopped (SIGSTOP) for 300 ms every 300 ms, eight times:
+/// grants, callbacks and write-backs wait in its sockets. With a fault
+/// deadline beyond any stop, nothing fails and every increment counts.
+#[test]
+fn nodes_working_through_a_home_stopped_again_and_again_lose_no_update() {
+    const COUNTERS: usize = 8;
+    const STOPS: usize = 8;
+    let (_db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let home = ChildServer::start_with(&url, "home", 0, HOME_FLAGS);
+    home_registered(&url, 0);
+    let mgr = manager(&url);
+    let reports = Reports::default();
+    let config = |backing| GuestMemoryConfig {
+        handler_cpus: Some(vec![]),
+        handler_threads: 2,
+        fault_timeout_ms: 60_000,
+        on_fault_error: Some({
+            let reports = Arc::clone(&reports);
+            Arc::new(move |report: &rdma_transport::guest_memory::FaultReport| {
+                reports
+                    .lock()
+                    .unwrap()
+                    .push((false, report.error.to_string()));
+                FaultAction::Retry
+            })
+        }),
+        backing,
+        ..GuestMemoryConfig::new(0, PAGES * PAGE_SIZE)
+    };
+    let coherence = CoherenceConfig {
+        min_hold_us: 50,
+        timeout_ms: 30_000,
+        dead_home_timeout_ms: 1000,
+    };
+    let nodes = [
+        CoherentMemory::new(
+            &mgr,
+            config(GuestBacking::SharedFile(SharedFile::new(
+                memfd(PAGES * PAGE_SIZE),
+                0,
+            ))),
+            coherence,
+        )
+        .expect("coherent region"),
+        CoherentMemory::new(&mgr, config(GuestBacking::Anonymous), coherence)
+            .expect("coherent region"),
+    ];
+    let counter = |mem: &CoherentMemory, i: usize| -> &AtomicU64 {
+        // Counter i: page 1 + i / 2, at byte 0 or 2048.
+        let gpa = ((1 + i / 2) * PAGE_SIZE + (i % 2) * 2048) as u64;
+        let ptr = mem.host_addr(gpa).unwrap().cast::<AtomicU64>();
+        // SAFETY: an aligned u64 inside the live region, only ever accessed
+        // atomically by this test.
+        unsafe { &*ptr }
+    };
+    // Thread (n, t)'s k-th increment goes to counter (2n + t + k) % 8.
+    let first_counter = |n: usize, t: usize| 2 * n + t;
+    let stop = AtomicBool::new(false);
+    let counts: Vec<(usize, u64)> = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..4)
+            .map(|thread| {
+                let (n, t) = (thread / 2, thread % 2);
+                let (mem, stop) = (&nodes[n], &stop);
+                s.spawn(move || {
+                    let mut k = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let c = counter(mem, (first_counter(n, t) + k as usize) % COUNTERS);
+                        let mut seen = c.load(Ordering::Acquire);
+                        while let Err(now) =
+                            c.compare_exchange(seen, seen + 1, Ordering::AcqRel, Ordering::Acquire)
+                        {
+                            seen = now;
+                        }
+                        k += 1;
+                    }
+                    (first_counter(n, t), k)
+                })
+            })
+            .collect();
+        // Fault injection, not synchronisation: 300 ms stopped, 300 ms
+        // running, while the vCPU threads work.
+        for _ in 0..STOPS {
+            home.pause();
+            std::thread::sleep(Duration::from_millis(300));
+            home.resume();
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        stop.store(true, Ordering::Relaxed);
+        threads.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut expected = [0u64; COUNTERS];
+    for &(first, increments) in &counts {
+        for k in 0..increments {
+            expected[(first + k as usize) % COUNTERS] += 1;
+        }
+    }
+    eprintln!("increments by thread through {STOPS} stops of the home: {counts:?}");
+    for (i, &want) in expected.iter().enumerate() {
+        for (n, mem) in nodes.iter().enumerate() {
+            assert_eq!(
+                counter(mem, i).load(Ordering::Acquire),
+                want,
+                "counter {i} as node {n} reads it"
+            );
+        }
+    }
+    let errors: u64 = nodes.iter().map(|m| m.stats().fault_errors).sum();
+    assert_eq!(errors, 0, "faults failed: {:?}", reports.lock().unwrap());
+    // Pages went back and forth through the home.
+    for (n, mem) in nodes.iter().enumerate() {
+        assert!(mem.stats().invalidations > 0, "node {n}: {:?}", mem.stats());
+    }
 }
