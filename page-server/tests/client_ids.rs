@@ -11,21 +11,9 @@ use std::time::Duration;
 
 use common::*;
 use page_server::ServerConfig;
-use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
+use rdma_transport::{TransportManager, PAGE_SIZE};
 
 const SHARED_ID: u64 = 42;
-
-fn manager_with_id(url: &str, client_id: u64) -> TransportManager {
-    TransportManager::connect(ManagerConfig {
-        coordinator_url: url.to_owned(),
-        request_timeout_ms: 500,
-        connect_timeout_ms: 500,
-        poller_cpus: Some(vec![]),
-        client_id: Some(client_id),
-        ..ManagerConfig::default()
-    })
-    .expect("manager connects")
-}
 
 /// Writes then reads page `index` `rounds` times, each time a new
 /// version, until `stop` is set. Every read that succeeds must be the last

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::stalling_link::StallingLink;
 use common::*;
-use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
+use rdma_transport::PAGE_SIZE;
 
 /// The page both tests write.
 const P: u64 = 3;
@@ -69,19 +69,6 @@ fn a_write_delivered_late_on_a_connection_the_client_replaced_does_not_overwrite
             "neither write"
         }
     );
-}
-
-/// A manager of the test's page-server, with `client_id`.
-fn manager_with_id(url: &str, client_id: u64) -> TransportManager {
-    TransportManager::connect(ManagerConfig {
-        coordinator_url: url.to_owned(),
-        request_timeout_ms: 500,
-        connect_timeout_ms: 500,
-        poller_cpus: Some(vec![]),
-        client_id: Some(client_id),
-        ..ManagerConfig::default()
-    })
-    .expect("manager connects")
 }
 
 /// As above across a restart of the VMM: a VMM process gives a write up

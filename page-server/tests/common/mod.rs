@@ -62,6 +62,20 @@ pub fn manager(url: &str) -> TransportManager {
     .expect("manager connects")
 }
 
+/// As [`manager`], with `client_id` (`ManagerConfig::client_id`: the
+/// identity a VMM keeps across restarts).
+pub fn manager_with_id(url: &str, client_id: u64) -> TransportManager {
+    TransportManager::connect(ManagerConfig {
+        coordinator_url: url.to_owned(),
+        request_timeout_ms: 500,
+        connect_timeout_ms: 500,
+        poller_cpus: Some(vec![]),
+        client_id: Some(client_id),
+        ..ManagerConfig::default()
+    })
+    .expect("manager connects")
+}
+
 /// A memfd of `size_bytes`, as a VMM creates for guest RAM.
 pub fn memfd(size_bytes: usize) -> std::sync::Arc<std::os::fd::OwnedFd> {
     memfd_with(size_bytes, 0)
