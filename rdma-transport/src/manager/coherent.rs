@@ -31,18 +31,22 @@ struct Resolver(Arc<Inner>);
 
 impl Resolve for Resolver {
     fn home_of(&self, gpa: u64) -> Result<HomeRef, TransportError> {
-        if self.0.state.load().map.lookup(gpa).is_none() {
-            // A map older than the range (a page-server that claimed it
-            // since): refreshed once, as the data path does, rather than
-            // failing the fault.
-            self.0
-                .refresh_on_miss(Instant::now() + self.0.config.request_timeout());
-        }
-        let state = self.0.state.load();
-        let loc = state
-            .map
-            .lookup(gpa)
-            .ok_or(TransportError::UnknownGpa { gpa })?;
+        let mut state = self.0.state.load();
+        let loc = match state.map.lookup(gpa) {
+            Some(loc) => loc,
+            None => {
+                // A map older than the range (a page-server that claimed
+                // it since): refreshed once, as the data path does, rather
+                // than failing the fault.
+                self.0
+                    .refresh_on_miss(Instant::now() + self.0.config.request_timeout());
+                state = self.0.state.load();
+                state
+                    .map
+                    .lookup(gpa)
+                    .ok_or(TransportError::UnknownGpa { gpa })?
+            }
+        };
         if loc.replicated {
             // The home keeps write-backs in its own memory only: another
             // replica would serve an older page after a failover.
