@@ -169,6 +169,7 @@ impl ConnGuard {
     }
 
     /// See [`Recorded::supersede_older`].
+    ///
     /// Older connections ended are counted (and a clash of two clients
     /// on one id reported: `Admission::superseded`).
     pub(crate) fn supersede_older(&self, client_id: u64, within: Duration) -> Result<usize, usize> {

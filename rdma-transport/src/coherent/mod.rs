@@ -266,7 +266,10 @@ impl CoherentNode {
     ///
     /// # Errors
     /// [`TransportError::CoherentDataLost`] when the page's latest writes
-    /// were lost with a node that owned it; [`TransportError::Unaligned`],
+    /// were lost with a node that owned it; [`TransportError::DataLost`]
+    /// when its home restarted since the range was last written (its
+    /// memory is empty) and no operator has re-initialised the range;
+    /// [`TransportError::Unaligned`],
     /// [`TransportError::UnknownGpa`], [`TransportError::NodeDown`] (the
     /// home cannot be reached, or the connection broke meanwhile),
     /// [`TransportError::Timeout`], [`TransportError::Refused`],
