@@ -159,8 +159,9 @@ pub struct ManagerConfig {
     /// the same holds across a restart: the new process's connections end
     /// the dead one's, and what it sent and was not yet applied is
     /// refused. Two managers alive at once must never share one (each
-    /// would end the other's connections): at a live migration, the
-    /// source's manager is dropped before the destination's is created.
+    /// would end the other's connections): a live migration's destination
+    /// created while the source's manager lives takes another id
+    /// (docs/embedding.md, "A VMM that restarts").
     pub client_id: Option<u64>,
 }
 
