@@ -177,7 +177,9 @@ fn child_vmm_gives_a_write_up() {
         Ok(()) => "succeeded",
         Err(_) => "failed",
     };
-    std::fs::write(dir.join("gave-up"), outcome).unwrap();
+    // Written whole, then renamed: the test never reads it half-written.
+    std::fs::write(dir.join("gave-up.tmp"), outcome).unwrap();
+    std::fs::rename(dir.join("gave-up.tmp"), dir.join("gave-up")).unwrap();
     // Killed by the test; if the test dies first, its end of stdin closes.
     let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new());
 }
