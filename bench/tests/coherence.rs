@@ -209,8 +209,8 @@ fn a_node_stopped_again_and_again_mid_run_loses_no_update() {
         .collect();
     let pid = i32::try_from(children[1].id()).expect("pid");
     let signal = |sig| {
-        // SAFETY: kill(2) on our own child, not yet reaped (it is only
-        // waited for below, after the last signal).
+        // SAFETY: kill(2) on our own child, not reaped: `try_wait` reaps it
+        // only once it has exited, and no signal follows that.
         unsafe { libc::kill(pid, sig) }
     };
     // Fault injection, not synchronisation: each stop lasts 300 ms, with

@@ -48,8 +48,10 @@ fn write_and_read(
             errors += 1;
             continue;
         }
-        let expected = acked.into_iter().chain(failed_since.iter().copied());
-        let matched = expected.clone().find(|&v| page == page_indexed(index, v));
+        let matched = acked
+            .into_iter()
+            .chain(failed_since.iter().copied())
+            .find(|&v| page == page_indexed(index, v));
         assert!(
             matched.is_some() || (acked.is_none() && page == [0u8; PAGE_SIZE]),
             "page {index} read after version {version}: not the last acknowledged write \
