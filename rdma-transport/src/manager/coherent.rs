@@ -5,6 +5,7 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::epoch::Fenced;
 use super::{Inner, TransportManager};
 use crate::coherent::{CoherenceConfig, CoherenceHandler, CoherentNode, Dialed, HomeRef, Resolve};
 use crate::error::TransportError;
@@ -76,27 +77,22 @@ impl Resolve for Resolver {
         if super::epoch::serves(home.valid_epoch, server_epoch) {
             return Ok(());
         }
-        // An operator may have re-initialised the range since this map.
+        // The data path's check, with its one map refresh (an operator may
+        // have re-initialised the range since this map).
+        let state = self.0.state.load();
+        let node = state
+            .nodes
+            .iter()
+            .find(|n| n.id == home.node)
+            .ok_or(TransportError::UnknownGpa { gpa })?;
+        let request = Fenced {
+            gpa,
+            remote_offset: home.offset,
+            valid_epoch: home.valid_epoch,
+        };
+        let deadline = Instant::now() + self.0.config.request_timeout();
         self.0
-            .refresh_on_miss(Instant::now() + self.0.config.request_timeout());
-        let now = self.home_of(gpa)?;
-        if now.node == home.node
-            && now.offset == home.offset
-            && super::epoch::serves(now.valid_epoch, server_epoch)
-        {
-            return Ok(());
-        }
-        tracing::debug!(
-            gpa,
-            node = %home.node,
-            server_epoch,
-            valid_epoch = now.valid_epoch,
-            "coherent page's range was lost with its home's restart; not served"
-        );
-        Err(TransportError::DataLost {
-            gpa,
-            node: home.node.clone(),
-        })
+            .check_epochs(node, server_epoch, &[request], deadline)
     }
 
     fn dial(&self, home: &HomeRef, node_bound_ms: NonZeroU32) -> Result<Dialed, TransportError> {

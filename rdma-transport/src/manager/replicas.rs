@@ -11,7 +11,6 @@ use super::map_state::MapState;
 use super::request::{Outcome, Target};
 use super::{Inner, RETRY_INTERVAL};
 use crate::coordinator::api::ReplicaState;
-use crate::coordinator::CoordinatorError;
 use crate::error::TransportError;
 use crate::gpa_map::{other_generation, Location};
 
@@ -303,10 +302,8 @@ impl Inner {
             .max(Duration::from_millis(100));
         let change = match client.mark_replica_stale(range_start, &node, remaining) {
             Ok(change) => change,
-            // The only answer with this status (docs/coordinator.md).
-            Err(e @ CoordinatorError::Http { status: 409, .. }) => {
-                return Ok(Marked::LastLive(missed(e.to_string())))
-            }
+            // The only conflict this call is answered (docs/coordinator.md).
+            Err(e) if e.is_conflict() => return Ok(Marked::LastLive(missed(e.to_string()))),
             Err(e) => return Err(missed(e.to_string())),
         };
         // The coordinator's map at `change.version` has it stale: until a
