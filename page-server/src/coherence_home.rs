@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use coherence::{
-    Directory, HomeAction, HomeActions, HomeConfig, HomePage, HomeStats, NodeId, ToNode,
+    Directory, HomeAction, HomeActions, HomeConfig, HomePage, HomeStats, NodeId, ToHome, ToNode,
 };
 use parking_lot::Mutex;
 use rdma_transport::wire::{decode_to_home, encode_refusal, encode_to_node, Header, Status};
@@ -30,6 +30,7 @@ use rdma_transport::{Page, PAGE_SIZE};
 use crate::connection::Exported;
 use crate::metrics::Damaged;
 use crate::outbound::Outbound;
+use crate::restart_grace::RestartGrace;
 
 /// What a page-server's coherence home did so far
 /// ([`crate::RunningServer::coherence_stats`]).
@@ -50,6 +51,10 @@ pub struct CoherenceStats {
     /// sums (each frame's checksum covers its offset, body and page): a
     /// home whose nodes are all upgraded takes every frame this way.
     pub bound_frames: u64,
+    /// Requests answered `Retry` because this process restarted the
+    /// node's home and nodes cut off from the process before may still
+    /// hold copies (`restart_grace.rs`).
+    pub restart_grace_retries: u64,
 }
 
 /// The coherence directory of one page-server.
@@ -71,6 +76,10 @@ pub(crate) struct CoherenceHome {
     rdma_frames: AtomicU64,
     /// Frames decoded with offset-bound sums.
     bound_frames: AtomicU64,
+    /// Whether requests wait for nodes of an earlier process to have
+    /// dropped their copies.
+    restart_grace: Arc<RestartGrace>,
+    restart_grace_retries: AtomicU64,
     /// Test hook: RDMA message channels take no message while set.
     held: std::sync::atomic::AtomicBool,
     hold: Mutex<()>,
@@ -154,8 +163,15 @@ impl CoherenceHome {
     pub(crate) fn new(node_bound_limit: std::time::Duration) -> Self {
         Self {
             node_bound_limit,
+            restart_grace: Arc::new(RestartGrace::new(node_bound_limit)),
             ..Self::default()
         }
+    }
+
+    /// The grant pause after a restart, for whoever learns that this
+    /// process had a predecessor.
+    pub(crate) fn restart_grace(&self) -> Arc<RestartGrace> {
+        Arc::clone(&self.restart_grace)
     }
 
     /// The longest bound on this home's silence a node may declare.
@@ -192,6 +208,7 @@ impl CoherenceHome {
             refused_frames: self.refused.load(Ordering::Relaxed),
             rdma_frames: self.rdma_frames.load(Ordering::Relaxed),
             bound_frames: self.bound_frames.load(Ordering::Relaxed),
+            restart_grace_retries: self.restart_grace_retries.load(Ordering::Relaxed),
         }
     }
 
@@ -350,6 +367,14 @@ pub(crate) fn on_frame(
             }
         },
     };
+    if let ToHome::ReadReq { req } | ToHome::WriteReq { req, .. } = frame.msg {
+        if home.restart_grace.holds() {
+            // Asked again after the node's back-off; no page state is
+            // touched before the grace is over.
+            home.restart_grace_retries.fetch_add(1, Ordering::Relaxed);
+            return send(ex, off, node, &ToNode::Retry { req });
+        }
+    }
     let entry = home.entry(off);
     let mut page = entry.lock();
     if let Some(version) = frame.msg.written_back() {

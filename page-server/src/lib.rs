@@ -34,6 +34,7 @@ mod readiness;
 mod recovery;
 mod recovery_guard;
 mod registration;
+mod restart_grace;
 mod server;
 mod spin;
 mod stats;

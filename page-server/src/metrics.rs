@@ -16,7 +16,7 @@
 //! | `page_server_replica_recoveries_total` | counter | `outcome` (`done`: the replica is live again; `failed`: failed or overtaken, retried a period later) |
 //! | `page_server_replica_recovered_pages_total` | counter | (pages copied in from a live replica) |
 //! | `page_server_replica_recovery_running` | gauge | (1 while a recovery copies a range here) |
-//! | `page_server_coherence_events_total` | counter | `event` (the coherence home's counters, `coherence::HomeStats`: `shared_grants`, `exclusive_grants`, `upgrades`, `invalidation_rounds`, `invalidations_sent`, `downgrades_sent`, `queued`, `retries`, `lost_answers`, `pages_lost`, `write_backs`, ..., `refused_frames`, `rdma_frames`: frames that came over RDMA message channels, and `bound_frames`: frames whose checksum covered their offset and body, from nodes that agreed to offset-bound sums) |
+//! | `page_server_coherence_events_total` | counter | `event` (the coherence home's counters, `coherence::HomeStats`: `shared_grants`, `exclusive_grants`, `upgrades`, `invalidation_rounds`, `invalidations_sent`, `downgrades_sent`, `queued`, `retries`, `lost_answers`, `pages_lost`, `write_backs`, ..., `refused_frames`, `rdma_frames`: frames that came over RDMA message channels, and `bound_frames`: frames whose checksum covered their offset and body, from nodes that agreed to offset-bound sums, and `restart_grace_retries`: requests answered Retry while a restarted home waits out the copies of nodes cut off from its predecessor) |
 //! | `page_server_coherence_pages` | gauge | (pages with a coherence directory entry) |
 //!
 //! Only TCP requests pass through the server: RDMA reads and writes are
@@ -391,6 +391,7 @@ impl PageMetrics {
             ("refused_frames", coherence.refused_frames),
             ("rdma_frames", coherence.rdma_frames),
             ("bound_frames", coherence.bound_frames),
+            ("restart_grace_retries", coherence.restart_grace_retries),
         ] {
             catch_up(
                 &self.coherence_events.get_or_create(&EventLabels { event }),

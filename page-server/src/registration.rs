@@ -15,6 +15,7 @@ use rdma_transport::coordinator::{CoordinatorClient, CoordinatorError, Credentia
 use crate::config::ServerConfig;
 use crate::layout::Layout;
 use crate::range_contents::RangesSeen;
+use crate::restart_grace::RestartGrace;
 use crate::server::ServerError;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,6 +47,8 @@ struct Plan {
     ranges: Vec<RangeRequest>,
     /// What each claim says the memory holds (`range_contents.rs`).
     seen: Arc<RangesSeen>,
+    /// Told when the map names this node before it registers.
+    restart_grace: Arc<RestartGrace>,
     heartbeat: Duration,
     retry: Duration,
 }
@@ -55,6 +58,8 @@ impl Registration {
     /// device endpoint when given (never a region key: each client gets its
     /// own in the handshake) and `epoch`, the handshake's: the coordinator
     /// tells from it whether this process holds its ranges' contents.
+    /// `restart_grace` learns whether an earlier process of this node was
+    /// known to the coordinator.
     pub(crate) fn start(
         config: &ServerConfig,
         layout: &Layout,
@@ -62,6 +67,7 @@ impl Registration {
         rdma: Option<RdmaEndpoint>,
         epoch: u64,
         seen: Arc<RangesSeen>,
+        restart_grace: Arc<RestartGrace>,
     ) -> Self {
         let shared = Arc::new(Shared::default());
         *shared.state.lock() = Some(State::Pending);
@@ -88,6 +94,7 @@ impl Registration {
                 })
                 .collect(),
             seen,
+            restart_grace,
             heartbeat: config.heartbeat_interval,
             retry: config.register_retry,
         };
@@ -258,6 +265,20 @@ fn heartbeat_retry_pause(retry: Duration, period: Duration, failed: u32) -> Dura
 }
 
 fn register(client: &CoordinatorClient, plan: &Plan) -> Result<(), CoordinatorError> {
+    // Before this process's registration: once it is in, an operator may
+    // re-initialise the ranges in this epoch, and nodes of the process
+    // before may still hold copies (`restart_grace.rs`).
+    let map = client.map()?;
+    let named = |node: &str| node == plan.node_id.as_str();
+    if map.nodes.iter().any(|n| named(&n.id))
+        || map
+            .entries
+            .iter()
+            .any(|e| named(&e.node_id) || e.replicas.iter().any(|r| named(&r.node_id)))
+    {
+        plan.restart_grace
+            .had_predecessor("the coordinator knew this node before this process registered");
+    }
     client.register_node(&plan.node_id, &plan.registration)?;
     if let Some(endpoint) = &plan.registration.rdma {
         // Also through the dedicated route, so coordinators that keep

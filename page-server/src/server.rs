@@ -205,6 +205,19 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         backing = ?shared.exported.region.backing(),
         "page-server listening"
     );
+    // Before anything was seen in a map, a range claimed missed is one an
+    // earlier process held (the state directory says so).
+    if shared
+        .seen
+        .each()
+        .any(|(_, contents)| contents == RangeContents::Missed)
+    {
+        shared
+            .exported
+            .coherence
+            .restart_grace()
+            .had_predecessor("the state directory says an earlier process held a range");
+    }
     let published = shared.exported.rdma.as_ref().map(|r| r.endpoint());
     let registration = config.coordinator_url.is_some().then(|| {
         Registration::start(
@@ -214,6 +227,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             published,
             shared.exported.epoch,
             Arc::clone(&shared.seen),
+            shared.exported.coherence.restart_grace(),
         )
     });
     // Starts copying only once registered (it watches the registration).

@@ -53,22 +53,9 @@ fn node(mgr: &TransportManager, reports: &Reports) -> CoherentMemory {
 }
 
 /// Waits until page-server "home" is registered in an epoch other than
-/// `old_epoch` (0: none before) and the map has its range (the ready file
-/// only says it listens); returns that epoch.
+/// `old_epoch` (0: none before) with its range; returns that epoch.
 fn home_registered(url: &str, old_epoch: u64) -> u64 {
-    let coordinator = coordinator_client(url);
-    let mut epoch = 0;
-    assert!(
-        wait_until(Duration::from_secs(20), || {
-            epoch = coordinator.node(&"home".to_owned()).map_or(0, |n| n.epoch);
-            ![0, old_epoch].contains(&epoch)
-                && coordinator
-                    .map()
-                    .is_ok_and(|m| m.entries.iter().any(|e| e.gpa_start == 0))
-        }),
-        "the home never registered (in a new epoch) with its range"
-    );
-    epoch
+    registered_with_range(url, "home", 0, old_epoch)
 }
 
 /// Sets its flag when dropped, unwinding included.

@@ -339,6 +339,25 @@ pub fn restart_and_reinitialise(
 }
 
 /// A client of a coordinator without a key: it may do what an admin may.
+/// Waits until page-server `node` is registered in an epoch other than
+/// `old_epoch` (0: none before) and the map has its range at `gpa_start`
+/// (a child's ready file only says it listens); returns that epoch.
+pub fn registered_with_range(url: &str, node: &str, gpa_start: u64, old_epoch: u64) -> u64 {
+    let coordinator = coordinator_client(url);
+    let mut epoch = 0;
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            epoch = coordinator.node(&node.to_owned()).map_or(0, |n| n.epoch);
+            ![0, old_epoch].contains(&epoch)
+                && coordinator
+                    .map()
+                    .is_ok_and(|m| m.entries.iter().any(|e| e.gpa_start == gpa_start))
+        }),
+        "{node} never registered (in a new epoch) with its range at {gpa_start:#x}"
+    );
+    epoch
+}
+
 pub fn coordinator_client(url: &str) -> rdma_transport::coordinator::CoordinatorClient {
     rdma_transport::coordinator::CoordinatorClient::new(url, None, Duration::from_secs(5))
         .expect("coordinator client")
