@@ -99,7 +99,9 @@ struct Args {
     /// of them is closed.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
     max_pending_handshakes: u64,
-    /// Write the bound address to this file once listening (for scripts).
+    /// Write the bound address to this file once listening and registered
+    /// with the coordinator, its ranges in the map (for scripts). Written
+    /// whole (a temporary file, renamed).
     #[arg(long)]
     ready_file: Option<std::path::PathBuf>,
     /// RDMA device to serve the region on (default: the first device, if
@@ -208,7 +210,18 @@ fn main() -> anyhow::Result<()> {
     }
     let server = page_server::spawn(config).context("starting page-server")?;
     if let Some(path) = &args.ready_file {
-        std::fs::write(path, server.addr().to_string()).context("writing ready file")?;
+        // A script that reads the map next must find the ranges there.
+        // The registration is retried meanwhile (and a refusal logged).
+        while !term.load(Ordering::Relaxed) {
+            match server.wait_registered(Duration::from_millis(100)) {
+                Ok(()) => {
+                    write_ready_file(path, server.addr()).context("writing ready file")?;
+                    break;
+                }
+                Err(page_server::ServerError::RegistrationTimeout(_)) => {}
+                Err(_) => std::thread::park_timeout(Duration::from_millis(100)),
+            }
+        }
     }
     while !term.load(Ordering::Relaxed) {
         std::thread::park_timeout(Duration::from_millis(100));
@@ -216,4 +229,12 @@ fn main() -> anyhow::Result<()> {
     tracing::info!("signal received; shutting down");
     server.shutdown();
     Ok(())
+}
+
+/// Writes `addr` to `path` whole: a reader never sees part of it.
+fn write_ready_file(path: &std::path::Path, addr: SocketAddr) -> std::io::Result<()> {
+    let mut temporary = path.as_os_str().to_owned();
+    temporary.push(".tmp");
+    std::fs::write(&temporary, addr.to_string())?;
+    std::fs::rename(&temporary, path)
 }

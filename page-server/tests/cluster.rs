@@ -324,3 +324,82 @@ fn the_manager_follows_map_changes_by_long_poll_well_within_its_refresh_period()
         started.elapsed()
     );
 }
+
+/// A free port of 127.0.0.1 (nothing listens there once this returns).
+fn free_addr() -> std::net::SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.local_addr().expect("its address")
+}
+
+/// `--ready-file` says the page-server can be found through the map: it
+/// is written once the node is registered with its range, not when it
+/// listens. With the coordinator down at first, the page-server serves
+/// (`GET /ready` answers "not registered") and there is no ready file;
+/// once the coordinator is up, the file appears, and the map has the
+/// range by then. Until 2026-12-07 the file was written on listening, and
+/// a script reading the map next could miss the range.
+#[test]
+fn the_ready_file_appears_once_the_range_is_in_the_map() {
+    let dir = tempfile::tempdir().unwrap();
+    let (coordinator_addr, metrics) = (free_addr(), free_addr());
+    let url = format!("http://{coordinator_addr}");
+    let ready = dir.path().join("ready");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_page-server"))
+        .args(["--node-id", "a", "--listen", "127.0.0.1:0", "--insecure"])
+        .args(["--memory", &NODE_BYTES.to_string(), "--heartbeat-ms", "200"])
+        .args([
+            "--coordinator",
+            &url,
+            "--metrics-listen",
+            &metrics.to_string(),
+        ])
+        .arg("--ready-file")
+        .arg(&ready)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("page-server starts");
+    let _child = KilledOnDrop(child);
+    let not_registered = || {
+        std::net::TcpStream::connect(metrics).is_ok()
+            && http_get(metrics, "/ready")
+                .1
+                .contains("not registered with the coordinator yet")
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), not_registered),
+        "the page-server never answered GET /ready"
+    );
+    assert!(
+        !ready.exists(),
+        "the ready file was written before the page-server registered"
+    );
+
+    let _coord = coordinator_on(&dir.path().join("c.db"), coordinator_addr);
+    assert!(
+        wait_until(Duration::from_secs(20), || ready.exists()),
+        "the ready file never appeared once the coordinator was up"
+    );
+    let addr = std::fs::read_to_string(&ready).expect("the ready file");
+    let map = coordinator_client(&url).map().expect("the map");
+    assert!(
+        map.entries
+            .iter()
+            .any(|e| e.gpa_start == 0 && e.node_id == "a"),
+        "the ready file appeared before the range was in the map: {map:?}"
+    );
+    assert!(
+        map.nodes.iter().any(|n| n.id == "a" && n.tcp_addr == addr),
+        "the ready file's address {addr} is not the registered one: {map:?}"
+    );
+}
+
+/// A child process, killed and reaped when dropped (a failed test too).
+struct KilledOnDrop(std::process::Child);
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

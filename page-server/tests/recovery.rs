@@ -440,18 +440,6 @@ fn a_recovery_whose_source_is_out_of_reach_leaves_the_clients_connected() {
     b.shutdown();
 }
 
-/// `GET path` on `addr`: the status code and the body.
-fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    let answer = http(addr, &format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n"));
-    let (head, body) = answer.split_once("\r\n\r\n").expect("head and body");
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .expect("a status code");
-    (status, body.to_owned())
-}
-
 /// `GET /ready` of a new replica (in this process) says 503 while it is
 /// stale, here for as long as the live replica `a` is stopped (SIGSTOP:
 /// nothing to recover from), and 200 once `a` runs again and the new

@@ -338,10 +338,9 @@ pub fn restart_and_reinitialise(
     server
 }
 
-/// A client of a coordinator without a key: it may do what an admin may.
 /// Waits until page-server `node` is registered in an epoch other than
-/// `old_epoch` (0: none before) and the map has its range at `gpa_start`
-/// (a child's ready file only says it listens); returns that epoch.
+/// `old_epoch` (0: none before) and the map has its range at `gpa_start`;
+/// returns that epoch.
 pub fn registered_with_range(url: &str, node: &str, gpa_start: u64, old_epoch: u64) -> u64 {
     let coordinator = coordinator_client(url);
     let mut epoch = 0;
@@ -358,6 +357,7 @@ pub fn registered_with_range(url: &str, node: &str, gpa_start: u64, old_epoch: u
     epoch
 }
 
+/// A client of a coordinator without a key: it may do what an admin may.
 pub fn coordinator_client(url: &str) -> rdma_transport::coordinator::CoordinatorClient {
     rdma_transport::coordinator::CoordinatorClient::new(url, None, Duration::from_secs(5))
         .expect("coordinator client")
@@ -412,6 +412,18 @@ fn wait_for_file(path: &PathBuf, limit: Duration) -> String {
         );
         std::thread::park_timeout(Duration::from_millis(10));
     }
+}
+
+/// `GET path` of the HTTP server at `addr`: its status and body.
+pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let answer = http(addr, &format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n"));
+    let (head, body) = answer.split_once("\r\n\r\n").expect("head and body");
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .expect("a status code");
+    (status, body.to_owned())
 }
 
 /// One HTTP request on a fresh connection; the whole answer.
