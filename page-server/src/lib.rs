@@ -25,6 +25,7 @@ mod listener;
 mod metrics;
 mod metrics_http;
 mod node_exit;
+mod other_processes;
 mod outbound;
 mod page_sums;
 mod prefetch;

@@ -12,6 +12,8 @@
 //! | `page_server_connections` | gauge | `state` (`handshaken`, `pending`) |
 //! | `page_server_connections_closed_total` | counter | `reason` (closed or refused by the server's limits, `ServerStats`: `evicted_pending`, `refused_full`, `handshake_timeout`, `idle_timeout`, `protocol_error`, `dead_peer`, `superseded`: ended by a newer connection of its client) |
 //! | `page_server_client_id_clashes_total` | counter | (times two live clients were seen sharing one client id: their connections ended each other 20 times within 10 s) |
+//! | `page_server_registrations_put_off_total` | counter | (registrations put off because another process of this node id was alive) |
+//! | `page_server_superseded` | gauge | (1 once another process registered as this node after this one: this one serves no more) |
 //! | `page_server_accept_errors_total` | counter | (`accept` calls that failed, e.g. out of descriptors) |
 //! | `page_server_replica_recoveries_total` | counter | `outcome` (`done`: the replica is live again; `failed`: failed or overtaken, retried a period later) |
 //! | `page_server_replica_recovered_pages_total` | counter | (pages copied in from a live replica) |
@@ -194,6 +196,8 @@ pub(crate) struct PageMetrics {
     closed: Family<ReasonLabels, Counter>,
     accept_errors: Counter,
     client_id_clashes: Counter,
+    registrations_put_off: Counter,
+    superseded: Gauge,
     recoveries: Family<OutcomeLabels, Counter>,
     recovered_pages: Counter,
     recovery_running: Gauge,
@@ -268,6 +272,18 @@ impl PageMetrics {
             "Times two live clients were seen sharing one client id (their connections ended each other 20 times within 10 s)",
             client_id_clashes.clone(),
         );
+        let registrations_put_off = Counter::default();
+        registry.register(
+            "registrations_put_off",
+            "Registrations put off because another process of this node id was alive (its lease current, its address accepting connections)",
+            registrations_put_off.clone(),
+        );
+        let superseded = Gauge::default();
+        registry.register(
+            "superseded",
+            "1 once another process registered as this node after this one: this one closed every connection and serves no more",
+            superseded.clone(),
+        );
         let recoveries = Family::<OutcomeLabels, Counter>::default();
         registry.register(
             "replica_recoveries",
@@ -317,6 +333,8 @@ impl PageMetrics {
             closed,
             accept_errors,
             client_id_clashes,
+            registrations_put_off,
+            superseded,
             recoveries,
             recovered_pages,
             recovery_running,
@@ -420,6 +438,8 @@ impl PageMetrics {
         }
         catch_up(&self.accept_errors, stats.accept_errors);
         catch_up(&self.client_id_clashes, stats.client_id_clashes);
+        catch_up(&self.registrations_put_off, stats.registrations_put_off);
+        self.superseded.set(i64::from(stats.superseded));
         for (outcome, now) in [
             ("done", stats.recoveries),
             ("failed", stats.recovery_failures),

@@ -147,6 +147,9 @@ fn answer(
     }
     let mut stats = shared.admission.stats();
     shared.recovery.fill(&mut stats);
+    if let Some(watch) = registered {
+        watch.fill(&mut stats);
+    }
     let coherence = shared.exported.coherence.snapshot();
     match shared.exported.metrics.render(&stats, &coherence) {
         Ok(text) => respond(

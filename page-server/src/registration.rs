@@ -4,16 +4,18 @@
 //! gets the node and every range again.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
-use rdma_transport::coordinator::api::{NodeRegistration, RangeRequest, RdmaEndpoint};
+use rdma_transport::coordinator::api::{NodeInfo, NodeRegistration, RangeRequest, RdmaEndpoint};
 use rdma_transport::coordinator::{CoordinatorClient, CoordinatorError, Credential};
 
 use crate::config::ServerConfig;
 use crate::layout::Layout;
+use crate::other_processes;
 use crate::range_contents::RangesSeen;
 use crate::restart_grace::RestartGrace;
 use crate::server::ServerError;
@@ -23,6 +25,8 @@ enum State {
     Pending,
     Registered,
     Refused(String),
+    /// Another process registered as this node after this one.
+    Superseded(String),
 }
 
 #[derive(Debug, Default)]
@@ -31,7 +35,15 @@ struct Shared {
     changed: Condvar,
     stop: Mutex<bool>,
     stop_cv: Condvar,
+    /// Registrations put off because another process of the node was alive.
+    waits_for_other: AtomicU64,
 }
+
+/// What a process does when another registered as its node after it.
+pub(crate) type OnSuperseded = Box<dyn FnOnce() + Send>;
+
+/// How often the wait for another process of this node is warned about.
+const OTHER_WARN_INTERVAL: Duration = Duration::from_secs(10);
 
 /// The background registration and heartbeat thread.
 #[derive(Debug)]
@@ -49,6 +61,8 @@ struct Plan {
     seen: Arc<RangesSeen>,
     /// Told when the map names this node before it registers.
     restart_grace: Arc<RestartGrace>,
+    /// Called once, when another process registered as this node.
+    on_superseded: Mutex<Option<OnSuperseded>>,
     heartbeat: Duration,
     retry: Duration,
 }
@@ -59,7 +73,9 @@ impl Registration {
     /// own in the handshake) and `epoch`, the handshake's: the coordinator
     /// tells from it whether this process holds its ranges' contents.
     /// `restart_grace` learns whether an earlier process of this node was
-    /// known to the coordinator.
+    /// known to the coordinator; `on_superseded` is called once if another
+    /// process registers as this node after this one (its heartbeat is
+    /// answered with another epoch), and heartbeats stop.
     pub(crate) fn start(
         config: &ServerConfig,
         layout: &Layout,
@@ -68,6 +84,7 @@ impl Registration {
         epoch: u64,
         seen: Arc<RangesSeen>,
         restart_grace: Arc<RestartGrace>,
+        on_superseded: OnSuperseded,
     ) -> Self {
         let shared = Arc::new(Shared::default());
         *shared.state.lock() = Some(State::Pending);
@@ -95,6 +112,7 @@ impl Registration {
                 .collect(),
             seen,
             restart_grace,
+            on_superseded: Mutex::new(Some(on_superseded)),
             heartbeat: config.heartbeat_interval,
             retry: config.register_retry,
         };
@@ -121,7 +139,9 @@ impl Registration {
         loop {
             match state.clone() {
                 Some(State::Registered) => return Ok(()),
-                Some(State::Refused(why)) => return Err(ServerError::Registration(why)),
+                Some(State::Refused(why) | State::Superseded(why)) => {
+                    return Err(ServerError::Registration(why))
+                }
                 _ => {}
             }
             if self
@@ -155,6 +175,14 @@ impl RegisteredWatch {
     /// True once the node and all its ranges were registered.
     pub(crate) fn is_registered(&self) -> bool {
         matches!(*self.0.state.lock(), Some(State::Registered))
+    }
+
+    /// Sets what the registration knows in `stats`: registrations put off
+    /// for another process of this node, and whether one registered after
+    /// this one.
+    pub(crate) fn fill(&self, stats: &mut crate::stats::ServerStats) {
+        stats.registrations_put_off = self.0.waits_for_other.load(Ordering::Relaxed);
+        stats.superseded = matches!(*self.0.state.lock(), Some(State::Superseded(_)));
     }
 }
 
@@ -203,6 +231,7 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
     // with each further failure up to the period (a coordinator that stays
     // unavailable gets no more than the heartbeat rate from every node).
     let mut beats_failed: u32 = 0;
+    let mut other_warned: Option<Instant> = None;
     loop {
         if !registered {
             match register(&client, plan) {
@@ -215,10 +244,24 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
                     registered = true;
                     shared.set(State::Registered);
                 }
-                Err(err) if err.is_unreachable() => {
+                Err(RegisterError::Coordinator(err)) if err.is_unreachable() => {
                     tracing::debug!(%err, "coordinator not reachable yet; retrying");
                 }
-                Err(err) => {
+                Err(RegisterError::OtherProcessAlive(other)) => {
+                    shared.waits_for_other.fetch_add(1, Ordering::Relaxed);
+                    if other_warned.is_none_or(|at: Instant| at.elapsed() >= OTHER_WARN_INTERVAL) {
+                        other_warned = Some(Instant::now());
+                        tracing::warn!(
+                            node = %plan.node_id,
+                            other_addr = %other.tcp_addr,
+                            other_epoch = other.epoch,
+                            "another process of this node is registered, its lease current and \
+                             its address accepting connections: not registering until it is gone \
+                             (two processes of one node would each serve its ranges)"
+                        );
+                    }
+                }
+                Err(RegisterError::Coordinator(err)) => {
                     tracing::error!(%err, "coordinator refused the registration");
                     shared.set(State::Refused(err.to_string()));
                     // Refusals (conflicting range, bad token) do not fix
@@ -242,6 +285,20 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
         }
         if registered {
             match client.heartbeat(&plan.node_id) {
+                Ok(info) if info.epoch != 0 && info.epoch != plan.registration.epoch => {
+                    let why = format!(
+                        "another process registered as node {} (epoch {:#x}, at {}) after this one \
+                         (epoch {:#x}): this one serves no more",
+                        plan.node_id, info.epoch, info.tcp_addr, plan.registration.epoch
+                    );
+                    tracing::error!("{why}");
+                    shared.set(State::Superseded(why));
+                    if let Some(on_superseded) = plan.on_superseded.lock().take() {
+                        on_superseded();
+                    }
+                    // No more heartbeats: they would keep the other's lease.
+                    return;
+                }
                 Ok(_) => beats_failed = 0,
                 Err(err) if err.is_not_found() => {
                     tracing::warn!("coordinator forgot this node; registering again");
@@ -264,18 +321,34 @@ fn heartbeat_retry_pause(retry: Duration, period: Duration, failed: u32) -> Dura
     retry.saturating_mul(1 << doublings).min(period)
 }
 
-fn register(client: &CoordinatorClient, plan: &Plan) -> Result<(), CoordinatorError> {
+/// Why this process did not register (yet).
+#[derive(Debug)]
+enum RegisterError {
+    Coordinator(CoordinatorError),
+    /// Another process of this node id may still be serving.
+    OtherProcessAlive(NodeInfo),
+}
+
+impl From<CoordinatorError> for RegisterError {
+    fn from(err: CoordinatorError) -> Self {
+        Self::Coordinator(err)
+    }
+}
+
+fn register(client: &CoordinatorClient, plan: &Plan) -> Result<(), RegisterError> {
     // Before this process's registration: once it is in, an operator may
     // re-initialise the ranges in this epoch, and nodes of the process
     // before may still hold copies (`restart_grace.rs`).
     let map = client.map()?;
-    let named = |node: &str| node == plan.node_id.as_str();
-    if map.nodes.iter().any(|n| named(&n.id))
-        || map
-            .entries
-            .iter()
-            .any(|e| named(&e.node_id) || e.replicas.iter().any(|r| named(&r.node_id)))
-    {
+    if let Some(other) = other_processes::alive_other(
+        &map,
+        &plan.node_id,
+        plan.registration.epoch,
+        &plan.registration.tcp_addr,
+    ) {
+        return Err(RegisterError::OtherProcessAlive(other));
+    }
+    if other_processes::named(&map, &plan.node_id) {
         plan.restart_grace
             .had_predecessor("the coordinator knew this node before this process registered");
     }
@@ -303,7 +376,7 @@ fn register(client: &CoordinatorClient, plan: &Plan) -> Result<(), CoordinatorEr
                     "the coordinator refused this range"
                 );
             }
-            return Err(err);
+            return Err(err.into());
         }
         tracing::debug!(
             node = %plan.node_id,

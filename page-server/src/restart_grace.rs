@@ -5,13 +5,14 @@
 //! would be changed under it (docs/coherence.md, "A home that restarts").
 //!
 //! The new process cannot know who held what, nor when the old one went
-//! silent, only that it went silent before this one started. Every node
-//! declared a bound of at most `--node-dead-home-timeout-ms` (the home
-//! refuses longer ones), so every copy of the old process's pages is gone
-//! [`left_for_sure_within`] that bound after this process started. Until
-//! then, when this node had a process before this one (the map named it
-//! before it registered, or its state directory says an earlier process
-//! held a range), every coherence request is answered `Retry`.
+//! silent, only that it was gone when this one learnt of it: at start (its
+//! state directory says an earlier process held a range) or when it
+//! registers (the map names the node, and no other process of it is alive:
+//! `other_processes.rs`). Every node declared a bound of at most
+//! `--node-dead-home-timeout-ms` (the home refuses longer ones), so every
+//! copy of the old process's pages is gone [`left_for_sure_within`] that
+//! bound after then. Until that time every coherence request is answered
+//! `Retry`.
 //!
 //! A node that never had a process before waits for nothing: a cluster's
 //! first start is not slowed down.
@@ -19,45 +20,45 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
 use rdma_transport::dead_peer::left_for_sure_within;
 
-/// When this process started, and whether it had a predecessor.
+/// Whether a predecessor is waited out, and until when.
 #[derive(Debug)]
 pub(crate) struct RestartGrace {
-    started: Instant,
     length: Duration,
-    /// Set when a predecessor is known of; cleared once the grace is over
-    /// (so that a request costs one load afterwards).
+    until: Mutex<Option<Instant>>,
+    /// Set while a predecessor is waited out; cleared once the grace is
+    /// over (so that a request costs one load afterwards).
     holding: AtomicBool,
 }
 
 impl RestartGrace {
-    /// A process starting now whose nodes declared at most
-    /// `node_bound_limit`.
+    /// A process whose nodes declared at most `node_bound_limit`.
     pub(crate) fn new(node_bound_limit: Duration) -> Self {
         Self {
-            started: Instant::now(),
             length: left_for_sure_within(node_bound_limit),
+            until: Mutex::new(None),
             holding: AtomicBool::new(false),
         }
     }
 
-    /// A process of this node ran before this one: what its nodes may
-    /// still hold must be waited out. Logged once.
+    /// A process of this node ran before this one and is gone now: what
+    /// its nodes may still hold is waited out from now. Logged once.
     pub(crate) fn had_predecessor(&self, why: &str) {
-        if self.started.elapsed() >= self.length || self.holding.swap(true, Ordering::AcqRel) {
-            return;
+        let end = Instant::now() + self.length;
+        let mut until = self.until.lock();
+        let first = until.is_none();
+        *until = Some(until.map_or(end, |u| u.max(end)));
+        self.holding.store(true, Ordering::Release);
+        if first {
+            tracing::info!(
+                why,
+                grace_ms = self.length.as_millis() as u64,
+                "an earlier process of this node served its ranges: coherence requests wait \
+                 until nodes cut off from it have surely dropped their copies"
+            );
         }
-        tracing::info!(
-            why,
-            grace_ms = self.length.as_millis() as u64,
-            left_ms = self
-                .length
-                .saturating_sub(self.started.elapsed())
-                .as_millis() as u64,
-            "an earlier process of this node served its ranges: coherence requests wait \
-             until nodes cut off from it have surely dropped their copies"
-        );
     }
 
     /// Whether coherence requests must wait now.
@@ -65,7 +66,7 @@ impl RestartGrace {
         if !self.holding.load(Ordering::Acquire) {
             return false;
         }
-        if self.started.elapsed() < self.length {
+        if self.until.lock().is_some_and(|u| Instant::now() < u) {
             return true;
         }
         if self.holding.swap(false, Ordering::AcqRel) {
@@ -93,19 +94,13 @@ mod tests {
         assert!(grace.holds());
         // 200 ms bound: the kernel's 1 s steps, then the 2 s margin.
         assert_eq!(grace.length, Duration::from_secs(4));
+        let end = grace.until.lock().unwrap();
+        // Learnt of again later: waited out from then.
+        grace.had_predecessor("test");
+        assert!(grace.until.lock().unwrap() >= end);
 
-        let over = RestartGrace {
-            started: Instant::now() - Duration::from_secs(5),
-            ..RestartGrace::new(Duration::from_millis(200))
-        };
-        over.had_predecessor("test");
-        assert!(!over.holds(), "a grace already over holds nothing");
-        let ended = RestartGrace {
-            started: Instant::now() - Duration::from_secs(5),
-            holding: AtomicBool::new(true),
-            ..RestartGrace::new(Duration::from_millis(200))
-        };
-        assert!(!ended.holds());
-        assert!(!ended.holding.load(Ordering::Relaxed), "cleared once over");
+        *grace.until.lock() = Some(Instant::now());
+        assert!(!grace.holds(), "over");
+        assert!(!grace.holding.load(Ordering::Relaxed), "cleared once over");
     }
 }

@@ -228,6 +228,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             shared.exported.epoch,
             Arc::clone(&shared.seen),
             shared.exported.coherence.restart_grace(),
+            stop_serving_when_superseded(Arc::clone(&shared)),
         )
     });
     // Starts copying only once registered (it watches the registration).
@@ -428,6 +429,9 @@ impl RunningServer {
     /// (running now, done, failed, pages copied).
     pub fn stats(&self) -> ServerStats {
         let mut stats = self.shared.admission.stats();
+        if let Some(registration) = &self.registration {
+            registration.watch().fill(&mut stats);
+        }
         self.shared.recovery.fill(&mut stats);
         stats.reads_with_kept_sums = self.shared.exported.metrics.kept_sums();
         stats.checksum_failures = self.shared.exported.metrics.checksum_failures();
@@ -545,4 +549,20 @@ impl Drop for RunningServer {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// What this process does once another registered as its node: it is no
+/// longer the node (the coordinator sends the node's clients to the
+/// other), so it closes every connection and takes no more. Its coherence
+/// nodes drop their copies as the connection ends; its data clients find
+/// the other process in the map (docs/operations.md, "One process per
+/// node id").
+fn stop_serving_when_superseded(shared: Arc<Shared>) -> crate::registration::OnSuperseded {
+    Box::new(move || {
+        let closed = shared.admission.conns.close_all().len();
+        tracing::error!(
+            connections = closed,
+            "closed every connection and takes no more: another process is this node now"
+        );
+    })
 }

@@ -62,6 +62,12 @@ pub struct ServerStats {
     /// Times a client id's connections ended each other at least 20 times
     /// within 10 s: two live clients share that id (logged at WARN).
     pub client_id_clashes: u64,
+    /// Registrations put off because another process of this node id was
+    /// alive (its lease current, its address accepting connections).
+    pub registrations_put_off: u64,
+    /// Another process registered as this node after this one: this one
+    /// closed every connection and takes no more.
+    pub superseded: bool,
 }
 
 /// Why the server refused or closed a connection.

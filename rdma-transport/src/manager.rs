@@ -97,6 +97,9 @@ struct Inner {
     tcp_landed_pages: Arc<std::sync::atomic::AtomicU64>,
     /// Replicas to mark stale before the next write to their range counts.
     owed_stale: replicas::OwedStale,
+    /// The coherent nodes made from this manager, told of each map
+    /// installed (`coherent.rs`: a home another process replaced).
+    coherent_nodes: Mutex<Vec<std::sync::Weak<crate::coherent::Shared>>>,
 }
 
 #[derive(Debug, Default)]
@@ -180,6 +183,7 @@ impl TransportManager {
             counters: stats::Counters::default(),
             tcp_landed_pages: Arc::default(),
             owed_stale: replicas::OwedStale::default(),
+            coherent_nodes: Mutex::new(Vec::new()),
         });
         if let Some(rdma) = &inner.rdma {
             let weak = Arc::downgrade(&inner);

@@ -235,6 +235,33 @@ impl Shared {
     pub(crate) fn now_us(&self) -> u64 {
         u64::try_from(self.clock.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
+
+    /// Leaves (drops every copy of, then closes) each home whose process
+    /// is not the node's by `epoch_of` (a node id's epoch in the map;
+    /// `None` or 0: not known, kept): another process registered as that
+    /// node.
+    pub(crate) fn leave_replaced_homes(&self, epoch_of: impl Fn(&str) -> Option<u64>) {
+        let replaced: Vec<(Arc<Link>, u64)> = self
+            .links
+            .lock()
+            .values()
+            .filter(|link| link.epoch != 0 && !link.is_dead())
+            .filter_map(|link| {
+                let now = epoch_of(&link.node).filter(|&e| e != 0 && e != link.epoch)?;
+                Some((Arc::clone(link), now))
+            })
+            .collect();
+        for (link, now) in replaced {
+            tracing::warn!(
+                node = %link.node,
+                connected_epoch = format_args!("{:#x}", link.epoch),
+                map_epoch = format_args!("{now:#x}"),
+                "another process is this home now: leaving the one connected to and dropping \
+                 the copies of its pages"
+            );
+            link.shut();
+        }
+    }
 }
 
 impl CoherentNode {
@@ -289,6 +316,11 @@ impl CoherentNode {
     pub fn evict(&self, gpa: u64) -> Result<(), TransportError> {
         let (link, offset) = self.link_for(gpa)?;
         pages::evict(&self.shared, &link, gpa, offset)
+    }
+
+    /// What the manager tells of each map it installs.
+    pub(crate) fn watch(&self) -> std::sync::Weak<Shared> {
+        Arc::downgrade(&self.shared)
     }
 
     /// The node's protocol counters, summed over its pages.

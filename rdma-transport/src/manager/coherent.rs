@@ -23,7 +23,32 @@ impl TransportManager {
         handler: Arc<dyn CoherenceHandler>,
         config: CoherenceConfig,
     ) -> CoherentNode {
-        CoherentNode::new(Arc::new(Resolver(Arc::clone(&self.inner))), handler, config)
+        let node = CoherentNode::new(Arc::new(Resolver(Arc::clone(&self.inner))), handler, config);
+        let mut nodes = self.inner.coherent_nodes.lock();
+        nodes.retain(|n| n.strong_count() > 0);
+        nodes.push(node.watch());
+        node
+    }
+}
+
+impl Inner {
+    /// A map was installed: each coherent node leaves every home whose
+    /// process it is connected to is no longer the node's, by the map
+    /// (another process registered as it: the one this node talks to was
+    /// stopped or cut off past its lease, and its copies must go before the
+    /// new one grants the pages to others).
+    pub(super) fn leave_replaced_homes(&self, map: &crate::gpa_map::GpaMap) {
+        let nodes: Vec<_> = self
+            .coherent_nodes
+            .lock()
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect();
+        for node in nodes {
+            node.leave_replaced_homes(|id| {
+                map.nodes().iter().find(|n| n.id == id).map(|n| n.epoch)
+            });
+        }
     }
 }
 

@@ -255,6 +255,7 @@ impl Inner {
             if Arc::ptr_eq(&prev, &old) {
                 drop(prev);
                 self.publish_view();
+                self.leave_replaced_homes(&map);
                 tracing::debug!(
                     version = map.version(),
                     ranges = map.len(),

@@ -1,0 +1,166 @@
+//! One process per node id. Two page-server processes of one node would
+//! each serve its ranges, one of them with empty memory: a second process
+//! started while the first is alive (its lease current, its address
+//! accepting connections) does not register until the first is gone; a
+//! process that was stopped past its lease, and replaced meanwhile, is
+//! left by the coherence nodes that see the new process in their map, and
+//! learns it from its next heartbeat and serves no more, so that its other
+//! nodes drop the copies it granted too (docs/operations.md, "One process
+//! per node id").
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use common::coherent_copies::Node;
+use common::*;
+use page_server::ServerConfig;
+use rdma_transport::coherent::{CoherenceConfig, Recall};
+use rdma_transport::wire::{Header, Opcode};
+
+const LIMIT: Duration = Duration::from_secs(30);
+
+/// A second process of node "a" waits, as long as the first lives; its
+/// ranges keep being served by the first. Once the first is killed, the
+/// second registers.
+#[test]
+fn a_second_process_of_a_node_registers_only_once_the_first_is_gone() {
+    let (_db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let mut first = ChildServer::start(&url, "a", 0);
+    let first_epoch = registered_with_range(&url, "a", 0, 0);
+    let mgr = manager(&url);
+    let page = page_indexed(0, 1);
+    mgr.write_page(0, &page)
+        .expect("a write to the first process");
+
+    let mut cfg = ServerConfig::new("a", NODE_BYTES);
+    cfg.coordinator_url = Some(url.clone());
+    cfg.heartbeat_interval = Duration::from_millis(100);
+    cfg.register_retry = Duration::from_millis(50);
+    let second = page_server::spawn(cfg).expect("the second process starts");
+    assert!(
+        wait_until(LIMIT, || second.stats().registrations_put_off >= 3),
+        "the second process never found the first alive: {:?}",
+        second.stats()
+    );
+    let admin = coordinator_client(&url);
+    assert_eq!(
+        admin.node(&"a".to_owned()).expect("node a").epoch,
+        first_epoch,
+        "the second process registered while the first was alive"
+    );
+    let mut read = [0u8; rdma_transport::PAGE_SIZE];
+    mgr.read_page(0, &mut read)
+        .expect("the first process still serves its range");
+    assert!(read == page, "not the page written to the first process");
+
+    first.kill();
+    second
+        .wait_registered(LIMIT)
+        .expect("the second process registers once the first is gone");
+    assert_ne!(
+        admin.node(&"a".to_owned()).expect("node a").epoch,
+        first_epoch
+    );
+}
+
+/// Nodes x and z hold a shared copy of page 0 of home process 1; x's
+/// manager follows the map (the default), z's does not (no background
+/// refresh). Process 1 is stopped (SIGSTOP) past its lease, and process 2
+/// of the node registers in its place: x, seeing another process of the
+/// home in its map, leaves process 1 and drops its copy, although process 1
+/// is only stopped (its kernel still acknowledges). z learns nothing until
+/// process 1 runs again: its first heartbeat tells it, and it closes every
+/// connection (z drops its copy) and takes no new one. Either way no copy
+/// granted by process 1 outlives process 2's restart grace.
+#[test]
+fn a_process_stopped_past_its_lease_and_replaced_is_left_and_serves_no_more() {
+    const FLAGS: &[&str] = &["--node-dead-home-timeout-ms", "1000"];
+    let (_db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port");
+    let metrics_flag = metrics.to_string();
+    let first_flags = [FLAGS, &["--metrics-listen", &metrics_flag]].concat();
+    let first = ChildServer::start_with(&url, "home", 0, &first_flags);
+    let first_epoch = registered_with_range(&url, "home", 0, 0);
+    let config = CoherenceConfig {
+        dead_home_timeout_ms: 1000,
+        timeout_ms: 5_000,
+        min_hold_us: 0,
+    };
+    let x = Node::with_config(manager(&url), config);
+    let without_refresh =
+        rdma_transport::TransportManager::connect(rdma_transport::ManagerConfig {
+            coordinator_url: url.clone(),
+            map_refresh_ms: 0,
+            poller_cpus: Some(vec![]),
+            ..rdma_transport::ManagerConfig::default()
+        })
+        .expect("a manager without background refresh");
+    let z = Node::with_config(without_refresh, config);
+    for (name, node) in [("x", &x), ("z", &z)] {
+        assert!(
+            node.read(0).expect("read page 0") == [0u8; rdma_transport::PAGE_SIZE],
+            "{name} does not read the zeros of a new range"
+        );
+    }
+    let left_home = |node: &Node| {
+        node.copies
+            .take_recalls()
+            .contains(&(0, Recall::Invalidate { write_back: false }))
+    };
+
+    first.pause();
+    // Its address still accepts (the kernel does), so the second process
+    // waits for the first one's lease to lapse, then registers.
+    let _second = ChildServer::start_with(&url, "home", 0, FLAGS);
+    registered_with_range(&url, "home", 0, first_epoch);
+    assert!(
+        wait_until(LIMIT, || x.copies.copy(0).is_none()),
+        "x still holds the copy that process 1 (stopped) granted, after process 2 took the node"
+    );
+    assert!(
+        left_home(&x),
+        "x's copy was not dropped by leaving process 1"
+    );
+    assert!(
+        z.copies.copy(0).is_some(),
+        "z dropped its copy while process 1 was stopped: it has no way of knowing"
+    );
+
+    first.resume();
+    assert!(
+        wait_until(LIMIT, || z.copies.copy(0).is_none()),
+        "z still holds the copy process 1 granted, after process 1 learnt that process 2 took \
+         the node"
+    );
+    assert!(
+        left_home(&z),
+        "z's copy was not dropped by the end of its connection"
+    );
+    let (_, text) = http_get(metrics, "/metrics");
+    assert!(
+        text.lines().any(|l| l == "page_server_superseded 1"),
+        "process 1 does not say it was superseded:\n{text}"
+    );
+    // A HELLO, which a serving page-server answers with its CHALLENGE.
+    let mut s = TcpStream::connect(&first.addr).expect("connect to process 1");
+    s.set_read_timeout(Some(LIMIT)).unwrap();
+    let payload = raw::hello_payload(1);
+    let mut hello = Header::request(Opcode::Hello, 1, 0, payload.len() as u32)
+        .encode()
+        .to_vec();
+    hello.extend_from_slice(&payload);
+    // Refused at once: the write may fail already.
+    let _ = s.write_all(&hello);
+    let answered = matches!(s.read(&mut [0u8; 1]), Ok(n) if n > 0);
+    assert!(
+        !answered,
+        "process 1 answered a HELLO after process 2 took the node"
+    );
+}
