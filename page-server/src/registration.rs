@@ -42,6 +42,16 @@ struct Shared {
 /// What a process does when another registered as its node after it.
 pub(crate) type OnSuperseded = Box<dyn FnOnce() + Send>;
 
+/// Who is told of this node's other processes (`other_processes.rs`).
+pub(crate) struct OtherProcesses {
+    /// Learns whether the coordinator knew of an earlier process of this
+    /// node when this one registers.
+    pub(crate) restart_grace: Arc<RestartGrace>,
+    /// Called once if another process registers as this node after this
+    /// one (its heartbeat is answered with another epoch); heartbeats stop.
+    pub(crate) on_superseded: OnSuperseded,
+}
+
 /// How often the wait for another process of this node is warned about.
 const OTHER_WARN_INTERVAL: Duration = Duration::from_secs(10);
 
@@ -72,10 +82,7 @@ impl Registration {
     /// device endpoint when given (never a region key: each client gets its
     /// own in the handshake) and `epoch`, the handshake's: the coordinator
     /// tells from it whether this process holds its ranges' contents.
-    /// `restart_grace` learns whether an earlier process of this node was
-    /// known to the coordinator; `on_superseded` is called once if another
-    /// process registers as this node after this one (its heartbeat is
-    /// answered with another epoch), and heartbeats stop.
+    /// `others` is told of this node's other processes.
     pub(crate) fn start(
         config: &ServerConfig,
         layout: &Layout,
@@ -83,8 +90,7 @@ impl Registration {
         rdma: Option<RdmaEndpoint>,
         epoch: u64,
         seen: Arc<RangesSeen>,
-        restart_grace: Arc<RestartGrace>,
-        on_superseded: OnSuperseded,
+        others: OtherProcesses,
     ) -> Self {
         let shared = Arc::new(Shared::default());
         *shared.state.lock() = Some(State::Pending);
@@ -111,8 +117,8 @@ impl Registration {
                 })
                 .collect(),
             seen,
-            restart_grace,
-            on_superseded: Mutex::new(Some(on_superseded)),
+            restart_grace: others.restart_grace,
+            on_superseded: Mutex::new(Some(others.on_superseded)),
             heartbeat: config.heartbeat_interval,
             retry: config.register_retry,
         };
@@ -249,7 +255,7 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
                 }
                 Err(RegisterError::OtherProcessAlive(other)) => {
                     shared.waits_for_other.fetch_add(1, Ordering::Relaxed);
-                    if other_warned.is_none_or(|at: Instant| at.elapsed() >= OTHER_WARN_INTERVAL) {
+                    if !matches!(other_warned, Some(at) if at.elapsed() < OTHER_WARN_INTERVAL) {
                         other_warned = Some(Instant::now());
                         tracing::warn!(
                             node = %plan.node_id,
@@ -326,7 +332,7 @@ fn heartbeat_retry_pause(retry: Duration, period: Duration, failed: u32) -> Dura
 enum RegisterError {
     Coordinator(CoordinatorError),
     /// Another process of this node id may still be serving.
-    OtherProcessAlive(NodeInfo),
+    OtherProcessAlive(Box<NodeInfo>),
 }
 
 impl From<CoordinatorError> for RegisterError {
@@ -346,7 +352,7 @@ fn register(client: &CoordinatorClient, plan: &Plan) -> Result<(), RegisterError
         plan.registration.epoch,
         &plan.registration.tcp_addr,
     ) {
-        return Err(RegisterError::OtherProcessAlive(other));
+        return Err(RegisterError::OtherProcessAlive(Box::new(other)));
     }
     if other_processes::named(&map, &plan.node_id) {
         plan.restart_grace

@@ -26,7 +26,7 @@ use crate::range_contents::RangesSeen;
 use crate::rdma::RdmaExport;
 use crate::recovery::Recovery;
 use crate::recovery_guard::RecoveryGuard;
-use crate::registration::Registration;
+use crate::registration::{OtherProcesses, Registration};
 use crate::stats::{RecoveryCounters, ServerStats};
 
 /// Why a page-server could not start or register.
@@ -227,8 +227,10 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             published,
             shared.exported.epoch,
             Arc::clone(&shared.seen),
-            shared.exported.coherence.restart_grace(),
-            stop_serving_when_superseded(Arc::clone(&shared)),
+            OtherProcesses {
+                restart_grace: shared.exported.coherence.restart_grace(),
+                on_superseded: stop_serving_when_superseded(Arc::clone(&shared)),
+            },
         )
     });
     // Starts copying only once registered (it watches the registration).
