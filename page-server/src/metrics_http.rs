@@ -130,7 +130,7 @@ fn answer(
     }
     if path == b"/ready" {
         let report = crate::readiness::readiness(
-            registered.map(RegisteredWatch::is_registered),
+            registered.map(RegisteredWatch::standing),
             shared.seen.each(),
         );
         let status = if report.ready {

@@ -20,19 +20,28 @@ pub(crate) struct Readiness {
     pub(crate) text: String,
 }
 
-/// What the node knows: `registered` (`None`: no coordinator), and each
+/// Where this process stands with the coordinator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Standing {
+    Registered,
+    NotYet,
+    /// Another process registered as this node after this one.
+    Superseded,
+}
+
+/// What the node knows: its `standing` (`None`: no coordinator), and each
 /// exported range with what the last map said of this node's replica.
 pub(crate) fn readiness(
-    registered: Option<bool>,
+    standing: Option<Standing>,
     ranges: impl Iterator<Item = (HeldRange, RangeContents)>,
 ) -> Readiness {
-    let Some(registered) = registered else {
+    let Some(standing) = standing else {
         return Readiness {
             ready: true,
             text: "ready: no coordinator\n".into(),
         };
     };
-    let mut ready = registered;
+    let mut ready = standing == Standing::Registered;
     let mut lines = String::new();
     for (range, contents) in ranges {
         let state = match contents {
@@ -48,10 +57,12 @@ pub(crate) fn readiness(
         );
     }
     let verdict = if ready { "ready" } else { "not ready" };
-    let registration = if registered {
-        "registered with the coordinator"
-    } else {
-        "not registered with the coordinator yet"
+    let registration = match standing {
+        Standing::Registered => "registered with the coordinator",
+        Standing::NotYet => "not registered with the coordinator yet",
+        Standing::Superseded => {
+            "superseded: another process registered as this node after this one; this one serves no more"
+        }
     };
     let text = format!("{verdict}\n{registration}\n{lines}");
     Readiness { ready, text }
@@ -74,7 +85,7 @@ mod tests {
             (range(0), RangeContents::Held),
             (range(1), RangeContents::Held),
         ];
-        let all = readiness(Some(true), live.into_iter());
+        let all = readiness(Some(Standing::Registered), live.into_iter());
         assert!(all.ready, "{}", all.text);
         assert_eq!(
             all.text,
@@ -83,13 +94,16 @@ mod tests {
         );
         for contents in [RangeContents::Missed, RangeContents::Unknown] {
             let one_not = [(range(0), RangeContents::Held), (range(1), contents)];
-            let r = readiness(Some(true), one_not.into_iter());
+            let r = readiness(Some(Standing::Registered), one_not.into_iter());
             assert!(!r.ready, "{}", r.text);
             assert!(r.text.starts_with("not ready\n"), "{}", r.text);
         }
-        let unregistered = readiness(Some(false), live.into_iter());
+        let unregistered = readiness(Some(Standing::NotYet), live.into_iter());
         assert!(!unregistered.ready);
         assert!(unregistered.text.contains("not registered"));
+        let replaced = readiness(Some(Standing::Superseded), live.into_iter());
+        assert!(!replaced.ready);
+        assert!(replaced.text.contains("superseded"), "{}", replaced.text);
         let alone = readiness(None, std::iter::empty());
         assert!(alone.ready, "{}", alone.text);
     }

@@ -17,6 +17,7 @@ use crate::config::ServerConfig;
 use crate::layout::Layout;
 use crate::other_processes;
 use crate::range_contents::RangesSeen;
+use crate::readiness::Standing;
 use crate::restart_grace::RestartGrace;
 use crate::server::ServerError;
 
@@ -183,12 +184,21 @@ impl RegisteredWatch {
         matches!(*self.0.state.lock(), Some(State::Registered))
     }
 
+    /// Where this process stands with the coordinator.
+    pub(crate) fn standing(&self) -> Standing {
+        match *self.0.state.lock() {
+            Some(State::Registered) => Standing::Registered,
+            Some(State::Superseded(_)) => Standing::Superseded,
+            _ => Standing::NotYet,
+        }
+    }
+
     /// Sets what the registration knows in `stats`: registrations put off
     /// for another process of this node, and whether one registered after
     /// this one.
     pub(crate) fn fill(&self, stats: &mut crate::stats::ServerStats) {
         stats.registrations_put_off = self.0.waits_for_other.load(Ordering::Relaxed);
-        stats.superseded = matches!(*self.0.state.lock(), Some(State::Superseded(_)));
+        stats.superseded = self.standing() == Standing::Superseded;
     }
 }
 

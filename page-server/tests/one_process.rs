@@ -148,6 +148,11 @@ fn a_process_stopped_past_its_lease_and_replaced_is_left_and_serves_no_more() {
         text.lines().any(|l| l == "page_server_superseded 1"),
         "process 1 does not say it was superseded:\n{text}"
     );
+    let (status, body) = http_get(metrics, "/ready");
+    assert!(
+        status == 503 && body.contains("superseded"),
+        "process 1's GET /ready: {status} {body}"
+    );
     // A HELLO, which a serving page-server answers with its CHALLENGE.
     let mut s = TcpStream::connect(&first.addr).expect("connect to process 1");
     s.set_read_timeout(Some(LIMIT)).unwrap();
