@@ -218,6 +218,14 @@ impl Worker {
         }
     }
 
+    /// Whether `map` names another process (epoch) of this node than this
+    /// one (`other_processes.rs`).
+    fn replaced_in(&self, map: &MapResponse) -> bool {
+        map.nodes.iter().any(|n| {
+            n.id == self.plan.node_id && n.epoch != 0 && n.epoch != self.server.exported.epoch
+        })
+    }
+
     /// One look at the map, and a recovery of each range whose replica
     /// here is stale, one after the other.
     fn round(&self) {
@@ -236,6 +244,13 @@ impl Worker {
                     }
                 },
             };
+            if self.replaced_in(&current) {
+                // The node's replicas are another process's now: copying
+                // into this one's memory would make them live with the
+                // other's memory empty.
+                tracing::debug!("replica recovery: another process is this node now");
+                return;
+            }
             if let Some(mine) = own_entry(&current, range).and_then(|e| self.own_replica(e)) {
                 self.server.seen.note(index, mine.state);
             }

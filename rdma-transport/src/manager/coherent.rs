@@ -32,11 +32,11 @@ impl TransportManager {
 }
 
 impl Inner {
-    /// A map was installed: each coherent node leaves every home whose
-    /// process it is connected to is no longer the node's, by the map
-    /// (another process registered as it: the one this node talks to was
-    /// stopped or cut off past its lease, and its copies must go before the
-    /// new one grants the pages to others).
+    /// A map was installed: each coherent node leaves every home process
+    /// that the map no longer names as that home (another process
+    /// registered as it: the one the node talks to was stopped or cut off
+    /// past its lease, and the node's copies must go before the new one
+    /// grants the pages to others).
     pub(super) fn leave_replaced_homes(&self, map: &crate::gpa_map::GpaMap) {
         let nodes: Vec<_> = self
             .coherent_nodes
