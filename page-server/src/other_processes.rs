@@ -14,6 +14,20 @@ use rdma_transport::coordinator::api::{MapResponse, NodeInfo};
 /// accept.
 const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 
+/// Whether `epoch`, a node id's epoch as the coordinator has it, is
+/// another process's than `mine` (0: an old coordinator's, not known).
+pub(crate) fn is_another(epoch: u64, mine: u64) -> bool {
+    epoch != 0 && epoch != mine
+}
+
+/// Whether `map` names another process of node `node_id` than the one in
+/// epoch `mine`: one registered after it.
+pub(crate) fn replaced_in(map: &MapResponse, node_id: &str, mine: u64) -> bool {
+    map.nodes
+        .iter()
+        .any(|n| n.id == node_id && is_another(n.epoch, mine))
+}
+
 /// Whether `map` names node `node_id` (as a node, or as a holder of a
 /// range): a process of it registered before.
 pub(crate) fn named(map: &MapResponse, node_id: &str) -> bool {
@@ -38,7 +52,7 @@ pub(crate) fn alive_other(
 ) -> Option<NodeInfo> {
     let other = map.nodes.iter().find(|n| n.id == node_id)?;
     let someone_else =
-        other.alive && other.epoch != 0 && other.epoch != my_epoch && other.tcp_addr != my_addr;
+        other.alive && is_another(other.epoch, my_epoch) && other.tcp_addr != my_addr;
     (someone_else && may_be_listening(&other.tcp_addr)).then(|| other.clone())
 }
 

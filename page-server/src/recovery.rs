@@ -43,6 +43,7 @@ use rdma_transport::{
 
 use crate::config::ServerConfig;
 use crate::layout::{Layout, PlacedRange};
+use crate::other_processes;
 use crate::registration::{node_credential, RegisteredWatch};
 use crate::server::Shared as ServerShared;
 
@@ -218,14 +219,6 @@ impl Worker {
         }
     }
 
-    /// Whether `map` names another process (epoch) of this node than this
-    /// one (`other_processes.rs`).
-    fn replaced_in(&self, map: &MapResponse) -> bool {
-        map.nodes.iter().any(|n| {
-            n.id == self.plan.node_id && n.epoch != 0 && n.epoch != self.server.exported.epoch
-        })
-    }
-
     /// One look at the map, and a recovery of each range whose replica
     /// here is stale, one after the other.
     fn round(&self) {
@@ -244,7 +237,11 @@ impl Worker {
                     }
                 },
             };
-            if self.replaced_in(&current) {
+            if other_processes::replaced_in(
+                &current,
+                &self.plan.node_id,
+                self.server.exported.epoch,
+            ) {
                 // The node's replicas are another process's now: copying
                 // into this one's memory would make them live with the
                 // other's memory empty.

@@ -181,7 +181,7 @@ pub(crate) struct RegisteredWatch(Arc<Shared>);
 impl RegisteredWatch {
     /// True once the node and all its ranges were registered.
     pub(crate) fn is_registered(&self) -> bool {
-        matches!(*self.0.state.lock(), Some(State::Registered))
+        self.standing() == Standing::Registered
     }
 
     /// Where this process stands with the coordinator.
@@ -301,7 +301,7 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
         }
         if registered {
             match client.heartbeat(&plan.node_id) {
-                Ok(info) if info.epoch != 0 && info.epoch != plan.registration.epoch => {
+                Ok(info) if other_processes::is_another(info.epoch, plan.registration.epoch) => {
                     let why = format!(
                         "another process registered as node {} (epoch {:#x}, at {}) after this one \
                          (epoch {:#x}): this one serves no more",
