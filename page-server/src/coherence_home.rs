@@ -374,6 +374,13 @@ pub(crate) fn on_frame(
             home.restart_grace_retries.fetch_add(1, Ordering::Relaxed);
             return send(ex, off, node, &ToNode::Retry { req });
         }
+        if ex.stall_fence.is_unconfirmed() {
+            // This process stalled and may have been replaced meanwhile:
+            // nothing is granted until the coordinator says it was not
+            // (frames on TCP waited in `connection.rs` already; these came
+            // over an RDMA message channel).
+            return send(ex, off, node, &ToNode::Retry { req });
+        }
     }
     let entry = home.entry(off);
     let mut page = entry.lock();

@@ -92,6 +92,13 @@ pub struct ServerConfig {
     /// waits for an idle CPU to wake up; 0 blocks at once (for hosts where
     /// the server shares a CPU with latency-critical threads).
     pub spin_before_block: Duration,
+    /// A process that did not run for this long (stopped, paused) serves
+    /// nothing more until the coordinator answers a heartbeat sent after
+    /// it with this process's epoch: it may have been replaced meanwhile
+    /// (`stall_fence.rs`; docs/operations.md, "One process per node id").
+    /// Must stay below the coordinator's lease minus the heartbeat period.
+    /// Zero: off.
+    pub stall_fence: Duration,
     /// The RDMA side (on by default: the first device, if there is one).
     pub rdma: RdmaOptions,
     /// Back the exported memory with 2 MiB huge pages when the host has
@@ -146,6 +153,7 @@ impl ServerConfig {
                 rdma_transport::coherent::DEFAULT_DEAD_HOME_TIMEOUT_MS,
             ),
             spin_before_block: Duration::from_micros(50),
+            stall_fence: Duration::from_millis(500),
             rdma: RdmaOptions {
                 enabled: true,
                 device: None,

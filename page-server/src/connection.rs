@@ -5,6 +5,7 @@
 use std::io::{self, Read};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdma_transport::region::MappedRegion;
@@ -24,6 +25,7 @@ use crate::page_sums::PageSums;
 use crate::rdma::RdmaExport;
 use crate::recovery_guard::RecoveryGuard;
 use crate::spin::SpinSetting;
+use crate::stall_fence::StallFence;
 use rdma_transport::log_limit::LogLimit;
 
 const RECV_BUF_BYTES: usize = 256 * 1024;
@@ -33,6 +35,11 @@ const MAX_PENDING_ANSWERS: usize = 256;
 /// end (`Recorded::supersede_older`); shut down, they end as soon as their
 /// threads run.
 const SUPERSEDE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long requests that came after a stall of this process wait for the
+/// coordinator to confirm it (one heartbeat, which times out after 2 s)
+/// before their connection is closed unserved.
+const STALL_CONFIRM_WAIT: Duration = Duration::from_secs(3);
 
 /// The memory a page-server exports, and the epoch it announces.
 ///
@@ -58,6 +65,9 @@ pub(crate) struct Exported {
     pub(crate) metrics: PageMetrics,
     /// At most one warning per interval about data damaged on the way.
     pub(crate) damage_log: LogLimit,
+    /// After a stall of the process, nothing is served until the
+    /// coordinator confirms it was not replaced (`stall_fence.rs`).
+    pub(crate) stall_fence: Arc<StallFence>,
 }
 
 impl Exported {
@@ -328,6 +338,15 @@ fn serve_messages(
             Err(e) => return Err(e),
         };
         end += n;
+        if !exported.stall_fence.may_serve(STALL_CONFIRM_WAIT) {
+            // Resumed after a stall, and the coordinator did not say in
+            // time that this process is still the node's (or it said
+            // another one is): what came is not served.
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "not served: after a stall, the coordinator did not confirm this process",
+            ));
+        }
         tally.restart();
         let mut close = None;
         let mut requests = 0usize;

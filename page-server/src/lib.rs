@@ -38,6 +38,7 @@ mod registration;
 mod restart_grace;
 mod server;
 mod spin;
+mod stall_fence;
 mod stats;
 
 pub use client_keys::{ClientKeyKind, ClientKeys};

@@ -69,6 +69,13 @@ struct Args {
     /// request before it blocks (0: block at once).
     #[arg(long, default_value_t = 50)]
     spin_us: u64,
+    /// Milliseconds this process may go without running (stopped, paused
+    /// VM) before it serves nothing more until the coordinator confirms,
+    /// by a heartbeat sent after the stall, that no other process replaced
+    /// it meanwhile (0: off). Keep it below the coordinator's lease minus
+    /// the heartbeat period.
+    #[arg(long, default_value_t = 500)]
+    stall_fence_ms: u64,
     /// Milliseconds from accept to the end of a connection's HELLO
     /// handshake; slower connections are closed.
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
@@ -186,6 +193,7 @@ fn main() -> anyhow::Result<()> {
     config.coordinator_token = args.token;
     config.heartbeat_interval = Duration::from_millis(args.heartbeat_ms.max(1));
     config.spin_before_block = Duration::from_micros(args.spin_us);
+    config.stall_fence = Duration::from_millis(args.stall_fence_ms);
     config.huge_pages = args.huge_pages;
     config.recovery_grace = Duration::from_millis(args.recovery_grace_ms);
     config.recovery_rate_mib_s = args.recovery_rate_mib_s;

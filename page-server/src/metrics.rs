@@ -14,6 +14,8 @@
 //! | `page_server_client_id_clashes_total` | counter | (times two live clients were seen sharing one client id: their connections ended each other 20 times within 10 s) |
 //! | `page_server_registrations_put_off_total` | counter | (registrations put off because another process of this node id was alive) |
 //! | `page_server_superseded` | gauge | (1 once another process registered as this node after this one: this one serves no more) |
+//! | `page_server_stalls_total` | counter | (times this process did not run for `--stall-fence-ms` and then served nothing until the coordinator confirmed it was still the node's process) |
+//! | `page_server_requests_held_after_stall_total` | counter | (batches of requests that waited for that confirmation) |
 //! | `page_server_accept_errors_total` | counter | (`accept` calls that failed, e.g. out of descriptors) |
 //! | `page_server_replica_recoveries_total` | counter | `outcome` (`done`: the replica is live again; `failed`: failed or overtaken, retried a period later) |
 //! | `page_server_replica_recovered_pages_total` | counter | (pages copied in from a live replica) |
@@ -198,6 +200,8 @@ pub(crate) struct PageMetrics {
     client_id_clashes: Counter,
     registrations_put_off: Counter,
     superseded: Gauge,
+    stalls: Counter,
+    held_after_stall: Counter,
     recoveries: Family<OutcomeLabels, Counter>,
     recovered_pages: Counter,
     recovery_running: Gauge,
@@ -284,6 +288,18 @@ impl PageMetrics {
             "1 once another process registered as this node after this one: this one closed every connection and serves no more",
             superseded.clone(),
         );
+        let stalls = Counter::default();
+        registry.register(
+            "stalls",
+            "Times this process did not run for the stall threshold (stopped, paused) and then served nothing until the coordinator confirmed it was still the node's process",
+            stalls.clone(),
+        );
+        let held_after_stall = Counter::default();
+        registry.register(
+            "requests_held_after_stall",
+            "Batches of requests that waited, after a stall, for the coordinator to confirm this process",
+            held_after_stall.clone(),
+        );
         let recoveries = Family::<OutcomeLabels, Counter>::default();
         registry.register(
             "replica_recoveries",
@@ -335,6 +351,8 @@ impl PageMetrics {
             client_id_clashes,
             registrations_put_off,
             superseded,
+            stalls,
+            held_after_stall,
             recoveries,
             recovered_pages,
             recovery_running,
@@ -439,6 +457,8 @@ impl PageMetrics {
         catch_up(&self.accept_errors, stats.accept_errors);
         catch_up(&self.client_id_clashes, stats.client_id_clashes);
         catch_up(&self.registrations_put_off, stats.registrations_put_off);
+        catch_up(&self.stalls, stats.stalls);
+        catch_up(&self.held_after_stall, stats.requests_held_after_stall);
         self.superseded.set(i64::from(stats.superseded));
         for (outcome, now) in [
             ("done", stats.recoveries),

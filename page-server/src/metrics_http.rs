@@ -147,6 +147,7 @@ fn answer(
     }
     let mut stats = shared.admission.stats();
     shared.recovery.fill(&mut stats);
+    shared.fill_stalls(&mut stats);
     if let Some(watch) = registered {
         watch.fill(&mut stats);
     }

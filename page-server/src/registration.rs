@@ -20,6 +20,7 @@ use crate::range_contents::RangesSeen;
 use crate::readiness::Standing;
 use crate::restart_grace::RestartGrace;
 use crate::server::ServerError;
+use crate::stall_fence::StallFence;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum State {
@@ -34,10 +35,18 @@ enum State {
 struct Shared {
     state: Mutex<Option<State>>,
     changed: Condvar,
-    stop: Mutex<bool>,
+    stop: Mutex<Wake>,
     stop_cv: Condvar,
     /// Registrations put off because another process of the node was alive.
     waits_for_other: AtomicU64,
+}
+
+/// Why the registration thread's sleep ends early.
+#[derive(Debug, Default)]
+struct Wake {
+    stop: bool,
+    /// A stall was noticed: a heartbeat is to go at once.
+    heartbeat_now: bool,
 }
 
 /// What a process does when another registered as its node after it.
@@ -51,6 +60,9 @@ pub(crate) struct OtherProcesses {
     /// Called once if another process registers as this node after this
     /// one (its heartbeat is answered with another epoch); heartbeats stop.
     pub(crate) on_superseded: OnSuperseded,
+    /// Armed once registered; after a stall, told of each heartbeat
+    /// answered with this process's epoch (`stall_fence.rs`).
+    pub(crate) stall_fence: Arc<StallFence>,
 }
 
 /// How often the wait for another process of this node is warned about.
@@ -74,6 +86,7 @@ struct Plan {
     restart_grace: Arc<RestartGrace>,
     /// Called once, when another process registered as this node.
     on_superseded: Mutex<Option<OnSuperseded>>,
+    stall_fence: Arc<StallFence>,
     heartbeat: Duration,
     retry: Duration,
 }
@@ -120,11 +133,18 @@ impl Registration {
             seen,
             restart_grace: others.restart_grace,
             on_superseded: Mutex::new(Some(others.on_superseded)),
+            stall_fence: others.stall_fence,
             heartbeat: config.heartbeat_interval,
             retry: config.register_retry,
         };
         let url = config.coordinator_url.clone().unwrap_or_default();
         let credential = node_credential(config);
+        let nudged = Arc::downgrade(&shared);
+        plan.stall_fence.set_nudge(Box::new(move || {
+            if let Some(shared) = nudged.upgrade() {
+                shared.heartbeat_now();
+            }
+        }));
         let thread_shared = Arc::clone(&shared);
         let handle = std::thread::Builder::new()
             .name("page-server-register".into())
@@ -166,7 +186,7 @@ impl Registration {
     }
 
     pub(crate) fn stop(mut self) {
-        *self.shared.stop.lock() = true;
+        self.shared.stop.lock().stop = true;
         self.shared.stop_cv.notify_all();
         if let Some(h) = self.handle.take() {
             let _ = h.join();
@@ -222,13 +242,21 @@ impl Shared {
         self.changed.notify_all();
     }
 
-    /// Sleeps for `d` unless stopped first; true when stopped.
+    /// Sleeps for `d` unless stopped or asked for a heartbeat first; true
+    /// when stopped.
     fn sleep(&self, d: Duration) -> bool {
-        let mut stop = self.stop.lock();
-        if !*stop {
-            let _ = self.stop_cv.wait_for(&mut stop, d);
+        let mut wake = self.stop.lock();
+        if !wake.stop && !wake.heartbeat_now {
+            let _ = self.stop_cv.wait_for(&mut wake, d);
         }
-        *stop
+        wake.heartbeat_now = false;
+        wake.stop
+    }
+
+    /// Ends the current sleep: a heartbeat goes now.
+    fn heartbeat_now(&self) {
+        self.stop.lock().heartbeat_now = true;
+        self.stop_cv.notify_all();
     }
 }
 
@@ -250,6 +278,7 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
     let mut other_warned: Option<Instant> = None;
     loop {
         if !registered {
+            let sent_at = plan.stall_fence.stamp();
             match register(&client, plan) {
                 Ok(()) => {
                     tracing::info!(
@@ -259,6 +288,8 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
                     );
                     registered = true;
                     shared.set(State::Registered);
+                    plan.stall_fence.arm();
+                    plan.stall_fence.confirm(sent_at);
                 }
                 Err(RegisterError::Coordinator(err)) if err.is_unreachable() => {
                     tracing::debug!(%err, "coordinator not reachable yet; retrying");
@@ -291,6 +322,10 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
         }
         let pause = if !registered {
             plan.retry
+        } else if beats_failed == 0 && plan.stall_fence.is_unconfirmed() {
+            // A stall awaits the coordinator's word (the last heartbeat
+            // went before it was noticed).
+            Duration::ZERO
         } else if beats_failed == 0 {
             plan.heartbeat
         } else {
@@ -300,6 +335,7 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
             return;
         }
         if registered {
+            let sent_at = plan.stall_fence.stamp();
             match client.heartbeat(&plan.node_id) {
                 Ok(info) if other_processes::is_another(info.epoch, plan.registration.epoch) => {
                     let why = format!(
@@ -309,13 +345,17 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
                     );
                     tracing::error!("{why}");
                     shared.set(State::Superseded(why));
+                    plan.stall_fence.end();
                     if let Some(on_superseded) = plan.on_superseded.lock().take() {
                         on_superseded();
                     }
                     // No more heartbeats: they would keep the other's lease.
                     return;
                 }
-                Ok(_) => beats_failed = 0,
+                Ok(_) => {
+                    beats_failed = 0;
+                    plan.stall_fence.confirm(sent_at);
+                }
                 Err(err) if err.is_not_found() => {
                     tracing::warn!("coordinator forgot this node; registering again");
                     registered = false;

@@ -27,6 +27,7 @@ use crate::rdma::RdmaExport;
 use crate::recovery::Recovery;
 use crate::recovery_guard::RecoveryGuard;
 use crate::registration::{OtherProcesses, Registration};
+use crate::stall_fence::StallFence;
 use crate::stats::{RecoveryCounters, ServerStats};
 
 /// Why a page-server could not start or register.
@@ -69,6 +70,14 @@ pub enum ServerError {
         device: String,
         /// What failed.
         reason: String,
+    },
+    /// A thread the server needs could not be started.
+    #[error("cannot start the {name} thread: {source}")]
+    Thread {
+        /// Which thread.
+        name: &'static str,
+        /// The OS error.
+        source: io::Error,
     },
 }
 
@@ -177,6 +186,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             damage_log: rdma_transport::log_limit::LogLimit::new(
                 rdma_transport::log_limit::WARN_INTERVAL,
             ),
+            stall_fence: StallFence::new(config.stall_fence),
         },
         stop: AtomicBool::new(false),
         admission: Arc::new(Admission::new(
@@ -192,6 +202,14 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         recovery: RecoveryCounters::default(),
         seen: Arc::new(seen),
     });
+    shared
+        .exported
+        .stall_fence
+        .start_ticker()
+        .map_err(|source| ServerError::Thread {
+            name: "stall detector",
+            source,
+        })?;
     let accept_shared = Arc::clone(&shared);
     let acceptor = std::thread::Builder::new()
         .name("page-server-accept".into())
@@ -230,6 +248,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             OtherProcesses {
                 restart_grace: shared.exported.coherence.restart_grace(),
                 on_superseded: stop_serving_when_superseded(Arc::clone(&shared)),
+                stall_fence: Arc::clone(&shared.exported.stall_fence),
             },
         )
     });
@@ -435,6 +454,7 @@ impl RunningServer {
             registration.watch().fill(&mut stats);
         }
         self.shared.recovery.fill(&mut stats);
+        self.shared.fill_stalls(&mut stats);
         stats.reads_with_kept_sums = self.shared.exported.metrics.kept_sums();
         stats.checksum_failures = self.shared.exported.metrics.checksum_failures();
         stats
@@ -504,6 +524,7 @@ impl RunningServer {
         if let Some(r) = self.recovery.take() {
             r.stop();
         }
+        self.shared.exported.stall_fence.end();
         for thread in threads {
             let _ = thread.join();
         }
@@ -529,6 +550,7 @@ impl RunningServer {
             let _ = h.join();
         }
         self.shared.exported.coherence.stop_waiting();
+        self.shared.exported.stall_fence.end();
         for thread in self.shared.admission.conns.close_all() {
             let _ = thread.join();
         }
@@ -559,6 +581,15 @@ impl Drop for RunningServer {
 /// nodes drop their copies as the connection ends; its data clients find
 /// the other process in the map (docs/operations.md, "One process per
 /// node id").
+impl Shared {
+    /// Sets what the stall fence counted in `stats`.
+    pub(crate) fn fill_stalls(&self, stats: &mut ServerStats) {
+        let counts = self.exported.stall_fence.counts();
+        stats.stalls = counts.stalls;
+        stats.requests_held_after_stall = counts.held;
+    }
+}
+
 fn stop_serving_when_superseded(shared: Arc<Shared>) -> crate::registration::OnSuperseded {
     Box::new(move || {
         let closed = shared.admission.conns.close_all().len();

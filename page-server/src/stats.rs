@@ -68,6 +68,12 @@ pub struct ServerStats {
     /// Another process registered as this node after this one: this one
     /// closed every connection and takes no more.
     pub superseded: bool,
+    /// Stalls of this process (it did not run for `stall_fence`) after
+    /// which it served nothing until the coordinator confirmed it was
+    /// still the node's process.
+    pub stalls: u64,
+    /// Batches of requests that waited for that confirmation.
+    pub requests_held_after_stall: u64,
 }
 
 /// Why the server refused or closed a connection.

@@ -176,3 +176,139 @@ fn a_process_stopped_past_its_lease_and_replaced_is_left_and_serves_no_more() {
         }
     }
 }
+
+/// A free loopback port for a child's `--metrics-listen`.
+fn metrics_port() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+}
+
+/// The value of counter or gauge `name` in the page-server's metrics at
+/// `metrics`.
+fn metric(metrics: std::net::SocketAddr, name: &str) -> Option<u64> {
+    let (_, text) = http_get(metrics, "/metrics");
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// A manager that reads the map once and never again (no background
+/// refresh): a client that did not hear of the new process.
+fn manager_without_refresh(url: &str) -> rdma_transport::TransportManager {
+    rdma_transport::TransportManager::connect(rdma_transport::ManagerConfig {
+        coordinator_url: url.to_owned(),
+        map_refresh_ms: 0,
+        poller_cpus: Some(vec![]),
+        ..rdma_transport::ManagerConfig::default()
+    })
+    .expect("a manager without background refresh")
+}
+
+/// Process 1 of node "a" holds page 0 = A; a client z reads it and keeps
+/// its map. Process 1 is stopped past its lease, process 2 registers, the
+/// range is re-initialised and page 0 written B through process 2. Then
+/// process 1 resumes while its heartbeats cannot reach the coordinator (a
+/// relay between them holds everything): it cannot learn that it was
+/// replaced, and z's map still sends z to it. z must not get A (a page
+/// the node no longer holds, served as valid): process 1, having noticed
+/// its stall, serves nothing until the coordinator answers. Once the relay
+/// passes again, process 1 learns of process 2 and serves no more.
+#[test]
+fn a_process_resumed_after_being_replaced_serves_nothing_before_the_coordinator_answers() {
+    let (_db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let relay = common::stalling_link::StallingLink::start();
+    relay.set_target(&coord.addr().to_string());
+    let relay_url = format!("http://{}", relay.addr());
+    let metrics = metrics_port();
+    let first = ChildServer::start_with(
+        &relay_url,
+        "a",
+        0,
+        &["--metrics-listen", &metrics.to_string()],
+    );
+    let first_epoch = registered_with_range(&url, "a", 0, 0);
+    let old = page_indexed(0, 1);
+    manager(&url)
+        .write_page(0, &old)
+        .expect("a write to process 1");
+    let z = manager_without_refresh(&url);
+    let mut read = [0u8; rdma_transport::PAGE_SIZE];
+    z.read_page(0, &mut read).expect("z reads process 1");
+    assert!(read == old, "z does not read what was written");
+
+    first.pause();
+    let _second = ChildServer::start(&url, "a", 0);
+    registered_with_range(&url, "a", 0, first_epoch);
+    coordinator_client(&url)
+        .reinitialise_range(0)
+        .expect("re-initialise the range");
+    let new = page_indexed(0, 2);
+    manager(&url)
+        .write_page(0, &new)
+        .expect("a write to process 2");
+
+    relay.hold();
+    first.resume();
+    let got = z.read_page(0, &mut read).map(|()| read);
+    assert!(
+        got.as_ref().map_or(true, |page| *page == new),
+        "z read the page process 1 held before process 2 replaced it (process 1 resumed and \
+         served it without a word from the coordinator)"
+    );
+    assert!(
+        wait_until(LIMIT, || metric(metrics, "page_server_stalls_total")
+            .is_some_and(|n| n >= 1)),
+        "process 1 did not count its stall"
+    );
+    assert!(
+        metric(metrics, "page_server_requests_held_after_stall_total").is_some_and(|n| n >= 1),
+        "z's request did not wait for the coordinator"
+    );
+
+    relay.release();
+    assert!(
+        wait_until(LIMIT, || metric(metrics, "page_server_superseded")
+            == Some(1)),
+        "process 1 never learnt that process 2 took the node"
+    );
+}
+
+/// A process stopped past its lease that nobody replaced serves again once
+/// the coordinator answers its first heartbeat after the stall: the fence
+/// waits for the coordinator's word, not forever.
+#[test]
+fn a_process_stopped_past_its_lease_and_not_replaced_serves_again() {
+    let (_db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let metrics = metrics_port();
+    let first = ChildServer::start_with(&url, "a", 0, &["--metrics-listen", &metrics.to_string()]);
+    let epoch = registered_with_range(&url, "a", 0, 0);
+    let page = page_indexed(0, 3);
+    let mgr = manager(&url);
+    mgr.write_page(0, &page).expect("a write");
+
+    first.pause();
+    let admin = coordinator_client(&url);
+    let id = "a".to_owned();
+    assert!(
+        wait_until(LIMIT, || admin.node(&id).is_ok_and(|n| !n.alive)),
+        "the stopped process's lease never lapsed"
+    );
+    first.resume();
+    let mut read = [0u8; rdma_transport::PAGE_SIZE];
+    mgr.read_page(0, &mut read)
+        .expect("the resumed process serves once the coordinator answered");
+    assert!(read == page, "not the page written before the stop");
+    assert!(
+        wait_until(LIMIT, || metric(metrics, "page_server_stalls_total")
+            .is_some_and(|n| n >= 1)),
+        "the stall was not noticed"
+    );
+    let node = admin.node(&id).expect("node a");
+    assert!(
+        node.alive && node.epoch == epoch,
+        "the resumed process is not the node's, alive: {node:?}"
+    );
+    assert_eq!(metric(metrics, "page_server_superseded"), Some(0));
+}
