@@ -1357,3 +1357,76 @@ fn an_owed_stale_mark_is_dropped_once_the_replica_is_its_ranges_only_live_one() 
     }
     drop((a, b));
 }
+
+/// A manager that owes a replica a stale mark (the replica missed a write
+/// of the manager's that the other took, and the coordinator could not be
+/// told) reads nothing from it until the mark is made: the replica that
+/// took the write serves the range, or the read fails. Before, a read
+/// that went to it (its primary, or a failover once the other stopped)
+/// went back in time: the page as it was before a write this manager had
+/// read back.
+#[test]
+fn a_replica_owed_a_stale_mark_serves_none_of_its_managers_reads() {
+    const P: u64 = 5;
+    let (db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let coord_addr = coord.addr();
+    let admin = coordinator_client(&url);
+    // Clients reach b through the link (its heartbeats go to the
+    // coordinator directly).
+    let link = StallingLink::start();
+    let a = ChildServer::start_with(&url, "a", 0, &GRACE);
+    let b = ChildServer::start_with(
+        &url,
+        "b",
+        0,
+        &[GRACE[0], GRACE[1], "--advertise", &link.addr()],
+    );
+    link.set_target(&b.addr);
+    wait_all_live(&admin, 2);
+    let mgr = replica_manager(&url, 20_000);
+    fill(&mgr, PAGES);
+
+    // b misses a write of P (the link to it holds it, then drops it),
+    // with nobody to mark it stale: the write fails, b is owed the mark.
+    link.hold_open();
+    coord.shutdown().expect("coordinator stops");
+    mgr.write_page(gpa(P), &content(P, 2))
+        .expect_err("a write b missed, with nobody to mark it stale, succeeded");
+    link.sever();
+    let mut page = [0u8; PAGE_SIZE];
+    mgr.read_page(gpa(P), &mut page)
+        .expect("a, which took the write, serves P");
+    assert!(
+        page == content(P, 2),
+        "P read back from b, which missed its write (as before it: {})",
+        page == content(P, 1)
+    );
+
+    // a stops: the only replica left is b. Twice: the first read may find
+    // b still avoided since its connection ended (100 ms), and wait for a
+    // alone.
+    a.pause();
+    for _ in 0..2 {
+        let got = mgr.read_page(gpa(P), &mut page).map(|()| page);
+        assert!(
+            got.is_err(),
+            "P read from b, which missed the write this manager read back from a: went back in \
+             time (as before the write: {})",
+            got.is_ok_and(|p| p == content(P, 1))
+        );
+    }
+
+    // a runs again, the coordinator comes back: a serves P (once the
+    // coordinator confirmed it, after its stall).
+    a.resume();
+    let _coord = coordinator_on(&db.path().join("c.db"), coord_addr);
+    assert!(
+        wait_until(Duration::from_secs(30), || mgr
+            .read_page(gpa(P), &mut page)
+            .is_ok()),
+        "P never read again"
+    );
+    assert!(page == content(P, 2), "P is not what a took");
+    drop((a, b));
+}

@@ -33,7 +33,9 @@ enum Marked {
 /// replica lacks pages another replica of its range has taken, yet stays
 /// live: reads of those pages would go back in time at the next failover.
 /// So no later write to its range counts as done until it is marked stale
-/// (it then recovers from a live replica). (That the write it missed may
+/// (it then recovers from a live replica), and no read of its range goes
+/// to it meanwhile (one that took the write serves them, or the read
+/// fails). (That the write it missed may
 /// still reach it late, on a connection this manager has since replaced,
 /// is the page-server's to refuse: a client's new connection ends its
 /// older ones, docs/wire-protocol.md.)
@@ -64,6 +66,13 @@ impl OwedStale {
         self.any.load(Ordering::Acquire)
     }
 
+    fn owes(&self, range_start: u64, node: &str) -> bool {
+        self.list
+            .lock()
+            .iter()
+            .any(|(r, n)| *r == range_start && n == node)
+    }
+
     fn of_range(&self, range_start: u64) -> Vec<String> {
         self.list
             .lock()
@@ -77,7 +86,8 @@ impl OwedStale {
 impl Inner {
     /// The replica a read of `gpa` (whose primary is `primary`) goes to
     /// first: the primary, unless its node failed a request in the last
-    /// `RETRY_INTERVAL` and another live replica's did not. `None` when no
+    /// `RETRY_INTERVAL` and another live replica's did not. Never a replica
+    /// this manager owes a stale mark ([`OwedStale`]). `None` when no
     /// replica of the range serves reads.
     pub(super) fn read_choice(
         &self,
@@ -88,14 +98,29 @@ impl Inner {
         if !primary.state.serves_reads() {
             return None;
         }
-        if !primary.replicated || !self.avoided(state, primary.node_index) {
+        if !primary.replicated
+            || (!self.avoided(state, primary.node_index) && !self.owed_stale.any())
+        {
             return Some(primary);
         }
-        let readers = state.map.replicas(gpa).filter(|l| l.state.serves_reads());
+        let mut readers = state
+            .map
+            .replicas(gpa)
+            .filter(|l| l.state.serves_reads() && !self.missed_own_write(state, l));
         readers
             .clone()
             .find(|l| !self.avoided(state, l.node_index))
-            .or(Some(primary))
+            .or_else(|| Some(primary).filter(|p| !self.missed_own_write(state, p)))
+            .or_else(|| readers.next())
+    }
+
+    /// Whether `loc` is a replica this manager owes a stale mark: it
+    /// missed a write of this manager's that another replica took.
+    fn missed_own_write(&self, state: &MapState, loc: &Location) -> bool {
+        self.owed_stale.any()
+            && self
+                .owed_stale
+                .owes(loc.range_start, &self.node_name(state, loc.node_index))
     }
 
     /// Another replica that serves reads of `t`'s page and is not in
@@ -115,7 +140,7 @@ impl Inner {
             .map
             .replicas(t.gpa)
             .filter(|l| l.replica >= 32 || tried & (1 << l.replica) == 0)
-            .filter(|l| l.state.serves_reads());
+            .filter(|l| l.state.serves_reads() && !self.missed_own_write(state, l));
         readers
             .clone()
             .find(|l| !self.avoided(state, l.node_index))
