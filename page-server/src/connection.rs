@@ -338,7 +338,11 @@ fn serve_messages(
             Err(e) => return Err(e),
         };
         end += n;
-        if !exported.stall_fence.may_serve(STALL_CONFIRM_WAIT) {
+        tally.restart();
+        if !exported
+            .stall_fence
+            .may_serve(tally.started(), STALL_CONFIRM_WAIT)
+        {
             // Resumed after a stall, and the coordinator did not say in
             // time that this process is still the node's (or it said
             // another one is): what came is not served.
@@ -347,7 +351,6 @@ fn serve_messages(
                 "not served: after a stall, the coordinator did not confirm this process",
             ));
         }
-        tally.restart();
         let mut close = None;
         let mut requests = 0usize;
         while close.is_none() {

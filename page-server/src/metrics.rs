@@ -162,6 +162,11 @@ impl RequestTally {
         self.mark = Instant::now();
     }
 
+    /// When the current request's duration started.
+    pub fn started(&self) -> Instant {
+        self.mark
+    }
+
     /// Counts a READ answer sent with its page's kept sum (no copy).
     pub fn record_kept_sum(&mut self) {
         self.kept_sums += 1;

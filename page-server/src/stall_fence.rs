@@ -130,7 +130,11 @@ impl StallFence {
     /// Now, on the fence's clock: what a heartbeat's send time is stamped
     /// with for [`StallFence::confirm`].
     pub(crate) fn stamp(&self) -> u64 {
-        u64::try_from(self.origin.elapsed().as_micros())
+        self.stamp_at(Instant::now())
+    }
+
+    fn stamp_at(&self, now: Instant) -> u64 {
+        u64::try_from(now.saturating_duration_since(self.origin).as_micros())
             .unwrap_or(u64::MAX - 1)
             .saturating_add(1)
     }
@@ -160,10 +164,15 @@ impl StallFence {
     /// Whether a stall was noticed (now, too) that the coordinator has not
     /// confirmed yet: nothing is to be served.
     pub(crate) fn is_unconfirmed(&self) -> bool {
+        self.is_unconfirmed_at(Instant::now())
+    }
+
+    /// As [`StallFence::is_unconfirmed`], `now` read by the caller.
+    fn is_unconfirmed_at(&self, now: Instant) -> bool {
         if self.threshold_us == 0 || !self.armed.load(Ordering::Acquire) {
             return false;
         }
-        let now = self.stamp();
+        let now = self.stamp_at(now);
         let beat = self.last_beat_us.load(Ordering::Acquire);
         if now.saturating_sub(beat) >= self.threshold_us {
             self.noticed(now, now.saturating_sub(beat));
@@ -171,11 +180,12 @@ impl StallFence {
         self.unconfirmed_since_us.load(Ordering::Acquire) != 0
     }
 
-    /// Whether requests may be served now: at once unless a stall awaits
-    /// the coordinator's word, which is waited for up to `limit`. False:
-    /// not confirmed in time, or the process was replaced; serve nothing.
-    pub(crate) fn may_serve(&self, limit: Duration) -> bool {
-        if !self.is_unconfirmed() {
+    /// Whether requests that came at `now` (read by the caller, who needs
+    /// the time anyway) may be served: at once unless a stall awaits the
+    /// coordinator's word, which is waited for up to `limit`. False: not
+    /// confirmed in time, or the process was replaced; serve nothing.
+    pub(crate) fn may_serve(&self, now: Instant, limit: Duration) -> bool {
+        if !self.is_unconfirmed_at(now) {
             return true;
         }
         self.held.fetch_add(1, Ordering::Relaxed);
@@ -276,14 +286,17 @@ mod tests {
         assert!(fence.is_unconfirmed(), "a serving thread notices the stall");
         assert!(fence.is_unconfirmed());
         assert_eq!(nudged.load(Ordering::Relaxed), 1, "one heartbeat asked for");
-        assert!(!fence.may_serve(Duration::from_millis(20)), "not confirmed");
+        assert!(
+            !fence.may_serve(Instant::now(), Duration::from_millis(20)),
+            "not confirmed"
+        );
         fence.confirm(before);
         assert!(
             fence.is_unconfirmed(),
             "a heartbeat sent before the stall was noticed confirms nothing"
         );
         fence.confirm(fence.stamp());
-        assert!(fence.may_serve(Duration::ZERO));
+        assert!(fence.may_serve(Instant::now(), Duration::ZERO));
         assert_eq!(fence.counts(), StallCounts { stalls: 1, held: 1 });
     }
 
@@ -309,7 +322,7 @@ mod tests {
             assert!(fence.is_unconfirmed());
             let waiter = {
                 let fence = Arc::clone(&fence);
-                std::thread::spawn(move || fence.may_serve(Duration::from_secs(60)))
+                std::thread::spawn(move || fence.may_serve(Instant::now(), Duration::from_secs(60)))
             };
             while fence.counts().held == 0 {
                 std::thread::yield_now();
