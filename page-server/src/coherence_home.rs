@@ -374,11 +374,12 @@ pub(crate) fn on_frame(
             home.restart_grace_retries.fetch_add(1, Ordering::Relaxed);
             return send(ex, off, node, &ToNode::Retry { req });
         }
-        if ex.stall_fence.is_unconfirmed() {
-            // This process stalled and may have been replaced meanwhile:
-            // nothing is granted until the coordinator says it was not
-            // (frames on TCP waited in `connection.rs` already; these came
-            // over an RDMA message channel).
+        if ex.self_fence.is_fenced() {
+            // This process fenced itself (a stall, or its lease fence: it
+            // may have been replaced): nothing is granted until the
+            // coordinator says it was not (frames on TCP waited in
+            // `connection.rs` already; these came over an RDMA message
+            // channel).
             return send(ex, off, node, &ToNode::Retry { req });
         }
     }

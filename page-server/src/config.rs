@@ -95,10 +95,18 @@ pub struct ServerConfig {
     /// A process that did not run for this long (stopped, paused) serves
     /// nothing more until the coordinator answers a heartbeat sent after
     /// it with this process's epoch: it may have been replaced meanwhile
-    /// (`stall_fence.rs`; docs/operations.md, "One process per node id").
+    /// (`self_fence.rs`; docs/operations.md, "One process per node id").
     /// Must stay below the coordinator's lease minus the heartbeat period.
     /// Zero: off.
     pub stall_fence: Duration,
+    /// A process whose heartbeats the coordinator has not answered for
+    /// this long (from the send of the last answered one) serves nothing
+    /// until one is: below the coordinator's lease, a process cut off from
+    /// the coordinator stops serving before another process of its node
+    /// can register (`self_fence.rs`). Zero (the default): a process cut
+    /// off from the coordinator keeps serving its clients. At least twice
+    /// `heartbeat_interval` when set (`spawn` refuses less).
+    pub lease_fence: Duration,
     /// The RDMA side (on by default: the first device, if there is one).
     pub rdma: RdmaOptions,
     /// Back the exported memory with 2 MiB huge pages when the host has
@@ -154,6 +162,7 @@ impl ServerConfig {
             ),
             spin_before_block: Duration::from_micros(50),
             stall_fence: Duration::from_millis(500),
+            lease_fence: Duration::ZERO,
             rdma: RdmaOptions {
                 enabled: true,
                 device: None,

@@ -24,8 +24,8 @@ use crate::outbound::Outbound;
 use crate::page_sums::PageSums;
 use crate::rdma::RdmaExport;
 use crate::recovery_guard::RecoveryGuard;
+use crate::self_fence::SelfFence;
 use crate::spin::SpinSetting;
-use crate::stall_fence::StallFence;
 use rdma_transport::log_limit::LogLimit;
 
 const RECV_BUF_BYTES: usize = 256 * 1024;
@@ -36,9 +36,9 @@ const MAX_PENDING_ANSWERS: usize = 256;
 /// threads run.
 const SUPERSEDE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// How long requests that came after a stall of this process wait for the
-/// coordinator to confirm it (one heartbeat, which times out after 2 s)
-/// before their connection is closed unserved.
+/// How long requests that came while this process fenced itself wait for
+/// the coordinator to confirm it (one heartbeat, which times out after
+/// 2 s) before their connection is closed unserved (`self_fence.rs`).
 const STALL_CONFIRM_WAIT: Duration = Duration::from_secs(3);
 
 /// The memory a page-server exports, and the epoch it announces.
@@ -65,9 +65,10 @@ pub(crate) struct Exported {
     pub(crate) metrics: PageMetrics,
     /// At most one warning per interval about data damaged on the way.
     pub(crate) damage_log: LogLimit,
-    /// After a stall of the process, nothing is served until the
-    /// coordinator confirms it was not replaced (`stall_fence.rs`).
-    pub(crate) stall_fence: Arc<StallFence>,
+    /// After a stall of the process (or its lease fence), nothing is
+    /// served until the coordinator confirms it was not replaced
+    /// (`self_fence.rs`).
+    pub(crate) self_fence: Arc<SelfFence>,
 }
 
 impl Exported {
@@ -340,15 +341,16 @@ fn serve_messages(
         end += n;
         tally.restart();
         if !exported
-            .stall_fence
+            .self_fence
             .may_serve(tally.started(), STALL_CONFIRM_WAIT)
         {
-            // Resumed after a stall, and the coordinator did not say in
-            // time that this process is still the node's (or it said
-            // another one is): what came is not served.
+            // Fenced (after a stall, or its lease fence), and the
+            // coordinator did not say in time that this process is still
+            // the node's (or it said another one is): what came is not
+            // served.
             return Err(io::Error::new(
                 io::ErrorKind::TimedOut,
-                "not served: after a stall, the coordinator did not confirm this process",
+                "not served: fenced, and the coordinator did not confirm this process",
             ));
         }
         let mut close = None;

@@ -36,9 +36,9 @@ mod recovery;
 mod recovery_guard;
 mod registration;
 mod restart_grace;
+mod self_fence;
 mod server;
 mod spin;
-mod stall_fence;
 mod stats;
 
 pub use client_keys::{ClientKeyKind, ClientKeys};

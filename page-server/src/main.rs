@@ -76,6 +76,15 @@ struct Args {
     /// the heartbeat period.
     #[arg(long, default_value_t = 500)]
     stall_fence_ms: u64,
+    /// Milliseconds without a heartbeat answered by the coordinator (from
+    /// the send of the last answered one) after which this process serves
+    /// nothing until one is (0: never, the default: a process cut off from
+    /// the coordinator keeps serving). Set it below the coordinator's
+    /// --lease-ms so that a process cut off from the coordinator stops
+    /// serving before another process of its node can register; at least
+    /// twice --heartbeat-ms.
+    #[arg(long, default_value_t = 0)]
+    lease_fence_ms: u64,
     /// Milliseconds from accept to the end of a connection's HELLO
     /// handshake; slower connections are closed.
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
@@ -194,6 +203,7 @@ fn main() -> anyhow::Result<()> {
     config.heartbeat_interval = Duration::from_millis(args.heartbeat_ms.max(1));
     config.spin_before_block = Duration::from_micros(args.spin_us);
     config.stall_fence = Duration::from_millis(args.stall_fence_ms);
+    config.lease_fence = Duration::from_millis(args.lease_fence_ms);
     config.huge_pages = args.huge_pages;
     config.recovery_grace = Duration::from_millis(args.recovery_grace_ms);
     config.recovery_rate_mib_s = args.recovery_rate_mib_s;

@@ -15,7 +15,9 @@
 //! | `page_server_registrations_put_off_total` | counter | (registrations put off because another process of this node id was alive) |
 //! | `page_server_superseded` | gauge | (1 once another process registered as this node after this one: this one serves no more) |
 //! | `page_server_stalls_total` | counter | (times this process did not run for `--stall-fence-ms` and then served nothing until the coordinator confirmed it was still the node's process) |
-//! | `page_server_requests_held_after_stall_total` | counter | (batches of requests that waited for that confirmation) |
+//! | `page_server_lease_lapses_total` | counter | (times the coordinator answered no heartbeat for `--lease-fence-ms`, after which this process served nothing until it answered one) |
+//! | `page_server_requests_held_by_fence_total` | counter | (batches of requests that waited for the coordinator's word after a stall or a lease lapse) |
+//! | `page_server_fenced` | gauge | (1 while this process serves nothing for want of the coordinator's word) |
 //! | `page_server_accept_errors_total` | counter | (`accept` calls that failed, e.g. out of descriptors) |
 //! | `page_server_replica_recoveries_total` | counter | `outcome` (`done`: the replica is live again; `failed`: failed or overtaken, retried a period later) |
 //! | `page_server_replica_recovered_pages_total` | counter | (pages copied in from a live replica) |
@@ -206,7 +208,9 @@ pub(crate) struct PageMetrics {
     registrations_put_off: Counter,
     superseded: Gauge,
     stalls: Counter,
-    held_after_stall: Counter,
+    lease_lapses: Counter,
+    held_by_fence: Counter,
+    fenced: Gauge,
     recoveries: Family<OutcomeLabels, Counter>,
     recovered_pages: Counter,
     recovery_running: Gauge,
@@ -299,11 +303,23 @@ impl PageMetrics {
             "Times this process did not run for the stall threshold (stopped, paused) and then served nothing until the coordinator confirmed it was still the node's process",
             stalls.clone(),
         );
-        let held_after_stall = Counter::default();
+        let lease_lapses = Counter::default();
         registry.register(
-            "requests_held_after_stall",
-            "Batches of requests that waited, after a stall, for the coordinator to confirm this process",
-            held_after_stall.clone(),
+            "lease_lapses",
+            "Times the coordinator answered no heartbeat for the lease fence, after which this process served nothing until it answered one",
+            lease_lapses.clone(),
+        );
+        let held_by_fence = Counter::default();
+        registry.register(
+            "requests_held_by_fence",
+            "Batches of requests that waited for the coordinator to confirm this process, after a stall or a lease lapse",
+            held_by_fence.clone(),
+        );
+        let fenced = Gauge::default();
+        registry.register(
+            "fenced",
+            "1 while this process serves nothing for want of the coordinator's word (after a stall or a lease lapse)",
+            fenced.clone(),
         );
         let recoveries = Family::<OutcomeLabels, Counter>::default();
         registry.register(
@@ -357,7 +373,9 @@ impl PageMetrics {
             registrations_put_off,
             superseded,
             stalls,
-            held_after_stall,
+            lease_lapses,
+            held_by_fence,
+            fenced,
             recoveries,
             recovered_pages,
             recovery_running,
@@ -463,7 +481,9 @@ impl PageMetrics {
         catch_up(&self.client_id_clashes, stats.client_id_clashes);
         catch_up(&self.registrations_put_off, stats.registrations_put_off);
         catch_up(&self.stalls, stats.stalls);
-        catch_up(&self.held_after_stall, stats.requests_held_after_stall);
+        catch_up(&self.lease_lapses, stats.lease_lapses);
+        catch_up(&self.held_by_fence, stats.requests_held_by_fence);
+        self.fenced.set(i64::from(stats.fenced));
         self.superseded.set(i64::from(stats.superseded));
         for (outcome, now) in [
             ("done", stats.recoveries),

@@ -147,7 +147,7 @@ fn answer(
     }
     let mut stats = shared.admission.stats();
     shared.recovery.fill(&mut stats);
-    shared.fill_stalls(&mut stats);
+    shared.fill_fence(&mut stats);
     if let Some(watch) = registered {
         watch.fill(&mut stats);
     }

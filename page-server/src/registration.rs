@@ -19,8 +19,8 @@ use crate::other_processes;
 use crate::range_contents::RangesSeen;
 use crate::readiness::Standing;
 use crate::restart_grace::RestartGrace;
+use crate::self_fence::SelfFence;
 use crate::server::ServerError;
-use crate::stall_fence::StallFence;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum State {
@@ -60,9 +60,9 @@ pub(crate) struct OtherProcesses {
     /// Called once if another process registers as this node after this
     /// one (its heartbeat is answered with another epoch); heartbeats stop.
     pub(crate) on_superseded: OnSuperseded,
-    /// Armed once registered; after a stall, told of each heartbeat
-    /// answered with this process's epoch (`stall_fence.rs`).
-    pub(crate) stall_fence: Arc<StallFence>,
+    /// Armed once registered, and told of each heartbeat answered with
+    /// this process's epoch (`self_fence.rs`).
+    pub(crate) self_fence: Arc<SelfFence>,
 }
 
 /// How often the wait for another process of this node is warned about.
@@ -86,7 +86,7 @@ struct Plan {
     restart_grace: Arc<RestartGrace>,
     /// Called once, when another process registered as this node.
     on_superseded: Mutex<Option<OnSuperseded>>,
-    stall_fence: Arc<StallFence>,
+    self_fence: Arc<SelfFence>,
     heartbeat: Duration,
     retry: Duration,
 }
@@ -133,14 +133,14 @@ impl Registration {
             seen,
             restart_grace: others.restart_grace,
             on_superseded: Mutex::new(Some(others.on_superseded)),
-            stall_fence: others.stall_fence,
+            self_fence: others.self_fence,
             heartbeat: config.heartbeat_interval,
             retry: config.register_retry,
         };
         let url = config.coordinator_url.clone().unwrap_or_default();
         let credential = node_credential(config);
         let nudged = Arc::downgrade(&shared);
-        plan.stall_fence.set_nudge(Box::new(move || {
+        plan.self_fence.set_nudge(Box::new(move || {
             if let Some(shared) = nudged.upgrade() {
                 shared.heartbeat_now();
             }
@@ -278,7 +278,7 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
     let mut other_warned: Option<Instant> = None;
     loop {
         if !registered {
-            let sent_at = plan.stall_fence.stamp();
+            let sent_at = plan.self_fence.stamp();
             match register(&client, plan) {
                 Ok(()) => {
                     tracing::info!(
@@ -288,8 +288,8 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
                     );
                     registered = true;
                     shared.set(State::Registered);
-                    plan.stall_fence.arm();
-                    plan.stall_fence.confirm(sent_at);
+                    plan.self_fence.confirm(sent_at);
+                    plan.self_fence.arm();
                 }
                 Err(RegisterError::Coordinator(err)) if err.is_unreachable() => {
                     tracing::debug!(%err, "coordinator not reachable yet; retrying");
@@ -322,9 +322,9 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
         }
         let pause = if !registered {
             plan.retry
-        } else if beats_failed == 0 && plan.stall_fence.is_unconfirmed() {
-            // A stall awaits the coordinator's word (the last heartbeat
-            // went before it was noticed).
+        } else if beats_failed == 0 && plan.self_fence.is_fenced() {
+            // The process fenced itself (a stall, or its lease fence) and
+            // awaits the coordinator's word: the last heartbeat went before.
             Duration::ZERO
         } else if beats_failed == 0 {
             plan.heartbeat
@@ -335,7 +335,7 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
             return;
         }
         if registered {
-            let sent_at = plan.stall_fence.stamp();
+            let sent_at = plan.self_fence.stamp();
             match client.heartbeat(&plan.node_id) {
                 Ok(info) if other_processes::is_another(info.epoch, plan.registration.epoch) => {
                     let why = format!(
@@ -345,7 +345,7 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
                     );
                     tracing::error!("{why}");
                     shared.set(State::Superseded(why));
-                    plan.stall_fence.end();
+                    plan.self_fence.end();
                     if let Some(on_superseded) = plan.on_superseded.lock().take() {
                         on_superseded();
                     }
@@ -354,7 +354,7 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
                 }
                 Ok(_) => {
                     beats_failed = 0;
-                    plan.stall_fence.confirm(sent_at);
+                    plan.self_fence.confirm(sent_at);
                 }
                 Err(err) if err.is_not_found() => {
                     tracing::warn!("coordinator forgot this node; registering again");

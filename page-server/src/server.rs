@@ -27,7 +27,7 @@ use crate::rdma::RdmaExport;
 use crate::recovery::Recovery;
 use crate::recovery_guard::RecoveryGuard;
 use crate::registration::{OtherProcesses, Registration};
-use crate::stall_fence::StallFence;
+use crate::self_fence::SelfFence;
 use crate::stats::{RecoveryCounters, ServerStats};
 
 /// Why a page-server could not start or register.
@@ -186,7 +186,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             damage_log: rdma_transport::log_limit::LogLimit::new(
                 rdma_transport::log_limit::WARN_INTERVAL,
             ),
-            stall_fence: StallFence::new(config.stall_fence),
+            self_fence: SelfFence::new(config.stall_fence, config.lease_fence),
         },
         stop: AtomicBool::new(false),
         admission: Arc::new(Admission::new(
@@ -204,7 +204,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
     });
     shared
         .exported
-        .stall_fence
+        .self_fence
         .start_ticker()
         .map_err(|source| ServerError::Thread {
             name: "stall detector",
@@ -248,7 +248,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
             OtherProcesses {
                 restart_grace: shared.exported.coherence.restart_grace(),
                 on_superseded: stop_serving_when_superseded(Arc::clone(&shared)),
-                stall_fence: Arc::clone(&shared.exported.stall_fence),
+                self_fence: Arc::clone(&shared.exported.self_fence),
             },
         )
     });
@@ -308,6 +308,13 @@ fn check_limits(config: &ServerConfig) -> Result<(), ServerError> {
              least 1 ms: a node without one keeps its copies of pages the home gives to others"
                 .into(),
         ));
+    }
+    if !config.lease_fence.is_zero() && config.lease_fence < config.heartbeat_interval * 2 {
+        return Err(ServerError::Config(format!(
+            "the lease fence ({:?}) must be at least twice the heartbeat interval ({:?}): \
+             otherwise one late heartbeat stops the server",
+            config.lease_fence, config.heartbeat_interval
+        )));
     }
     if config.max_connections == 0 || config.max_pending_handshakes == 0 {
         return Err(ServerError::Config(format!(
@@ -454,7 +461,7 @@ impl RunningServer {
             registration.watch().fill(&mut stats);
         }
         self.shared.recovery.fill(&mut stats);
-        self.shared.fill_stalls(&mut stats);
+        self.shared.fill_fence(&mut stats);
         stats.reads_with_kept_sums = self.shared.exported.metrics.kept_sums();
         stats.checksum_failures = self.shared.exported.metrics.checksum_failures();
         stats
@@ -524,7 +531,7 @@ impl RunningServer {
         if let Some(r) = self.recovery.take() {
             r.stop();
         }
-        self.shared.exported.stall_fence.end();
+        self.shared.exported.self_fence.end();
         for thread in threads {
             let _ = thread.join();
         }
@@ -550,7 +557,7 @@ impl RunningServer {
             let _ = h.join();
         }
         self.shared.exported.coherence.stop_waiting();
-        self.shared.exported.stall_fence.end();
+        self.shared.exported.self_fence.end();
         for thread in self.shared.admission.conns.close_all() {
             let _ = thread.join();
         }
@@ -582,11 +589,13 @@ impl Drop for RunningServer {
 /// the other process in the map (docs/operations.md, "One process per
 /// node id").
 impl Shared {
-    /// Sets what the stall fence counted in `stats`.
-    pub(crate) fn fill_stalls(&self, stats: &mut ServerStats) {
-        let counts = self.exported.stall_fence.counts();
+    /// Sets what the self fence counted in `stats`.
+    pub(crate) fn fill_fence(&self, stats: &mut ServerStats) {
+        let counts = self.exported.self_fence.counts();
         stats.stalls = counts.stalls;
-        stats.requests_held_after_stall = counts.held;
+        stats.lease_lapses = counts.lease_lapses;
+        stats.requests_held_by_fence = counts.held;
+        stats.fenced = counts.fenced;
     }
 }
 

@@ -72,8 +72,15 @@ pub struct ServerStats {
     /// which it served nothing until the coordinator confirmed it was
     /// still the node's process.
     pub stalls: u64,
-    /// Batches of requests that waited for that confirmation.
-    pub requests_held_after_stall: u64,
+    /// Times the coordinator answered no heartbeat for `lease_fence`, after
+    /// which this process served nothing until it answered one.
+    pub lease_lapses: u64,
+    /// Batches of requests that waited for the coordinator's word after a
+    /// stall or a lease lapse.
+    pub requests_held_by_fence: u64,
+    /// Whether this process serves nothing now, for want of the
+    /// coordinator's word.
+    pub fenced: bool,
 }
 
 /// Why the server refused or closed a connection.

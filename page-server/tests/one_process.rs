@@ -262,7 +262,7 @@ fn a_process_resumed_after_being_replaced_serves_nothing_before_the_coordinator_
         "process 1 did not count its stall"
     );
     assert!(
-        metric(metrics, "page_server_requests_held_after_stall_total").is_some_and(|n| n >= 1),
+        metric(metrics, "page_server_requests_held_by_fence_total").is_some_and(|n| n >= 1),
         "z's request did not wait for the coordinator"
     );
 
@@ -311,4 +311,134 @@ fn a_process_stopped_past_its_lease_and_not_replaced_serves_again() {
         "the resumed process is not the node's, alive: {node:?}"
     );
     assert_eq!(metric(metrics, "page_server_superseded"), Some(0));
+}
+
+/// With `--lease-fence-ms` below the coordinator's lease, a process cut off
+/// from the coordinator (not from its clients) stops serving before another
+/// process of its node can register: process 1 of node "a" holds page 0 =
+/// A, a client z reads it and keeps its map; a relay between process 1 and
+/// the coordinator then holds everything, process 2 registers once process
+/// 1's lease lapsed, the range is re-initialised and page 0 written B
+/// through process 2. z must not get A from process 1. Without the lease
+/// fence (the default) it does: the data path outlives the coordinator.
+#[test]
+fn a_process_cut_off_from_the_coordinator_serves_nothing_past_its_lease_fence() {
+    let (_db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let relay = common::stalling_link::StallingLink::start();
+    relay.set_target(&coord.addr().to_string());
+    let metrics = metrics_port();
+    let first = ChildServer::start_with(
+        &format!("http://{}", relay.addr()),
+        "a",
+        0,
+        &[
+            "--metrics-listen",
+            &metrics.to_string(),
+            "--lease-fence-ms",
+            "1500",
+        ],
+    );
+    let first_epoch = registered_with_range(&url, "a", 0, 0);
+    let old = page_indexed(0, 4);
+    manager(&url)
+        .write_page(0, &old)
+        .expect("a write to process 1");
+    let z = manager_without_refresh(&url);
+    let mut read = [0u8; rdma_transport::PAGE_SIZE];
+    z.read_page(0, &mut read).expect("z reads process 1");
+    assert!(read == old, "z does not read what was written");
+
+    relay.hold();
+    // Process 1 still accepts: process 2 waits for its lease to lapse.
+    let _second = ChildServer::start(&url, "a", 0);
+    registered_with_range(&url, "a", 0, first_epoch);
+    coordinator_client(&url)
+        .reinitialise_range(0)
+        .expect("re-initialise the range");
+    let new = page_indexed(0, 5);
+    manager(&url)
+        .write_page(0, &new)
+        .expect("a write to process 2");
+
+    let got = z.read_page(0, &mut read).map(|()| read);
+    assert!(
+        got.as_ref().map_or(true, |page| *page == new),
+        "z read the page process 1 held before process 2 replaced it (process 1, cut off from \
+         the coordinator past its lease fence, still served)"
+    );
+    assert_eq!(metric(metrics, "page_server_fenced"), Some(1));
+    assert!(
+        metric(metrics, "page_server_lease_lapses_total").is_some_and(|n| n >= 1),
+        "process 1 did not count its lease lapse"
+    );
+
+    relay.release();
+    assert!(
+        wait_until(LIMIT, || metric(metrics, "page_server_superseded") == Some(1)),
+        "process 1 never learnt that process 2 took the node"
+    );
+}
+
+/// The lease fence's price: with the coordinator down longer than the
+/// fence, a page-server serves nothing, and serves again once the
+/// coordinator answers (nobody replaced it).
+#[test]
+fn a_lease_fenced_process_serves_again_once_the_coordinator_answers() {
+    let (db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let coord_addr = coord.addr();
+    let metrics = metrics_port();
+    let _server = ChildServer::start_with(
+        &url,
+        "a",
+        0,
+        &[
+            "--metrics-listen",
+            &metrics.to_string(),
+            "--lease-fence-ms",
+            "1000",
+        ],
+    );
+    let epoch = registered_with_range(&url, "a", 0, 0);
+    let page = page_indexed(0, 6);
+    let mgr = manager(&url);
+    mgr.write_page(0, &page).expect("a write");
+
+    coord.shutdown().expect("the coordinator stops");
+    assert!(
+        wait_until(LIMIT, || metric(metrics, "page_server_fenced") == Some(1)),
+        "the page-server never fenced itself with the coordinator down"
+    );
+    let mut read = [0u8; rdma_transport::PAGE_SIZE];
+    assert!(
+        mgr.read_page(0, &mut read).is_err(),
+        "a read served while fenced"
+    );
+
+    let _coord = coordinator_on(&db.path().join("c.db"), coord_addr);
+    assert!(
+        wait_until(LIMIT, || metric(metrics, "page_server_fenced") == Some(0)),
+        "the page-server never served again once the coordinator was back"
+    );
+    mgr.read_page(0, &mut read)
+        .expect("served again once the coordinator answered");
+    assert!(read == page, "not the page written before");
+    assert_eq!(node_epoch(&url, "a"), epoch, "not the same process");
+}
+
+/// A lease fence shorter than two heartbeat periods would stop the server
+/// at its first late heartbeat: refused at start.
+#[test]
+fn a_lease_fence_shorter_than_two_heartbeats_is_refused() {
+    let mut cfg = ServerConfig::new("a", NODE_BYTES);
+    cfg.heartbeat_interval = Duration::from_millis(1000);
+    cfg.lease_fence = Duration::from_millis(1500);
+    match page_server::spawn(cfg) {
+        Err(page_server::ServerError::Config(why)) => {
+            assert!(why.contains("lease fence"), "{why}");
+        }
+        Err(other) => panic!("expected a configuration error, got {other}"),
+        Ok(_) => panic!("a page-server started with a lease fence of 1.5 heartbeats"),
+    }
 }
