@@ -328,7 +328,7 @@ fn a_process_cut_off_from_the_coordinator_serves_nothing_past_its_lease_fence() 
     let relay = common::stalling_link::StallingLink::start();
     relay.set_target(&coord.addr().to_string());
     let metrics = metrics_port();
-    let first = ChildServer::start_with(
+    let _first = ChildServer::start_with(
         &format!("http://{}", relay.addr()),
         "a",
         0,
