@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::readiness::Standing;
 use crate::registration::RegisteredWatch;
 use crate::server::Shared;
 
@@ -129,10 +130,11 @@ fn answer(
         return respond(&mut stream, "405 Method Not Allowed", "text/plain", ROUTES);
     }
     if path == b"/ready" {
-        let report = crate::readiness::readiness(
-            registered.map(RegisteredWatch::standing),
-            shared.seen.each(),
-        );
+        let standing = registered.map(|watch| match watch.standing() {
+            Standing::Registered if shared.exported.self_fence.is_fenced() => Standing::Fenced,
+            standing => standing,
+        });
+        let report = crate::readiness::readiness(standing, shared.seen.each());
         let status = if report.ready {
             "200 OK"
         } else {

@@ -27,6 +27,9 @@ pub(crate) enum Standing {
     NotYet,
     /// Another process registered as this node after this one.
     Superseded,
+    /// Registered, but serving nothing until the coordinator confirms this
+    /// process (after a stall or a lease lapse: `self_fence.rs`).
+    Fenced,
 }
 
 /// What the node knows: its `standing` (`None`: no coordinator), and each
@@ -62,6 +65,10 @@ pub(crate) fn readiness(
         Standing::NotYet => "not registered with the coordinator yet",
         Standing::Superseded => {
             "superseded: another process registered as this node after this one; this one serves no more"
+        }
+        Standing::Fenced => {
+            "fenced: serving nothing until the coordinator confirms this process (after a stall, or \
+             no heartbeat answered within the lease fence)"
         }
     };
     let text = format!("{verdict}\n{registration}\n{lines}");
@@ -104,6 +111,13 @@ mod tests {
         let replaced = readiness(Some(Standing::Superseded), live.into_iter());
         assert!(!replaced.ready);
         assert!(replaced.text.contains("superseded"), "{}", replaced.text);
+        let fenced = readiness(Some(Standing::Fenced), live.into_iter());
+        assert!(!fenced.ready);
+        assert!(
+            fenced.text.contains("fenced: serving nothing"),
+            "{}",
+            fenced.text
+        );
         let alone = readiness(None, std::iter::empty());
         assert!(alone.ready, "{}", alone.text);
     }

@@ -372,10 +372,16 @@ fn a_process_cut_off_from_the_coordinator_serves_nothing_past_its_lease_fence() 
         metric(metrics, "page_server_lease_lapses_total").is_some_and(|n| n >= 1),
         "process 1 did not count its lease lapse"
     );
+    let (status, body) = http_get(metrics, "/ready");
+    assert!(
+        status == 503 && body.contains("fenced"),
+        "process 1's GET /ready: {status} {body}"
+    );
 
     relay.release();
     assert!(
-        wait_until(LIMIT, || metric(metrics, "page_server_superseded") == Some(1)),
+        wait_until(LIMIT, || metric(metrics, "page_server_superseded")
+            == Some(1)),
         "process 1 never learnt that process 2 took the node"
     );
 }
