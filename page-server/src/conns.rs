@@ -377,6 +377,13 @@ impl Connections {
         inner.shut_down_where(RdmaUse::Withheld)
     }
 
+    /// Shuts down every connection with an RDMA data session (their
+    /// clients reconnect, and their QPs go with their threads). Returns how
+    /// many.
+    pub(crate) fn shut_down_rdma_sessions(&self) -> usize {
+        self.inner.lock().shut_down_where(RdmaUse::Session)
+    }
+
     /// Stops recording, shuts every recorded socket down (its thread then
     /// sees the end of the stream) and returns the threads to join.
     pub(crate) fn close_all(&self) -> Vec<JoinHandle<()>> {

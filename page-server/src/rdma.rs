@@ -366,7 +366,26 @@ impl RdmaExport {
     /// how many QPs it broke.
     #[cfg(feature = "test-hooks")]
     pub(crate) fn break_qps(&self) -> usize {
-        let qps: Vec<_> = self.qps.lock().iter().filter_map(Weak::upgrade).collect();
+        self.break_where(|_| true)
+    }
+
+    /// Moves every data session's QP to the error state at once: no
+    /// client READ or WRITE of the region lands after this returns (the
+    /// sessions' connections are to be closed too). Coherence channels
+    /// are left (their nodes' copies and write-backs are the coherence
+    /// home's business). Returns how many QPs it broke.
+    pub(crate) fn break_data_qps(&self) -> usize {
+        self.break_where(|qp| qp.channel.is_none())
+    }
+
+    fn break_where(&self, which: impl Fn(&ServerQp) -> bool) -> usize {
+        let qps: Vec<_> = self
+            .qps
+            .lock()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|qp| which(qp))
+            .collect();
         for qp in &qps {
             if let Err(err) = qp.qp.modify_to_error() {
                 tracing::warn!(qpn = qp.qpn(), %err, "cannot move a QP to the error state");

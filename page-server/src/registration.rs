@@ -140,7 +140,7 @@ impl Registration {
         let url = config.coordinator_url.clone().unwrap_or_default();
         let credential = node_credential(config);
         let nudged = Arc::downgrade(&shared);
-        plan.self_fence.set_nudge(Box::new(move || {
+        plan.self_fence.on_fence(Box::new(move || {
             if let Some(shared) = nudged.upgrade() {
                 shared.heartbeat_now();
             }

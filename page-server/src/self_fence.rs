@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 /// What the fence calls when it fences: the registration thread sends a
-/// heartbeat at once.
-pub(crate) type Nudge = Box<dyn Fn() + Send + Sync>;
+/// heartbeat at once; the server cuts the clients' one-sided RDMA off.
+pub(crate) type OnFence = Box<dyn Fn() + Send + Sync>;
 
 /// Whether this process may serve, and the wait for the coordinator's word
 /// when it may not.
@@ -63,7 +63,7 @@ pub(crate) struct SelfFence {
     held: AtomicU64,
     lock: Mutex<()>,
     changed: Condvar,
-    nudge: Mutex<Option<Nudge>>,
+    on_fence: Mutex<Vec<OnFence>>,
 }
 
 impl std::fmt::Debug for SelfFence {
@@ -116,7 +116,7 @@ impl SelfFence {
             held: AtomicU64::new(0),
             lock: Mutex::new(()),
             changed: Condvar::new(),
-            nudge: Mutex::new(None),
+            on_fence: Mutex::new(Vec::new()),
         })
     }
 
@@ -150,9 +150,11 @@ impl SelfFence {
             .map(drop)
     }
 
-    /// Who sends a heartbeat when the process fences itself.
-    pub(crate) fn set_nudge(&self, nudge: Nudge) {
-        *self.nudge.lock() = Some(nudge);
+    /// Adds what is done each time the process fences itself (in the
+    /// thread that noticed: quick, and not under a lock the serving
+    /// threads take).
+    pub(crate) fn on_fence(&self, hook: OnFence) {
+        self.on_fence.lock().push(hook);
     }
 
     /// The process is registered (after [`SelfFence::confirm`] of the
@@ -314,8 +316,8 @@ impl SelfFence {
                 );
             }
         }
-        if let Some(nudge) = self.nudge.lock().as_ref() {
-            nudge();
+        for hook in self.on_fence.lock().iter() {
+            hook();
         }
     }
 }
@@ -359,7 +361,7 @@ mod tests {
         fence.arm();
         let nudged = Arc::new(AtomicU64::new(0));
         let n = Arc::clone(&nudged);
-        fence.set_nudge(Box::new(move || {
+        fence.on_fence(Box::new(move || {
             n.fetch_add(1, Ordering::Relaxed);
         }));
         assert!(fence.is_fenced(), "a serving thread notices the stall");

@@ -3,7 +3,7 @@
 use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -202,6 +202,10 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         recovery: RecoveryCounters::default(),
         seen: Arc::new(seen),
     });
+    shared
+        .exported
+        .self_fence
+        .on_fence(cut_rdma_when_fenced(Arc::downgrade(&shared)));
     shared
         .exported
         .self_fence
@@ -597,6 +601,34 @@ impl Shared {
         stats.requests_held_by_fence = counts.held;
         stats.fenced = counts.fenced;
     }
+}
+
+/// What this process does each time it fences itself (`self_fence.rs`):
+/// its connections' threads serve nothing more until the coordinator's
+/// word, but RDMA READs and WRITEs are one-sided, served by the device
+/// without them. So every data session's QP is moved to the error state
+/// (nothing lands after this) and its connection closed: its client
+/// reconnects, and its handshake waits for the coordinator's word like
+/// any request. Coherence nodes' channels stay: their requests are
+/// answered `Retry` meanwhile.
+fn cut_rdma_when_fenced(shared: Weak<Shared>) -> crate::self_fence::OnFence {
+    Box::new(move || {
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let Some(rdma) = &shared.exported.rdma else {
+            return;
+        };
+        let broken = rdma.break_data_qps();
+        let closed = shared.admission.conns.shut_down_rdma_sessions();
+        if broken + closed > 0 {
+            tracing::warn!(
+                qps = broken,
+                connections = closed,
+                "fenced: every RDMA data session cut off until the coordinator's word"
+            );
+        }
+    })
 }
 
 fn stop_serving_when_superseded(shared: Arc<Shared>) -> crate::registration::OnSuperseded {

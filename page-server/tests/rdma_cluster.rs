@@ -376,6 +376,68 @@ fn rdma_silently_dead_peer_qp_fails_within_the_deadline_and_is_rebuilt() {
     assert_ne!(mgr.rdma_qpn_for_test("a").unwrap(), qpn);
 }
 
+/// A page-server that fences itself (here its lease fence: the link to the
+/// coordinator holds everything) cuts its clients' one-sided RDMA off:
+/// their READs fail rather than read a region another process of the node
+/// may own by now. Once the coordinator answers again, they are served
+/// over a new QP. Without the cut, the READ was served by the device while
+/// the page-server's threads served nothing.
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_a_fenced_page_server_serves_no_rdma_read() {
+    let test = "rdma_a_fenced_page_server_serves_no_rdma_read";
+    require_device(test);
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator(&db);
+    let relay = common::stalling_link::StallingLink::start();
+    relay.set_target(&coord.addr().to_string());
+    let mut cfg = ServerConfig::new("a", NODE_BYTES);
+    cfg.coordinator_url = Some(format!("http://{}", relay.addr()));
+    cfg.rdma.device = device_name();
+    cfg.heartbeat_interval = Duration::from_millis(200);
+    cfg.lease_fence = Duration::from_millis(1000);
+    let a = page_server::spawn(cfg).expect("page-server starts");
+    a.wait_registered(Duration::from_secs(10))
+        .expect("page-server registers");
+    let mgr = rdma_manager(&coord.url(), PollMode::Busy);
+    let gpa = 5 * PAGE_SIZE as u64;
+    mgr.write_page(gpa, &page_for(gpa, 11)).unwrap();
+    assert_all_rdma(&mgr);
+    let qpn = mgr.rdma_qpn_for_test("a").unwrap();
+
+    relay.hold();
+    assert!(
+        wait_until(Duration::from_secs(30), || a.stats().fenced),
+        "{test}: the page-server never fenced itself"
+    );
+    let mut page = [0u8; PAGE_SIZE];
+    let got = mgr.read_page(gpa, &mut page);
+    say(&format!("{test}: read while fenced: {got:?}"));
+    assert!(
+        got.is_err(),
+        "{test}: an RDMA READ served by a fenced page-server"
+    );
+
+    relay.release();
+    assert!(
+        wait_until(Duration::from_secs(30), || !a.stats().fenced),
+        "{test}: the page-server never served again"
+    );
+    assert!(
+        wait_until(Duration::from_secs(30), || mgr
+            .read_page(gpa, &mut page)
+            .is_ok()),
+        "{test}: never read again"
+    );
+    assert!(page == page_for(gpa, 11), "{test}: not the page written");
+    assert_all_rdma(&mgr);
+    assert_ne!(
+        mgr.rdma_qpn_for_test("a").unwrap(),
+        qpn,
+        "{test}: the same QP"
+    );
+}
+
 #[test]
 #[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
 fn rdma_auto_uses_tcp_for_a_node_without_rdma_and_rdma_kind_refuses_it() {
