@@ -97,7 +97,7 @@ pub struct ServerConfig {
     /// it with this process's epoch: it may have been replaced meanwhile
     /// (`self_fence.rs`; docs/operations.md, "One process per node id").
     /// Must stay below the coordinator's lease minus the heartbeat period.
-    /// Zero: off.
+    /// Zero: off; otherwise at least 100 ms (`spawn` refuses less).
     pub stall_fence: Duration,
     /// A process whose heartbeats the coordinator has not answered for
     /// this long (from the send of the last answered one) serves nothing

@@ -39,7 +39,7 @@ const SUPERSEDE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long requests that came while this process fenced itself wait for
 /// the coordinator to confirm it (one heartbeat, which times out after
 /// 2 s) before their connection is closed unserved (`self_fence.rs`).
-const STALL_CONFIRM_WAIT: Duration = Duration::from_secs(3);
+const FENCE_CONFIRM_WAIT: Duration = Duration::from_secs(3);
 
 /// The memory a page-server exports, and the epoch it announces.
 ///
@@ -342,7 +342,7 @@ fn serve_messages(
         tally.restart();
         if !exported
             .self_fence
-            .may_serve(tally.started(), STALL_CONFIRM_WAIT)
+            .may_serve(tally.started(), FENCE_CONFIRM_WAIT)
         {
             // Fenced (after a stall, or its lease fence), and the
             // coordinator did not say in time that this process is still

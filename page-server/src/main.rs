@@ -72,8 +72,8 @@ struct Args {
     /// Milliseconds this process may go without running (stopped, paused
     /// VM) before it serves nothing more until the coordinator confirms,
     /// by a heartbeat sent after the stall, that no other process replaced
-    /// it meanwhile (0: off). Keep it below the coordinator's lease minus
-    /// the heartbeat period.
+    /// it meanwhile (0: off; else at least 100). Keep it below the
+    /// coordinator's lease minus the heartbeat period.
     #[arg(long, default_value_t = 500)]
     stall_fence_ms: u64,
     /// Milliseconds without a heartbeat answered by the coordinator (from

@@ -45,7 +45,8 @@ struct Shared {
 #[derive(Debug, Default)]
 struct Wake {
     stop: bool,
-    /// A stall was noticed: a heartbeat is to go at once.
+    /// The process fenced itself (`self_fence.rs`): a heartbeat is to go
+    /// at once.
     heartbeat_now: bool,
 }
 

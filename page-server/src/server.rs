@@ -299,6 +299,9 @@ fn layout_summary(layout: &Layout) -> String {
     ranges.join(",")
 }
 
+/// The shortest stall threshold accepted (`ServerConfig::stall_fence`).
+const MIN_STALL_FENCE: Duration = Duration::from_millis(100);
+
 /// The connection limits must let something in.
 fn check_limits(config: &ServerConfig) -> Result<(), ServerError> {
     if config.handshake_timeout.is_zero() {
@@ -312,6 +315,13 @@ fn check_limits(config: &ServerConfig) -> Result<(), ServerError> {
              least 1 ms: a node without one keeps its copies of pages the home gives to others"
                 .into(),
         ));
+    }
+    if !config.stall_fence.is_zero() && config.stall_fence < MIN_STALL_FENCE {
+        return Err(ServerError::Config(format!(
+            "the stall fence ({:?}) must be 0 (off) or at least {MIN_STALL_FENCE:?}: a busy \
+             host's scheduling delays would fence the server again and again",
+            config.stall_fence
+        )));
     }
     if !config.lease_fence.is_zero() && config.lease_fence < config.heartbeat_interval * 2 {
         return Err(ServerError::Config(format!(

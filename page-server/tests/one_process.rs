@@ -434,17 +434,22 @@ fn a_lease_fenced_process_serves_again_once_the_coordinator_answers() {
 }
 
 /// A lease fence shorter than two heartbeat periods would stop the server
-/// at its first late heartbeat: refused at start.
+/// at its first late heartbeat, a stall fence of a few milliseconds at
+/// every scheduling delay: refused at start.
 #[test]
-fn a_lease_fence_shorter_than_two_heartbeats_is_refused() {
-    let mut cfg = ServerConfig::new("a", NODE_BYTES);
-    cfg.heartbeat_interval = Duration::from_millis(1000);
-    cfg.lease_fence = Duration::from_millis(1500);
-    match page_server::spawn(cfg) {
-        Err(page_server::ServerError::Config(why)) => {
-            assert!(why.contains("lease fence"), "{why}");
+fn fences_that_would_stop_a_healthy_server_are_refused() {
+    let mut short_lease = ServerConfig::new("a", NODE_BYTES);
+    short_lease.heartbeat_interval = Duration::from_millis(1000);
+    short_lease.lease_fence = Duration::from_millis(1500);
+    let mut short_stall = ServerConfig::new("a", NODE_BYTES);
+    short_stall.stall_fence = Duration::from_millis(5);
+    for (cfg, what) in [(short_lease, "lease fence"), (short_stall, "stall fence")] {
+        match page_server::spawn(cfg) {
+            Err(page_server::ServerError::Config(why)) => {
+                assert!(why.contains(what), "{why}");
+            }
+            Err(other) => panic!("expected a configuration error, got {other}"),
+            Ok(_) => panic!("a page-server started with a too short {what}"),
         }
-        Err(other) => panic!("expected a configuration error, got {other}"),
-        Ok(_) => panic!("a page-server started with a lease fence of 1.5 heartbeats"),
     }
 }
