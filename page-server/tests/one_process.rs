@@ -204,6 +204,70 @@ fn manager_without_refresh(url: &str) -> rdma_transport::TransportManager {
     .expect("a manager without background refresh")
 }
 
+/// Process 1 of node "a", whose link to the coordinator goes through a
+/// relay the test can hold, holding page 0 = `old`; and a client z without
+/// map refresh that read it there (and keeps that map).
+struct FirstBehindRelay {
+    relay: common::stalling_link::StallingLink,
+    process: ChildServer,
+    epoch: u64,
+    metrics: std::net::SocketAddr,
+    z: rdma_transport::TransportManager,
+    old: rdma_transport::Page,
+}
+
+impl FirstBehindRelay {
+    fn start(coord: &coordinator::RunningCoordinator, flags: &[&str], seed: u64) -> Self {
+        let url = coord.url();
+        let relay = common::stalling_link::StallingLink::start();
+        relay.set_target(&coord.addr().to_string());
+        let metrics = metrics_port();
+        let metrics_flag = metrics.to_string();
+        let flags = [&["--metrics-listen", metrics_flag.as_str()], flags].concat();
+        let process = ChildServer::start_with(&format!("http://{}", relay.addr()), "a", 0, &flags);
+        let epoch = registered_with_range(&url, "a", 0, 0);
+        let old = page_indexed(0, seed);
+        manager(&url)
+            .write_page(0, &old)
+            .expect("a write to process 1");
+        let z = manager_without_refresh(&url);
+        let mut read = [0u8; rdma_transport::PAGE_SIZE];
+        z.read_page(0, &mut read).expect("z reads process 1");
+        assert!(read == old, "z does not read what was written");
+        Self {
+            relay,
+            process,
+            epoch,
+            metrics,
+            z,
+            old,
+        }
+    }
+
+    /// Process 2 of node "a" registers (once process 1's lease lapsed),
+    /// the range is re-initialised and page 0 written anew through it;
+    /// returns process 2 and that page.
+    fn replace(&self, url: &str, seed: u64) -> (ChildServer, rdma_transport::Page) {
+        let second = ChildServer::start(url, "a", 0);
+        registered_with_range(url, "a", 0, self.epoch);
+        coordinator_client(url)
+            .reinitialise_range(0)
+            .expect("re-initialise the range");
+        let new = page_indexed(0, seed);
+        manager(url)
+            .write_page(0, &new)
+            .expect("a write to process 2");
+        (second, new)
+    }
+
+    /// What z reads of page 0 now: it must not be `old` once process 2
+    /// took the node.
+    fn z_reads(&self) -> Result<rdma_transport::Page, rdma_transport::TransportError> {
+        let mut read = [0u8; rdma_transport::PAGE_SIZE];
+        self.z.read_page(0, &mut read).map(|()| read)
+    }
+}
+
 /// Process 1 of node "a" holds page 0 = A; a client z reads it and keeps
 /// its map. Process 1 is stopped past its lease, process 2 registers, the
 /// range is re-initialised and page 0 written B through process 2. Then
@@ -217,44 +281,20 @@ fn manager_without_refresh(url: &str) -> rdma_transport::TransportManager {
 fn a_process_resumed_after_being_replaced_serves_nothing_before_the_coordinator_answers() {
     let (_db, coord) = loopback_coordinator();
     let url = coord.url();
-    let relay = common::stalling_link::StallingLink::start();
-    relay.set_target(&coord.addr().to_string());
-    let relay_url = format!("http://{}", relay.addr());
-    let metrics = metrics_port();
-    let first = ChildServer::start_with(
-        &relay_url,
-        "a",
-        0,
-        &["--metrics-listen", &metrics.to_string()],
-    );
-    let first_epoch = registered_with_range(&url, "a", 0, 0);
-    let old = page_indexed(0, 1);
-    manager(&url)
-        .write_page(0, &old)
-        .expect("a write to process 1");
-    let z = manager_without_refresh(&url);
-    let mut read = [0u8; rdma_transport::PAGE_SIZE];
-    z.read_page(0, &mut read).expect("z reads process 1");
-    assert!(read == old, "z does not read what was written");
+    let first = FirstBehindRelay::start(&coord, &[], 1);
+    let metrics = first.metrics;
 
-    first.pause();
-    let _second = ChildServer::start(&url, "a", 0);
-    registered_with_range(&url, "a", 0, first_epoch);
-    coordinator_client(&url)
-        .reinitialise_range(0)
-        .expect("re-initialise the range");
-    let new = page_indexed(0, 2);
-    manager(&url)
-        .write_page(0, &new)
-        .expect("a write to process 2");
+    first.process.pause();
+    let (_second, new) = first.replace(&url, 2);
 
-    relay.hold();
-    first.resume();
-    let got = z.read_page(0, &mut read).map(|()| read);
+    first.relay.hold();
+    first.process.resume();
+    let got = first.z_reads();
     assert!(
         got.as_ref().map_or(true, |page| *page == new),
         "z read the page process 1 held before process 2 replaced it (process 1 resumed and \
-         served it without a word from the coordinator)"
+         served it without a word from the coordinator): {}",
+        got.as_ref().is_ok_and(|page| *page == first.old)
     );
     assert!(
         wait_until(LIMIT, || metric(metrics, "page_server_stalls_total")
@@ -266,7 +306,7 @@ fn a_process_resumed_after_being_replaced_serves_nothing_before_the_coordinator_
         "z's request did not wait for the coordinator"
     );
 
-    relay.release();
+    first.relay.release();
     assert!(
         wait_until(LIMIT, || metric(metrics, "page_server_superseded")
             == Some(1)),
@@ -325,47 +365,19 @@ fn a_process_stopped_past_its_lease_and_not_replaced_serves_again() {
 fn a_process_cut_off_from_the_coordinator_serves_nothing_past_its_lease_fence() {
     let (_db, coord) = loopback_coordinator();
     let url = coord.url();
-    let relay = common::stalling_link::StallingLink::start();
-    relay.set_target(&coord.addr().to_string());
-    let metrics = metrics_port();
-    let _first = ChildServer::start_with(
-        &format!("http://{}", relay.addr()),
-        "a",
-        0,
-        &[
-            "--metrics-listen",
-            &metrics.to_string(),
-            "--lease-fence-ms",
-            "1500",
-        ],
-    );
-    let first_epoch = registered_with_range(&url, "a", 0, 0);
-    let old = page_indexed(0, 4);
-    manager(&url)
-        .write_page(0, &old)
-        .expect("a write to process 1");
-    let z = manager_without_refresh(&url);
-    let mut read = [0u8; rdma_transport::PAGE_SIZE];
-    z.read_page(0, &mut read).expect("z reads process 1");
-    assert!(read == old, "z does not read what was written");
+    let first = FirstBehindRelay::start(&coord, &["--lease-fence-ms", "1500"], 4);
+    let metrics = first.metrics;
 
-    relay.hold();
+    first.relay.hold();
     // Process 1 still accepts: process 2 waits for its lease to lapse.
-    let _second = ChildServer::start(&url, "a", 0);
-    registered_with_range(&url, "a", 0, first_epoch);
-    coordinator_client(&url)
-        .reinitialise_range(0)
-        .expect("re-initialise the range");
-    let new = page_indexed(0, 5);
-    manager(&url)
-        .write_page(0, &new)
-        .expect("a write to process 2");
+    let (_second, new) = first.replace(&url, 5);
 
-    let got = z.read_page(0, &mut read).map(|()| read);
+    let got = first.z_reads();
     assert!(
         got.as_ref().map_or(true, |page| *page == new),
         "z read the page process 1 held before process 2 replaced it (process 1, cut off from \
-         the coordinator past its lease fence, still served)"
+         the coordinator past its lease fence, still served): {}",
+        got.as_ref().is_ok_and(|page| *page == first.old)
     );
     assert_eq!(metric(metrics, "page_server_fenced"), Some(1));
     assert!(
@@ -378,7 +390,7 @@ fn a_process_cut_off_from_the_coordinator_serves_nothing_past_its_lease_fence() 
         "process 1's GET /ready: {status} {body}"
     );
 
-    relay.release();
+    first.relay.release();
     assert!(
         wait_until(LIMIT, || metric(metrics, "page_server_superseded")
             == Some(1)),

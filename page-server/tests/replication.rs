@@ -78,6 +78,26 @@ fn replicated_pair(url: &str, admin: &CoordinatorClient) -> (ChildServer, ChildS
     (a, b)
 }
 
+/// Replicas "a" and "b" of the range at GPA 0, both live; clients reach b
+/// through the returned link (its heartbeats go to the coordinator
+/// directly).
+fn pair_with_b_behind_a_link(
+    url: &str,
+    admin: &CoordinatorClient,
+) -> (ChildServer, ChildServer, StallingLink) {
+    let link = StallingLink::start();
+    let a = ChildServer::start_with(url, "a", 0, &GRACE);
+    let b = ChildServer::start_with(
+        url,
+        "b",
+        0,
+        &[GRACE[0], GRACE[1], "--advertise", &link.addr()],
+    );
+    link.set_target(&b.addr);
+    wait_all_live(admin, 2);
+    (a, b, link)
+}
+
 fn replica_manager(url: &str, hedge_us: u64) -> Arc<TransportManager> {
     Arc::new(
         TransportManager::connect(ManagerConfig {
@@ -1255,18 +1275,7 @@ fn a_replica_that_missed_a_write_the_coordinator_was_not_told_of_is_marked_stale
     let url = coord.url();
     let coord_addr = coord.addr();
     let admin = coordinator_client(&url);
-    // Clients reach b through the link (its heartbeats go to the
-    // coordinator directly).
-    let link = StallingLink::start();
-    let a = ChildServer::start_with(&url, "a", 0, &GRACE);
-    let b = ChildServer::start_with(
-        &url,
-        "b",
-        0,
-        &[GRACE[0], GRACE[1], "--advertise", &link.addr()],
-    );
-    link.set_target(&b.addr);
-    wait_all_live(&admin, 2);
+    let (a, b, link) = pair_with_b_behind_a_link(&url, &admin);
     let mgr = replica_manager(&url, 20_000);
     fill(&mgr, PAGES);
 
@@ -1372,18 +1381,7 @@ fn a_replica_owed_a_stale_mark_serves_none_of_its_managers_reads() {
     let url = coord.url();
     let coord_addr = coord.addr();
     let admin = coordinator_client(&url);
-    // Clients reach b through the link (its heartbeats go to the
-    // coordinator directly).
-    let link = StallingLink::start();
-    let a = ChildServer::start_with(&url, "a", 0, &GRACE);
-    let b = ChildServer::start_with(
-        &url,
-        "b",
-        0,
-        &[GRACE[0], GRACE[1], "--advertise", &link.addr()],
-    );
-    link.set_target(&b.addr);
-    wait_all_live(&admin, 2);
+    let (a, b, link) = pair_with_b_behind_a_link(&url, &admin);
     let mgr = replica_manager(&url, 20_000);
     fill(&mgr, PAGES);
 
