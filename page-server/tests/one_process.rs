@@ -260,6 +260,17 @@ impl FirstBehindRelay {
         (second, new)
     }
 
+    /// The relay passes again: process 1's next heartbeat tells it that
+    /// process 2 took the node.
+    fn learns_it_was_replaced(&self) {
+        self.relay.release();
+        assert!(
+            wait_until(LIMIT, || metric(self.metrics, "page_server_superseded")
+                == Some(1)),
+            "process 1 never learnt that process 2 took the node"
+        );
+    }
+
     /// What z reads of page 0 now: it must not be `old` once process 2
     /// took the node.
     fn z_reads(&self) -> Result<rdma_transport::Page, rdma_transport::TransportError> {
@@ -306,12 +317,7 @@ fn a_process_resumed_after_being_replaced_serves_nothing_before_the_coordinator_
         "z's request did not wait for the coordinator"
     );
 
-    first.relay.release();
-    assert!(
-        wait_until(LIMIT, || metric(metrics, "page_server_superseded")
-            == Some(1)),
-        "process 1 never learnt that process 2 took the node"
-    );
+    first.learns_it_was_replaced();
 }
 
 /// A process stopped past its lease that nobody replaced serves again once
@@ -390,12 +396,7 @@ fn a_process_cut_off_from_the_coordinator_serves_nothing_past_its_lease_fence() 
         "process 1's GET /ready: {status} {body}"
     );
 
-    first.relay.release();
-    assert!(
-        wait_until(LIMIT, || metric(metrics, "page_server_superseded")
-            == Some(1)),
-        "process 1 never learnt that process 2 took the node"
-    );
+    first.learns_it_was_replaced();
 }
 
 /// The lease fence's price: with the coordinator down longer than the
