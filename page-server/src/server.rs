@@ -211,7 +211,7 @@ pub fn spawn(config: ServerConfig) -> Result<RunningServer, ServerError> {
         .self_fence
         .start_ticker()
         .map_err(|source| ServerError::Thread {
-            name: "stall detector",
+            name: "self fence",
             source,
         })?;
     let accept_shared = Arc::clone(&shared);
@@ -596,12 +596,6 @@ impl Drop for RunningServer {
     }
 }
 
-/// What this process does once another registered as its node: it is no
-/// longer the node (the coordinator sends the node's clients to the
-/// other), so it closes every connection and takes no more. Its coherence
-/// nodes drop their copies as the connection ends; its data clients find
-/// the other process in the map (docs/operations.md, "One process per
-/// node id").
 impl Shared {
     /// Sets what the self fence counted in `stats`.
     pub(crate) fn fill_fence(&self, stats: &mut ServerStats) {
@@ -641,6 +635,12 @@ fn cut_rdma_when_fenced(shared: Weak<Shared>) -> crate::self_fence::OnFence {
     })
 }
 
+/// What this process does once another registered as its node: it is no
+/// longer the node (the coordinator sends the node's clients to the
+/// other), so it closes every connection and takes no more. Its coherence
+/// nodes drop their copies as the connection ends; its data clients find
+/// the other process in the map (docs/operations.md, "One process per
+/// node id").
 fn stop_serving_when_superseded(shared: Arc<Shared>) -> crate::registration::OnSuperseded {
     Box::new(move || {
         let closed = shared.admission.conns.close_all().len();
