@@ -1367,6 +1367,58 @@ fn an_owed_stale_mark_is_dropped_once_the_replica_is_its_ranges_only_live_one() 
     drop((a, b));
 }
 
+/// A manager's debt to a replica that missed its write (see above) is
+/// settled by a read too, when that replica is the only one left to read:
+/// here the replica that took the write restarted (empty, it waits 30 s
+/// before it recovers from the other), so the owed one is its range's
+/// last live replica; the coordinator says so when asked to mark it
+/// stale, nothing is owed, and the read goes to it. Before, every read of
+/// the range failed (`DataLost`) until the manager wrote to it again.
+#[test]
+fn an_owed_replica_left_as_the_last_live_one_is_read_again() {
+    const P: u64 = 5;
+    let (db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let coord_addr = coord.addr();
+    let admin = coordinator_client(&url);
+    let (mut a, b, link) = pair_with_b_behind_a_link(&url, &admin);
+    let mgr = replica_manager(&url, 20_000);
+    fill(&mgr, PAGES);
+
+    link.hold_open();
+    coord.shutdown().expect("coordinator stops");
+    mgr.write_page(gpa(P), &content(P, 2))
+        .expect_err("a write b missed, with nobody to mark it stale, succeeded");
+    link.sever();
+    let _coord = coordinator_on(&db.path().join("c.db"), coord_addr);
+
+    let old_epoch = node_epoch(&url, "a");
+    a.kill();
+    let _a = ChildServer::start_with(&url, "a", 0, &["--recovery-grace-ms", "30000"]);
+    assert!(
+        wait_until(Duration::from_secs(30), || node_epoch(&url, "a")
+            != old_epoch
+            && state_of(&admin, "a").is_some_and(|s| s != ReplicaState::Live)),
+        "the restarted a never showed as not live"
+    );
+    let mut page = [0u8; PAGE_SIZE];
+    let mut last = None;
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let got = mgr.read_page(gpa(P), &mut page);
+            let ok = got.is_ok();
+            last = got.err();
+            ok
+        }),
+        "P not read from b, the range's last live replica: {last:?}"
+    );
+    assert!(
+        page == content(P, 1),
+        "P is not b's (it missed the write a lost)"
+    );
+    drop(b);
+}
+
 /// A manager that owes a replica a stale mark (the replica missed a write
 /// of the manager's that the other took, and the coordinator could not be
 /// told) reads nothing from it until the mark is made: the replica that

@@ -251,6 +251,7 @@ impl Inner {
         // to serve it) restarts the window on the new map: every target
         // must index the same map's nodes.
         let mut refreshed = false;
+        let mut settled = false;
         'again: loop {
             let state = self.state.load();
             targets.clear();
@@ -305,6 +306,24 @@ impl Inner {
                     targets.extend(takers.map(|loc| Target { gpa, page, loc }));
                 } else {
                     let Some(loc) = self.read_choice(&state, gpa, primary) else {
+                        if self.owed_stale.any() && !settled {
+                            // The only replica left to read may be one
+                            // this manager owes a stale mark, which no read
+                            // goes to: the mark is made now (the read then
+                            // fails, its pages gone) or the coordinator
+                            // says it is the range's last live replica
+                            // (nothing is owed: it is read).
+                            settled = true;
+                            let owed = [Target {
+                                gpa,
+                                page,
+                                loc: primary,
+                            }];
+                            if let Err(e) = self.settle_owed_stale(&state, &owed, deadline) {
+                                return Err((i, e));
+                            }
+                            continue 'again;
+                        }
                         if !refreshed {
                             refreshed = true;
                             self.refresh_on_miss(deadline);
