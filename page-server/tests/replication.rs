@@ -1367,6 +1367,53 @@ fn an_owed_stale_mark_is_dropped_once_the_replica_is_its_ranges_only_live_one() 
     drop((a, b));
 }
 
+/// A replicated pair, b behind a link, and a manager that filled every
+/// page; then a write of page `p` that b missed (the link held it, then
+/// dropped it) while the coordinator was down: the write failed, and the
+/// manager owes b a stale mark. The coordinator is still down
+/// ([`OwedToB::coordinator_back`]).
+struct OwedToB {
+    db: tempfile::TempDir,
+    coord_addr: std::net::SocketAddr,
+    url: String,
+    admin: CoordinatorClient,
+    a: ChildServer,
+    _b: ChildServer,
+    mgr: Arc<TransportManager>,
+    _link: StallingLink,
+}
+
+impl OwedToB {
+    fn new(p: u64) -> Self {
+        let (db, coord) = loopback_coordinator();
+        let url = coord.url();
+        let coord_addr = coord.addr();
+        let admin = coordinator_client(&url);
+        let (a, b, link) = pair_with_b_behind_a_link(&url, &admin);
+        let mgr = replica_manager(&url, 20_000);
+        fill(&mgr, PAGES);
+        link.hold_open();
+        coord.shutdown().expect("coordinator stops");
+        mgr.write_page(gpa(p), &content(p, 2))
+            .expect_err("a write b missed, with nobody to mark it stale, succeeded");
+        link.sever();
+        Self {
+            db,
+            coord_addr,
+            url,
+            admin,
+            a,
+            _b: b,
+            mgr,
+            _link: link,
+        }
+    }
+
+    fn coordinator_back(&self) -> coordinator::RunningCoordinator {
+        coordinator_on(&self.db.path().join("c.db"), self.coord_addr)
+    }
+}
+
 /// A manager's debt to a replica that missed its write (see above) is
 /// settled by a read too, when that replica is the only one left to read:
 /// here the replica that took the write restarted (empty, it waits 30 s
@@ -1377,28 +1424,17 @@ fn an_owed_stale_mark_is_dropped_once_the_replica_is_its_ranges_only_live_one() 
 #[test]
 fn an_owed_replica_left_as_the_last_live_one_is_read_again() {
     const P: u64 = 5;
-    let (db, coord) = loopback_coordinator();
-    let url = coord.url();
-    let coord_addr = coord.addr();
-    let admin = coordinator_client(&url);
-    let (mut a, b, link) = pair_with_b_behind_a_link(&url, &admin);
-    let mgr = replica_manager(&url, 20_000);
-    fill(&mgr, PAGES);
+    let mut owed = OwedToB::new(P);
+    let _coord = owed.coordinator_back();
+    let (url, admin, mgr) = (&owed.url, &owed.admin, &owed.mgr);
 
-    link.hold_open();
-    coord.shutdown().expect("coordinator stops");
-    mgr.write_page(gpa(P), &content(P, 2))
-        .expect_err("a write b missed, with nobody to mark it stale, succeeded");
-    link.sever();
-    let _coord = coordinator_on(&db.path().join("c.db"), coord_addr);
-
-    let old_epoch = node_epoch(&url, "a");
-    a.kill();
-    let _a = ChildServer::start_with(&url, "a", 0, &["--recovery-grace-ms", "30000"]);
+    let old_epoch = node_epoch(url, "a");
+    owed.a.kill();
+    let _a = ChildServer::start_with(url, "a", 0, &["--recovery-grace-ms", "30000"]);
     assert!(
-        wait_until(Duration::from_secs(30), || node_epoch(&url, "a")
+        wait_until(Duration::from_secs(30), || node_epoch(url, "a")
             != old_epoch
-            && state_of(&admin, "a").is_some_and(|s| s != ReplicaState::Live)),
+            && state_of(admin, "a").is_some_and(|s| s != ReplicaState::Live)),
         "the restarted a never showed as not live"
     );
     let mut page = [0u8; PAGE_SIZE];
@@ -1416,7 +1452,6 @@ fn an_owed_replica_left_as_the_last_live_one_is_read_again() {
         page == content(P, 1),
         "P is not b's (it missed the write a lost)"
     );
-    drop(b);
 }
 
 /// A manager that owes a replica a stale mark (the replica missed a write
@@ -1429,21 +1464,10 @@ fn an_owed_replica_left_as_the_last_live_one_is_read_again() {
 #[test]
 fn a_replica_owed_a_stale_mark_serves_none_of_its_managers_reads() {
     const P: u64 = 5;
-    let (db, coord) = loopback_coordinator();
-    let url = coord.url();
-    let coord_addr = coord.addr();
-    let admin = coordinator_client(&url);
-    let (a, b, link) = pair_with_b_behind_a_link(&url, &admin);
-    let mgr = replica_manager(&url, 20_000);
-    fill(&mgr, PAGES);
-
-    // b misses a write of P (the link to it holds it, then drops it),
-    // with nobody to mark it stale: the write fails, b is owed the mark.
-    link.hold_open();
-    coord.shutdown().expect("coordinator stops");
-    mgr.write_page(gpa(P), &content(P, 2))
-        .expect_err("a write b missed, with nobody to mark it stale, succeeded");
-    link.sever();
+    // b misses a write of P, with nobody to mark it stale: the write
+    // fails, b is owed the mark.
+    let owed = OwedToB::new(P);
+    let mgr = &owed.mgr;
     let mut page = [0u8; PAGE_SIZE];
     mgr.read_page(gpa(P), &mut page)
         .expect("a, which took the write, serves P");
@@ -1456,7 +1480,7 @@ fn a_replica_owed_a_stale_mark_serves_none_of_its_managers_reads() {
     // a stops: the only replica left is b. Twice: the first read may find
     // b still avoided since its connection ended (100 ms), and wait for a
     // alone.
-    a.pause();
+    owed.a.pause();
     for _ in 0..2 {
         let got = mgr.read_page(gpa(P), &mut page).map(|()| page);
         assert!(
@@ -1469,8 +1493,8 @@ fn a_replica_owed_a_stale_mark_serves_none_of_its_managers_reads() {
 
     // a runs again, the coordinator comes back: a serves P (once the
     // coordinator confirmed it, after its stall).
-    a.resume();
-    let _coord = coordinator_on(&db.path().join("c.db"), coord_addr);
+    owed.a.resume();
+    let _coord = owed.coordinator_back();
     assert!(
         wait_until(Duration::from_secs(30), || mgr
             .read_page(gpa(P), &mut page)
@@ -1478,5 +1502,4 @@ fn a_replica_owed_a_stale_mark_serves_none_of_its_managers_reads() {
         "P never read again"
     );
     assert!(page == content(P, 2), "P is not what a took");
-    drop((a, b));
 }
