@@ -81,9 +81,7 @@ fn a_process_stopped_past_its_lease_and_replaced_is_left_and_serves_no_more() {
     const FLAGS: &[&str] = &["--node-dead-home-timeout-ms", "1000"];
     let (_db, coord) = loopback_coordinator();
     let url = coord.url();
-    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port");
+    let metrics = metrics_port();
     let metrics_flag = metrics.to_string();
     let first_flags = [FLAGS, &["--metrics-listen", &metrics_flag]].concat();
     let first = ChildServer::start_with(&url, "home", 0, &first_flags);
@@ -94,15 +92,7 @@ fn a_process_stopped_past_its_lease_and_replaced_is_left_and_serves_no_more() {
         min_hold_us: 0,
     };
     let x = Node::with_config(manager(&url), config);
-    let without_refresh =
-        rdma_transport::TransportManager::connect(rdma_transport::ManagerConfig {
-            coordinator_url: url.clone(),
-            map_refresh_ms: 0,
-            poller_cpus: Some(vec![]),
-            ..rdma_transport::ManagerConfig::default()
-        })
-        .expect("a manager without background refresh");
-    let z = Node::with_config(without_refresh, config);
+    let z = Node::with_config(manager_without_refresh(&url), config);
     for (name, node) in [("x", &x), ("z", &z)] {
         assert!(
             node.read(0).expect("read page 0") == [0u8; rdma_transport::PAGE_SIZE],
