@@ -29,6 +29,9 @@ pub(crate) enum ApiError {
     MethodNotAllowed(String),
     #[error("{0}")]
     Conflict(String),
+    /// A heartbeat from a process of a node that another one replaced.
+    #[error("{0}")]
+    Superseded(String),
     #[error("request body larger than {limit_bytes} bytes")]
     PayloadTooLarge { limit_bytes: usize },
     #[error("the request body did not arrive within {timeout_ms} ms")]
@@ -50,6 +53,7 @@ impl ApiError {
             Self::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             Self::MethodNotAllowed(_) => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             Self::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+            Self::Superseded(_) => (StatusCode::CONFLICT, "superseded"),
             Self::PayloadTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
             Self::BodyTimeout { .. } => (StatusCode::REQUEST_TIMEOUT, "request_timeout"),
             Self::LimitReached(_) => (StatusCode::TOO_MANY_REQUESTS, "limit_reached"),
@@ -96,6 +100,7 @@ impl From<StoreError> for ApiError {
                 "node {node_id:?} holds no replica of the range at {gpa_start:#x}"
             )),
             error @ StoreError::ReplicaRefused { .. } => Self::Conflict(error.to_string()),
+            error @ StoreError::NotCurrentProcess { .. } => Self::Superseded(error.to_string()),
             StoreError::Unavailable(why) => {
                 Self::Unavailable(format!("the coordinator's store is unavailable: {why}"))
             }

@@ -6,6 +6,7 @@
 //! | `coordinator_http_errors_total` | counter | `method`, `route`, `kind` (`client`: 4xx, `server`: 5xx) |
 //! | `coordinator_http_request_duration_seconds` | histogram | `method`, `route` |
 //! | `coordinator_lease_renewals_total` | counter | |
+//! | `coordinator_superseded_heartbeats_total` | counter | (heartbeats refused: their process was replaced) |
 //! | `coordinator_map_version` | gauge | |
 //!
 //! `route` is the route's template (`/v1/nodes/{id}`), so node ids and
@@ -63,6 +64,7 @@ pub(crate) struct Metrics {
     errors: Family<ErrorLabels, Counter>,
     durations: Family<RouteLabels, Histogram, fn() -> Histogram>,
     lease_renewals: Counter,
+    superseded_heartbeats: Counter,
     map_version: Gauge,
 }
 
@@ -81,6 +83,7 @@ impl Metrics {
             duration_histogram,
         );
         let lease_renewals = Counter::default();
+        let superseded_heartbeats = Counter::default();
         let map_version = Gauge::default();
         registry.register(
             "http_requests",
@@ -103,6 +106,11 @@ impl Metrics {
             lease_renewals.clone(),
         );
         registry.register(
+            "superseded_heartbeats",
+            "Heartbeats refused because another process of the node registered since",
+            superseded_heartbeats.clone(),
+        );
+        registry.register(
             "map_version",
             "The map version this coordinator last saw",
             map_version.clone(),
@@ -113,6 +121,7 @@ impl Metrics {
             errors,
             durations,
             lease_renewals,
+            superseded_heartbeats,
             map_version,
         }
     }
@@ -148,6 +157,11 @@ impl Metrics {
     /// Counts a heartbeat that renewed a lease.
     pub fn lease_renewed(&self) {
         self.lease_renewals.inc();
+    }
+
+    /// Counts a heartbeat refused: it named an epoch not the node's current one.
+    pub fn heartbeat_superseded(&self) {
+        self.superseded_heartbeats.inc();
     }
 
     /// The OpenMetrics text of every metric, with the map version `version`.

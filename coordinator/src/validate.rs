@@ -117,14 +117,19 @@ pub(crate) fn range(request: &RangeRequest) -> Result<(), ApiError> {
     node_id(&request.node_id)
 }
 
-/// Parses a decimal or `0x`-prefixed hexadecimal `u64`; no sign, no spaces.
 /// A `{gpa_start}` path parameter: decimal or `0x` hex.
 pub(crate) fn gpa_start(text: &str) -> Result<u64, ApiError> {
+    u64_param("gpa_start", text)
+}
+
+/// The path or query parameter `name`, a decimal or `0x`-hex `u64`.
+pub(crate) fn u64_param(name: &str, text: &str) -> Result<u64, ApiError> {
     parse_u64(text).ok_or_else(|| {
-        ApiError::BadRequest(format!("gpa_start {text:?} is not a decimal or 0x-hex u64"))
+        ApiError::BadRequest(format!("{name} {text:?} is not a decimal or 0x-hex u64"))
     })
 }
 
+/// Parses a decimal or `0x`-prefixed hexadecimal `u64`; no sign, no spaces.
 pub(crate) fn parse_u64(text: &str) -> Option<u64> {
     let (digits, radix) = match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
         Some(hex) => (hex, 16),

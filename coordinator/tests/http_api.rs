@@ -110,6 +110,88 @@ fn heartbeat_unknown_node_is_404() {
     assert_eq!(answer.body["id"], "n1");
 }
 
+/// A heartbeat naming its process's epoch renews only that process's
+/// lease: once another process of the node registered, the old one's is
+/// refused (409 `superseded`) and renews nothing; without an epoch (older
+/// page-servers) it renews whichever process registered.
+#[test]
+fn a_heartbeat_from_a_replaced_process_renews_nothing() {
+    const SHORT_LEASE_MS: u64 = 300;
+    let h = start(None, SHORT_LEASE_MS);
+    let register = |epoch: u64| {
+        let answer = h.call(
+            Method::PUT,
+            "/v1/nodes/n1",
+            Some(json!({ "tcp_addr": "h:1", "epoch": epoch })),
+        );
+        assert_eq!(answer.status, 200, "{answer:?}");
+    };
+    register(0x11);
+    let beat = h.call(Method::POST, "/v1/nodes/n1/heartbeat?epoch=0x11", None);
+    assert_eq!(
+        (beat.status, &beat.body["epoch"]),
+        (200, &json!(0x11)),
+        "{beat:?}"
+    );
+
+    register(0x22);
+    wait_until("process 0x22's lease to run out", || {
+        h.get("/v1/nodes/n1").body["alive"] == json!(false)
+    });
+    let old = h.call(Method::POST, "/v1/nodes/n1/heartbeat?epoch=17", None);
+    assert_eq!(
+        (old.status, old.error_code()),
+        (409, "superseded"),
+        "{old:?}"
+    );
+    let message = old.body["message"].as_str().expect("message");
+    assert!(
+        message.contains("0x22") && message.contains("h:1"),
+        "{message}"
+    );
+    let after = h.get("/v1/nodes/n1").body;
+    assert_eq!(
+        after["alive"],
+        json!(false),
+        "refused, yet renewed: {after}"
+    );
+    assert!(
+        after["last_seen_ms_ago"].as_u64().expect("ms") >= SHORT_LEASE_MS,
+        "{after}"
+    );
+    let metrics = reqwest::blocking::get(h.url("/metrics"))
+        .and_then(reqwest::blocking::Response::text)
+        .expect("metrics");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "coordinator_superseded_heartbeats_total 1"),
+        "{metrics}"
+    );
+
+    let current = h.call(Method::POST, "/v1/nodes/n1/heartbeat?epoch=0x22", None);
+    assert_eq!(
+        (current.status, &current.body["alive"]),
+        (200, &json!(true))
+    );
+    let unchecked = h.call(Method::POST, "/v1/nodes/n1/heartbeat", None);
+    assert_eq!(unchecked.status, 200, "no epoch: renewed as before");
+    for bad in ["x", "-1", "0x", "18446744073709551616"] {
+        let answer = h.call(
+            Method::POST,
+            &format!("/v1/nodes/n1/heartbeat?epoch={bad}"),
+            None,
+        );
+        assert_eq!(
+            (answer.status, answer.error_code()),
+            (400, "bad_request"),
+            "{bad:?}"
+        );
+    }
+    let ghost = h.call(Method::POST, "/v1/nodes/ghost/heartbeat?epoch=1", None);
+    assert_eq!(ghost.status, 404);
+}
+
 #[test]
 fn liveness_follows_the_lease() {
     const SHORT_LEASE_MS: u64 = 300;

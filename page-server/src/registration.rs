@@ -337,22 +337,39 @@ fn run(shared: &Shared, url: &str, credential: &Credential, plan: &Plan) {
         }
         if registered {
             let sent_at = plan.self_fence.stamp();
-            match client.heartbeat(&plan.node_id) {
+            // In this process's epoch: once another process registered,
+            // the coordinator renews nothing for this one (its lease is the
+            // other's now).
+            let beat = client.heartbeat_in_epoch(&plan.node_id, plan.registration.epoch);
+            let replaced_by = match &beat {
+                Err(err) if err.is_superseded() => Some(err.to_string()),
+                // A coordinator that does not check the epoch renewed the
+                // lease anyway; its answer names the other process.
                 Ok(info) if other_processes::is_another(info.epoch, plan.registration.epoch) => {
-                    let why = format!(
-                        "another process registered as node {} (epoch {:#x}, at {}) after this one \
-                         (epoch {:#x}): this one serves no more",
-                        plan.node_id, info.epoch, info.tcp_addr, plan.registration.epoch
-                    );
-                    tracing::error!("{why}");
-                    shared.set(State::Superseded(why));
-                    plan.self_fence.end();
-                    if let Some(on_superseded) = plan.on_superseded.lock().take() {
-                        on_superseded();
-                    }
-                    // No more heartbeats: they would keep the other's lease.
-                    return;
+                    Some(format!(
+                        "node {} is registered in epoch {:#x} at {}",
+                        plan.node_id, info.epoch, info.tcp_addr
+                    ))
                 }
+                _ => None,
+            };
+            if let Some(other) = replaced_by {
+                let why = format!(
+                    "another process registered as node {} after this one (epoch {:#x}): this \
+                     one serves no more ({other})",
+                    plan.node_id, plan.registration.epoch
+                );
+                tracing::error!("{why}");
+                shared.set(State::Superseded(why));
+                plan.self_fence.end();
+                if let Some(on_superseded) = plan.on_superseded.lock().take() {
+                    on_superseded();
+                }
+                // No more heartbeats (to a coordinator that does not check
+                // their epoch, they would keep the other's lease).
+                return;
+            }
+            match beat {
                 Ok(_) => {
                     beats_failed = 0;
                     plan.self_fence.confirm(sent_at);

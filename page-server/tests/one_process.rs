@@ -174,8 +174,8 @@ fn metrics_port() -> std::net::SocketAddr {
         .expect("a free port")
 }
 
-/// The value of counter or gauge `name` in the page-server's metrics at
-/// `metrics`.
+/// The value of counter or gauge `name` in the metrics at `metrics` (a
+/// page-server's, or the coordinator's).
 fn metric(metrics: std::net::SocketAddr, name: &str) -> Option<u64> {
     let (_, text) = http_get(metrics, "/metrics");
     text.lines()
@@ -347,6 +347,57 @@ fn a_process_stopped_past_its_lease_and_not_replaced_serves_again() {
         "the resumed process is not the node's, alive: {node:?}"
     );
     assert_eq!(metric(metrics, "page_server_superseded"), Some(0));
+}
+
+/// A replaced process's heartbeats renew nothing: process 1 of node "a" is
+/// stopped past its lease, process 2 registers and is then killed (-9);
+/// once the coordinator says the node is down, process 1 resumes and
+/// heartbeats. The node must stay down (its only process of record is
+/// dead): without the epoch in the heartbeat, process 1's renewed the
+/// lease that was process 2's, and the coordinator called the node alive
+/// for one more lease.
+#[test]
+fn a_replaced_process_does_not_keep_its_dead_successor_alive() {
+    let (_db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let metrics = metrics_port();
+    let first = ChildServer::start_with(&url, "a", 0, &["--metrics-listen", &metrics.to_string()]);
+    let first_epoch = registered_with_range(&url, "a", 0, 0);
+
+    first.pause();
+    let mut second = ChildServer::start(&url, "a", 0);
+    let second_epoch = registered_with_range(&url, "a", 0, first_epoch);
+    second.kill();
+    let admin = coordinator_client(&url);
+    let id = "a".to_owned();
+    assert!(
+        wait_until(LIMIT, || admin.node(&id).is_ok_and(|n| !n.alive)),
+        "process 2's lease never lapsed after it was killed"
+    );
+    let coordinator_metric = |name: &str| metric(coord.addr(), name);
+    let renewals_before = coordinator_metric("coordinator_lease_renewals_total");
+
+    first.resume();
+    assert!(
+        wait_until(LIMIT, || metric(metrics, "page_server_superseded")
+            == Some(1)),
+        "process 1 never learnt that process 2 took the node"
+    );
+    let node = admin.node(&id).expect("node a");
+    assert!(
+        !node.alive && node.epoch == second_epoch,
+        "process 1's heartbeat renewed the lease of process 2, which is dead: {node:?}"
+    );
+    assert_eq!(
+        coordinator_metric("coordinator_lease_renewals_total"),
+        renewals_before,
+        "a lease was renewed after process 2 died"
+    );
+    assert_eq!(
+        coordinator_metric("coordinator_superseded_heartbeats_total"),
+        Some(1),
+        "process 1's heartbeat was not refused once (it stops after the first refusal)"
+    );
 }
 
 /// With `--lease-fence-ms` below the coordinator's lease, a process cut off

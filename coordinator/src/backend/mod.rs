@@ -52,9 +52,15 @@ pub(crate) trait Store: Send + Sync + fmt::Debug {
         registration: &NodeRegistration,
         now_unix_ms: u64,
     ) -> Result<NodeRecord, StoreError>;
-    /// Renews the node's lease; `None` when the node is unknown.
-    async fn heartbeat(&self, id: &str, now_unix_ms: u64)
-        -> Result<Option<NodeRecord>, StoreError>;
+    /// Renews the node's lease; `None` when the node is unknown. With
+    /// `epoch`, only the lease of the node's process in that epoch
+    /// ([`StoreError::NotCurrentProcess`] otherwise, nothing renewed).
+    async fn heartbeat(
+        &self,
+        id: &str,
+        epoch: Option<u64>,
+        now_unix_ms: u64,
+    ) -> Result<Option<NodeRecord>, StoreError>;
     /// Sets the node's RDMA endpoint; `None` when the node is unknown.
     async fn set_rdma_endpoint(
         &self,

@@ -105,10 +105,11 @@ impl Store for SqliteBackend {
     async fn heartbeat(
         &self,
         id: &str,
+        epoch: Option<u64>,
         now_unix_ms: u64,
     ) -> Result<Option<NodeRecord>, StoreError> {
         let id = id.to_owned();
-        self.run(false, move |store| store.heartbeat(&id, now_unix_ms))
+        self.run(false, move |store| store.heartbeat(&id, epoch, now_unix_ms))
             .await
     }
 

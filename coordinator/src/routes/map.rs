@@ -13,7 +13,7 @@ use crate::backend::{AddOutcome, Snapshot};
 use crate::error::ApiError;
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::state::AppState;
-use crate::validate::{self, parse_u64};
+use crate::validate::{self, u64_param};
 
 /// A long poll waits this long when the request names no `timeout_ms`.
 pub(crate) const DEFAULT_LONG_POLL_MS: u64 = 30_000;
@@ -86,18 +86,12 @@ fn map_response(state: &AppState, snapshot: Snapshot) -> MapResponse {
 fn long_poll(query: &MapQuery) -> Result<Option<(u64, u64)>, ApiError> {
     let timeout_ms = match &query.timeout_ms {
         None => DEFAULT_LONG_POLL_MS,
-        Some(text) => parse_u64(text).ok_or_else(|| {
-            ApiError::BadRequest(format!(
-                "timeout_ms {text:?} is not a decimal or 0x-hex u64"
-            ))
-        })?,
+        Some(text) => u64_param("timeout_ms", text)?,
     };
     let Some(text) = &query.after else {
         return Ok(None);
     };
-    let after = parse_u64(text).ok_or_else(|| {
-        ApiError::BadRequest(format!("after {text:?} is not a decimal or 0x-hex u64"))
-    })?;
+    let after = u64_param("after", text)?;
     Ok(Some((after, timeout_ms.min(MAX_LONG_POLL_MS))))
 }
 
@@ -181,9 +175,7 @@ pub(super) async fn resolve(
     let text = query
         .gpa
         .ok_or_else(|| ApiError::BadRequest("missing query parameter gpa".to_owned()))?;
-    let gpa = parse_u64(&text).ok_or_else(|| {
-        ApiError::BadRequest(format!("gpa {text:?} is not a decimal or 0x-hex u64"))
-    })?;
+    let gpa = u64_param("gpa", &text)?;
     let found = state.store().resolve(gpa).await?;
     let (version, entry, node) =
         found.ok_or_else(|| ApiError::NotFound(format!("gpa {gpa:#x} is not mapped")))?;

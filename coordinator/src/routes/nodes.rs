@@ -4,11 +4,13 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 use rdma_transport::coordinator::api::{NodeInfo, NodeRegistration};
+use serde::Deserialize;
 
 use crate::clock::now_unix_ms;
 use crate::error::ApiError;
-use crate::extract::{ApiJson, ApiPath};
+use crate::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::state::AppState;
+use crate::store::StoreError;
 use crate::validate;
 
 /// `GET /v1/nodes`.
@@ -61,14 +63,34 @@ pub(super) async fn remove(
     }
 }
 
-/// `POST /v1/nodes/{id}/heartbeat`.
+/// Query of `POST /v1/nodes/{id}/heartbeat`.
+#[derive(Debug, Deserialize)]
+pub(super) struct HeartbeatQuery {
+    /// The epoch of the process that sends it; without it (older
+    /// page-servers) the lease is renewed whichever process registered.
+    epoch: Option<String>,
+}
+
+/// `POST /v1/nodes/{id}/heartbeat[?epoch=E]`: 409 `superseded`, renewing
+/// nothing, when `E` is not the node's current epoch (another process of
+/// the node registered since).
 pub(super) async fn heartbeat(
     State(state): State<AppState>,
     ApiPath(id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<HeartbeatQuery>,
 ) -> Result<Json<NodeInfo>, ApiError> {
     validate::node_id(&id)?;
+    let epoch = query
+        .epoch
+        .map(|text| validate::u64_param("epoch", &text))
+        .transpose()?;
     let now_ms = now_unix_ms();
-    let updated = state.store().heartbeat(&id, now_ms).await?;
+    let beat = state.store().heartbeat(&id, epoch, now_ms).await;
+    if let Err(error @ StoreError::NotCurrentProcess { .. }) = &beat {
+        state.metrics().heartbeat_superseded();
+        tracing::warn!(node = %id, %error, "heartbeat from a replaced process refused");
+    }
+    let updated = beat?;
     if updated.is_some() {
         state.metrics().lease_renewed();
     }

@@ -83,6 +83,22 @@ pub enum StoreError {
     /// quorum, or the write kept losing races); the request may be retried.
     #[error("store unavailable: {0}")]
     Unavailable(String),
+    /// A heartbeat from a process of the node that is not its current one
+    /// (another registered since): its lease is not renewed.
+    #[error(
+        "node {id:?} is registered in epoch {current:#x} (at {current_addr}), not in \
+         {presented:#x}: another process registered since; the lease was not renewed"
+    )]
+    NotCurrentProcess {
+        /// The node.
+        id: String,
+        /// The epoch the heartbeat named.
+        presented: u64,
+        /// The node's current epoch.
+        current: u64,
+        /// The current process's TCP address.
+        current_addr: String,
+    },
     /// A new range overlaps an existing entry.
     #[error("range overlaps the entry at gpa_start {:#x}", existing.gpa_start)]
     Overlap {
@@ -108,6 +124,20 @@ pub(crate) struct NodeRecord {
 }
 
 impl NodeRecord {
+    /// Refuses a heartbeat naming `epoch` unless it is this node's current
+    /// one (`None`: a heartbeat that names none, from older page-servers).
+    pub fn check_heartbeat(&self, epoch: Option<u64>) -> Result<(), StoreError> {
+        match epoch {
+            Some(presented) if presented != self.epoch => Err(StoreError::NotCurrentProcess {
+                id: self.id.clone(),
+                presented,
+                current: self.epoch,
+                current_addr: self.tcp_addr.clone(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// The API view of this node at `now_unix_ms` with a lease of `lease_ms`.
     pub fn to_info(&self, now_unix_ms: u64, lease_ms: u64) -> NodeInfo {
         let ago_ms = now_unix_ms.saturating_sub(self.last_seen_unix_ms);

@@ -67,20 +67,25 @@ impl SqliteStore {
         Ok(record)
     }
 
-    /// Refreshes `last_seen`; `None` when the node is unknown.
+    /// Refreshes `last_seen`; `None` when the node is unknown. With
+    /// `epoch`, only when it is the node's current epoch: a heartbeat from
+    /// a process that another one replaced renews nothing
+    /// ([`StoreError::NotCurrentProcess`]).
     pub fn heartbeat(
         &mut self,
         id: &str,
+        epoch: Option<u64>,
         now_unix_ms: u64,
     ) -> Result<Option<NodeRecord>, StoreError> {
         let tx = self.conn.transaction()?;
-        let updated = tx.execute(
+        let Some(before) = get(&tx, id)? else {
+            return Ok(None);
+        };
+        before.check_heartbeat(epoch)?;
+        tx.execute(
             "UPDATE nodes SET last_seen_unix_ms = ?2 WHERE id = ?1",
             params![id, ms_to_sql(now_unix_ms)],
         )?;
-        if updated == 0 {
-            return Ok(None);
-        }
         let record = required(&tx, id)?;
         tx.commit()?;
         Ok(Some(record))

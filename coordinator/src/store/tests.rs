@@ -41,7 +41,7 @@ fn version_moves_only_on_change() {
         .upsert_node("a", &registration("h:1"), 20)
         .expect("put");
     assert_eq!(store.version().expect("v"), 1, "same registration");
-    store.heartbeat("a", 30).expect("hb");
+    store.heartbeat("a", None, 30).expect("hb");
     assert_eq!(store.version().expect("v"), 1, "heartbeat");
     store
         .upsert_node("a", &registration("h:2"), 40)

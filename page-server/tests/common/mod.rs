@@ -416,7 +416,10 @@ fn wait_for_file(path: &PathBuf, limit: Duration) -> String {
 
 /// `GET path` of the HTTP server at `addr`: its status and body.
 pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let answer = http(addr, &format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n"));
+    let answer = http(
+        addr,
+        &format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+    );
     let (head, body) = answer.split_once("\r\n\r\n").expect("head and body");
     let status = head
         .split(' ')

@@ -173,6 +173,26 @@ impl CoordinatorClient {
         self.call(Method::POST, &path, None)
     }
 
+    /// `POST /v1/nodes/{id}/heartbeat?epoch=E`: refreshes the lease of the
+    /// node's process in `epoch` only. A process another one replaced
+    /// renews nothing (a coordinator that does not know the parameter
+    /// renews the lease whichever process registered: compare the
+    /// answer's epoch too).
+    ///
+    /// # Errors
+    ///
+    /// Superseded (see [`CoordinatorError::is_superseded`]) when another
+    /// process of the node registered since; not found when the node is
+    /// not registered; see [`CoordinatorError`].
+    pub fn heartbeat_in_epoch(
+        &self,
+        id: &NodeId,
+        epoch: u64,
+    ) -> Result<NodeInfo, CoordinatorError> {
+        let path = format!("/v1/nodes/{}/heartbeat?epoch={epoch}", checked_id(id)?);
+        self.call(Method::POST, &path, None)
+    }
+
     /// `GET /v1/nodes`: every registered node.
     ///
     /// # Errors

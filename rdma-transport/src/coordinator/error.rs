@@ -75,6 +75,13 @@ impl CoordinatorError {
         self.status() == Some(409)
     }
 
+    /// True for a 409 `superseded` answer: a heartbeat named an epoch that
+    /// is not the node's current one (another process of the node
+    /// registered since).
+    pub fn is_superseded(&self) -> bool {
+        matches!(self, Self::Http { status: 409, code, .. } if code == "superseded")
+    }
+
     /// True for a 401 answer (missing or wrong credential).
     pub fn is_unauthorized(&self) -> bool {
         self.status() == Some(401)

@@ -415,7 +415,7 @@ impl EtcdBackend {
 
     /// A node key and its liveness key, read directly.
     async fn read_node(&self, id: &str) -> Result<Option<NodeRecord>, StoreError> {
-        Ok(self.read_node_alive(id).await?.map(|(record, _)| record))
+        Ok(self.read_node_alive(id).await?.map(|(record, ..)| record))
     }
 
     /// A node key and its liveness key, read directly: the node's record
@@ -423,7 +423,7 @@ impl EtcdBackend {
     async fn read_node_alive(
         &self,
         id: &str,
-    ) -> Result<Option<(NodeRecord, Option<AliveValue>)>, StoreError> {
+    ) -> Result<Option<(NodeRecord, Option<AliveValue>, i64)>, StoreError> {
         let mut state = State::default();
         let mut kv = self.client.kv_client();
         let node_key = self.keys.node(id);
@@ -431,6 +431,7 @@ impl EtcdBackend {
         let Some(found) = node.kvs().first() else {
             return Ok(None);
         };
+        let node_revision = found.mod_revision();
         state
             .nodes
             .insert(id.to_owned(), decode(&node_key, found.value())?);
@@ -442,7 +443,7 @@ impl EtcdBackend {
                 .insert(id.to_owned(), decode(&alive_key, found.value())?);
         }
         let alive = state.alive.get(id).cloned();
-        Ok(state.node(id).map(|record| (record, alive)))
+        Ok(state.node(id).map(|record| (record, alive, node_revision)))
     }
 }
 
@@ -493,14 +494,16 @@ impl Store for EtcdBackend {
     async fn heartbeat(
         &self,
         id: &str,
+        epoch: Option<u64>,
         now_unix_ms: u64,
     ) -> Result<Option<NodeRecord>, StoreError> {
         self.retrying(|| async move {
             // The node and its liveness key in two reads; the lease to
             // renew is the one the liveness key names.
-            let Some((record, alive)) = self.read_node_alive(id).await? else {
+            let Some((record, alive, node_revision)) = self.read_node_alive(id).await? else {
                 return Ok(None);
             };
+            record.check_heartbeat(epoch)?;
             let mut kv = self.client.kv_client();
             let alive_key = self.keys.alive(id);
             let lease_id = match alive.map(|a| a.lease_id) {
@@ -511,12 +514,13 @@ impl Store for EtcdBackend {
                 last_seen_unix_ms: now_unix_ms,
                 lease_id,
             };
-            // Only while the node is registered (a removal may race).
+            // Only while the node is registered as read: a removal or
+            // another process's registration may race (then read again).
             let txn = Txn::new()
-                .when(vec![Compare::version(
+                .when(vec![Compare::mod_revision(
                     self.keys.node(id),
-                    CompareOp::Greater,
-                    0,
+                    CompareOp::Equal,
+                    node_revision,
                 )])
                 .and_then(vec![TxnOp::put(
                     alive_key,
@@ -525,7 +529,10 @@ impl Store for EtcdBackend {
                 )]);
             let response = kv.txn(txn).await.map_err(unavailable)?;
             if !response.succeeded() {
-                return Ok(None);
+                // Retried by `retrying`, which reads the node again.
+                return Err(StoreError::Unavailable(format!(
+                    "node {id:?} changed during its heartbeat"
+                )));
             }
             Ok(Some(NodeRecord {
                 last_seen_unix_ms: now_unix_ms,
