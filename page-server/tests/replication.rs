@@ -1503,3 +1503,63 @@ fn a_replica_owed_a_stale_mark_serves_none_of_its_managers_reads() {
     );
     assert!(page == content(P, 2), "P is not what a took");
 }
+
+/// The manager that takes the VM over from `owed`'s (which settled its
+/// debt, or was dropped): once b recovered, a is killed, and it reads P
+/// from b. It must be the page a took: b missed that write, and this
+/// manager knows nothing of it, so b must have been marked stale (and
+/// recovered from a) before the hand-over.
+fn successor_reads_what_a_took(mut owed: OwedToB, p: u64) {
+    wait_all_live(&owed.admin, 2);
+    owed.a.kill();
+    let successor = replica_manager(&owed.url, 20_000);
+    let mut page = [0u8; PAGE_SIZE];
+    successor
+        .read_page(gpa(p), &mut page)
+        .expect("b, the range's last replica, serves P");
+    assert!(
+        page == content(p, 2),
+        "the successor read P from b as it was before the write b missed (the older page: {})",
+        page == content(p, 1)
+    );
+}
+
+/// A manager that owes b a stale mark (b missed a write of P that a took,
+/// with the coordinator down) settles it on request: not while the
+/// coordinator is down (the debt is kept, and counted), at once when it
+/// is back. Then b recovers, and the manager that takes the VM over reads
+/// P from b as a took it, after a is killed.
+#[test]
+fn owed_stale_marks_are_settled_on_request_before_a_hand_over() {
+    const P: u64 = 5;
+    let owed = OwedToB::new(P);
+    let err = owed
+        .mgr
+        .settle_owed_stale_marks()
+        .expect_err("settled with the coordinator down");
+    assert!(
+        matches!(err, rdma_transport::TransportError::ReplicaMissedWrite { ref node, .. } if node == "b"),
+        "{err:?}"
+    );
+    assert_eq!(owed.mgr.stats().owed_stale_marks, 1);
+    let _coord = owed.coordinator_back();
+    owed.mgr
+        .settle_owed_stale_marks()
+        .expect("settled once the coordinator is back");
+    assert_eq!(owed.mgr.stats().owed_stale_marks, 0);
+    successor_reads_what_a_took(owed, P);
+}
+
+/// The same debt, settled by the manager's drop (the VMM handing the VM
+/// over without asking): without it, b stayed live, and the successor read
+/// P from b as it was before the write.
+#[test]
+fn a_dropped_manager_settles_the_stale_marks_it_owes() {
+    const P: u64 = 5;
+    let mut owed = OwedToB::new(P);
+    let _coord = owed.coordinator_back();
+    let mgr = std::mem::replace(&mut owed.mgr, replica_manager(&owed.url, 20_000));
+    assert_eq!(mgr.stats().owed_stale_marks, 1);
+    drop(Arc::into_inner(mgr).expect("the test holds the manager's only reference"));
+    successor_reads_what_a_took(owed, P);
+}

@@ -526,6 +526,9 @@ typedef struct RtManagerStats {
   // faults) that TCP read from the socket straight into their page,
   // with no copy out of a receive buffer.
   uint64_t tcp_direct_pages;
+  // Replicas this manager owes a stale mark now (see
+  // `rt_manager_settle_owed_stale_marks`).
+  uint64_t owed_stale_marks;
 } RtManagerStats;
 
 // One node of the map (`rt_manager_node_info`). Set `struct_size` to
@@ -803,6 +806,17 @@ void rt_manager_destroy(struct RtManager *manager);
 // # Safety
 // `manager` must be a live handle; `version` must be NULL or writable.
 enum RtStatus rt_manager_refresh_map(const struct RtManager *manager, uint64_t *version);
+
+// Marks stale at the coordinator every replica this manager owes a stale
+// mark (`RtManagerStats.owed_stale_marks`: a replica that missed one of
+// its writes while the coordinator could not be told, still live for
+// every other manager). A VMM handing its VM over to another (migration,
+// restart) calls it after its last write-back, until it returns
+// `RT_STATUS_OK` (docs/embedding.md, "Moving a VM to another host").
+//
+// # Safety
+// `manager` must be NULL or a live handle.
+enum RtStatus rt_manager_settle_owed_stale_marks(const struct RtManager *manager);
 
 // Reads the 4096-byte page at `gpa` into `page`.
 //

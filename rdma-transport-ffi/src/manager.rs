@@ -111,6 +111,29 @@ pub unsafe extern "C" fn rt_manager_refresh_map(
     })
 }
 
+/// Marks stale at the coordinator every replica this manager owes a stale
+/// mark (`RtManagerStats.owed_stale_marks`: a replica that missed one of
+/// its writes while the coordinator could not be told, still live for
+/// every other manager). A VMM handing its VM over to another (migration,
+/// restart) calls it after its last write-back, until it returns
+/// `RT_STATUS_OK` (docs/embedding.md, "Moving a VM to another host").
+///
+/// # Safety
+/// `manager` must be NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn rt_manager_settle_owed_stale_marks(manager: *const RtManager) -> RtStatus {
+    guard(|| {
+        // SAFETY: the caller passes NULL or a live handle.
+        let Some(manager) = (unsafe { manager.as_ref() }) else {
+            return fail(RtStatus::InvalidArgument, "manager is NULL");
+        };
+        match manager.inner.settle_owed_stale_marks() {
+            Ok(()) => RtStatus::Ok,
+            Err(e) => fail(transport_status(&e), chain(&e)),
+        }
+    })
+}
+
 /// Reads the 4096-byte page at `gpa` into `page`.
 ///
 /// # Safety

@@ -64,19 +64,26 @@ pub struct RtManagerStats {
     /// faults) that TCP read from the socket straight into their page,
     /// with no copy out of a receive buffer.
     pub tcp_direct_pages: u64,
+    /// Replicas this manager owes a stale mark now (see
+    /// `rt_manager_settle_owed_stale_marks`).
+    pub owed_stale_marks: u64,
 }
 
 /// `struct_size` of the first layout (up to `pages_written`), still
 /// filled: the zero-copy counters are left out.
 const FIRST_LAYOUT_BYTES: usize = 8 + 12 * 8;
+/// `struct_size` of the second layout (up to `tcp_direct_pages`), still
+/// filled: `owed_stale_marks` is left out.
+const SECOND_LAYOUT_BYTES: usize = FIRST_LAYOUT_BYTES + 6 * 8;
 const _: () = assert!(
     offset_of!(RtManagerStats, rdma_registered_regions) == FIRST_LAYOUT_BYTES
-        && size_of::<RtManagerStats>() == FIRST_LAYOUT_BYTES + 6 * 8
+        && offset_of!(RtManagerStats, owed_stale_marks) == SECOND_LAYOUT_BYTES
+        && size_of::<RtManagerStats>() == SECOND_LAYOUT_BYTES + 8
 );
 
 impl COut for RtManagerStats {
     const NAME: &'static str = "RtManagerStats";
-    const OLD_SIZES: &'static [usize] = &[FIRST_LAYOUT_BYTES];
+    const OLD_SIZES: &'static [usize] = &[FIRST_LAYOUT_BYTES, SECOND_LAYOUT_BYTES];
 }
 
 /// The data path of a node's connection (`RtNodeInfo.data_path`).
@@ -151,6 +158,7 @@ pub unsafe extern "C" fn rt_manager_stats(
             rdma_drains: z.drains,
             rdma_drain_failures: z.drain_failures,
             tcp_direct_pages: z.tcp_direct_pages,
+            owed_stale_marks: count(s.owed_stale_marks),
         };
         // SAFETY: the caller passes NULL or a struct of `struct_size` bytes.
         match unsafe { write_out(stats, &value) } {

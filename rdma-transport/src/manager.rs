@@ -409,6 +409,27 @@ impl TransportManager {
         self.inner.hedge_delay()
     }
 
+    /// Marks stale at the coordinator, now, every replica this manager
+    /// owes a stale mark (`ManagerStats::owed_stale_marks`): a replica
+    /// that missed one of its writes (which failed with
+    /// [`TransportError::ReplicaMissedWrite`]) while the coordinator could
+    /// not be told. Such a replica is still live for everybody else and
+    /// lacks the write; this manager's own writes and reads settle the
+    /// debt or avoid it, but another manager knows nothing of it. So
+    /// before another manager takes the VM over (a migration's
+    /// destination, a restarted VMM), call this until it returns Ok. (The
+    /// manager's drop tries once too, within the request timeout.)
+    ///
+    /// # Errors
+    /// The first replica the coordinator could not mark
+    /// ([`TransportError::ReplicaMissedWrite`], naming the coordinator's
+    /// error); it stays owed.
+    pub fn settle_owed_stale_marks(&self) -> Result<(), TransportError> {
+        self.inner.settle_every_owed_stale(
+            std::time::Instant::now() + self.inner.config.request_timeout(),
+        )
+    }
+
     /// A snapshot of the manager's state (map, nodes, pool, hedging delay)
     /// and its page-I/O counters.
     pub fn stats(&self) -> ManagerStats {
@@ -506,6 +527,17 @@ impl TransportManager {
 
 impl Drop for TransportManager {
     fn drop(&mut self) {
+        if self.inner.owed_stale.any() {
+            // Nobody else knows of these replicas' missed writes.
+            if let Err(err) = self.settle_owed_stale_marks() {
+                tracing::error!(
+                    %err,
+                    owed = self.inner.owed_stale.count(),
+                    "dropped owing stale marks: replicas that missed a write of this manager's \
+                     stay live at the coordinator, and may serve older pages at a failover"
+                );
+            }
+        }
         if let Some((stop, handle)) = self.refresher.take() {
             *stop.stop.lock() = true;
             stop.cv.notify_all();

@@ -203,6 +203,10 @@ int main(int argc, char **argv) {
   uint64_t refreshed = 0;
   CHECK(rt_manager_refresh_map(m, &refreshed));
   EXPECT(refreshed >= s0.map_version && refreshed == stats_of(m).map_version);
+  /* No write missed by a replica: nothing owed, settled at once. */
+  EXPECT(s0.owed_stale_marks == 0);
+  CHECK(rt_manager_settle_owed_stale_marks(m));
+  EXPECT(rt_manager_settle_owed_stale_marks(NULL) == RT_STATUS_INVALID_ARGUMENT);
   CHECK(rt_manager_refresh_map(m, NULL));
   EXPECT(rt_manager_refresh_map(NULL, &refreshed) == RT_STATUS_INVALID_ARGUMENT);
   EXPECT(s0.pool_frames == 16 && s0.pool_free_frames == 16);

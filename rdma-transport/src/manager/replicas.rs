@@ -73,6 +73,19 @@ impl OwedStale {
             .any(|(r, n)| *r == range_start && n == node)
     }
 
+    /// How many replicas are owed a mark.
+    pub(super) fn count(&self) -> usize {
+        self.list.lock().len()
+    }
+
+    /// The ranges with a replica owed a mark, each once.
+    fn ranges(&self) -> Vec<u64> {
+        let mut ranges: Vec<u64> = self.list.lock().iter().map(|(r, _)| *r).collect();
+        ranges.sort_unstable();
+        ranges.dedup();
+        ranges
+    }
+
     fn of_range(&self, range_start: u64) -> Vec<String> {
         self.list
             .lock()
@@ -260,30 +273,58 @@ impl Inner {
                 continue;
             }
             done.push(range_start);
-            for node in self.owed_stale.of_range(range_start) {
-                // Marked again even when this map shows it stale or
-                // recovering: that may predate the write it missed. Gone
-                // from the range, it holds nothing of it any more.
-                let replica = state
-                    .nodes
-                    .iter()
-                    .position(|n| n.id == node)
-                    .filter(|&i| state.map.replicas(t.gpa).any(|l| l.node_index == i));
-                if let Some(i) = replica {
-                    match self.try_mark_stale(state, range_start, i, deadline)? {
-                        Marked::Stale => changed = true,
-                        // No other replica is live: none has pages it
-                        // lacks (they recover from it). Nothing is owed.
-                        Marked::LastLive(_) => tracing::info!(
-                            range_start,
-                            %node,
-                            "a replica that missed a write is its range's only live one now: \
-                             not marked stale"
-                        ),
-                    }
-                }
-                self.owed_stale.settled(range_start, &node);
+            changed |= self.settle_owed_of_range(state, range_start, deadline)?;
+        }
+        Ok(changed)
+    }
+
+    /// Marks stale now every replica this manager owes a mark, whatever
+    /// range it is of (`TransportManager::settle_owed_stale_marks`); the
+    /// first error of a range the coordinator did not take (its replicas
+    /// stay owed; the other ranges are still settled).
+    pub(super) fn settle_every_owed_stale(&self, deadline: Instant) -> Result<(), TransportError> {
+        let state = self.state.load_full();
+        let mut first_error = None;
+        for range_start in self.owed_stale.ranges() {
+            if let Err(e) = self.settle_owed_of_range(&state, range_start, deadline) {
+                first_error.get_or_insert(e);
             }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Marks stale every replica of the range at `range_start` that is
+    /// owed it; whether one was.
+    fn settle_owed_of_range(
+        &self,
+        state: &MapState,
+        range_start: u64,
+        deadline: Instant,
+    ) -> Result<bool, TransportError> {
+        let mut changed = false;
+        for node in self.owed_stale.of_range(range_start) {
+            // Marked again even when this map shows it stale or
+            // recovering: that may predate the write it missed. Gone
+            // from the range, it holds nothing of it any more.
+            let replica = state
+                .nodes
+                .iter()
+                .position(|n| n.id == node)
+                .filter(|&i| state.map.replicas(range_start).any(|l| l.node_index == i));
+            if let Some(i) = replica {
+                match self.try_mark_stale(state, range_start, i, deadline)? {
+                    Marked::Stale => changed = true,
+                    // No other replica is live: none has pages it
+                    // lacks (they recover from it). Nothing is owed.
+                    Marked::LastLive(_) => tracing::info!(
+                        range_start,
+                        %node,
+                        "a replica that missed a write is its range's only live one now: \
+                         not marked stale"
+                    ),
+                }
+            }
+            self.owed_stale.settled(range_start, &node);
         }
         Ok(changed)
     }

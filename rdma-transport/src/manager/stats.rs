@@ -42,6 +42,10 @@ pub struct ManagerStats {
     pub pages_read: u64,
     /// Pages written by calls that succeeded.
     pub pages_written: u64,
+    /// Replicas this manager owes a stale mark now: each missed a write of
+    /// its while the coordinator could not be told, and stays live at the
+    /// coordinator until marked (`TransportManager::settle_owed_stale_marks`).
+    pub owed_stale_marks: usize,
 }
 
 /// The counters of [`ManagerStats`], shared by every caller thread.
@@ -171,6 +175,7 @@ impl Inner {
                 }
             }
         }
+        stats.owed_stale_marks = self.owed_stale.count();
         self.counters.fill(&mut stats);
         stats
     }
