@@ -61,8 +61,9 @@ struct Args {
     /// write the exported memory.
     #[arg(long)]
     insecure: bool,
-    /// Heartbeat period in milliseconds (also how often the node checks
-    /// whether its replica needs recovering).
+    /// Heartbeat period in milliseconds (also how often a quiet map is
+    /// looked at again for replicas to recover; a change is followed at
+    /// once).
     #[arg(long, default_value_t = 1000)]
     heartbeat_ms: u64,
     /// Microseconds a connection thread keeps polling its socket after a

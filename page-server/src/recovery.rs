@@ -2,9 +2,11 @@
 //! `stale` (new, restarted, or marked stale by a client after a failed
 //! write) copies the range from a live replica, by itself.
 //!
-//! Once registered, and then every heartbeat period, the thread reads the
-//! map, and notes each range's replica state in it (what the node's next
-//! registration claims its memory holds, `range_contents.rs`). For each
+//! Once registered, the thread reads the map, then follows it with long
+//! polls of one heartbeat period each (a change, such as a client marking
+//! this replica stale, arrives at once; a quiet map is read again every
+//! period), and notes each range's replica state in it (what the node's
+//! next registration claims its memory holds, `range_contents.rs`). For each
 //! exported range in turn (one recovery at a time), when this node's
 //! replica of it is stale and another replica is live, it: reads one page
 //! from a live replica (none answering, it disturbs nobody and tries again
@@ -26,8 +28,9 @@
 //! is harmless (the copy only touches the recovering range's pages, at its
 //! offset), and a new recovery starts with a fresh bitmap.
 
+use std::cell::Cell;
 use std::io;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -111,22 +114,46 @@ struct Plan {
 /// An interruptible sleep, woken by [`Recovery::stop`].
 #[derive(Debug, Default)]
 struct Stop {
-    stopped: Mutex<bool>,
+    state: Mutex<StopState>,
     cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct StopState {
+    stopped: bool,
+    /// The thread waits for a long poll of the map, which nothing can
+    /// interrupt: it does nothing more once that answers, if stopped.
+    polling: bool,
 }
 
 impl Stop {
     /// Sleeps for `d` unless stopped first; true when stopped.
     fn sleep(&self, d: Duration) -> bool {
-        let mut stopped = self.stopped.lock();
-        if !*stopped {
-            let _ = self.cv.wait_for(&mut stopped, d);
+        let mut state = self.state.lock();
+        if !state.stopped {
+            let _ = self.cv.wait_for(&mut state, d);
         }
-        *stopped
+        state.stopped
     }
 
     fn is_stopped(&self) -> bool {
-        *self.stopped.lock()
+        self.state.lock().stopped
+    }
+
+    /// Runs `poll` unless stopped, marked as polling; `None` when stopped
+    /// before or during it.
+    fn polling<T>(&self, poll: impl FnOnce() -> T) -> Option<T> {
+        {
+            let mut state = self.state.lock();
+            if state.stopped {
+                return None;
+            }
+            state.polling = true;
+        }
+        let answer = poll();
+        let mut state = self.state.lock();
+        state.polling = false;
+        (!state.stopped).then_some(answer)
     }
 }
 
@@ -173,13 +200,16 @@ impl Recovery {
                         return;
                     }
                 };
-                let worker = Worker {
+                let follower = Follower {
                     plan,
-                    server,
+                    server: Arc::downgrade(&server),
                     stop: thread_stop,
                     client,
                 };
-                worker.run(&registered);
+                // Only rounds hold the server: a long poll in progress
+                // when it stops keeps nothing of it alive.
+                drop(server);
+                follower.run(&registered);
             })
             .map_err(|err| tracing::error!(%err, "cannot start the replica recovery thread"))
             .ok();
@@ -187,45 +217,128 @@ impl Recovery {
     }
 
     /// Stops the thread (a copy in progress ends at its next batch) and
-    /// joins it.
+    /// joins it, unless it waits for a long poll of the map: it then ends
+    /// when that answers, doing nothing more (`Stop::polling`).
     pub(crate) fn stop(mut self) {
-        *self.stop.stopped.lock() = true;
+        let in_poll = {
+            let mut state = self.stop.state.lock();
+            state.stopped = true;
+            state.polling
+        };
         self.stop.cv.notify_all();
         if let Some(h) = self.handle.take() {
-            let _ = h.join();
+            if !in_poll {
+                let _ = h.join();
+            }
         }
     }
 }
 
-struct Worker {
+/// What follows a round: the next map to look at.
+enum Next {
+    Map(MapResponse),
+    /// The long poll failed: a period, then a plain read.
+    Failed,
+    Stopped,
+}
+
+/// The thread: rounds of recovery, each on the map that the last one's
+/// long poll brought.
+struct Follower {
     plan: Plan,
-    server: Arc<ServerShared>,
+    server: Weak<ServerShared>,
     stop: Arc<Stop>,
     client: CoordinatorClient,
 }
 
-impl Worker {
+impl Follower {
     fn run(&self, registered: &RegisteredWatch) {
         while !registered.is_registered() {
             if self.stop.sleep(self.plan.retry) {
                 return;
             }
         }
+        let mut map = None;
         loop {
-            self.round();
-            if self.stop.sleep(self.plan.period) {
+            let Some(server) = self.server.upgrade() else {
+                return;
+            };
+            let worker = Worker {
+                plan: &self.plan,
+                server,
+                stop: &self.stop,
+                client: &self.client,
+                round_failed: Cell::new(false),
+            };
+            let last_version = worker.round(map.take());
+            let failed = worker.round_failed.get();
+            drop(worker);
+            map = match last_version {
+                Some(version) if !failed => match self.next_map(version) {
+                    Next::Map(next) => Some(next),
+                    Next::Failed => None,
+                    Next::Stopped => return,
+                },
+                _ => None,
+            };
+            if map.is_none() && self.stop.sleep(self.plan.period) {
                 return;
             }
         }
     }
 
-    /// One look at the map, and a recovery of each range whose replica
-    /// here is stale, one after the other.
-    fn round(&self) {
-        let mut map = None;
+    /// The map once its version passes `version`, or after a period if it
+    /// does not (a long poll): a client's stale mark of this replica is
+    /// acted on at once, not up to a period later.
+    fn next_map(&self, version: u64) -> Next {
+        let period = self.plan.period;
+        let sent = Instant::now();
+        let Some(answer) = self.stop.polling(|| {
+            self.client
+                .map_after(version, period, period + COORDINATOR_TIMEOUT)
+        }) else {
+            return Next::Stopped;
+        };
+        match answer {
+            Ok(map) => {
+                // Answered at once with nothing new (a coordinator without
+                // long polls): the rest of the period first.
+                let rest = period.saturating_sub(sent.elapsed());
+                if map.version <= version && !rest.is_zero() && self.stop.sleep(rest) {
+                    return Next::Stopped;
+                }
+                Next::Map(map)
+            }
+            Err(err) => {
+                tracing::debug!(%err, "replica recovery: cannot follow the map");
+                Next::Failed
+            }
+        }
+    }
+}
+
+/// One round of recovery, holding the server.
+struct Worker<'f> {
+    plan: &'f Plan,
+    server: Arc<ServerShared>,
+    stop: &'f Stop,
+    client: &'f CoordinatorClient,
+    /// A recovery of this round failed: the next round waits a period,
+    /// whatever the map does (a failed attempt changes it).
+    round_failed: Cell<bool>,
+}
+
+impl Worker<'_> {
+    /// One look at the map (`first`, or read now), and a recovery of each
+    /// range whose replica here is stale, one after the other. Returns the
+    /// version of the last map it looked at (`None`: it could not read
+    /// one, or stopped).
+    fn round(&self, first: Option<MapResponse>) -> Option<u64> {
+        let mut map = first;
+        let mut last_version = None;
         for (index, range) in self.plan.ranges.iter().enumerate() {
             if self.stop.is_stopped() {
-                return;
+                return None;
             }
             let current = match map.take() {
                 Some(map) => map,
@@ -233,10 +346,11 @@ impl Worker {
                     Ok(map) => map,
                     Err(err) => {
                         tracing::debug!(%err, "replica recovery: cannot read the map");
-                        return;
+                        return None;
                     }
                 },
             };
+            last_version = Some(current.version);
             if other_processes::replaced_in(
                 &current,
                 &self.plan.node_id,
@@ -246,7 +360,7 @@ impl Worker {
                 // into this one's memory would make them live with the
                 // other's memory empty.
                 tracing::debug!("replica recovery: another process is this node now");
-                return;
+                return None;
             }
             if let Some(mine) = own_entry(&current, range).and_then(|e| self.own_replica(e)) {
                 self.server.seen.note(index, mine.state);
@@ -256,6 +370,7 @@ impl Worker {
                 map = Some(current);
             }
         }
+        last_version
     }
 
     /// A recovery of `range` when this node's replica of it is stale in
@@ -322,6 +437,7 @@ impl Worker {
     /// Counts a recovery of `range` that did not turn it live (`outcome`:
     /// how far it got) and logs why.
     fn failed(&self, range: &PlacedRange, err: &RecoveryError, outcome: &str) {
+        self.round_failed.set(true);
         self.server.recovery.failed();
         tracing::warn!(
             node = %self.plan.node_id,

@@ -118,6 +118,46 @@ fn a_new_replica_copies_the_range_and_turns_live() {
     check_every_page(&admin, "b", |i| page_indexed(i, 1));
 }
 
+/// A replica that a client marks stale starts recovering at once: its
+/// page-server follows the map with long polls, not one read per heartbeat
+/// period. Here the period is 30 s (the coordinator's lease to match); b,
+/// marked stale once live, must be live again through a new recovery well
+/// within it. Before, the mark waited for b's next read of the map, up to
+/// a period later.
+#[test]
+fn a_replica_marked_stale_recovers_without_waiting_for_a_heartbeat_period() {
+    const PERIOD_MS: &str = "30000";
+    let db = tempfile::tempdir().unwrap();
+    let mut config = coordinator::CoordinatorConfig::new(
+        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        db.path().join("c.db"),
+    );
+    config.lease_ms = 90_000;
+    let coord = coordinator::spawn(config).expect("coordinator starts");
+    let url = coord.url();
+    let admin = coordinator_client(&url);
+    let flags = ["--heartbeat-ms", PERIOD_MS, "--recovery-grace-ms", "300"];
+    let _a = ChildServer::start_with(&url, "a", 0, &flags);
+    write_the_range(&url);
+    let _b = ChildServer::start_with(&url, "b", 0, &flags);
+    wait_for_state(&admin, "b", ReplicaState::Live);
+    let first = replica(&admin, "b").expect("b's replica").recovery_seq;
+
+    admin
+        .mark_replica_stale(0, "b", Duration::from_secs(2))
+        .expect("b marked stale");
+    assert!(
+        wait_until(Duration::from_secs(10), || replica(&admin, "b")
+            .is_some_and(
+                |r| r.state == ReplicaState::Live && r.recovery_seq > first
+            )),
+        "b did not recover within 10 s of its stale mark (its map read waits for the 30 s \
+         period): {:?}",
+        replica(&admin, "b")
+    );
+    check_every_page(&admin, "b", |i| page_indexed(i, 1));
+}
+
 #[test]
 fn writes_during_the_recovery_are_not_overwritten_by_the_copy() {
     let (coord, _a, _db) = cluster_with_written_range();

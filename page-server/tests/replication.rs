@@ -721,12 +721,15 @@ fn a_destination_that_refreshes_its_map_reads_what_the_source_wrote_last() {
     let url = coord.url();
     let admin = coordinator_client(&url);
     // a (the primary) is reached through a link the test can stall, and
-    // looks at the map once, at its start: it will not notice that it went
-    // stale (its recovery would close the destination's connection, and a
-    // failed read refreshes the map: see `recovery.rs`).
+    // reaches the coordinator through another, held from before a is
+    // marked stale: a does not notice that it went stale (its recovery,
+    // which follows the map, would close the destination's connection, and
+    // a failed read refreshes the map: see `recovery.rs`).
     let link = StallingLink::start();
+    let coordinator_link = StallingLink::start();
+    coordinator_link.set_target(&coord.addr().to_string());
     let a = ChildServer::start_with(
-        &url,
+        &format!("http://{}", coordinator_link.addr()),
         "a",
         0,
         &["--advertise", &link.addr(), "--heartbeat-ms", "600000"],
@@ -754,6 +757,7 @@ fn a_destination_that_refreshes_its_map_reads_what_the_source_wrote_last() {
     // The source's last write-back: a does not answer in time, b takes
     // it, a is marked stale. Then the source is gone (what it had sent a
     // goes with it), and the link to a is back.
+    coordinator_link.hold();
     link.hold();
     source
         .write_page(gpa(page), &content(page, 2))
