@@ -8,6 +8,7 @@
 //! | `coordinator_lease_renewals_total` | counter | |
 //! | `coordinator_superseded_heartbeats_total` | counter | (heartbeats refused: their process was replaced) |
 //! | `coordinator_map_version` | gauge | |
+//! | `coordinator_map_long_polls_waiting` | gauge | (`GET /v1/map?after=V` waiting for a newer map) |
 //!
 //! `route` is the route's template (`/v1/nodes/{id}`), so node ids and
 //! addresses never become labels; `GET /v1/map` long polls are counted as
@@ -66,6 +67,17 @@ pub(crate) struct Metrics {
     lease_renewals: Counter,
     superseded_heartbeats: Counter,
     map_version: Gauge,
+    long_polls_waiting: Gauge,
+}
+
+/// One long poll counted as waiting until it is dropped (answered, or
+/// its client gone).
+pub(crate) struct WaitingLongPoll(Gauge);
+
+impl Drop for WaitingLongPoll {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 impl fmt::Debug for Metrics {
@@ -85,6 +97,7 @@ impl Metrics {
         let lease_renewals = Counter::default();
         let superseded_heartbeats = Counter::default();
         let map_version = Gauge::default();
+        let long_polls_waiting = Gauge::default();
         registry.register(
             "http_requests",
             "HTTP requests answered, by route and status",
@@ -115,6 +128,11 @@ impl Metrics {
             "The map version this coordinator last saw",
             map_version.clone(),
         );
+        registry.register(
+            "map_long_polls_waiting",
+            "Long polls of the map waiting for a newer version",
+            long_polls_waiting.clone(),
+        );
         Self {
             registry,
             requests,
@@ -123,7 +141,14 @@ impl Metrics {
             lease_renewals,
             superseded_heartbeats,
             map_version,
+            long_polls_waiting,
         }
+    }
+
+    /// Counts a long poll as waiting until the returned guard is dropped.
+    pub fn long_poll_waiting(&self) -> WaitingLongPoll {
+        self.long_polls_waiting.inc();
+        WaitingLongPoll(self.long_polls_waiting.clone())
     }
 
     /// Counts one answered request.

@@ -568,8 +568,19 @@ fn map_long_poll_answers_when_the_version_passes_or_at_the_timeout() {
             .expect("map");
         (body, started.elapsed())
     });
+    // The poll is counted as waiting until it answers.
+    let waiting = || {
+        let text = reqwest::blocking::get(h.url("/metrics"))
+            .and_then(reqwest::blocking::Response::text)
+            .unwrap_or_default();
+        text.lines()
+            .find_map(|l| l.strip_prefix("coordinator_map_long_polls_waiting "))
+            .and_then(|n| n.parse::<u64>().ok())
+    };
+    wait_until("the poll counted as waiting", || waiting() == Some(1));
     h.register("a", "h:1");
     let (body, waited) = poll.join().expect("poll thread");
+    assert_eq!(waiting(), Some(0));
     assert!(body["version"].as_u64() > Some(before), "{body}");
     assert!(
         body["nodes"]

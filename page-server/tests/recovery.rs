@@ -158,6 +158,52 @@ fn a_replica_marked_stale_recovers_without_waiting_for_a_heartbeat_period() {
     check_every_page(&admin, "b", |i| page_indexed(i, 1));
 }
 
+/// A page-server stops at once while its recovery thread waits in a long
+/// poll of the map (one heartbeat period, 30 s here): the stop does not
+/// wait for the coordinator's answer. The coordinator's gauge of waiting
+/// long polls shows when the poll is under way.
+#[test]
+fn a_page_server_stops_without_waiting_for_its_long_poll_of_the_map() {
+    const PERIOD: Duration = Duration::from_secs(30);
+    let db = tempfile::tempdir().unwrap();
+    let mut config = coordinator::CoordinatorConfig::new(
+        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        db.path().join("c.db"),
+    );
+    config.lease_ms = 90_000;
+    let coord = coordinator::spawn(config).expect("coordinator starts");
+    let waiting = || {
+        let (_, text) = http_get(coord.addr(), "/metrics");
+        text.lines().find_map(|l| {
+            l.strip_prefix("coordinator_map_long_polls_waiting ")?
+                .parse::<u64>()
+                .ok()
+        })
+    };
+    assert_eq!(waiting(), Some(0));
+    let mut cfg = ServerConfig::new("a", NODE_BYTES);
+    cfg.heartbeat_interval = PERIOD;
+    let server = page_server_with(&coord.url(), cfg);
+    assert!(
+        wait_until(Duration::from_secs(10), || waiting() == Some(1)),
+        "the page-server's recovery never started a long poll: {:?} waiting",
+        waiting()
+    );
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let started = std::time::Instant::now();
+    std::thread::spawn(move || {
+        server.shutdown();
+        let _ = done_tx.send(());
+    });
+    let stopped = done_rx.recv_timeout(PERIOD / 3);
+    assert!(
+        stopped.is_ok(),
+        "the page-server did not stop within {:?} while its long poll waited",
+        PERIOD / 3
+    );
+    assert!(started.elapsed() < PERIOD / 3);
+}
+
 #[test]
 fn writes_during_the_recovery_are_not_overwritten_by_the_copy() {
     let (coord, _a, _db) = cluster_with_written_range();

@@ -38,6 +38,7 @@ pub(super) async fn get_map(
     let mut versions = state.store().versions();
     let mut snapshot = state.store().snapshot().await?;
     if let Some((after, timeout_ms)) = wait {
+        let _waiting = state.metrics().long_poll_waiting();
         let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
         // Each turn waits for a newer announced version, then reads the
         // map; the deadline bounds the turns. An answer whose version has
