@@ -40,18 +40,24 @@ for arg in "${test_args[@]}"; do
 done
 ((ignored_flag == 0)) || test_args=(--include-ignored "${test_args[@]}")
 
+work="$(mktemp -d "${TMPDIR:-/tmp}/softroce-cargo.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
 softroce_log "cargo test --no-run ${cargo_args[*]}"
 # Cargo's JSON messages are one object a line; test executables are the
-# compiler-artifact messages with "test":true in their profile.
+# compiler-artifact messages with "test":true in their profile, and the
+# other executables the crates' binaries, which integration tests start
+# (`CARGO_BIN_EXE_*`): copied in too, at the same paths.
+cargo test --no-run --message-format=json "${cargo_args[@]}" |
+    grep '"reason":"compiler-artifact"' >"$work/artifacts.json"
 mapfile -t exes < <(
-    cargo test --no-run --message-format=json "${cargo_args[@]}" |
-        grep '"reason":"compiler-artifact"' | grep '"profile":{[^}]*"test":true' |
+    grep '"profile":{[^}]*"test":true' "$work/artifacts.json" |
         sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | LC_ALL=C sort -u
 )
 ((${#exes[@]})) || softroce_die "cargo built no test executable"
-
-work="$(mktemp -d "${TMPDIR:-/tmp}/softroce-cargo.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
+mapfile -t bins < <(
+    grep -v '"profile":{[^}]*"test":true' "$work/artifacts.json" |
+        sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | LC_ALL=C sort -u
+)
 runner="$work/run-tests.sh"
 {
     echo '#!/bin/sh'
@@ -72,7 +78,7 @@ runner="$work/run-tests.sh"
 chmod +x "$runner"
 
 copies=()
-for exe in "${exes[@]}"; do
+for exe in "${exes[@]}" "${bins[@]}"; do
     copies+=(--copy "$exe")
 done
 rc=0

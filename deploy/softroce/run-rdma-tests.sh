@@ -74,6 +74,9 @@ mapfile -t exes < <(
 # The coherence test starts `bench hv-node` processes from the debug bench.
 debug_bench="${CARGO_TARGET_DIR:-$repo/target}/debug/bench"
 [[ -x "$debug_bench" ]] || softroce_die "no $debug_bench after the build"
+# rdma_cluster's replication test starts page-server processes.
+debug_page_server="${CARGO_TARGET_DIR:-$repo/target}/debug/page-server"
+[[ -x "$debug_page_server" ]] || softroce_die "no $debug_page_server after the build"
 bench_exe="${CARGO_TARGET_DIR:-$repo/target}/release/bench"
 if ((bench)); then
     softroce_log "building the bench (release)"
@@ -177,7 +180,7 @@ VMEOF
 chmod +x "$runner"
 
 copies=(--copy "$here/vm-perftest.sh")
-for exe in "${exes[@]}" "$debug_bench"; do
+for exe in "${exes[@]}" "$debug_bench" "$debug_page_server"; do
     copies+=(--copy "$exe")
 done
 ((bench)) && copies+=(--copy "$bench_exe")

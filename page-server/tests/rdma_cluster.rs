@@ -15,6 +15,8 @@ mod common;
 mod guest_alias;
 #[path = "rdma_cluster/keys.rs"]
 mod keys;
+#[path = "rdma_cluster/replication.rs"]
+mod replication;
 #[path = "rdma_cluster/zero_copy.rs"]
 mod zero_copy;
 

@@ -2,6 +2,7 @@
 //! and page-servers, in-process or as real child processes.
 #![allow(dead_code)]
 
+pub mod checked_load;
 pub mod coherent_copies;
 pub mod coherent_recovery;
 pub mod fake_coordinator;
