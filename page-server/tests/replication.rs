@@ -11,11 +11,12 @@
 //! restart and recovery of both its ranges, then the death of another node
 //! lose nothing either. And a pair under load through eight kills and
 //! stops of replicas and of the coordinator, and links down that deliver
-//! late, in a random order (seeded, replayable), reads no wrong page; once
-//! the live replica dies with the other stale, nothing is read at all. A
-//! replica that missed a write the coordinator could not be told of is
-//! marked stale before the next write counts, or a write it got late would
-//! overwrite a newer one.
+//! late, in a random order (seeded, replayable), reads no wrong page (with
+//! one call at a time, and with 16 pages in flight on the asynchronous
+//! API); once the live replica dies with the other stale, nothing is read
+//! at all. A replica that missed a write the coordinator could not be told
+//! of is marked stale before the next write counts, or a write it got late
+//! would overwrite a newer one.
 
 mod common;
 // The coordinator's partition tests' namespaces, shared rather than copied.
@@ -848,6 +849,21 @@ enum Fault {
 /// failover).
 #[test]
 fn a_replicated_pair_read_and_written_through_random_kills_and_stops_never_reads_a_wrong_page() {
+    random_faults_under_load(1);
+}
+
+/// As above, with the load's reads and writes 16 distinct pages at a time
+/// in flight on the asynchronous API (a completion queue): a replicated
+/// range's requests, their failover and their hedging, go through its
+/// workers.
+#[test]
+fn sixteen_pages_in_flight_through_random_kills_and_stops_never_read_a_wrong_page() {
+    random_faults_under_load(16);
+}
+
+/// The random faults of the two tests above, under a load of `depth`
+/// pages in flight.
+fn random_faults_under_load(depth: usize) {
     use rand::{Rng, SeedableRng};
     const FAULTS: usize = 8;
     let seed = std::env::var("CHAOS_SEED")
@@ -858,7 +874,9 @@ fn a_replicated_pair_read_and_written_through_random_kills_and_stops_never_reads
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(1, |d| d.as_secs())
         });
-    eprintln!("chaos seed {seed} (CHAOS_SEED={seed} replays this order)");
+    eprintln!(
+        "chaos seed {seed} (CHAOS_SEED={seed} replays this order), {depth} page(s) in flight"
+    );
     // RUST_LOG=rdma_transport=debug shows the library's logs on a replay.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -881,7 +899,7 @@ fn a_replicated_pair_read_and_written_through_random_kills_and_stops_never_reads
     wait_all_live(&admin, 2);
     let mut servers = [a, b];
     let mgr = replica_manager(&url, 20_000);
-    let (load, handle) = Load::start(Arc::clone(&mgr), fill(&mgr, PAGES));
+    let (load, handle) = Load::start_in_flight(Arc::clone(&mgr), fill(&mgr, PAGES), depth);
     load.wait_ops(500);
 
     let mut done = Vec::new();

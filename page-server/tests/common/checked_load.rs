@@ -9,7 +9,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use rdma_transport::{Page, TransportManager, PAGE_SIZE};
+use rdma_transport::{Page, Reap, TransportError, TransportManager, PAGE_SIZE};
 
 use super::{page_indexed, wait_until};
 
@@ -65,6 +65,9 @@ pub fn fill(mgr: &TransportManager, pages: u64) -> Expected {
 /// the last acknowledged write of its page.
 pub struct Load {
     pages: u64,
+    /// Pages in flight at once: 1, one blocking call at a time; more, that
+    /// many distinct pages per step through a completion queue.
+    depth: usize,
     stop: AtomicBool,
     pub ops: AtomicU64,
     errors: Mutex<Vec<String>>,
@@ -72,15 +75,41 @@ pub struct Load {
     first_wrong: Mutex<Option<String>>,
 }
 
+/// The load's random numbers (xorshift: the same sequence every run).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
 impl Load {
     /// Starts the load over pages whose contents are `expected` (versions
-    /// below 2 only: the load writes from version 2 on).
+    /// below 2 only: the load writes from version 2 on), one blocking call
+    /// at a time.
     pub fn start(
         mgr: Arc<TransportManager>,
         expected: Expected,
     ) -> (Arc<Self>, JoinHandle<Expected>) {
+        Self::start_in_flight(mgr, expected, 1)
+    }
+
+    /// As [`Load::start`], with `depth` distinct pages in flight at once on
+    /// the asynchronous API (`depth` 1: blocking calls): each step submits
+    /// a read or a write of each, then reaps them all. Pages in flight
+    /// together are distinct, so each read's expected contents are known.
+    pub fn start_in_flight(
+        mgr: Arc<TransportManager>,
+        expected: Expected,
+        depth: usize,
+    ) -> (Arc<Self>, JoinHandle<Expected>) {
         let load = Arc::new(Self {
             pages: expected.len() as u64,
+            depth: depth.clamp(1, expected.len()),
             stop: AtomicBool::new(false),
             ops: AtomicU64::new(0),
             errors: Mutex::new(Vec::new()),
@@ -88,51 +117,143 @@ impl Load {
             first_wrong: Mutex::new(None),
         });
         let shared = Arc::clone(&load);
-        let handle = std::thread::spawn(move || shared.run(&mgr, expected));
+        let handle = std::thread::spawn(move || {
+            if shared.depth == 1 {
+                shared.run(&mgr, expected)
+            } else {
+                shared.run_in_flight(&mgr, expected)
+            }
+        });
         (load, handle)
     }
 
+    /// Whether the load writes page `p` when its random number is `r`.
+    fn writes(p: u64, r: u64) -> bool {
+        r & (1 << 40) != 0 && p % COLD_EVERY != COLD_EVERY - 1
+    }
+
     fn run(&self, mgr: &TransportManager, mut expected: Expected) -> Expected {
-        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
         let mut version = 1u64;
         let mut page = [0u8; PAGE_SIZE];
         while !self.stop.load(Ordering::Relaxed) {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            let p = rng % self.pages;
-            if rng & (1 << 40) != 0 && p % COLD_EVERY != COLD_EVERY - 1 {
+            let r = rng.next();
+            let p = r % self.pages;
+            if Self::writes(p, r) {
                 version += 1;
                 assert!(version < 1 << 20, "versions must fit content()");
-                match mgr.write_page(gpa(p), &content(p, version)) {
-                    Ok(()) => expected[p as usize] = Slot::Written(version),
-                    Err(e) => {
-                        self.errors.lock().push(format!("write {p}: {e}"));
-                        // Unknown now whether it landed: never checked again.
-                        expected[p as usize] = Slot::Unknown;
-                    }
-                }
+                let result = mgr.write_page(gpa(p), &content(p, version));
+                self.written(&mut expected, p, version, result);
             } else {
                 match mgr.read_page(gpa(p), &mut page) {
-                    Ok(()) => {
-                        let want = expected_page(p, expected[p as usize]);
-                        // Counted only when wrong (`&&` short-circuits).
-                        if want.is_some_and(|want| page != want)
-                            && self.wrong.fetch_add(1, Ordering::Relaxed) == 0
-                        {
-                            *self.first_wrong.lock() = Some(format!(
-                                "first wrong page {p} (expected {:?}, zeroed: {})",
-                                expected[p as usize],
-                                page == [0u8; PAGE_SIZE]
-                            ));
-                        }
-                    }
-                    Err(e) => self.errors.lock().push(format!("read {p}: {e}")),
+                    Ok(()) => self.check(p, expected[p as usize], &page),
+                    Err(e) => self.failed("read", p, &e),
                 }
             }
             self.ops.fetch_add(1, Ordering::Relaxed);
         }
         expected
+    }
+
+    fn run_in_flight(&self, mgr: &TransportManager, mut expected: Expected) -> Expected {
+        const REAP_LIMIT: Duration = Duration::from_secs(60);
+        let queue = mgr
+            .completion_queue(Reap::Poll)
+            .expect("a completion queue");
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut version = 1u64;
+        // Per page in flight: its index, and the version it writes (0: a
+        // read).
+        let mut step: Vec<(u64, u64)> = Vec::with_capacity(self.depth);
+        let mut done = Vec::with_capacity(self.depth);
+        while !self.stop.load(Ordering::Relaxed) {
+            step.clear();
+            while step.len() < self.depth {
+                let r = rng.next();
+                let p = r % self.pages;
+                if step.iter().any(|&(q, _)| q == p) {
+                    continue;
+                }
+                let tag = step.len() as u64;
+                if Self::writes(p, r) {
+                    version += 1;
+                    assert!(version < 1 << 20, "versions must fit content()");
+                    queue
+                        .submit_write(&[gpa(p)], Box::new([content(p, version)]), tag)
+                        .expect("a write submitted");
+                    step.push((p, version));
+                } else {
+                    queue
+                        .submit_read(&[gpa(p)], Box::new([[0u8; PAGE_SIZE]]), tag)
+                        .expect("a read submitted");
+                    step.push((p, 0));
+                }
+            }
+            done.clear();
+            while done.len() < step.len() {
+                let before = done.len();
+                queue.wait(&mut done, step.len() - before, REAP_LIMIT);
+                assert!(
+                    done.len() > before,
+                    "no completion within {REAP_LIMIT:?}: {} of {} in flight",
+                    step.len() - before,
+                    step.len()
+                );
+            }
+            for c in done.drain(..) {
+                let (p, written) = step[c.user_data as usize];
+                if written > 0 {
+                    self.written(&mut expected, p, written, c.result);
+                } else {
+                    match (c.result, c.pages) {
+                        (Ok(()), Some(pages)) => self.check(p, expected[p as usize], &pages[0]),
+                        (Ok(()), None) => panic!("a read of page {p} came back without its buffer"),
+                        (Err(e), _) => self.failed("read", p, &e),
+                    }
+                }
+                self.ops.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        expected
+    }
+
+    /// Books the outcome of a write of `version` to page `p`.
+    fn written(
+        &self,
+        expected: &mut Expected,
+        p: u64,
+        version: u64,
+        result: Result<(), TransportError>,
+    ) {
+        match result {
+            Ok(()) => expected[p as usize] = Slot::Written(version),
+            Err(e) => {
+                self.failed("write", p, &e);
+                // Unknown now whether it landed: never checked again.
+                expected[p as usize] = Slot::Unknown;
+            }
+        }
+    }
+
+    /// Books an error that reached the caller, with the operation count.
+    fn failed(&self, op: &str, p: u64, e: &TransportError) {
+        let at = self.ops.load(Ordering::Relaxed);
+        self.errors
+            .lock()
+            .push(format!("{op} {p} at operation {at}: {e}"));
+    }
+
+    /// Checks what a read of page `p` returned against `slot`.
+    fn check(&self, p: u64, slot: Slot, page: &Page) {
+        let want = expected_page(p, slot);
+        // Counted only when wrong (`&&` short-circuits).
+        if want.is_some_and(|want| *page != want) && self.wrong.fetch_add(1, Ordering::Relaxed) == 0
+        {
+            *self.first_wrong.lock() = Some(format!(
+                "first wrong page {p} (expected {slot:?}, zeroed: {})",
+                *page == [0u8; PAGE_SIZE]
+            ));
+        }
     }
 
     /// Stops the load; asserts that no call returned an error and no read

@@ -61,8 +61,25 @@ enum Fault {
 #[test]
 #[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
 fn rdma_a_replicated_pair_through_random_kills_and_stops_never_reads_a_wrong_page() {
+    random_faults_under_load(
+        "rdma_a_replicated_pair_through_random_kills_and_stops_never_reads_a_wrong_page",
+        1,
+    );
+}
+
+/// As above, with 16 distinct pages at a time in flight on the
+/// asynchronous API.
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_sixteen_pages_in_flight_through_random_kills_and_stops_never_read_a_wrong_page() {
+    random_faults_under_load(
+        "rdma_sixteen_pages_in_flight_through_random_kills_and_stops_never_read_a_wrong_page",
+        16,
+    );
+}
+
+fn random_faults_under_load(test: &str, depth: usize) {
     const FAULTS: usize = 6;
-    let test = "rdma_a_replicated_pair_through_random_kills_and_stops_never_reads_a_wrong_page";
     require_device(test);
     let seed = std::env::var("CHAOS_SEED")
         .ok()
@@ -73,7 +90,7 @@ fn rdma_a_replicated_pair_through_random_kills_and_stops_never_reads_a_wrong_pag
                 .map_or(1, |d| d.as_secs())
         });
     say(&format!(
-        "{test}: seed {seed} (CHAOS_SEED={seed} replays this order)"
+        "{test}: seed {seed} (CHAOS_SEED={seed} replays this order), {depth} page(s) in flight"
     ));
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
 
@@ -93,7 +110,7 @@ fn rdma_a_replicated_pair_through_random_kills_and_stops_never_reads_a_wrong_pag
         })
         .expect("manager connects"),
     );
-    let (load, handle) = Load::start(Arc::clone(&mgr), fill(&mgr, PAGES_PER_NODE));
+    let (load, handle) = Load::start_in_flight(Arc::clone(&mgr), fill(&mgr, PAGES_PER_NODE), depth);
     load.wait_ops(200);
     for (node, path) in mgr.node_transports() {
         assert_eq!(
@@ -167,8 +184,10 @@ fn rdma_a_replicated_pair_through_random_kills_and_stops_never_reads_a_wrong_pag
         load.ops.load(Ordering::Relaxed),
         errors.len(),
         errors
-            .first()
-            .map_or(String::new(), |e| format!(" (first: {e})")),
+            .iter()
+            .take(3)
+            .map(|e| format!("; {e}"))
+            .collect::<String>(),
         mgr.node_transports()
     ));
 
