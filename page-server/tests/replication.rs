@@ -1392,3 +1392,115 @@ fn a_dropped_manager_settles_the_stale_marks_it_owes() {
     drop(Arc::into_inner(mgr).expect("the test holds the manager's only reference"));
     successor_reads_what_a_took(owed, P);
 }
+
+/// A manager whose coordinator traffic goes through `coordinator_link`
+/// (no background map refresh: nothing passes it but what the test
+/// causes), with `request_timeout_ms`.
+fn manager_behind(coordinator_link: &StallingLink, request_timeout_ms: u64) -> TransportManager {
+    TransportManager::connect(ManagerConfig {
+        coordinator_url: format!("http://{}", coordinator_link.addr()),
+        request_timeout_ms,
+        connect_timeout_ms: 500,
+        map_refresh_ms: 0,
+        poller_cpus: Some(vec![]),
+        ..ManagerConfig::default()
+    })
+    .expect("manager connects")
+}
+
+/// A write that the live replica took and the other missed (its link
+/// down: the write waits out its whole deadline for it) succeeds when the
+/// coordinator takes 200 ms to mark the other stale: the mark gets a
+/// quarter of the request timeout beyond the deadline. Until 2026-12-07 it
+/// got 100 ms, and such a write failed (in the SoftRoCE VM, whose
+/// coordinator answered 16 marks at once slower than that).
+#[test]
+fn a_write_the_live_replica_took_waits_for_a_slow_coordinator_to_mark_the_other_stale() {
+    const P: u64 = 3;
+    let (_db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let admin = coordinator_client(&url);
+    let (_a, _b, link) = pair_with_b_behind_a_link(&url, &admin);
+    let coordinator_link = StallingLink::start();
+    coordinator_link.set_target(&coord.addr().to_string());
+    let mgr = manager_behind(&coordinator_link, 2000);
+    let expected = fill(&mgr, PAGES);
+
+    link.hold();
+    coordinator_link.hold();
+    let (written, arrived) = std::thread::scope(|s| {
+        let slow_coordinator = s.spawn(|| {
+            // The mark arrives once the write gave b up (2 s); the
+            // coordinator then takes 200 ms.
+            let arrived = wait_until(Duration::from_secs(10), || {
+                coordinator_link.holds_something()
+            });
+            std::thread::sleep(Duration::from_millis(200));
+            coordinator_link.release();
+            arrived
+        });
+        let written = mgr.write_page(gpa(P), &content(P, 2));
+        (
+            written,
+            slow_coordinator.join().expect("the slow coordinator"),
+        )
+    });
+    assert!(arrived, "no mark reached the coordinator's link");
+    written.expect("a write a live replica took failed: the stale mark got too little time");
+    assert_eq!(state_of(&admin, "b"), Some(ReplicaState::Stale));
+    let mut expected = expected;
+    expected[P as usize] = Slot::Written(2);
+    verify_all(&mgr, &expected);
+    link.sever();
+}
+
+/// Eight writes in flight together that all miss replica b (its link
+/// down) mark it stale with one call to the coordinator, not eight: the
+/// first one's mark, sent after the others missed b too, stands for them.
+#[test]
+fn writes_that_miss_a_replica_together_mark_it_stale_once() {
+    const WRITERS: u64 = 8;
+    let (_db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let admin = coordinator_client(&url);
+    let (_a, _b, link) = pair_with_b_behind_a_link(&url, &admin);
+    let mgr = replica_manager(&url, 20_000);
+    let mut expected = fill(&mgr, PAGES);
+    let marks = || {
+        let (_, text) = http_get(coord.addr(), "/metrics");
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(
+                    r#"coordinator_http_requests_total{method="POST",route="/v1/map/{gpa_start}/replicas/{node_id}/stale",status="200"} "#,
+                )?
+                .parse::<u64>()
+                .ok()
+            })
+            .unwrap_or(0)
+    };
+    assert_eq!(marks(), 0);
+
+    link.hold();
+    let start = std::sync::Barrier::new(WRITERS as usize);
+    std::thread::scope(|s| {
+        for p in 0..WRITERS {
+            let (mgr, start) = (&mgr, &start);
+            s.spawn(move || {
+                start.wait();
+                mgr.write_page(gpa(p), &content(p, 2))
+                    .unwrap_or_else(|e| panic!("write {p}, taken by a: {e}"));
+            });
+        }
+    });
+    assert_eq!(state_of(&admin, "b"), Some(ReplicaState::Stale));
+    assert_eq!(
+        marks(),
+        1,
+        "the {WRITERS} writes that missed b together each marked it stale"
+    );
+    for p in 0..WRITERS {
+        expected[p as usize] = Slot::Written(2);
+    }
+    verify_all(&mgr, &expected);
+    link.sever();
+}

@@ -387,7 +387,9 @@ typedef struct RtManagerConfig {
   uint32_t poller_threads;
   // Coordinator base URL, e.g. "http://127.0.0.1:7070" (required).
   const char *coordinator_url;
-  // Deadline of every page request, in milliseconds (at least 1).
+  // Deadline of every page request, in milliseconds (at least 1). A
+  // write to a replicated range that one replica missed may take a
+  // quarter of it longer, to mark that replica stale.
   uint64_t request_timeout_ms;
   // Deadline of a connection attempt, in milliseconds.
   uint64_t connect_timeout_ms;

@@ -57,7 +57,9 @@ pub struct RtManagerConfig {
     pub poller_threads: u32,
     /// Coordinator base URL, e.g. "http://127.0.0.1:7070" (required).
     pub coordinator_url: *const c_char,
-    /// Deadline of every page request, in milliseconds (at least 1).
+    /// Deadline of every page request, in milliseconds (at least 1). A
+    /// write to a replicated range that one replica missed may take a
+    /// quarter of it longer, to mark that replica stale.
     pub request_timeout_ms: u64,
     /// Deadline of a connection attempt, in milliseconds.
     pub connect_timeout_ms: u64,

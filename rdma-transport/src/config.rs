@@ -113,7 +113,11 @@ pub struct ManagerConfig {
     /// Busy mode: how long a caller spins for its answer (reading it
     /// itself) before it blocks. In event mode a caller blocks at once.
     pub wait_spin_us: u64,
-    /// Deadline of every request, from submission to answer.
+    /// Deadline of every request, from submission to answer. A write to a
+    /// replicated range that a live replica took and another missed (that
+    /// one timed out, say) may take up to a quarter of this longer (at
+    /// least 100 ms): the time to mark the other stale at the coordinator,
+    /// without which the write would fail.
     pub request_timeout_ms: u64,
     /// Deadline of a connection attempt plus handshake. Default 3500: Linux
     /// retransmits a lost SYN after 1 s and again 2 s later, so a 1 s

@@ -97,6 +97,10 @@ struct Inner {
     tcp_landed_pages: Arc<std::sync::atomic::AtomicU64>,
     /// Replicas to mark stale before the next write to their range counts.
     owed_stale: replicas::OwedStale,
+    /// Held while a replica is being marked stale, with when each mark the
+    /// coordinator took was sent: requests that missed a replica together
+    /// make one call (`replicas.rs`).
+    stale_marking: Mutex<replicas::SentMarks>,
     /// The coherent nodes made from this manager, told of each map
     /// installed (`coherent.rs`: a home another process replaced).
     coherent_nodes: Mutex<Vec<std::sync::Weak<crate::coherent::Shared>>>,
@@ -183,6 +187,7 @@ impl TransportManager {
             counters: stats::Counters::default(),
             tcp_landed_pages: Arc::default(),
             owed_stale: replicas::OwedStale::default(),
+            stale_marking: Mutex::new(replicas::SentMarks::default()),
             coherent_nodes: Mutex::new(Vec::new()),
         });
         if let Some(rdma) = &inner.rdma {

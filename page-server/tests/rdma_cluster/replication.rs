@@ -81,6 +81,11 @@ fn rdma_sixteen_pages_in_flight_through_random_kills_and_stops_never_read_a_wron
 fn random_faults_under_load(test: &str, depth: usize) {
     const FAULTS: usize = 6;
     require_device(test);
+    // RUST_LOG=rdma_transport=info shows the manager's logs on a replay.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
     let seed = std::env::var("CHAOS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())

@@ -20,6 +20,9 @@ const MIN_HEDGE_DELAY: Duration = Duration::from_millis(1);
 
 /// The automatic hedging delay is this many times the recent p99.
 const HEDGE_P99_FACTOR: u32 = 4;
+/// The least time a stale mark gets, whatever is left of its write's
+/// deadline (with a quarter of the request timeout, if more).
+const STALE_MARK_FLOOR: Duration = Duration::from_millis(100);
 
 /// What the coordinator made of a request to mark a replica stale.
 enum Marked {
@@ -93,6 +96,31 @@ impl OwedStale {
             .filter(|(r, _)| *r == range_start)
             .map(|(_, n)| n.clone())
             .collect()
+    }
+}
+
+/// When the last mark of each replica that the coordinator took was sent.
+#[derive(Debug, Default)]
+pub(super) struct SentMarks(Vec<(u64, String, Instant)>);
+
+impl SentMarks {
+    /// Whether a mark of `node`'s replica of the range at `range_start`
+    /// was sent at or after `after`.
+    fn since(&self, range_start: u64, node: &str, after: Instant) -> bool {
+        self.0
+            .iter()
+            .any(|(r, n, sent)| *r == range_start && n == node && *sent >= after)
+    }
+
+    fn record(&mut self, range_start: u64, node: &str, sent: Instant) {
+        match self
+            .0
+            .iter_mut()
+            .find(|(r, n, _)| *r == range_start && n == node)
+        {
+            Some(entry) => entry.2 = sent,
+            None => self.0.push((range_start, node.to_owned(), sent)),
+        }
     }
 }
 
@@ -200,11 +228,13 @@ impl Inner {
     /// write a live replica took has its other replicas that missed it
     /// marked stale (at the coordinator, then in the map in use) before
     /// the write counts as done. A page no live replica took failed.
+    /// `started`: when the round was sent.
     pub(super) fn settle_failed_writes(
         &self,
         state: &MapState,
         targets: &[Target],
         outcome: Outcome,
+        started: Instant,
         deadline: Instant,
     ) -> Result<(), TransportError> {
         let failed = |k: usize| outcome.failed & (1 << k) != 0;
@@ -238,7 +268,7 @@ impl Inner {
         }
         let mut first_error = None;
         for &(range_start, node_index) in &stale[..stale_count] {
-            if let Err(e) = self.mark_stale(state, range_start, node_index, deadline) {
+            if let Err(e) = self.mark_stale(state, range_start, node_index, started, deadline) {
                 self.owed_stale
                     .owe(range_start, self.node_name(state, node_index));
                 first_error.get_or_insert(e);
@@ -312,7 +342,7 @@ impl Inner {
                 .position(|n| n.id == node)
                 .filter(|&i| state.map.replicas(range_start).any(|l| l.node_index == i));
             if let Some(i) = replica {
-                match self.try_mark_stale(state, range_start, i, deadline)? {
+                match self.try_mark_stale(state, range_start, i, Instant::now(), deadline)? {
                     Marked::Stale => changed = true,
                     // No other replica is live: none has pages it
                     // lacks (they recover from it). Nothing is owed.
@@ -330,15 +360,17 @@ impl Inner {
     }
 
     /// Marks `node_index`'s replica of the range at `range_start` stale at
-    /// the coordinator, then in the map in use, so that no read goes to it.
+    /// the coordinator, then in the map in use, so that no read goes to it,
+    /// for a write sent at `started` that the replica missed.
     fn mark_stale(
         &self,
         state: &MapState,
         range_start: u64,
         node_index: usize,
+        started: Instant,
         deadline: Instant,
     ) -> Result<(), TransportError> {
-        match self.try_mark_stale(state, range_start, node_index, deadline)? {
+        match self.try_mark_stale(state, range_start, node_index, started, deadline)? {
             Marked::Stale => Ok(()),
             Marked::LastLive(e) => Err(e),
         }
@@ -351,6 +383,7 @@ impl Inner {
         state: &MapState,
         range_start: u64,
         node_index: usize,
+        started: Instant,
         deadline: Instant,
     ) -> Result<Marked, TransportError> {
         let node = self.node_name(state, node_index);
@@ -363,11 +396,39 @@ impl Inner {
         let Some(client) = &self.coordinator else {
             return Err(missed("no coordinator to mark it stale".into()));
         };
-        let remaining = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(100));
+        // The write that missed the replica may have spent its whole
+        // deadline waiting for it: the mark still gets a quarter of the
+        // request timeout (the live replica took the write; failing it
+        // for want of a few more milliseconds makes the caller write
+        // again).
+        let floor = (self.config.request_timeout() / 4).max(STALE_MARK_FLOOR);
+        let until = deadline.max(Instant::now() + floor);
+        // One mark at a time: writes that missed the replica together
+        // (a batch's, or every write in flight when a node stopped) make
+        // one call. A mark sent after this write was sent stands for it:
+        // the replica was stale at the coordinator after that, so it
+        // recovers before it serves again, and its recovery copies the
+        // range only a grace period after it began, longer than a request
+        // timeout (`--recovery-grace-ms`), by when this write had reached
+        // the live replica. (The map in use cannot tell: a Stale in it may
+        // predate a recovery the manager has not heard of.)
+        let Some(mut sent_marks) = self.stale_marking.try_lock_until(until) else {
+            return Err(missed(
+                "another stale mark held the coordinator past the deadline".into(),
+            ));
+        };
+        if sent_marks.since(range_start, &node, started) {
+            return Ok(Marked::Stale);
+        }
+        let sent = Instant::now();
+        let remaining = until
+            .saturating_duration_since(sent)
+            .max(Duration::from_millis(1));
         let change = match client.mark_replica_stale(range_start, &node, remaining) {
-            Ok(change) => change,
+            Ok(change) => {
+                sent_marks.record(range_start, &node, sent);
+                change
+            }
             // The only conflict this call is answered (docs/coordinator.md).
             Err(e) if e.is_conflict() => return Ok(Marked::LastLive(missed(e.to_string()))),
             Err(e) => return Err(missed(e.to_string())),

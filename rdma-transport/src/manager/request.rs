@@ -473,6 +473,7 @@ impl Inner {
         deadline: Instant,
     ) -> Result<(), TransportError> {
         let n = targets.len();
+        let started = Instant::now();
         let mut outcome = self.run_targets(
             Opcode::Write,
             state,
@@ -508,7 +509,7 @@ impl Inner {
         if outcome.failed == 0 {
             return Ok(());
         }
-        self.settle_failed_writes(state, targets, outcome, deadline)
+        self.settle_failed_writes(state, targets, outcome, started, deadline)
     }
 
     /// The id of the node at `node_index` of `state`.
