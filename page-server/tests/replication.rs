@@ -1504,3 +1504,72 @@ fn writes_that_miss_a_replica_together_mark_it_stale_once() {
     verify_all(&mgr, &expected);
     link.sever();
 }
+
+/// A write to a replicated range whose first replica must be dialled
+/// again and never answers (its link holds everything: the relay accepts,
+/// nothing comes back) goes to the second, connected one at once, not
+/// after that dial gave up at the deadline: the live replica takes it, the
+/// other is marked stale, and the write succeeds. Until 2026-12-07 the
+/// round dialled its nodes in replica order before sending anything: the
+/// write reached b when its deadline had passed, and failed (a SoftRoCE
+/// chaos run: "node a is down: connect ...").
+#[test]
+fn a_write_reaches_the_connected_replica_while_the_other_is_being_dialled() {
+    const P: u64 = 6;
+    let (_db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let admin = coordinator_client(&url);
+    let link = StallingLink::start();
+    let _a = ChildServer::start_with(
+        &url,
+        "a",
+        0,
+        &[GRACE[0], GRACE[1], "--advertise", &link.addr()],
+    );
+    link.set_target(&_a.addr);
+    let _b = ChildServer::start_with(&url, "b", 0, &GRACE);
+    wait_all_live(&admin, 2);
+    let map = admin.map().expect("map");
+    assert_eq!(
+        map.entries[0].replicas[0].node_id, "a",
+        "a must be the range's first replica, which a write sends to first"
+    );
+    // The default connect timeout (3.5 s), longer than the request's.
+    let mgr = TransportManager::connect(ManagerConfig {
+        coordinator_url: url.clone(),
+        request_timeout_ms: 1000,
+        map_refresh_ms: 100,
+        poller_cpus: Some(vec![]),
+        ..ManagerConfig::default()
+    })
+    .expect("manager connects");
+    let mut expected = fill(&mgr, PAGES);
+
+    // a's connections end and new ones hang: the next write dials a.
+    link.hold();
+    link.end_held_clients();
+    let path_to = |node: &str| {
+        mgr.node_transports()
+            .into_iter()
+            .find(|(n, _)| n == node)
+            .and_then(|(_, path)| path)
+    };
+    // A read finds a's connection ended (and is served by b).
+    let mut page = [0u8; PAGE_SIZE];
+    mgr.read_page(gpa(P), &mut page).expect("P read from b");
+    assert!(page == content(P, 1));
+    assert!(
+        wait_until(Duration::from_secs(10), || path_to("a").is_none()),
+        "the manager never saw its connection to a end"
+    );
+    assert!(
+        path_to("b").is_some(),
+        "the manager lost its connection to b"
+    );
+    let written = mgr.write_page(gpa(P), &content(P, 2));
+    written.expect("a write the connected replica b could take failed");
+    assert_eq!(state_of(&admin, "a"), Some(ReplicaState::Stale));
+    expected[P as usize] = Slot::Written(2);
+    verify_all(&mgr, &expected);
+    link.sever();
+}

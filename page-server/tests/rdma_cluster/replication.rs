@@ -115,8 +115,10 @@ fn random_faults_under_load(test: &str, depth: usize) {
         })
         .expect("manager connects"),
     );
-    let (load, handle) = Load::start_in_flight(Arc::clone(&mgr), fill(&mgr, PAGES_PER_NODE), depth);
-    load.wait_ops(200);
+    let filled = fill(&mgr, PAGES_PER_NODE);
+    // The fill reached both over RDMA. (Later a connection may be
+    // replaced at any moment: a read abandoned at the hedging delay
+    // takes its QP down.)
     for (node, path) in mgr.node_transports() {
         assert_eq!(
             path,
@@ -124,6 +126,8 @@ fn random_faults_under_load(test: &str, depth: usize) {
             "node {node} not reached by RDMA"
         );
     }
+    let (load, handle) = Load::start_in_flight(Arc::clone(&mgr), filled, depth);
+    load.wait_ops(200);
 
     let mut done = Vec::new();
     for _ in 0..FAULTS {

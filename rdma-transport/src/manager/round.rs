@@ -205,33 +205,55 @@ impl Inner {
             return;
         }
         let n = targets.len();
+        // The groups of nodes connected now go first, then those of nodes
+        // to dial: a dial waits (up to the deadline, for a node that
+        // accepts and never answers), and the requests to the other nodes
+        // must not wait behind it. (A write to a replicated range whose
+        // first replica had to be dialled, and hung, reached the live
+        // second one too late, and failed.)
+        let connected = |node_index: usize| {
+            let published = to.on.links.get(node_index).and_then(Option::as_deref);
+            match published {
+                Some(link) => !link.is_broken(),
+                None => to.on.state.nodes[node_index]
+                    .conn
+                    .load()
+                    .as_deref()
+                    .is_some_and(|link| !link.is_broken()),
+            }
+        };
         let mut done = 0u64;
-        for i in 0..n {
-            if done & (1 << i) != 0 {
-                continue;
-            }
-            let node_index = targets[i].loc.node_index;
-            // At most MAX_CHUNK each, so they stay on the stack; unlike
-            // arrays they are not zeroed first (a one-page round fills one
-            // entry, not ~4 KiB).
-            let mut reqs = SmallVec::<[Request; MAX_CHUNK]>::new();
-            let mut members = SmallVec::<[usize; MAX_CHUNK]>::new();
-            let mut fenced = SmallVec::<[Fenced; MAX_CHUNK]>::new();
-            for (j, t) in targets.iter().enumerate().skip(i) {
-                if done & (1 << j) == 0 && t.loc.node_index == node_index {
-                    done |= 1 << j;
-                    reqs.push(t.request(round.land_direct));
-                    members.push(j);
-                    fenced.push(t.fenced());
+        for dialling in [false, true] {
+            for i in 0..n {
+                if done & (1 << i) != 0 {
+                    continue;
                 }
+                let node_index = targets[i].loc.node_index;
+                if !dialling && !connected(node_index) {
+                    continue;
+                }
+                // At most MAX_CHUNK each, so they stay on the stack; unlike
+                // arrays they are not zeroed first (a one-page round fills
+                // one entry, not ~4 KiB).
+                let mut reqs = SmallVec::<[Request; MAX_CHUNK]>::new();
+                let mut members = SmallVec::<[usize; MAX_CHUNK]>::new();
+                let mut fenced = SmallVec::<[Fenced; MAX_CHUNK]>::new();
+                for (j, t) in targets.iter().enumerate().skip(i) {
+                    if done & (1 << j) == 0 && t.loc.node_index == node_index {
+                        done |= 1 << j;
+                        reqs.push(t.request(round.land_direct));
+                        members.push(j);
+                        fenced.push(t.fenced());
+                    }
+                }
+                let group = Group {
+                    node_index,
+                    reqs: &reqs,
+                    members: &members,
+                    fenced: &fenced,
+                };
+                self.submit_group(round, to, group, chunk_pages, waiter);
             }
-            let group = Group {
-                node_index,
-                reqs: &reqs,
-                members: &members,
-                fenced: &fenced,
-            };
-            self.submit_group(round, to, group, chunk_pages, waiter);
         }
     }
 

@@ -33,12 +33,24 @@ pub(crate) const MAX_CHUNK: usize = 64;
 /// Why a connection could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ConnectError {
-    #[error("connect to {addr}: {source}")]
+    #[error("connect to {addr}: {}", io_reason(.source))]
     Io { addr: String, source: io::Error },
     #[error("handshake with {addr}: {detail}")]
     Handshake { addr: String, detail: String },
     #[error("{addr} is not a member of this cluster: {detail}")]
     AuthFailed { addr: String, detail: String },
+}
+
+/// An I/O error of a dial in words: a socket timeout reads as EAGAIN
+/// ("Resource temporarily unavailable"), which says nothing of a peer that
+/// took the connection and then never answered (a stopped process).
+fn io_reason(source: &io::Error) -> String {
+    match source.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            format!("no answer within the connect timeout ({source})")
+        }
+        _ => source.to_string(),
+    }
 }
 
 /// What a client proves in the handshake, and to whom.
@@ -538,5 +550,27 @@ fn resolve(addr: &str, timeout: Duration) -> io::Result<SocketAddr> {
                 timeout.as_millis()
             ),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dial_that_timed_out_says_the_peer_did_not_answer() {
+        let io = |kind| ConnectError::Io {
+            addr: "127.0.0.1:7".into(),
+            source: io::Error::from(kind),
+        };
+        for kind in [io::ErrorKind::WouldBlock, io::ErrorKind::TimedOut] {
+            let text = io(kind).to_string();
+            assert!(
+                text.starts_with("connect to 127.0.0.1:7: no answer within the connect timeout"),
+                "{text}"
+            );
+        }
+        let refused = io(io::ErrorKind::ConnectionRefused).to_string();
+        assert!(!refused.contains("no answer"), "{refused}");
     }
 }
