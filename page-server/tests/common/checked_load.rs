@@ -36,6 +36,13 @@ pub fn content(page: u64, version: u64) -> Page {
     page_indexed(page, version)
 }
 
+/// The version of [`content`] that `page` holds (meaningless for other
+/// contents).
+pub fn version_in(page: &Page) -> u64 {
+    let word = u64::from_le_bytes(page[..8].try_into().expect("8 bytes"));
+    (word >> 20) & 0xf_ffff
+}
+
 /// What `page` must read as, when known.
 pub fn expected_page(page: u64, slot: Slot) -> Option<Page> {
     match slot {
@@ -71,6 +78,8 @@ pub struct Load {
     stop: AtomicBool,
     pub ops: AtomicU64,
     errors: Mutex<Vec<String>>,
+    /// The operation count when each version was submitted (by version).
+    submitted_at: Mutex<Vec<u64>>,
     wrong: AtomicU64,
     first_wrong: Mutex<Option<String>>,
 }
@@ -113,6 +122,7 @@ impl Load {
             stop: AtomicBool::new(false),
             ops: AtomicU64::new(0),
             errors: Mutex::new(Vec::new()),
+            submitted_at: Mutex::new(vec![0; 2]),
             wrong: AtomicU64::new(0),
             first_wrong: Mutex::new(None),
         });
@@ -142,6 +152,7 @@ impl Load {
             if Self::writes(p, r) {
                 version += 1;
                 assert!(version < 1 << 20, "versions must fit content()");
+                self.submitted(version);
                 let result = mgr.write_page(gpa(p), &content(p, version));
                 self.written(&mut expected, p, version, result);
             } else {
@@ -178,6 +189,7 @@ impl Load {
                 if Self::writes(p, r) {
                     version += 1;
                     assert!(version < 1 << 20, "versions must fit content()");
+                    self.submitted(version);
                     queue
                         .submit_write(&[gpa(p)], Box::new([content(p, version)]), tag)
                         .expect("a write submitted");
@@ -233,6 +245,18 @@ impl Load {
                 expected[p as usize] = Slot::Unknown;
             }
         }
+    }
+
+    fn submitted(&self, version: u64) {
+        let at = self.ops.load(Ordering::Relaxed);
+        let mut submitted_at = self.submitted_at.lock();
+        debug_assert_eq!(submitted_at.len() as u64, version);
+        submitted_at.push(at);
+    }
+
+    /// The operation count when `version` was submitted (0 for the fill's).
+    pub fn submitted_at(&self, version: u64) -> Option<u64> {
+        self.submitted_at.lock().get(version as usize).copied()
     }
 
     /// Books an error that reached the caller, with the operation count.
@@ -311,6 +335,18 @@ pub fn verify_pages(
     pages: std::ops::Range<u64>,
     what: &str,
 ) -> usize {
+    verify_pages_of(None, mgr, expected, pages, what)
+}
+
+/// As [`verify_pages`]; a failure also says when `load` submitted the
+/// version the page should hold and the one it holds.
+pub fn verify_pages_of(
+    load: Option<&Load>,
+    mgr: &TransportManager,
+    expected: &Expected,
+    pages: std::ops::Range<u64>,
+    what: &str,
+) -> usize {
     let mut page = [0u8; PAGE_SIZE];
     let mut written = 0;
     for p in pages {
@@ -320,11 +356,23 @@ pub fn verify_pages(
         };
         mgr.read_page(gpa(p), &mut page)
             .unwrap_or_else(|e| panic!("{what}page {p} unreadable: {e}"));
-        assert!(
-            page == want,
-            "{what}page {p} is not {slot:?} (zeroed: {})",
-            page == [0u8; PAGE_SIZE]
-        );
+        if page != want {
+            let found = version_in(&page);
+            let when = load.map_or_else(String::new, |load| {
+                let wanted = match slot {
+                    Slot::Written(v) => load.submitted_at(v),
+                    Slot::Unknown => None,
+                };
+                format!(
+                    "; submitted at operation {wanted:?}, the one it holds at {:?}",
+                    load.submitted_at(found)
+                )
+            });
+            panic!(
+                "{what}page {p} is not {slot:?} (zeroed: {}, holds version {found}{when})",
+                page == [0u8; PAGE_SIZE]
+            );
+        }
         written += usize::from(matches!(slot, Slot::Written(_)));
     }
     written

@@ -256,7 +256,12 @@ impl ChildServer {
             .arg("--ready-file")
             .arg(&ready)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            // `CHILD_STDERR=inherit` shows the page-servers' logs (with
+            // RUST_LOG) among the test's, to follow a replay.
+            .stderr(match std::env::var("CHILD_STDERR").as_deref() {
+                Ok("inherit") => Stdio::inherit(),
+                _ => Stdio::null(),
+            })
             .spawn()
             .expect("page-server binary starts");
         let addr = wait_for_file(&ready, Duration::from_secs(20));
