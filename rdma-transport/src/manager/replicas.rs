@@ -387,7 +387,6 @@ impl Inner {
         deadline: Instant,
     ) -> Result<Marked, TransportError> {
         let node = self.node_name(state, node_index);
-        tracing::warn!(range_start, %node, "a replica missed a write: marking it stale");
         let missed = |reason: String| TransportError::ReplicaMissedWrite {
             gpa: range_start,
             node: node.clone(),
@@ -418,8 +417,10 @@ impl Inner {
             ));
         };
         if sent_marks.since(range_start, &node, started) {
+            tracing::debug!(range_start, %node, "a replica missed a write: marked stale by a mark sent since");
             return Ok(Marked::Stale);
         }
+        tracing::warn!(range_start, %node, "a replica missed a write: marking it stale");
         let sent = Instant::now();
         let remaining = until
             .saturating_duration_since(sent)
