@@ -127,13 +127,7 @@ fn a_new_replica_copies_the_range_and_turns_live() {
 #[test]
 fn a_replica_marked_stale_recovers_without_waiting_for_a_heartbeat_period() {
     const PERIOD_MS: &str = "30000";
-    let db = tempfile::tempdir().unwrap();
-    let mut config = coordinator::CoordinatorConfig::new(
-        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-        db.path().join("c.db"),
-    );
-    config.lease_ms = 90_000;
-    let coord = coordinator::spawn(config).expect("coordinator starts");
+    let (_db, coord) = coordinator_with_long_leases();
     let url = coord.url();
     let admin = coordinator_client(&url);
     let flags = ["--heartbeat-ms", PERIOD_MS, "--recovery-grace-ms", "300"];
@@ -158,13 +152,9 @@ fn a_replica_marked_stale_recovers_without_waiting_for_a_heartbeat_period() {
     check_every_page(&admin, "b", |i| page_indexed(i, 1));
 }
 
-/// A page-server stops at once while its recovery thread waits in a long
-/// poll of the map (one heartbeat period, 30 s here): the stop does not
-/// wait for the coordinator's answer. The coordinator's gauge of waiting
-/// long polls shows when the poll is under way.
-#[test]
-fn a_page_server_stops_without_waiting_for_its_long_poll_of_the_map() {
-    const PERIOD: Duration = Duration::from_secs(30);
+/// A coordinator on a loopback port whose leases last 90 s: page-servers
+/// with a 30 s heartbeat period stay alive.
+fn coordinator_with_long_leases() -> (tempfile::TempDir, coordinator::RunningCoordinator) {
     let db = tempfile::tempdir().unwrap();
     let mut config = coordinator::CoordinatorConfig::new(
         std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -172,6 +162,17 @@ fn a_page_server_stops_without_waiting_for_its_long_poll_of_the_map() {
     );
     config.lease_ms = 90_000;
     let coord = coordinator::spawn(config).expect("coordinator starts");
+    (db, coord)
+}
+
+/// A page-server stops at once while its recovery thread waits in a long
+/// poll of the map (one heartbeat period, 30 s here): the stop does not
+/// wait for the coordinator's answer. The coordinator's gauge of waiting
+/// long polls shows when the poll is under way.
+#[test]
+fn a_page_server_stops_without_waiting_for_its_long_poll_of_the_map() {
+    const PERIOD: Duration = Duration::from_secs(30);
+    let (_db, coord) = coordinator_with_long_leases();
     let waiting = || {
         let (_, text) = http_get(coord.addr(), "/metrics");
         text.lines().find_map(|l| {

@@ -866,14 +866,7 @@ fn sixteen_pages_in_flight_through_random_kills_and_stops_never_read_a_wrong_pag
 fn random_faults_under_load(depth: usize) {
     use rand::{Rng, SeedableRng};
     const FAULTS: usize = 8;
-    let seed = std::env::var("CHAOS_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_secs())
-        });
+    let seed = chaos_seed();
     eprintln!(
         "chaos seed {seed} (CHAOS_SEED={seed} replays this order), {depth} page(s) in flight"
     );
@@ -1031,30 +1024,14 @@ fn random_faults_under_load(depth: usize) {
     wait_all_live(&admin, 2);
     let checked = verify_all(&mgr, &expected);
     assert!(checked > 50, "only {checked} pages were written");
-    let map = admin.map().expect("map");
-    let alone: Vec<TransportManager> = ["a", "b"]
-        .iter()
-        .map(|node| common::replica_manager(&map, node))
-        .collect();
-    for (node, only) in ["a", "b"].iter().zip(&alone) {
-        verify_pages_of(
-            Some(&load),
-            only,
-            &expected,
-            0..PAGES,
-            &format!("{node} alone (seed {seed}, faults {done:?}): "),
-        );
-    }
-    let (mut on_a, mut on_b) = ([0u8; PAGE_SIZE], [0u8; PAGE_SIZE]);
-    for p in 0..PAGES {
-        alone[0].read_page(gpa(p), &mut on_a).expect("read a");
-        alone[1].read_page(gpa(p), &mut on_b).expect("read b");
-        assert!(
-            on_a == on_b,
-            "page {p} ({:?}) differs between the replicas (seed {seed}, faults {done:?})",
-            expected[p as usize]
-        );
-    }
+    verify_each_replica_alone(
+        &load,
+        &admin.map().expect("map"),
+        &["a", "b"],
+        &expected,
+        PAGES,
+        &format!("seed {seed}, faults {done:?}"),
+    );
 
     // Last, a fault that leaves no replica to serve: the live replica
     // dies while the other is stale. The stale one must serve none of its

@@ -11,7 +11,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use rdma_transport::{Page, Reap, TransportError, TransportManager, PAGE_SIZE};
 
-use super::{page_indexed, wait_until};
+use super::{page_indexed, replica_manager, wait_until};
 
 /// The GPA of page `page` (from GPA 0).
 pub fn gpa(page: u64) -> u64 {
@@ -376,4 +376,58 @@ pub fn verify_pages_of(
         written += usize::from(matches!(slot, Slot::Written(_)));
     }
     written
+}
+
+/// The seed of a test of random faults: `CHAOS_SEED` when set (a replay),
+/// else the time.
+pub fn chaos_seed() -> u64 {
+    std::env::var("CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_secs())
+        })
+}
+
+/// Reads the pages `0..pages` of `map`'s only range from each of `nodes`'
+/// replicas alone: each must hold the known pages as `load` last wrote
+/// them, and every page the same as the others (a replica that diverged
+/// would serve an older page at the next failover). `context` names the
+/// run in a failure.
+pub fn verify_each_replica_alone(
+    load: &Load,
+    map: &rdma_transport::coordinator::api::MapResponse,
+    nodes: &[&str],
+    expected: &Expected,
+    pages: u64,
+    context: &str,
+) {
+    let alone: Vec<TransportManager> = nodes.iter().map(|n| replica_manager(map, n)).collect();
+    for (node, only) in nodes.iter().zip(&alone) {
+        verify_pages_of(
+            Some(load),
+            only,
+            expected,
+            0..pages,
+            &format!("{node} alone ({context}): "),
+        );
+    }
+    let (mut first, mut other) = ([0u8; PAGE_SIZE], [0u8; PAGE_SIZE]);
+    for p in 0..pages {
+        alone[0]
+            .read_page(gpa(p), &mut first)
+            .unwrap_or_else(|e| panic!("page {p} from {}: {e}", nodes[0]));
+        for (node, only) in nodes.iter().zip(&alone).skip(1) {
+            only.read_page(gpa(p), &mut other)
+                .unwrap_or_else(|e| panic!("page {p} from {node}: {e}"));
+            assert!(
+                first == other,
+                "page {p} ({:?}) differs between {} and {node} ({context})",
+                expected[p as usize],
+                nodes[0]
+            );
+        }
+    }
 }

@@ -86,14 +86,7 @@ fn random_faults_under_load(test: &str, depth: usize) {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .try_init();
-    let seed = std::env::var("CHAOS_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_secs())
-        });
+    let seed = chaos_seed();
     say(&format!(
         "{test}: seed {seed} (CHAOS_SEED={seed} replays this order), {depth} page(s) in flight"
     ));
@@ -205,31 +198,12 @@ fn random_faults_under_load(test: &str, depth: usize) {
     wait_all_live(&admin);
     let checked = verify_all(&mgr, &expected);
     assert!(checked > 50, "only {checked} pages were written");
-    let map = admin.map().expect("map");
-    let alone: Vec<TransportManager> = ["a", "b"]
-        .iter()
-        .map(|node| replica_manager(&map, node))
-        .collect();
-    for (node, only) in ["a", "b"].iter().zip(&alone) {
-        verify_pages_of(
-            Some(&load),
-            only,
-            &expected,
-            0..PAGES_PER_NODE,
-            &format!("{node} alone (seed {seed}, faults {done:?}): "),
-        );
-    }
-    let (mut on_a, mut on_b) = (
-        [0u8; rdma_transport::PAGE_SIZE],
-        [0u8; rdma_transport::PAGE_SIZE],
+    verify_each_replica_alone(
+        &load,
+        &admin.map().expect("map"),
+        &["a", "b"],
+        &expected,
+        PAGES_PER_NODE,
+        &format!("seed {seed}, faults {done:?}"),
     );
-    for p in 0..PAGES_PER_NODE {
-        alone[0].read_page(gpa(p), &mut on_a).expect("read a");
-        alone[1].read_page(gpa(p), &mut on_b).expect("read b");
-        assert!(
-            on_a == on_b,
-            "page {p} ({:?}) differs between the replicas (seed {seed}, faults {done:?})",
-            expected[p as usize]
-        );
-    }
 }
