@@ -296,7 +296,11 @@ impl RdmaConnection {
         loop {
             match (&self.control).read(&mut buf) {
                 Ok(0) => {
-                    tracing::info!(node = %self.node_id, "page-server closed the control connection");
+                    // After `mark_broken` (this side's own teardown, which
+                    // shuts the socket) the EOF is ours, not the server's.
+                    if !self.is_broken() {
+                        tracing::info!(node = %self.node_id, "page-server closed the control connection");
+                    }
                     self.mark_broken(CODE_CONN_LOST);
                     return;
                 }
