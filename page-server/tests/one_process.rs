@@ -174,14 +174,6 @@ fn metrics_port() -> std::net::SocketAddr {
         .expect("a free port")
 }
 
-/// The value of counter or gauge `name` in the metrics at `metrics` (a
-/// page-server's, or the coordinator's).
-fn metric(metrics: std::net::SocketAddr, name: &str) -> Option<u64> {
-    let (_, text) = http_get(metrics, "/metrics");
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-}
-
 /// A manager that reads the map once and never again (no background
 /// refresh): a client that did not hear of the new process.
 fn manager_without_refresh(url: &str) -> rdma_transport::TransportManager {

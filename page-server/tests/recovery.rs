@@ -173,14 +173,7 @@ fn coordinator_with_long_leases() -> (tempfile::TempDir, coordinator::RunningCoo
 fn a_page_server_stops_without_waiting_for_its_long_poll_of_the_map() {
     const PERIOD: Duration = Duration::from_secs(30);
     let (_db, coord) = coordinator_with_long_leases();
-    let waiting = || {
-        let (_, text) = http_get(coord.addr(), "/metrics");
-        text.lines().find_map(|l| {
-            l.strip_prefix("coordinator_map_long_polls_waiting ")?
-                .parse::<u64>()
-                .ok()
-        })
-    };
+    let waiting = || metric(coord.addr(), "coordinator_map_long_polls_waiting");
     assert_eq!(waiting(), Some(0));
     let mut cfg = ServerConfig::new("a", NODE_BYTES);
     cfg.heartbeat_interval = PERIOD;

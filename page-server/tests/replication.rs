@@ -1453,16 +1453,11 @@ fn writes_that_miss_a_replica_together_mark_it_stale_once() {
     let mgr = replica_manager(&url, 20_000);
     let mut expected = fill(&mgr, PAGES);
     let marks = || {
-        let (_, text) = http_get(coord.addr(), "/metrics");
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix(
-                    r#"coordinator_http_requests_total{method="POST",route="/v1/map/{gpa_start}/replicas/{node_id}/stale",status="200"} "#,
-                )?
-                .parse::<u64>()
-                .ok()
-            })
-            .unwrap_or(0)
+        metric(
+            coord.addr(),
+            r#"coordinator_http_requests_total{method="POST",route="/v1/map/{gpa_start}/replicas/{node_id}/stale",status="200"}"#,
+        )
+        .unwrap_or(0)
     };
     assert_eq!(marks(), 0);
 

@@ -448,6 +448,14 @@ pub fn http(addr: SocketAddr, request: &str) -> String {
     answer
 }
 
+/// The value of counter or gauge `name` (with its labels, if any) in the
+/// metrics at `metrics` (a page-server's, or the coordinator's).
+pub fn metric(metrics: SocketAddr, name: &str) -> Option<u64> {
+    let (_, text) = http_get(metrics, "/metrics");
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
 /// Polls `cond` until it holds, for at most `limit`.
 pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;
