@@ -13,6 +13,8 @@ mod coherence;
 mod common;
 #[path = "rdma_cluster/guest_alias.rs"]
 mod guest_alias;
+#[path = "rdma_cluster/hedging.rs"]
+mod hedging;
 #[path = "rdma_cluster/keys.rs"]
 mod keys;
 #[path = "rdma_cluster/replication.rs"]

@@ -164,6 +164,11 @@ fn a_read_hedged_onto_a_dead_replica_goes_back_to_the_slow_one() {
     });
     result.unwrap_or_else(|e| panic!("read while the primary is slow and the other dead: {e}"));
     assert!(page == page_for(0, 5), "page 0 differs");
+    assert_eq!(
+        mgr.stats().reads_hedged,
+        1,
+        "the read went on at the other replica once"
+    );
     for p in 1..PAGES {
         let gpa = p * PAGE_SIZE as u64;
         mgr.read_page(gpa, &mut page)

@@ -531,6 +531,9 @@ typedef struct RtManagerStats {
   // Replicas this manager owes a stale mark now (see
   // `rt_manager_settle_owed_stale_marks`).
   uint64_t owed_stale_marks;
+  // Reads of replicated pages sent on to another replica because theirs
+  // had not answered within the hedging delay.
+  uint64_t reads_hedged;
 } RtManagerStats;
 
 // One node of the map (`rt_manager_node_info`). Set `struct_size` to

@@ -67,6 +67,9 @@ pub struct RtManagerStats {
     /// Replicas this manager owes a stale mark now (see
     /// `rt_manager_settle_owed_stale_marks`).
     pub owed_stale_marks: u64,
+    /// Reads of replicated pages sent on to another replica because theirs
+    /// had not answered within the hedging delay.
+    pub reads_hedged: u64,
 }
 
 /// `struct_size` of the first layout (up to `pages_written`), still
@@ -75,15 +78,20 @@ const FIRST_LAYOUT_BYTES: usize = 8 + 12 * 8;
 /// `struct_size` of the second layout (up to `tcp_direct_pages`), still
 /// filled: `owed_stale_marks` is left out.
 const SECOND_LAYOUT_BYTES: usize = FIRST_LAYOUT_BYTES + 6 * 8;
+/// `struct_size` of the third layout (up to `owed_stale_marks`), still
+/// filled: `reads_hedged` is left out.
+const THIRD_LAYOUT_BYTES: usize = SECOND_LAYOUT_BYTES + 8;
 const _: () = assert!(
     offset_of!(RtManagerStats, rdma_registered_regions) == FIRST_LAYOUT_BYTES
         && offset_of!(RtManagerStats, owed_stale_marks) == SECOND_LAYOUT_BYTES
-        && size_of::<RtManagerStats>() == SECOND_LAYOUT_BYTES + 8
+        && offset_of!(RtManagerStats, reads_hedged) == THIRD_LAYOUT_BYTES
+        && size_of::<RtManagerStats>() == THIRD_LAYOUT_BYTES + 8
 );
 
 impl COut for RtManagerStats {
     const NAME: &'static str = "RtManagerStats";
-    const OLD_SIZES: &'static [usize] = &[FIRST_LAYOUT_BYTES, SECOND_LAYOUT_BYTES];
+    const OLD_SIZES: &'static [usize] =
+        &[FIRST_LAYOUT_BYTES, SECOND_LAYOUT_BYTES, THIRD_LAYOUT_BYTES];
 }
 
 /// The data path of a node's connection (`RtNodeInfo.data_path`).
@@ -159,6 +167,7 @@ pub unsafe extern "C" fn rt_manager_stats(
             rdma_drain_failures: z.drain_failures,
             tcp_direct_pages: z.tcp_direct_pages,
             owed_stale_marks: count(s.owed_stale_marks),
+            reads_hedged: s.reads_hedged,
         };
         // SAFETY: the caller passes NULL or a struct of `struct_size` bytes.
         match unsafe { write_out(stats, &value) } {

@@ -528,6 +528,22 @@ impl TransportManager {
             _ => None,
         }
     }
+
+    /// Test hook: polls the completion queue of the node's live RDMA
+    /// connection, then counts the READ batches abandoned on it at the
+    /// hedging delay, with its QP kept, whose completions have not come
+    /// yet (their frames are out of the pool until then).
+    #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
+    pub fn rdma_abandoned_reads_for_test(&self, node: &str) -> Option<usize> {
+        match self.inner.live_link(node) {
+            Some(Link::Rdma(conn)) => {
+                conn.progress();
+                Some(conn.abandoned_batches())
+            }
+            _ => None,
+        }
+    }
 }
 
 impl Drop for TransportManager {

@@ -212,6 +212,7 @@ int main(int argc, char **argv) {
   EXPECT(s0.pool_frames == 16 && s0.pool_free_frames == 16);
   EXPECT(s0.read_hedge_delay_us == 4321);
   EXPECT(s0.calls_ok == 0 && s0.calls_failed == 0 && s0.pages_read == 0);
+  EXPECT(s0.reads_hedged == 0);
   EXPECT(rt_manager_node_count(m) == 2);
   RtManagerStats bad = {.struct_size = sizeof bad + 8};
   EXPECT(rt_manager_stats(m, &bad) == RT_STATUS_STRUCT_SIZE && bad.node_count == 0);
@@ -221,6 +222,12 @@ int main(int argc, char **argv) {
   old.tcp_direct_pages = 77;
   CHECK(rt_manager_stats(m, &old));
   EXPECT(old.node_count == 2 && old.tcp_direct_pages == 77);
+  /* Likewise the third (up to owed_stale_marks): reads_hedged is not
+     written. */
+  RtManagerStats third = {.struct_size = offsetof(RtManagerStats, reads_hedged)};
+  third.reads_hedged = 78;
+  CHECK(rt_manager_stats(m, &third));
+  EXPECT(third.node_count == 2 && third.reads_hedged == 78);
 
   /* Every node, by index: its id and data path. */
   int seen = 0;

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use smallvec::SmallVec;
 
+use super::request::Outcome;
 use super::{Inner, Node};
 use crate::error::TransportError;
 use crate::page::PAGE_SIZE;
@@ -248,45 +249,73 @@ impl Inner {
     /// the caller (or hands the frame back), and quarantines the frames of
     /// failed batches. A timed-out or failed batch tears its QP down; one
     /// that named the caller's pages also drains it (`fence`) first, so
-    /// the device writes none of them once this returns. Sets
-    /// the bit in `failed` of every request that did not complete, and in
-    /// `lost` of those whose connection died first.
+    /// the device writes none of them once this returns. Except when
+    /// `hedging` (the round's deadline was a hedging delay, and the read
+    /// goes on at another replica): a READ batch of pool frames that is
+    /// not answered is abandoned with its QP kept
+    /// (`RdmaConnection::abandon_read`), so the other requests in flight on
+    /// it go on. Marks in `outcome` every request that did not complete,
+    /// those whose connection died first, and those not answered in time.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn settle_rdma(
         &self,
         chunk: &mut RdmaChunk,
         nodes: &[&Node],
         answered: bool,
+        hedging: bool,
         write: bool,
         pages: &mut Pages<'_>,
-        failed: &mut u64,
-        lost: &mut u64,
-    ) -> Option<TransportError> {
-        let mut first_error = None;
+        outcome: &mut Outcome,
+    ) {
         // Per group: None = nothing posted; Some(None) = timed out. As far
         // as the round has groups (not 64 entries zeroed for one).
         // (Filled here: `from_elem` built it elsewhere and copied its 0.5
         // KiB back, a `memcpy` per round.)
-        let mut outcome = SmallVec::<[Option<Option<u32>>; MAX_CHUNK]>::new();
-        outcome.resize(chunk.groups, None);
+        let mut codes = SmallVec::<[Option<Option<u32>>; MAX_CHUNK]>::new();
+        codes.resize(chunk.groups, None);
         for g in 0..chunk.groups {
             let (Some(conn), Some(id)) = (&chunk.conns[g], chunk.ids[g].take()) else {
                 continue;
             };
+            let keep_qp = !answered && hedging && !write && chunk.direct_groups & (1 << g) == 0;
             let code = if answered {
                 Some(conn.inflight.finish(id))
+            } else if keep_qp {
+                let (frames, group_of) = (&mut chunk.frames[..chunk.requests], &chunk.group_of);
+                conn.abandon_read(id, || {
+                    let mut taken = Vec::new();
+                    for (j, slot) in frames.iter_mut().enumerate() {
+                        if group_of[j] != g {
+                            continue;
+                        }
+                        if let Some(frame) = slot.take() {
+                            outcome.failed |= 1 << j;
+                            outcome.timed_out |= 1 << j;
+                            taken.push(frame);
+                        }
+                    }
+                    taken
+                })
             } else {
                 conn.inflight.cancel(id)
             };
-            outcome[g] = Some(code);
+            codes[g] = Some(code);
             if code != Some(0) && chunk.direct_groups & (1 << g) != 0 {
                 let fenced = conn.fence();
                 if let Some(rdma) = &self.rdma {
                     rdma.device.registry.count_drain(fenced);
                 }
             }
-            if let Some(err) = self.rdma_error(code, conn, nodes[g]) {
-                first_error.get_or_insert(err);
+            let err = if keep_qp && code.is_none() {
+                Some(TransportError::Timeout {
+                    node: conn.node_id.clone(),
+                    timeout_ms: self.config.request_timeout_ms,
+                })
+            } else {
+                self.rdma_error(code, conn, nodes[g])
+            };
+            if let Some(err) = err {
+                outcome.error.get_or_insert(err);
             }
         }
         let direct_reqs = std::mem::take(&mut chunk.direct_reqs);
@@ -298,21 +327,25 @@ impl Inner {
                 continue;
             }
             let g = chunk.group_of[j];
-            match outcome[g] {
+            match codes[g] {
                 Some(Some(0)) if direct => direct_ok += 1,
                 Some(Some(0)) => framed_ok += 1,
                 Some(Some(CODE_CONN_LOST)) => {
-                    *failed |= 1 << j;
-                    *lost |= 1 << j;
+                    outcome.failed |= 1 << j;
+                    outcome.lost |= 1 << j;
                 }
-                _ => *failed |= 1 << j,
+                Some(None) => {
+                    outcome.failed |= 1 << j;
+                    outcome.timed_out |= 1 << j;
+                }
+                _ => outcome.failed |= 1 << j,
             }
             // A direct page needs nothing more: it completed in place, or
             // its batch failed and the QP was drained above.
             let Some(frame) = frame else {
                 continue;
             };
-            match outcome[g] {
+            match codes[g] {
                 Some(Some(0)) if !write => match pages.frame.as_mut() {
                     Some(direct) => **direct = Some(frame),
                     None => {
@@ -344,7 +377,6 @@ impl Inner {
                     .fetch_add(framed_ok, Ordering::Relaxed);
             }
         }
-        first_error
     }
 
     /// The error a batch's completion code means; a failed batch's

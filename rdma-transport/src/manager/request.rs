@@ -386,8 +386,14 @@ impl Inner {
             let pages = Pages {
                 frame: frame.as_deref_mut(),
             };
-            let outcome =
-                self.run_targets(Opcode::Read, state, &targets[..n], pages, round_deadline);
+            let outcome = self.run_targets(
+                Opcode::Read,
+                state,
+                &targets[..n],
+                pages,
+                round_deadline,
+                hedged && round_deadline < deadline,
+            );
             if outcome.failed == 0 {
                 if hedged {
                     self.latency.record(started.elapsed());
@@ -401,6 +407,9 @@ impl Inner {
             // connection to a replica whose connection died during this
             // read (the server may have closed it, e.g. at the end of its
             // recovery, while the node lives on); once each.
+            if hedged {
+                self.counters.hedged(outcome.timed_out.count_ones());
+            }
             let mut m = 0;
             for k in 0..n {
                 if outcome.failed & (1 << k) == 0 {
@@ -480,6 +489,7 @@ impl Inner {
             targets,
             Pages { frame: None },
             deadline,
+            false,
         );
         if outcome.lost != 0 && may_retry {
             // Page writes are idempotent: the ones whose connection died
@@ -498,6 +508,7 @@ impl Inner {
                 &again[..m],
                 Pages { frame: None },
                 deadline,
+                false,
             );
             for (j, &k) in index[..m].iter().enumerate() {
                 if retry.failed & (1 << j) == 0 {

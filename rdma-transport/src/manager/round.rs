@@ -42,6 +42,10 @@ pub(super) struct Round {
     /// (asynchronous submissions, whose pages are unspecified after a
     /// failure); false keeps a failed READ's page untouched.
     pub(super) land_direct: bool,
+    /// The round's deadline is a hedging delay: a READ not answered by
+    /// then goes on at another replica, and an RDMA batch of pool frames
+    /// is abandoned with its QP kept (`Inner::settle_rdma`).
+    pub(super) hedging: bool,
     /// Whether the round is parked on its connections (`park`).
     parked: bool,
     /// Whether that parking includes the TCP connections.
@@ -59,6 +63,7 @@ impl Round {
             opcode: Opcode::Read,
             deferred: false,
             land_direct: false,
+            hedging: false,
             parked: false,
             parked_tcp: false,
         }
@@ -424,17 +429,15 @@ impl Inner {
                     nodes[g] = node;
                 }
             }
-            if let Some(e) = self.settle_rdma(
+            self.settle_rdma(
                 &mut round.rdma,
                 &nodes,
                 answered,
+                round.hedging,
                 write,
                 chunk_pages,
-                &mut outcome.failed,
-                &mut outcome.lost,
-            ) {
-                outcome.error.get_or_insert(e);
-            }
+                &mut outcome,
+            );
         }
         for g in &mut round.tcp.groups[..round.group_count] {
             *g = None;
@@ -445,7 +448,8 @@ impl Inner {
     }
 
     /// Submits `targets` grouped by node, waits until `deadline`, and
-    /// settles every request.
+    /// settles every request. `hedging`: `deadline` is a hedging delay
+    /// (`Round::hedging`).
     pub(super) fn run_targets(
         &self,
         opcode: Opcode,
@@ -453,6 +457,7 @@ impl Inner {
         targets: &[Target],
         mut chunk_pages: Pages<'_>,
         deadline: Instant,
+        hedging: bool,
     ) -> Outcome {
         // Declared before the round: its chunks' guards cancel every
         // request that refers to the waiter before it goes, even when
@@ -467,6 +472,7 @@ impl Inner {
         round.opcode = opcode;
         round.deferred = false;
         round.land_direct = false;
+        round.hedging = hedging;
         self.submit_round(
             &mut round,
             OnMap {

@@ -42,6 +42,9 @@ pub struct ManagerStats {
     pub pages_read: u64,
     /// Pages written by calls that succeeded.
     pub pages_written: u64,
+    /// Reads of replicated pages sent on to another replica because theirs
+    /// had not answered within the hedging delay (`read_hedge_delay_us`).
+    pub reads_hedged: u64,
     /// Replicas this manager owes a stale mark now: each missed a write of
     /// its while the coordinator could not be told, and stays live at the
     /// coordinator until marked (`TransportManager::settle_owed_stale_marks`).
@@ -56,6 +59,7 @@ pub(super) struct Counters {
     calls_timed_out: AtomicU64,
     pages_read: AtomicU64,
     pages_written: AtomicU64,
+    reads_hedged: AtomicU64,
 }
 
 /// Successful calls counted by one thread and added to the shared
@@ -118,6 +122,12 @@ impl Counters {
         }
     }
 
+    /// Counts `pages` reads hedged onto another replica.
+    pub(super) fn hedged(&self, pages: u32) {
+        self.reads_hedged
+            .fetch_add(u64::from(pages), Ordering::Relaxed);
+    }
+
     /// Copies the counters into `stats`.
     fn fill(&self, stats: &mut ManagerStats) {
         stats.calls_ok = self.calls_ok.load(Ordering::Relaxed);
@@ -125,6 +135,7 @@ impl Counters {
         stats.calls_timed_out = self.calls_timed_out.load(Ordering::Relaxed);
         stats.pages_read = self.pages_read.load(Ordering::Relaxed);
         stats.pages_written = self.pages_written.load(Ordering::Relaxed);
+        stats.reads_hedged = self.reads_hedged.load(Ordering::Relaxed);
     }
 }
 

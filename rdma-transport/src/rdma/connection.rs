@@ -8,6 +8,12 @@
 //! order, so the last one's success means the whole batch succeeded; any
 //! error completion (signaled or not) fails the batch it names and tears
 //! the QP down.
+//!
+//! A batch given up on before its completion tears the QP down too (the
+//! device may still move its pages), except a READ into pool frames that a
+//! hedged read abandons (`abandon_read`): its frames and send-queue slots
+//! are held until its completion, and the QP, with every other batch in
+//! flight on it, goes on.
 
 use std::io::{self, Read};
 use std::net::TcpStream;
@@ -98,6 +104,19 @@ pub(crate) struct RdmaConnection {
     fenced: AtomicBool,
     pub(crate) ack: HelloAck,
     quarantine: Mutex<Vec<PageFrame>>,
+    /// READ batches given up on with the QP kept (`abandon_read`), until
+    /// their completions are polled.
+    abandoned: Mutex<Vec<Abandoned>>,
+}
+
+/// A READ batch of pool frames given up on without a teardown: what it
+/// holds until its completion says the device is done with it.
+#[derive(Debug)]
+struct Abandoned {
+    id: u64,
+    /// Its work requests (send-queue slots).
+    wrs: u32,
+    frames: Vec<PageFrame>,
 }
 
 /// One page of a batch: its offset in the peer's region and the local page
@@ -175,6 +194,7 @@ pub(crate) fn dial_rdma(
         fenced: AtomicBool::new(false),
         ack,
         quarantine: Mutex::new(Vec::new()),
+        abandoned: Mutex::new(Vec::new()),
     })))
 }
 
@@ -254,6 +274,60 @@ impl RdmaConnection {
     /// timed out, so the device may still write (or read) it.
     pub(crate) fn quarantine(&self, frame: PageFrame) {
         self.quarantine.lock().push(frame);
+    }
+
+    /// Gives up on READ batch `id` without tearing the QP down: a hedged
+    /// read that another replica serves now, while the other batches in
+    /// flight here go on. Every page of the batch must be a pool frame
+    /// (never the caller's memory, which cannot wait for the device). If
+    /// the batch is still in flight, `take_frames` hands its frames over:
+    /// they stay out of the pool, and its work requests keep their
+    /// send-queue slots, until its completion is polled (a failed one
+    /// tears the QP down, and the frames go with the connection). Returns
+    /// what `Inflight::cancel` does: the batch's code if it completed
+    /// after all (its frames were not taken), `None` if abandoned.
+    pub(crate) fn abandon_read(
+        &self,
+        id: u64,
+        take_frames: impl FnOnce() -> Vec<PageFrame>,
+    ) -> Option<u32> {
+        // Held across the cancel: a completion that finds the batch
+        // cancelled (a stale claim) looks for it here only after it is in.
+        let mut abandoned = self.abandoned.lock();
+        // Read while the slot is still this batch's (`cancel` frees it).
+        let wrs = self.batch_wrs[slot_of(id)].load(Ordering::Relaxed);
+        let code = self.inflight.cancel(id);
+        if code.is_none() {
+            abandoned.push(Abandoned {
+                id,
+                wrs,
+                frames: take_frames(),
+            });
+        }
+        code
+    }
+
+    /// The completion of a batch nobody waits for: if it was abandoned
+    /// with the QP kept, the device is done with its frames (back to the
+    /// pool) and its send-queue slots.
+    #[cold]
+    fn release_abandoned(&self, id: u64) {
+        let mut abandoned = self.abandoned.lock();
+        let Some(i) = abandoned.iter().position(|a| a.id == id) else {
+            return;
+        };
+        let batch = abandoned.swap_remove(i);
+        drop(abandoned);
+        self.sq_free.fetch_add(batch.wrs as isize, Ordering::AcqRel);
+        // The device is done with them: back to the pool.
+        drop(batch.frames);
+    }
+
+    /// READ batches abandoned with the QP kept whose completion was not
+    /// polled yet (tests).
+    #[cfg(feature = "test-hooks")]
+    pub(crate) fn abandoned_batches(&self) -> usize {
+        self.abandoned.lock().len()
     }
 
     /// Test hook: the next batches use a wrong rkey (until the QP fails and
@@ -472,13 +546,16 @@ impl RdmaConnection {
             return;
         }
         if wc.is_success() {
-            if let Claim::Live { slot, .. } = self.inflight.claim(id) {
-                let wrs = self.batch_wrs[slot].load(Ordering::Relaxed);
-                self.sq_free.fetch_add(wrs as isize, Ordering::AcqRel);
-                self.inflight.complete(slot, 0);
+            match self.inflight.claim(id) {
+                Claim::Live { slot, .. } => {
+                    let wrs = self.batch_wrs[slot].load(Ordering::Relaxed);
+                    self.sq_free.fetch_add(wrs as isize, Ordering::AcqRel);
+                    self.inflight.complete(slot, 0);
+                }
+                // A cancelled batch: abandoned with the QP kept, or its
+                // cancel tore the connection down (nothing to account).
+                Claim::Stale => self.release_abandoned(id),
             }
-            // A stale success belongs to a cancelled batch, whose timeout
-            // already tore the connection down: nothing to account.
             return;
         }
         let status = wc.status();

@@ -1,0 +1,128 @@
+//! A read of a replicated range that its replica has not answered within
+//! the hedging delay goes on at the other replica. Over RDMA the READ given
+//! up on keeps its queue pair: the other batches in flight on it go on,
+//! and nothing is dialled again; its pool frames come back once the device
+//! completes it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rdma_transport::coordinator::api::ReplicaState;
+use rdma_transport::Page;
+
+use super::*;
+
+/// Pages of the replicated range the load reads.
+const PAGES: u64 = 64;
+/// Pages per read (one batch per replica).
+const BATCH: usize = 16;
+/// Pages the load must see hedged: 20 batches (about one per 100 ms: a
+/// replica that missed its delay is avoided that long).
+const HEDGED_PAGES: u64 = 20 * BATCH as u64;
+
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_hedged_reads_keep_their_queue_pairs_and_give_their_frames_back() {
+    let test = "rdma_hedged_reads_keep_their_queue_pairs_and_give_their_frames_back";
+    require_device(test);
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator(&db);
+    let url = coord.url();
+    // Two replicas of one range: b registers the same GPAs as a.
+    let _a = server(&url, "a", 0, true);
+    let _b = server(&url, "b", 0, true);
+    let admin = coordinator_client(&url);
+    assert!(
+        wait_until(Duration::from_secs(30), || admin.map().is_ok_and(|m| {
+            m.entries.len() == 1
+                && m.entries[0].replicas.len() == 2
+                && m.entries[0]
+                    .replicas
+                    .iter()
+                    .all(|r| r.state == ReplicaState::Live)
+        })),
+        "{test}: both replicas never live"
+    );
+    // 1 us: every READ misses it (a SoftRoCE READ takes tens of
+    // microseconds), so each read of the replica read first is abandoned
+    // and goes on at the other.
+    let mgr = TransportManager::connect(ManagerConfig {
+        read_hedge_delay_us: 1,
+        ..config(&url, TransportKind::Rdma, PollMode::Busy)
+    })
+    .expect("manager connects");
+    assert!(wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().len() == 1
+    }));
+    let gpas: Vec<u64> = (0..PAGES).map(|p| p * PAGE_SIZE as u64).collect();
+    let data: Vec<Page> = gpas.iter().map(|&g| page_for(g, 9)).collect();
+    mgr.write_pages(&gpas, &data).unwrap();
+    assert_all_rdma(&mgr);
+    let qpns = (
+        mgr.rdma_qpn_for_test("a").unwrap(),
+        mgr.rdma_qpn_for_test("b").unwrap(),
+    );
+    let hedged_before = mgr.stats().reads_hedged;
+
+    // Two readers, so that batches of one are in flight on a queue pair
+    // when a batch of the other is abandoned on it.
+    let reads = AtomicU64::new(0);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    std::thread::scope(|s| {
+        for t in 0..2u64 {
+            let (mgr, gpas, data, reads) = (&mgr, &gpas, &data, &reads);
+            s.spawn(move || {
+                let mut buf = vec![[0u8; PAGE_SIZE]; BATCH];
+                let mut i = t as usize * BATCH;
+                while mgr.stats().reads_hedged - hedged_before < HEDGED_PAGES {
+                    assert!(
+                        Instant::now() < deadline,
+                        "{test}: {} pages hedged in 60 s",
+                        mgr.stats().reads_hedged - hedged_before
+                    );
+                    let at = i % gpas.len();
+                    let want = &gpas[at..at + BATCH];
+                    mgr.read_pages(want, &mut buf)
+                        .unwrap_or_else(|e| panic!("{test}: reading {BATCH} pages at {at}: {e}"));
+                    for (k, page) in buf.iter().enumerate() {
+                        assert!(*page == data[at + k], "{test}: page {} differs", at + k);
+                    }
+                    buf.iter_mut().for_each(|p| p.fill(0));
+                    reads.fetch_add(1, Ordering::Relaxed);
+                    i += 2 * BATCH;
+                }
+            });
+        }
+    });
+    let stats = mgr.stats();
+    say(&format!(
+        "{test}: {} reads of {BATCH} pages, {} pages hedged",
+        reads.load(Ordering::Relaxed),
+        stats.reads_hedged - hedged_before
+    ));
+    assert_eq!(stats.calls_failed, 0, "{test}: {stats:?}");
+    // No teardown: the same queue pairs serve on.
+    assert_eq!(
+        (mgr.rdma_qpn_for_test("a"), mgr.rdma_qpn_for_test("b")),
+        (Some(qpns.0), Some(qpns.1)),
+        "{test}: a queue pair was replaced"
+    );
+    // Every abandoned READ completes, and its frames go back to the pool.
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            mgr.rdma_abandoned_reads_for_test("a") == Some(0)
+                && mgr.rdma_abandoned_reads_for_test("b") == Some(0)
+        }),
+        "{test}: abandoned READs never completed: a {:?}, b {:?}",
+        mgr.rdma_abandoned_reads_for_test("a"),
+        mgr.rdma_abandoned_reads_for_test("b")
+    );
+    let stats = mgr.stats();
+    assert_eq!(
+        stats.pool_free_frames, stats.pool_frames,
+        "{test}: frames kept from the pool"
+    );
+    // And the queue pairs still read right.
+    let mut buf = vec![[0u8; PAGE_SIZE]; PAGES as usize];
+    mgr.read_pages(&gpas, &mut buf).unwrap();
+    assert!(buf == data, "{test}: a page differs after the load");
+}
