@@ -22,15 +22,21 @@ const HEDGED_PAGES: u64 = 20 * BATCH as u64;
 #[test]
 #[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
 fn rdma_hedged_reads_keep_their_queue_pairs_and_give_their_frames_back() {
-    let test = "rdma_hedged_reads_keep_their_queue_pairs_and_give_their_frames_back";
-    require_device(test);
-    let db = tempfile::tempdir().unwrap();
-    let coord = coordinator(&db);
-    let url = coord.url();
-    // Two replicas of one range: b registers the same GPAs as a.
-    let _a = server(&url, "a", 0, true);
-    let _b = server(&url, "b", 0, true);
-    let admin = coordinator_client(&url);
+    hedged_reads(
+        "rdma_hedged_reads_keep_their_queue_pairs_and_give_their_frames_back",
+        PollMode::Busy,
+    );
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_hedged_reads_event_mode() {
+    hedged_reads("rdma_hedged_reads_event_mode", PollMode::Event);
+}
+
+/// Waits until the coordinator shows the one range with both replicas live.
+fn wait_both_live(test: &str, url: &str) {
+    let admin = coordinator_client(url);
     assert!(
         wait_until(Duration::from_secs(30), || admin.map().is_ok_and(|m| {
             m.entries.len() == 1
@@ -42,12 +48,23 @@ fn rdma_hedged_reads_keep_their_queue_pairs_and_give_their_frames_back() {
         })),
         "{test}: both replicas never live"
     );
+}
+
+fn hedged_reads(test: &str, mode: PollMode) {
+    require_device(test);
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator(&db);
+    let url = coord.url();
+    // Two replicas of one range: b registers the same GPAs as a.
+    let _a = server(&url, "a", 0, true);
+    let _b = server(&url, "b", 0, true);
+    wait_both_live(test, &url);
     // 1 us: every READ misses it (a SoftRoCE READ takes tens of
     // microseconds), so each read of the replica read first is abandoned
     // and goes on at the other.
     let mgr = TransportManager::connect(ManagerConfig {
         read_hedge_delay_us: 1,
-        ..config(&url, TransportKind::Rdma, PollMode::Busy)
+        ..config(&url, TransportKind::Rdma, mode)
     })
     .expect("manager connects");
     assert!(wait_until(Duration::from_secs(10), || {
@@ -106,7 +123,8 @@ fn rdma_hedged_reads_keep_their_queue_pairs_and_give_their_frames_back() {
         (Some(qpns.0), Some(qpns.1)),
         "{test}: a queue pair was replaced"
     );
-    // Every abandoned READ completes, and its frames go back to the pool.
+    // Every abandoned READ completes, and its frames go back to the pool,
+    // with no request on the connections: the poller takes the completions.
     assert!(
         wait_until(Duration::from_secs(10), || {
             mgr.rdma_abandoned_reads_for_test("a") == Some(0)
@@ -125,4 +143,60 @@ fn rdma_hedged_reads_keep_their_queue_pairs_and_give_their_frames_back() {
     let mut buf = vec![[0u8; PAGE_SIZE]; PAGES as usize];
     mgr.read_pages(&gpas, &mut buf).unwrap();
     assert!(buf == data, "{test}: a page differs after the load");
+}
+
+/// The frames of an abandoned READ come back when its completion comes,
+/// even when nothing else is asked of its connection: the poller thread
+/// takes the completion. Callers here spin for their answers rather than
+/// park (so nothing else brings the poller to the queue pairs), and one
+/// read is made: hedged off one replica, answered by the other.
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_an_abandoned_read_gives_its_frames_back_with_nothing_else_on_its_connection() {
+    let test = "rdma_an_abandoned_read_gives_its_frames_back_with_nothing_else_on_its_connection";
+    require_device(test);
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator(&db);
+    let url = coord.url();
+    let _a = server(&url, "a", 0, true);
+    let _b = server(&url, "b", 0, true);
+    wait_both_live(test, &url);
+    let mgr = TransportManager::connect(ManagerConfig {
+        read_hedge_delay_us: 1,
+        // Longer than the request deadline: a caller never parks, but
+        // when its round's (hedging) deadline passed.
+        wait_spin_us: 2 * 1000 * REQUEST_TIMEOUT_MS,
+        ..config(&url, TransportKind::Rdma, PollMode::Busy)
+    })
+    .expect("manager connects");
+    assert!(wait_until(Duration::from_secs(10), || {
+        mgr.refresh_map().is_ok() && mgr.map().len() == 1
+    }));
+    let gpas: Vec<u64> = (0..BATCH as u64).map(|p| p * PAGE_SIZE as u64).collect();
+    let data: Vec<Page> = gpas.iter().map(|&g| page_for(g, 10)).collect();
+    mgr.write_pages(&gpas, &data).unwrap();
+    assert_all_rdma(&mgr);
+    let hedged_before = mgr.stats().reads_hedged;
+    let mut buf = vec![[0u8; PAGE_SIZE]; BATCH];
+    mgr.read_pages(&gpas, &mut buf).unwrap();
+    assert!(buf == data, "{test}: a page differs");
+    assert_eq!(
+        mgr.stats().reads_hedged - hedged_before,
+        BATCH as u64,
+        "{test}: the read was hedged"
+    );
+    let abandoned = || {
+        mgr.rdma_abandoned_reads_for_test("a").unwrap_or(0)
+            + mgr.rdma_abandoned_reads_for_test("b").unwrap_or(0)
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), || abandoned() == 0),
+        "{test}: {} abandoned READ(s) never completed",
+        abandoned()
+    );
+    let stats = mgr.stats();
+    assert_eq!(
+        stats.pool_free_frames, stats.pool_frames,
+        "{test}: frames kept from the pool"
+    );
 }

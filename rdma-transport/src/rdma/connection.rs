@@ -282,8 +282,9 @@ impl RdmaConnection {
     /// (never the caller's memory, which cannot wait for the device). If
     /// the batch is still in flight, `take_frames` hands its frames over:
     /// they stay out of the pool, and its work requests keep their
-    /// send-queue slots, until its completion is polled (a failed one
-    /// tears the QP down, and the frames go with the connection). Returns
+    /// send-queue slots, until its completion is polled, by the poller
+    /// thread if nobody else (a failed one tears the QP down, and the
+    /// frames go with the connection). Returns
     /// what `Inflight::cancel` does: the batch's code if it completed
     /// after all (its frames were not taken), `None` if abandoned.
     pub(crate) fn abandon_read(
@@ -303,6 +304,11 @@ impl RdmaConnection {
                 wrs,
                 frames: take_frames(),
             });
+            // Counts as a parked caller: the poller watches the CQ until
+            // the completion comes, so the frames come back even when no
+            // request uses this connection meanwhile (its node is avoided
+            // for a while after missing the delay).
+            self.parking.enter();
         }
         code
     }
@@ -318,6 +324,7 @@ impl RdmaConnection {
         };
         let batch = abandoned.swap_remove(i);
         drop(abandoned);
+        self.parking.leave();
         self.sq_free.fetch_add(batch.wrs as isize, Ordering::AcqRel);
         // The device is done with them: back to the pool.
         drop(batch.frames);
