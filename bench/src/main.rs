@@ -860,6 +860,13 @@ fn run() -> anyhow::Result<()> {
             zc.direct_pages, zc.framed_pages
         );
     }
+    if args.replicas > 1 {
+        let s = mgr.stats();
+        eprintln!(
+            "hedging: {} pages read from another replica after the hedging delay (now {} us)",
+            s.reads_hedged, s.read_hedge_delay_us
+        );
+    }
     let runs = keyed_runs;
     let path = data_path_name(&mgr);
     if args.compare_insecure {
