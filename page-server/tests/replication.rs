@@ -1025,7 +1025,7 @@ fn random_faults_under_load(depth: usize) {
     let checked = verify_all(&mgr, &expected);
     assert!(checked > 50, "only {checked} pages were written");
     verify_each_replica_alone(
-        &load,
+        Some(&load),
         &admin.map().expect("map"),
         &["a", "b"],
         &expected,
@@ -1553,4 +1553,82 @@ fn a_write_reaches_the_connected_replica_while_the_other_is_being_dialled() {
     expected[P as usize] = Slot::Written(2);
     verify_all(&mgr, &expected);
     link.sever();
+}
+
+/// A read of a replicated range hedged while its first replica was being
+/// dialled again (the dial outlasted the hedging delay: here a's link
+/// holds the handshake) is served by the other replica, and does not count
+/// against a: the write that follows dials a again and reaches it, and a
+/// stays live. Until 2026-12-07 the dial cut short by the hedging delay
+/// counted as a's failure: for 100 ms every request to a failed at once
+/// ("unreachable (retrying)"), and the write marked a stale, sending it
+/// through a recovery. (A page-server ends idle connections; the next
+/// read fault dials again, and an RDMA dial takes longer than the 1 ms
+/// minimum hedging delay.)
+#[test]
+fn a_dial_cut_short_by_a_hedged_read_does_not_mark_the_replica_stale_at_the_next_write() {
+    const P: u64 = 3;
+    let (_db, coord) = loopback_coordinator();
+    let url = coord.url();
+    let admin = coordinator_client(&url);
+    let link = StallingLink::start();
+    let a = ChildServer::start_with(
+        &url,
+        "a",
+        0,
+        &[GRACE[0], GRACE[1], "--advertise", &link.addr()],
+    );
+    link.set_target(&a.addr);
+    let _b = ChildServer::start_with(&url, "b", 0, &GRACE);
+    wait_all_live(&admin, 2);
+    let map = admin.map().expect("map");
+    assert_eq!(
+        map.entries[0].replicas[0].node_id, "a",
+        "a must be the range's first replica, which a read goes to first"
+    );
+    // 20 ms hedging delay.
+    let mgr = replica_manager(&url, 20_000);
+    let mut expected = fill(&mgr, PAGES);
+    // a's connection ends (as a page-server's idle timeout ends it), and
+    // new ones hang in the handshake. A read finds it ended (and is
+    // served by b).
+    link.hold();
+    link.end_held_clients();
+    let dials = link.connections();
+    let mut page = [0u8; PAGE_SIZE];
+    mgr.read_page(gpa(P), &mut page).expect("P read from b");
+    assert!(page == content(P, 1));
+    // Reads go to b while a is avoided (100 ms after its failure), then to
+    // a again: one dials a, gives up at the hedging delay, and is served
+    // by b.
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            mgr.read_page(gpa(P), &mut page)
+                .expect("a read served by b while a is being dialled");
+            assert!(page == content(P, 1));
+            link.connections() > dials
+        }),
+        "no read dialled a"
+    );
+    assert!(mgr.stats().reads_hedged >= 1, "{:?}", mgr.stats());
+    link.release();
+    mgr.write_page(gpa(P), &content(P, 2))
+        .expect("a write both replicas can take");
+    assert_eq!(
+        replica_states(&admin),
+        [
+            ("a".to_owned(), ReplicaState::Live),
+            ("b".to_owned(), ReplicaState::Live)
+        ],
+        "a replica was marked stale"
+    );
+    expected[P as usize] = Slot::Written(2);
+    verify_each_replica_alone(
+        None,
+        &admin.map().expect("map"),
+        &["a", "b"],
+        &expected,
+        PAGES,
+        "after the hedged read",
+    );
 }

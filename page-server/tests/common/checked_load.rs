@@ -392,12 +392,12 @@ pub fn chaos_seed() -> u64 {
 }
 
 /// Reads the pages `0..pages` of `map`'s only range from each of `nodes`'
-/// replicas alone: each must hold the known pages as `load` last wrote
-/// them, and every page the same as the others (a replica that diverged
-/// would serve an older page at the next failover). `context` names the
-/// run in a failure.
+/// replicas alone: each must hold the known pages as last written (by
+/// `load`, if one ran: a failure then says when), and every page the same
+/// as the others (a replica that diverged would serve an older page at the
+/// next failover). `context` names the run in a failure.
 pub fn verify_each_replica_alone(
-    load: &Load,
+    load: Option<&Load>,
     map: &rdma_transport::coordinator::api::MapResponse,
     nodes: &[&str],
     expected: &Expected,
@@ -407,7 +407,7 @@ pub fn verify_each_replica_alone(
     let alone: Vec<TransportManager> = nodes.iter().map(|n| replica_manager(map, n)).collect();
     for (node, only) in nodes.iter().zip(&alone) {
         verify_pages_of(
-            Some(load),
+            load,
             only,
             expected,
             0..pages,

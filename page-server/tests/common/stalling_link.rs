@@ -153,6 +153,11 @@ impl StallingLink {
         self.shared.changed.notify_all();
     }
 
+    /// Connections relayed so far (each dial through the link opens one).
+    pub fn connections(&self) -> usize {
+        self.shared.state.lock().conns.len()
+    }
+
     /// Whether the link keeps something from the page-server now.
     pub fn holds_something(&self) -> bool {
         let state = self.shared.state.lock();

@@ -200,3 +200,57 @@ fn rdma_an_abandoned_read_gives_its_frames_back_with_nothing_else_on_its_connect
         "{test}: frames kept from the pool"
     );
 }
+
+/// `read_frame` on a pool of one frame: its READ is abandoned at the
+/// hedging delay holding the pool's only frame, and the read goes on at
+/// the other replica in that frame once the device has given it back (the
+/// next round waits for a frame until the deadline, as the first does).
+#[test]
+#[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
+fn rdma_a_hedged_read_frame_on_a_one_frame_pool_goes_on_in_its_abandoned_frame() {
+    let test = "rdma_a_hedged_read_frame_on_a_one_frame_pool_goes_on_in_its_abandoned_frame";
+    require_device(test);
+    let db = tempfile::tempdir().unwrap();
+    let coord = coordinator(&db);
+    let url = coord.url();
+    let _a = server(&url, "a", 0, true);
+    let _b = server(&url, "b", 0, true);
+    wait_both_live(test, &url);
+    let writer = rdma_manager(&url, PollMode::Busy);
+    let gpas: Vec<u64> = (0..4).map(|p| p * PAGE_SIZE as u64).collect();
+    let data: Vec<Page> = gpas.iter().map(|&g| page_for(g, 11)).collect();
+    writer.write_pages(&gpas, &data).unwrap();
+    let reader = TransportManager::connect(ManagerConfig {
+        read_hedge_delay_us: 1,
+        pool_size_bytes: PAGE_SIZE,
+        ..config(&url, TransportKind::Rdma, PollMode::Busy)
+    })
+    .expect("manager connects");
+    assert!(wait_until(Duration::from_secs(10), || {
+        reader.refresh_map().is_ok() && reader.map().len() == 1
+    }));
+    // A one-page READ may complete within the post (SoftRoCE serves it in
+    // the system call) and then is not hedged: read until one was.
+    let mut reads = 0usize;
+    let hedged = wait_until(Duration::from_secs(20), || {
+        let i = reads % gpas.len();
+        let frame = reader
+            .read_frame(gpas[i])
+            .unwrap_or_else(|e| panic!("{test}: read_frame {reads}: {e}"));
+        assert!(*frame == data[i], "{test}: the frame holds another page");
+        assert_eq!(
+            reader.stats().pool_free_frames,
+            0,
+            "{test}: the frame is ours"
+        );
+        drop(frame);
+        reads += 1;
+        reader.stats().reads_hedged > 0
+    });
+    assert!(hedged, "{test}: none of {reads} reads was hedged");
+    say(&format!("{test}: hedged at read {reads}"));
+    assert!(wait_until(Duration::from_secs(10), || reader
+        .stats()
+        .pool_free_frames
+        == 1));
+}

@@ -199,7 +199,7 @@ fn random_faults_under_load(test: &str, depth: usize) {
     let checked = verify_all(&mgr, &expected);
     assert!(checked > 50, "only {checked} pages were written");
     verify_each_replica_alone(
-        &load,
+        Some(&load),
         &admin.map().expect("map"),
         &["a", "b"],
         &expected,

@@ -157,12 +157,26 @@ impl Inner {
         if timeout.is_zero() {
             return Err(self.timeout(node));
         }
+        // The caller's deadline, not the connect timeout, bounds this dial
+        // (a hedged read's round ends at the hedging delay).
+        let cut_short = timeout < self.config.connect_timeout();
         dial.dialing = true;
         drop(dial);
         let dialing = DialingGuard(node);
+        let started = Instant::now();
         let result = self.dial(node, timeout);
         let mut dial = node.dial.lock();
         match result {
+            Err(err) if cut_short && started.elapsed() >= timeout => {
+                // It ran out the caller's time, which says nothing of the
+                // node: not its failure, so its next request (a write that
+                // must reach it) dials again at once instead of failing
+                // for `RETRY_INTERVAL`, and marking the replica stale.
+                drop(dial);
+                drop(dialing);
+                tracing::debug!(node = %node.id, %err, "dial cut short by the caller's deadline");
+                Err(self.timeout(node))
+            }
             Ok(link) => {
                 let epoch = link.epoch();
                 let old_epoch = node.epoch.swap(epoch, Ordering::Relaxed);

@@ -457,12 +457,16 @@ impl Inner {
                     .unwrap_or_else(|| self.no_answer(state, &targets[0])));
             }
             if let Some(slot) = frame.as_deref_mut() {
-                // A failed RDMA read quarantined `read_frame`'s frame: the
-                // next round reads into a new one.
+                // A failed or abandoned RDMA read kept `read_frame`'s frame:
+                // the next round reads into a new one (waiting for one, as
+                // the first round did: an abandoned read gives its frames
+                // back when the device completes it).
                 if slot.is_none() {
-                    let new = self.pool.alloc().ok_or(TransportError::PoolExhausted {
-                        capacity: self.pool.capacity(),
-                    })?;
+                    let new = self.alloc_frame(&Deadline::at(deadline)).ok_or(
+                        TransportError::PoolExhausted {
+                            capacity: self.pool.capacity(),
+                        },
+                    )?;
                     targets[0].page = new.as_ptr();
                     *slot = Some(new);
                 }

@@ -21,6 +21,7 @@ use super::rdma_batch::{Pages, RdmaChunk};
 use super::request::{connection_lost, Outcome, Target};
 use super::tcp_chunk::{Sent, TcpChunk};
 use super::{Inner, Node};
+use crate::error::TransportError;
 use crate::rdma::RegionTable;
 use crate::tcp::{Request, TcpConnection, Waiter, MAX_CHUNK};
 use crate::wire::Opcode;
@@ -325,8 +326,12 @@ impl Inner {
                 return;
             }
             Err(e) => {
+                let timed_out = matches!(e, TransportError::Timeout { .. });
                 for &j in members {
                     round.early.failed |= 1 << j;
+                    if timed_out {
+                        round.early.timed_out |= 1 << j;
+                    }
                 }
                 round.early.error.get_or_insert(e);
                 return;
