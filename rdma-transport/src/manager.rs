@@ -207,7 +207,7 @@ impl TransportManager {
             for node in &state.nodes {
                 let inner = &inner;
                 s.spawn(move || {
-                    if let Err(err) = inner.connection(node, deadline) {
+                    if let Err(err) = inner.connection(node, deadline, false) {
                         tracing::warn!(node = %node.id, %err, "node not reachable at start; will retry on use");
                     }
                 });

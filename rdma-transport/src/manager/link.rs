@@ -108,11 +108,13 @@ impl Inner {
     /// `RETRY_INTERVAL` after a failure) when there is none. Returns by
     /// `deadline`: one caller dials (bounded by its deadline), others of the
     /// same node wait for that dial each until its own deadline, and no lock
-    /// is held across the dial.
+    /// is held across the dial. `hedging`: `deadline` is a hedged read's
+    /// delay, and a dial that runs it out is not the node's failure.
     pub(super) fn connection(
         &self,
         node: &Node,
         deadline: Instant,
+        hedging: bool,
     ) -> Result<Link, TransportError> {
         // A guard, then one clone of the link (one increment), not a
         // clone of the `Arc<Link>` and another of the link inside it.
@@ -157,9 +159,8 @@ impl Inner {
         if timeout.is_zero() {
             return Err(self.timeout(node));
         }
-        // The caller's deadline, not the connect timeout, bounds this dial
-        // (a hedged read's round ends at the hedging delay).
-        let cut_short = timeout < self.config.connect_timeout();
+        // A hedged read's delay, not the connect timeout, bounds this dial.
+        let cut_short = hedging && timeout < self.config.connect_timeout();
         dial.dialing = true;
         drop(dial);
         let dialing = DialingGuard(node);
@@ -168,10 +169,12 @@ impl Inner {
         let mut dial = node.dial.lock();
         match result {
             Err(err) if cut_short && started.elapsed() >= timeout => {
-                // It ran out the caller's time, which says nothing of the
+                // It ran out a hedging delay, which says nothing of the
                 // node: not its failure, so its next request (a write that
                 // must reach it) dials again at once instead of failing
-                // for `RETRY_INTERVAL`, and marking the replica stale.
+                // for `RETRY_INTERVAL`, and marking the replica stale. (A
+                // dial that runs out a whole request deadline is the
+                // node's failure: its requests fail fast for a while.)
                 drop(dial);
                 drop(dialing);
                 tracing::debug!(node = %node.id, %err, "dial cut short by the caller's deadline");

@@ -293,7 +293,7 @@ impl Inner {
             .cloned();
         let link = match published {
             Some(link) => Ok(link),
-            None => self.connection(node, deadline),
+            None => self.connection(node, deadline, round.hedging),
         };
         let link = link.and_then(|link| {
             self.check_epochs(node, link.epoch(), fenced, deadline)
