@@ -13,26 +13,9 @@ use std::time::Duration;
 
 use common::*;
 use page_server::ServerConfig;
-use rdma_transport::coordinator::api::ReplicaState;
 use rdma_transport::{ManagerConfig, TransportManager, PAGE_SIZE};
 
 const PAGES: u64 = 8;
-
-/// Waits until the coordinator shows the one range with both replicas live.
-fn wait_both_live(url: &str) {
-    let admin = coordinator_client(url);
-    assert!(
-        wait_until(Duration::from_secs(30), || admin.map().is_ok_and(|m| {
-            m.entries.len() == 1
-                && m.entries[0].replicas.len() == 2
-                && m.entries[0]
-                    .replicas
-                    .iter()
-                    .all(|r| r.state == ReplicaState::Live)
-        })),
-        "both replicas never live"
-    );
-}
 
 /// A manager of the cluster at `url` with `config`'s timeouts, once its map
 /// holds the range.

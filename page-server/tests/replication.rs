@@ -94,6 +94,31 @@ fn pair_with_b_behind_a_link(
     (a, b, link)
 }
 
+/// Replicas "a" and "b" of the range at GPA 0, both live, a the first
+/// (a read goes to it first, a write sends to it first); clients reach a
+/// through the returned link.
+fn pair_with_a_first_behind_a_link(
+    url: &str,
+    admin: &CoordinatorClient,
+) -> (ChildServer, ChildServer, StallingLink) {
+    let link = StallingLink::start();
+    let a = ChildServer::start_with(
+        url,
+        "a",
+        0,
+        &[GRACE[0], GRACE[1], "--advertise", &link.addr()],
+    );
+    link.set_target(&a.addr);
+    let b = ChildServer::start_with(url, "b", 0, &GRACE);
+    wait_all_live(admin, 2);
+    let map = admin.map().expect("map");
+    assert_eq!(
+        map.entries[0].replicas[0].node_id, "a",
+        "a must be the range's first replica"
+    );
+    (a, b, link)
+}
+
 fn replica_manager(url: &str, hedge_us: u64) -> Arc<TransportManager> {
     Arc::new(
         TransportManager::connect(ManagerConfig {
@@ -1500,21 +1525,7 @@ fn a_write_reaches_the_connected_replica_while_the_other_is_being_dialled() {
     let (_db, coord) = loopback_coordinator();
     let url = coord.url();
     let admin = coordinator_client(&url);
-    let link = StallingLink::start();
-    let _a = ChildServer::start_with(
-        &url,
-        "a",
-        0,
-        &[GRACE[0], GRACE[1], "--advertise", &link.addr()],
-    );
-    link.set_target(&_a.addr);
-    let _b = ChildServer::start_with(&url, "b", 0, &GRACE);
-    wait_all_live(&admin, 2);
-    let map = admin.map().expect("map");
-    assert_eq!(
-        map.entries[0].replicas[0].node_id, "a",
-        "a must be the range's first replica, which a write sends to first"
-    );
+    let (_a, _b, link) = pair_with_a_first_behind_a_link(&url, &admin);
     // The default connect timeout (3.5 s), longer than the request's.
     let mgr = TransportManager::connect(ManagerConfig {
         coordinator_url: url.clone(),
@@ -1571,21 +1582,7 @@ fn a_dial_cut_short_by_a_hedged_read_does_not_mark_the_replica_stale_at_the_next
     let (_db, coord) = loopback_coordinator();
     let url = coord.url();
     let admin = coordinator_client(&url);
-    let link = StallingLink::start();
-    let a = ChildServer::start_with(
-        &url,
-        "a",
-        0,
-        &[GRACE[0], GRACE[1], "--advertise", &link.addr()],
-    );
-    link.set_target(&a.addr);
-    let _b = ChildServer::start_with(&url, "b", 0, &GRACE);
-    wait_all_live(&admin, 2);
-    let map = admin.map().expect("map");
-    assert_eq!(
-        map.entries[0].replicas[0].node_id, "a",
-        "a must be the range's first replica, which a read goes to first"
-    );
+    let (_a, _b, link) = pair_with_a_first_behind_a_link(&url, &admin);
     // 20 ms hedging delay.
     let mgr = replica_manager(&url, 20_000);
     let mut expected = fill(&mgr, PAGES);

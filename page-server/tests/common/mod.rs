@@ -389,6 +389,24 @@ pub fn range_states(
         .unwrap_or_default()
 }
 
+/// Waits (30 s at most) until the coordinator at `url` shows one range,
+/// with two replicas, both live.
+pub fn wait_both_live(url: &str) {
+    let admin = coordinator_client(url);
+    assert!(
+        wait_until(Duration::from_secs(30), || admin.map().is_ok_and(|m| {
+            m.entries.len() == 1
+                && m.entries[0].replicas.len() == 2
+                && m.entries[0]
+                    .replicas
+                    .iter()
+                    .all(|r| r.state == rdma_transport::coordinator::api::ReplicaState::Live)
+        })),
+        "both replicas never live: {:?}",
+        range_states(&admin, 0)
+    );
+}
+
 /// The epoch the coordinator has for `node` now.
 pub fn node_epoch(url: &str, node: &str) -> u64 {
     coordinator_client(url)

@@ -6,7 +6,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use rdma_transport::coordinator::api::ReplicaState;
 use rdma_transport::Page;
 
 use super::*;
@@ -34,42 +33,57 @@ fn rdma_hedged_reads_event_mode() {
     hedged_reads("rdma_hedged_reads_event_mode", PollMode::Event);
 }
 
-/// Waits until the coordinator shows the one range with both replicas live.
-fn wait_both_live(test: &str, url: &str) {
-    let admin = coordinator_client(url);
-    assert!(
-        wait_until(Duration::from_secs(30), || admin.map().is_ok_and(|m| {
-            m.entries.len() == 1
-                && m.entries[0].replicas.len() == 2
-                && m.entries[0]
-                    .replicas
-                    .iter()
-                    .all(|r| r.state == ReplicaState::Live)
-        })),
-        "{test}: both replicas never live"
-    );
+/// A coordinator and two page-servers serving one range over RDMA (b
+/// registers the same GPAs as a), both replicas live.
+struct Pair {
+    _db: tempfile::TempDir,
+    coord: coordinator::RunningCoordinator,
+    _a: RunningServer,
+    _b: RunningServer,
+}
+
+impl Pair {
+    fn start(test: &str) -> Self {
+        require_device(test);
+        let db = tempfile::tempdir().unwrap();
+        let coord = coordinator(&db);
+        let url = coord.url();
+        let a = server(&url, "a", 0, true);
+        let b = server(&url, "b", 0, true);
+        wait_both_live(&url);
+        Self {
+            _db: db,
+            coord,
+            _a: a,
+            _b: b,
+        }
+    }
+
+    /// A manager with a 1 us hedging delay, which every READ misses (a
+    /// SoftRoCE READ takes tens of microseconds), so that each read of the
+    /// replica read first is abandoned and goes on at the other; `tune`
+    /// sets the rest. Returned once its map holds the range.
+    fn hedging_manager(
+        &self,
+        mode: PollMode,
+        tune: impl FnOnce(&mut ManagerConfig),
+    ) -> TransportManager {
+        let mut cfg = ManagerConfig {
+            read_hedge_delay_us: 1,
+            ..config(&self.coord.url(), TransportKind::Rdma, mode)
+        };
+        tune(&mut cfg);
+        let mgr = TransportManager::connect(cfg).expect("manager connects");
+        assert!(wait_until(Duration::from_secs(10), || {
+            mgr.refresh_map().is_ok() && mgr.map().len() == 1
+        }));
+        mgr
+    }
 }
 
 fn hedged_reads(test: &str, mode: PollMode) {
-    require_device(test);
-    let db = tempfile::tempdir().unwrap();
-    let coord = coordinator(&db);
-    let url = coord.url();
-    // Two replicas of one range: b registers the same GPAs as a.
-    let _a = server(&url, "a", 0, true);
-    let _b = server(&url, "b", 0, true);
-    wait_both_live(test, &url);
-    // 1 us: every READ misses it (a SoftRoCE READ takes tens of
-    // microseconds), so each read of the replica read first is abandoned
-    // and goes on at the other.
-    let mgr = TransportManager::connect(ManagerConfig {
-        read_hedge_delay_us: 1,
-        ..config(&url, TransportKind::Rdma, mode)
-    })
-    .expect("manager connects");
-    assert!(wait_until(Duration::from_secs(10), || {
-        mgr.refresh_map().is_ok() && mgr.map().len() == 1
-    }));
+    let pair = Pair::start(test);
+    let mgr = pair.hedging_manager(mode, |_| {});
     let gpas: Vec<u64> = (0..PAGES).map(|p| p * PAGE_SIZE as u64).collect();
     let data: Vec<Page> = gpas.iter().map(|&g| page_for(g, 9)).collect();
     mgr.write_pages(&gpas, &data).unwrap();
@@ -154,24 +168,12 @@ fn hedged_reads(test: &str, mode: PollMode) {
 #[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
 fn rdma_an_abandoned_read_gives_its_frames_back_with_nothing_else_on_its_connection() {
     let test = "rdma_an_abandoned_read_gives_its_frames_back_with_nothing_else_on_its_connection";
-    require_device(test);
-    let db = tempfile::tempdir().unwrap();
-    let coord = coordinator(&db);
-    let url = coord.url();
-    let _a = server(&url, "a", 0, true);
-    let _b = server(&url, "b", 0, true);
-    wait_both_live(test, &url);
-    let mgr = TransportManager::connect(ManagerConfig {
-        read_hedge_delay_us: 1,
-        // Longer than the request deadline: a caller never parks, but
-        // when its round's (hedging) deadline passed.
-        wait_spin_us: 2 * 1000 * REQUEST_TIMEOUT_MS,
-        ..config(&url, TransportKind::Rdma, PollMode::Busy)
-    })
-    .expect("manager connects");
-    assert!(wait_until(Duration::from_secs(10), || {
-        mgr.refresh_map().is_ok() && mgr.map().len() == 1
-    }));
+    let pair = Pair::start(test);
+    // Spinning longer than the request deadline: a caller never parks,
+    // but when its round's (hedging) deadline passed.
+    let mgr = pair.hedging_manager(PollMode::Busy, |c| {
+        c.wait_spin_us = 2 * 1000 * REQUEST_TIMEOUT_MS;
+    });
     let gpas: Vec<u64> = (0..BATCH as u64).map(|p| p * PAGE_SIZE as u64).collect();
     let data: Vec<Page> = gpas.iter().map(|&g| page_for(g, 10)).collect();
     mgr.write_pages(&gpas, &data).unwrap();
@@ -209,26 +211,12 @@ fn rdma_an_abandoned_read_gives_its_frames_back_with_nothing_else_on_its_connect
 #[ignore = "needs an RDMA device: run by deploy/softroce/run-rdma-tests.sh"]
 fn rdma_a_hedged_read_frame_on_a_one_frame_pool_goes_on_in_its_abandoned_frame() {
     let test = "rdma_a_hedged_read_frame_on_a_one_frame_pool_goes_on_in_its_abandoned_frame";
-    require_device(test);
-    let db = tempfile::tempdir().unwrap();
-    let coord = coordinator(&db);
-    let url = coord.url();
-    let _a = server(&url, "a", 0, true);
-    let _b = server(&url, "b", 0, true);
-    wait_both_live(test, &url);
-    let writer = rdma_manager(&url, PollMode::Busy);
+    let pair = Pair::start(test);
+    let writer = rdma_manager(&pair.coord.url(), PollMode::Busy);
     let gpas: Vec<u64> = (0..4).map(|p| p * PAGE_SIZE as u64).collect();
     let data: Vec<Page> = gpas.iter().map(|&g| page_for(g, 11)).collect();
     writer.write_pages(&gpas, &data).unwrap();
-    let reader = TransportManager::connect(ManagerConfig {
-        read_hedge_delay_us: 1,
-        pool_size_bytes: PAGE_SIZE,
-        ..config(&url, TransportKind::Rdma, PollMode::Busy)
-    })
-    .expect("manager connects");
-    assert!(wait_until(Duration::from_secs(10), || {
-        reader.refresh_map().is_ok() && reader.map().len() == 1
-    }));
+    let reader = pair.hedging_manager(PollMode::Busy, |c| c.pool_size_bytes = PAGE_SIZE);
     // A one-page READ may complete within the post (SoftRoCE serves it in
     // the system call) and then is not hedged: read until one was.
     let mut reads = 0usize;
