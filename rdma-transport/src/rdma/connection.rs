@@ -284,9 +284,9 @@ impl RdmaConnection {
     /// they stay out of the pool, and its work requests keep their
     /// send-queue slots, until its completion is polled, by the poller
     /// thread if nobody else (a failed one tears the QP down, and the
-    /// frames go with the connection). Returns
-    /// what `Inflight::cancel` does: the batch's code if it completed
-    /// after all (its frames were not taken), `None` if abandoned.
+    /// frames go with the connection). Returns what `Inflight::cancel`
+    /// does: the batch's code if it completed after all (its frames were
+    /// not taken), `None` if abandoned.
     pub(crate) fn abandon_read(
         &self,
         id: u64,
