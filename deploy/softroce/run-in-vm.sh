@@ -209,12 +209,17 @@ boot_vm() {
     softroce_log "booting VM: $(basename "$kernel_image"), ${mem_mib} MiB, ${smp} CPUs, timeout ${timeout_s}s, program $program"
     start_s="$(date +%s.%N)"
     # stdin is /dev/null: CI has none, and the program never reads the host's.
+    # tsc=reliable: no clocksource watchdog. Under TCG on a loaded host it
+    # can find the TSC skewed against the HPET and mark it unstable, and the
+    # switch that follows (sched_clock's static key, patched with int3)
+    # once crashed the guest kernel in CI ("Oops: int3" in sched_clock_cpu,
+    # 2026-12-08) after every test had passed.
     timeout -k 10 "$timeout_s" qemu-system-x86_64 \
         -accel tcg -machine pc -cpu max -smp "$smp" -m "$mem_mib" \
         -nodefaults -no-user-config -nic none -display none -monitor none \
         -no-reboot \
         -kernel "$kernel_image" -initrd "$initrd" \
-        -append "console=ttyS0 panic=-1 rdinit=/init ${SOFTROCE_KERNEL_ARGS:-}" \
+        -append "console=ttyS0 panic=-1 rdinit=/init tsc=reliable ${SOFTROCE_KERNEL_ARGS:-}" \
         -serial "file:$console_log" \
         -chardev stdio,id=out,signal=off -serial chardev:out \
         </dev/null &
